@@ -1,0 +1,169 @@
+"""Paged latent KV cache: page storage, a reference-counted page allocator, per-sequence page tables."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """Geometry of one TP rank's page pool (identical on every rank: the MLA latent is not sharded).
+
+    target pages: [num_layers, num_pages, page_size, latent_dim + rope_dim]
+    draft pages:  [draft_layers, num_pages, page_size, draft_dim] (the draft model's context K/V,
+                  sharing page ids with the target; draft_layers == 0 when there is no draft)
+    """
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    latent_dim: int
+    rope_dim: int
+    dtype: torch.dtype
+    draft_layers: int = 0
+    draft_dim: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_pages", "page_size", "latent_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CacheShape.{name} must be positive, got {getattr(self, name)}")
+        if self.rope_dim < 0 or self.draft_layers < 0 or self.draft_dim < 0:
+            raise ValueError("CacheShape dims must be non-negative")
+
+    @property
+    def entry_dim(self) -> int:
+        return self.latent_dim + self.rope_dim
+
+    @property
+    def bytes_per_page(self) -> int:
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        return self.page_size * size * (self.num_layers * self.entry_dim + self.draft_layers * self.draft_dim)
+
+    @property
+    def target_numel(self) -> int:
+        return self.num_layers * self.num_pages * self.page_size * self.entry_dim
+
+    @property
+    def draft_numel(self) -> int:
+        return self.draft_layers * self.num_pages * self.page_size * self.draft_dim
+
+    @staticmethod
+    def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:
+        """How many pages fit in a memory budget."""
+        if budget_bytes <= 0 or bytes_per_page <= 0:
+            raise ValueError("memory budget and page size must be positive")
+        return budget_bytes // bytes_per_page
+
+
+class PagedLatentCache:
+    """Views over one flat buffer (local memory or a shared-memory segment): target then draft pages."""
+
+    def __init__(self, shape: CacheShape, buffer: torch.Tensor | None = None) -> None:
+        total = shape.target_numel + shape.draft_numel
+        if buffer is None:
+            buffer = torch.zeros(total, dtype=shape.dtype)
+        if buffer.numel() < total or buffer.dtype != shape.dtype:
+            raise ValueError(f"cache buffer of {buffer.numel()} {buffer.dtype} cannot hold {total} {shape.dtype}")
+        self.shape = shape
+        self.buffer = buffer
+        self.kv = buffer[: shape.target_numel].view(shape.num_layers, shape.num_pages, shape.page_size, shape.entry_dim)
+        if shape.draft_layers:
+            self.draft = buffer[shape.target_numel : total].view(
+                shape.draft_layers, shape.num_pages, shape.page_size, shape.draft_dim
+            )
+        else:
+            self.draft = None
+
+    def layer(self, index: int) -> torch.Tensor:
+        """[num_pages, page_size, entry_dim] of one target layer."""
+        return self.kv[index]
+
+    def draft_layer(self, index: int) -> torch.Tensor:
+        """[num_pages, page_size, draft_dim] of one draft layer."""
+        if self.draft is None:
+            raise ValueError("this cache has no draft context pages")
+        return self.draft[index]
+
+
+class OutOfPages(RuntimeError):
+    """The pool has fewer free pages than a request needs."""
+
+
+class PageAllocator:
+    """Reference-counted page ids 0..num_pages-1. Freed pages are reused lowest-first."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError("num_pages must be positive")
+        self.num_pages = num_pages
+        self._refs = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count < 0:
+            raise ValueError("count must be non-negative")
+        if count > len(self._free):
+            raise OutOfPages(f"need {count} pages, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.pop() for _ in range(count)]
+        for page in pages:
+            self._refs[page] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for page in pages:
+            if self._refs[page] <= 0:
+                raise ValueError(f"page {page} is not allocated")
+            self._refs[page] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drops one reference from each page; a page with none left returns to the pool."""
+        for page in pages:
+            if not 0 <= page < self.num_pages or self._refs[page] <= 0:
+                raise ValueError(f"page {page} is not allocated")
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
+        self._free.sort(reverse=True)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+
+class PageTable:
+    """The pages of one sequence, grown as it lengthens and shrunk after rejected drafts."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int, pages: list[int] | None = None) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.pages: list[int] = list(pages or [])
+
+    @property
+    def capacity(self) -> int:
+        return len(self.pages) * self.page_size
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(self.pages))
+
+    def ensure(self, num_tokens: int) -> None:
+        """Allocates pages so that num_tokens positions fit (raises OutOfPages, allocating nothing)."""
+        need = self.pages_needed(num_tokens)
+        if need:
+            self.pages.extend(self.allocator.allocate(need))
+
+    def truncate(self, num_tokens: int) -> None:
+        """Frees pages wholly beyond num_tokens positions."""
+        keep = -(-num_tokens // self.page_size)
+        if keep < len(self.pages):
+            extra = self.pages[keep:]
+            del self.pages[keep:]
+            self.allocator.free(extra)
+
+    def release(self) -> None:
+        if self.pages:
+            pages, self.pages = self.pages, []
+            self.allocator.free(pages)
