@@ -1,0 +1,96 @@
+"""Reference attention in plain PyTorch: varlen MHA-form prefill and absorbed decode over the paged cache.
+
+Correctness first: every sequence is computed separately, scores and softmax in float32, causal
+mask aligned bottom-right. Every other backend is tested against this one.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.forward_batch import AttentionMetadata
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [Lq, H, Dqk], k: [Lk, H, Dqk] (or [Lk, Dqk] shared by all heads), v: [Lk, H, Dv] (or [Lk, Dv])
+    -> [Lq, H, Dv] float32; query j sees keys 0 .. Lk - Lq + j.
+
+    Explicit matmul + softmax in float32: CPU SDPA falls back to a slow path when Dqk != Dv."""
+    q_len, k_len = q.shape[0], k.shape[0]
+    qf = q.float().transpose(0, 1)  # [H, Lq, Dqk]
+    if k.dim() == 2:
+        scores = torch.matmul(qf, k.float().t())  # [H, Lq, Lk]
+    else:
+        scores = torch.matmul(qf, k.float().permute(1, 2, 0))
+    scores.mul_(scale)
+    if k_len > 1:
+        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (k_len - q_len)
+        cols = torch.arange(k_len, device=q.device).unsqueeze(0)
+        scores.masked_fill_(cols > rows, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if v.dim() == 2:
+        out = torch.matmul(probs, v.float())  # [H, Lq, Dv]
+    else:
+        out = torch.matmul(probs, v.float().transpose(0, 1))
+    return out.transpose(0, 1)
+
+
+def gather_context(kv_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """kv_cache: [num_pages, page_size, D], block_table_row: [max_pages] -> the first kv_len entries [kv_len, D]."""
+    page_size = kv_cache.shape[1]
+    num_pages = -(-kv_len // page_size)
+    pages = block_table_row[:num_pages].long()
+    return kv_cache[pages].reshape(num_pages * page_size, kv_cache.shape[-1])[:kv_len]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Exact reference implementation; runs any head count on any device."""
+
+    name = "torch"
+
+    def supports_num_heads(self, num_heads: int) -> bool:
+        return num_heads > 0
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        q_lens: tuple[int, ...],
+        k_lens: tuple[int, ...],
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv] in q's dtype."""
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+        q_start = k_start = 0
+        for q_len, k_len in zip(q_lens, k_lens):
+            if k_len < q_len:
+                raise ValueError(f"prefill needs k_len >= q_len, got {k_len} < {q_len}")
+            out[q_start : q_start + q_len] = _causal_attention(
+                q[q_start : q_start + q_len], k[k_start : k_start + k_len], v[k_start : k_start + k_len], softmax_scale
+            ).to(q.dtype)
+            q_start += q_len
+            k_start += k_len
+        return out
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        softmax_scale: float,
+        latent_dim: int,
+    ) -> torch.Tensor:
+        """q: [T, H, latent_dim + rope_dim], kv_cache: [num_pages, page_size, latent_dim + rope_dim]
+        -> [T, H, latent_dim] in q's dtype."""
+        out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
+        start = 0
+        for i, (q_len, kv_len) in enumerate(zip(attn.q_lens_cpu, attn.kv_lens_cpu)):
+            context = gather_context(kv_cache, attn.block_table[i], kv_len)  # [kv_len, D]
+            out[start : start + q_len] = _causal_attention(
+                q[start : start + q_len], context, context[:, :latent_dim], softmax_scale
+            ).to(q.dtype)
+            start += q_len
+        return out
