@@ -1,0 +1,136 @@
+"""Mixture of experts: router (sigmoid + selection-only bias + group-limited top-k), expert-parallel
+routed experts, shared experts; the partial sums of all of them meet in ONE all_reduce per layer."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.distributed import TPGroup
+from engine.layers.mlp import DenseMLP
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    topk_method: str,
+    scoring_func: str,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] float32 -> (weights [T, top_k] float32, expert ids [T, top_k] int64).
+
+    noaux_tc (transformers' DeepseekV3TopkRouter): the bias shifts scores for choosing experts only;
+    groups are ranked by the sum of their two best biased scores, the best topk_group groups stay
+    eligible. greedy: plain top-k of the scores. Weights are the unbiased scores of the chosen
+    experts, optionally normalised to sum 1, times routed_scaling_factor."""
+    if scoring_func == "sigmoid":
+        scores = router_logits.sigmoid()
+    else:
+        scores = router_logits.softmax(dim=-1)
+    if topk_method == "noaux_tc":
+        choice = scores if correction_bias is None else scores + correction_bias
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    elif topk_method == "greedy":
+        ids = scores.topk(top_k, dim=-1, sorted=False)[1]
+    else:
+        raise ValueError(f"unsupported topk_method {topk_method!r}")
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class Router(nn.Module):
+    """The replicated gate: weight [E, hidden] and e_score_correction_bias [E], both kept in float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        experts = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(experts, config.hidden_size, dtype=torch.float32), requires_grad=False)
+        if config.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32), requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (weights [T, k] float32, ids [T, k] int64)."""
+        c = self.config
+        logits = F.linear(x.float(), self.weight)
+        return select_experts(
+            logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
+            c.topk_method, c.scoring_func, c.norm_topk_prob, c.routed_scaling_factor,
+        )
+
+
+class RoutedExperts(nn.Module):
+    """This rank's experts [start, start + E/tp) stacked: gate_up_proj [E_local, 2I, hidden], down_proj [E_local, hidden, I].
+
+    Tokens are sorted by expert so each active local expert runs one matmul over all its tokens."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.expert_start, expert_end = tp.shard_range(config.n_routed_experts)
+        self.num_local = expert_end - self.expert_start
+        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        self.intermediate_size = inter
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden], weights/ids: [T, k] -> [T, hidden] float32, the sum over this rank's experts only."""
+        num_tokens, top_k = ids.shape
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        local_ids = ids.reshape(-1) - self.expert_start
+        assignments = ((local_ids >= 0) & (local_ids < self.num_local)).nonzero().squeeze(1)
+        if assignments.numel() == 0:
+            return out
+        order = torch.argsort(local_ids[assignments], stable=True)
+        assignments = assignments[order]  # flat (token, slot) indices grouped by expert
+        counts = torch.bincount(local_ids[assignments], minlength=self.num_local).tolist()
+        tokens = assignments // top_k
+        inputs = x[tokens]
+        results = torch.empty(inputs.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        offset = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            chunk = inputs[offset : offset + count]
+            gate, up = F.linear(chunk, self.gate_up_proj[expert]).split(self.intermediate_size, dim=-1)
+            results[offset : offset + count] = F.linear(F.silu(gate) * up, self.down_proj[expert]).float()
+            offset += count
+        results.mul_(weights.reshape(-1)[assignments].unsqueeze(1))
+        return out.index_add_(0, tokens, results)
+
+
+class MoE(nn.Module):
+    """x [T, hidden] -> routed (this rank's experts) + shared (row-parallel partial), one all_reduce."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp
+        self.gate = Router(config)
+        self.experts = RoutedExperts(config, tp, dtype)
+        if config.n_shared_experts:
+            self.shared_experts = DenseMLP(config.hidden_size, config.shared_intermediate_size, tp, dtype, reduce=False)
+        else:
+            self.shared_experts = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids).to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.tp.all_reduce(out)

@@ -1,0 +1,161 @@
+"""DeepSeek-V3 architecture (MLA + MoE) assembled from engine.layers; parameter names follow HF's."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.config import ModelConfig
+from engine.distributed import TPGroup
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import PagedLatentCache
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.mla import MLAAttention
+from engine.layers.mlp import DenseMLP
+from engine.layers.moe import MoE
+from engine.layers.norm import RMSNorm
+from engine.sharding import shard_weight
+from engine.weights import expected_weight_shapes, format_weight_errors, is_mtp_weight, iter_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+class ModelOutput(NamedTuple):
+    """hidden: [T, hidden] after the final norm; captured: [T, hidden] residual stream after each requested layer."""
+
+    hidden: torch.Tensor
+    captured: tuple[torch.Tensor, ...]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h += MLA(norm(h)); h += MLP-or-MoE(norm(h))."""
+
+    def __init__(self, config: ModelConfig, index: int, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = MLAAttention(config, index, tp, attention, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.is_moe_layer(index):
+            self.mlp: nn.Module = MoE(config, tp, dtype)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, tp, dtype)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: PagedLatentCache) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, tp, attention, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """One tensor-parallel rank of the model. Every rank gets the same batch and returns the same outputs."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        config.validate_tp(tp.size)
+        if not attention.supports_num_heads(config.num_attention_heads // tp.size):
+            raise ValueError(f"attention backend {attention.name!r} does not run "
+                             f"{config.num_attention_heads // tp.size} heads per rank")
+        self.config = config
+        self.tp = tp
+        self.dtype = dtype
+        self.model = DeepseekV3Model(config, tp, attention, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, hidden]."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, batch: ForwardBatch, cache: PagedLatentCache, capture_layers: tuple[int, ...] = ()
+    ) -> ModelOutput:
+        """Runs every layer on batch.input_ids [T]; writes each layer's latents into `cache` at batch.attn.slot_mapping."""
+        for layer in capture_layers:
+            if not 0 <= layer < self.config.num_hidden_layers:
+                raise ValueError(f"capture layer {layer} outside 0..{self.config.num_hidden_layers - 1}")
+        wanted = set(capture_layers)
+        captured: dict[int, torch.Tensor] = {}
+        h = self.embed(batch.input_ids)
+        for index, layer in enumerate(self.model.layers):
+            h = layer(h, batch, cache)
+            if index in wanted:
+                captured[index] = h
+        return ModelOutput(self.model.norm(h), tuple(captured[i] for i in capture_layers))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> [N, vocab] float32, full vocabulary on every rank."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies this rank's shard of each full checkpoint tensor into place. Raises ONE ValueError naming
+        every missing, unexpected or mis-shaped tensor (nothing half-reported)."""
+        config = self.config
+        expected = expected_weight_shapes(config)
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        misshaped: list[str] = []
+        for name, tensor in weights:
+            if is_mtp_weight(name, config.num_hidden_layers) or name.endswith("rotary_emb.inv_freq"):
+                continue
+            shape = expected.get(name)
+            if shape is None:
+                unexpected.append(name)
+                continue
+            seen.add(name)
+            if tuple(tensor.shape) != shape:
+                misshaped.append(f"{name} {tuple(tensor.shape)} (expected {shape})")
+                continue
+            piece = shard_weight(name, tensor, self.tp, config.n_routed_experts)
+            if piece is not None:
+                self._target(params, *piece).copy_(piece[1])
+        missing = sorted(set(expected) - seen)
+        if missing or unexpected or misshaped:
+            raise ValueError(format_weight_errors(missing, unexpected, misshaped))
+        for layer in self.model.layers:
+            layer.self_attn.process_weights_after_loading()
+        logger.info("rank %d/%d loaded %d tensors", self.tp.rank, self.tp.size, len(seen))
+
+    def _target(self, params: dict[str, nn.Parameter], local_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The parameter (or slice of the stacked expert parameters) a local weight name is copied into."""
+        if ".mlp.experts." not in local_name:
+            return params[local_name].data
+        prefix, rest = local_name.split(".mlp.experts.")
+        expert_str, projection, _ = rest.split(".")
+        layer_index = int(prefix.rsplit(".", 1)[1])
+        experts = self.model.layers[layer_index].mlp.experts
+        expert = int(expert_str)
+        inter = experts.intermediate_size
+        if projection == "gate_proj":
+            return experts.gate_up_proj.data[expert, :inter]
+        if projection == "up_proj":
+            return experts.gate_up_proj.data[expert, inter:]
+        return experts.down_proj.data[expert]
+
+
+def load_model(
+    model_dir: str | Path, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> tuple[ModelConfig, DeepseekV3ForCausalLM]:
+    """Reads config.json and the safetensors of model_dir into this rank's model, in eval mode without grads."""
+    config = ModelConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(config, tp, attention, dtype)
+    model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers))
+    model.eval().requires_grad_(False)
+    return config, model

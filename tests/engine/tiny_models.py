@@ -1,0 +1,81 @@
+"""Tiny random DeepSeek-V3 checkpoints written by transformers itself (the reference implementation).
+
+make_tiny_checkpoint(tmp_dir, variant, seed) -> model directory (config.json + model.safetensors, float32).
+Variants:
+  yarn       q_lora, YaRN rope (mscale_all_dim != 0), interleaved rope; config.json rewritten in the
+             transformers v4 layout (rope_theta + rope_scaling at top level), as DeepSeek-V3 ships it
+  no_q_lora  plain q_proj (DeepSeek-V2-Lite style), default rope, non-interleaved, tied embeddings
+  grouped    n_group=4, topk_group=2, 16 experts, top-4
+  heads24    24 heads (12 per rank at TP=2), yarn without mscale_all_dim
+Every MoE router gets a non-zero e_score_correction_bias so its selection-only use is exercised.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VARIANTS = ("yarn", "no_q_lora", "grouped", "heads24")
+
+_BASE: dict[str, Any] = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+    first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=512,
+    rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False, rope_interleave=True,
+    bos_token_id=0, eos_token_id=1,
+)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7}
+
+_VARIANTS: dict[str, dict[str, Any]] = {
+    "yarn": dict(rope_parameters=_YARN),
+    "no_q_lora": dict(q_lora_rank=None, rope_interleave=False, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+    "grouped": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
+                    num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "heads24": dict(num_attention_heads=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=16,
+                    num_hidden_layers=2, rope_parameters={**_YARN, "mscale_all_dim": 0, "mscale": 0}),
+}
+
+
+def tiny_config_kwargs(variant: str) -> dict[str, Any]:
+    """The DeepseekV3Config keyword arguments of a variant."""
+    if variant not in _VARIANTS:
+        raise ValueError(f"unknown tiny variant {variant!r}; choose from {VARIANTS}")
+    kwargs = {**_BASE, **_VARIANTS[variant]}
+    kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # MLA: every head has its own k/v
+    return kwargs
+
+
+def _to_v4_layout(config_path: Path) -> None:
+    """Rewrites a v5 config.json (rope_parameters) as v4 (rope_theta + rope_scaling with "type")."""
+    d = json.loads(config_path.read_text())
+    rope = dict(d.pop("rope_parameters"))
+    d["rope_theta"] = rope.pop("rope_theta")
+    rope["type"] = rope.pop("rope_type")
+    d["rope_scaling"] = rope
+    config_path.write_text(json.dumps(d, indent=2))
+
+
+def make_tiny_checkpoint(tmp_dir: str | Path, variant: str, seed: int = 0) -> Path:
+    """Builds transformers' DeepseekV3ForCausalLM with a fixed seed and saves it (float32) under tmp_dir/variant-seed."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    out = Path(tmp_dir) / f"{variant}-{seed}"
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(**tiny_config_kwargs(variant))
+    model = DeepseekV3ForCausalLM(config).float().eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.05)
+    model.save_pretrained(out)
+    if variant == "yarn":
+        _to_v4_layout(out / "config.json")
+    return out
