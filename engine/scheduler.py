@@ -1,0 +1,130 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens each.
+
+Policy (documented in docs/architecture.md):
+- Prefill first: while sequences wait and fewer than max_running are running, the next step is a
+  prefill step over waiting sequences in arrival order, each given a chunk of its prompt within the
+  max_batched_tokens budget (chunked prefill; several prompts per step).
+- Otherwise a decode step over every running sequence: 1 query token each, or the speculative block
+  (last token + block - 1 drafts) for sequences with speculation on.
+- Pages run out during decode: the most recently arrived running sequence is preempted (its pages are
+  freed, it goes back to the front of the waiting queue and is later recomputed by prefill; its
+  generated tokens are kept, so outputs do not change).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_cache import OutOfPages, PageAllocator
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 64
+    max_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_running <= 0:
+            raise ValueError(f"max_running must be positive, got {self.max_running}")
+        if self.max_batched_tokens <= 0:
+            raise ValueError(f"max_batched_tokens must be positive, got {self.max_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    seq: Sequence
+    num_tokens: int  # tokens of this chunk, starting at seq.num_cached
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    prefill: tuple[PrefillChunk, ...] = ()
+    decode: tuple[Sequence, ...] = ()
+    preempted: tuple[Sequence, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose prompt is already in the cache (prefilled by another worker)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> ScheduledStep:
+        if self.waiting and len(self.running) < self.config.max_running:
+            chunks = self._schedule_prefill()
+            if chunks:
+                return ScheduledStep(prefill=tuple(chunks))
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> list[PrefillChunk]:
+        budget = self.config.max_batched_tokens
+        slots = self.config.max_running - len(self.running)
+        chunks: list[PrefillChunk] = []
+        for seq in list(self.waiting):
+            if budget <= 0 or len(chunks) >= slots:
+                break
+            take = min(seq.remaining_prefill, budget)
+            try:
+                seq.page_table.ensure(seq.num_cached + take)
+            except OutOfPages:
+                break
+            chunks.append(PrefillChunk(seq, take))
+            budget -= take
+        return chunks
+
+    def _schedule_decode(self) -> ScheduledStep:
+        preempted: list[Sequence] = []
+        scheduled: list[Sequence] = []
+        queue = sorted(self.running, key=lambda s: s.arrival_order)
+        while queue:
+            seq = queue.pop(0)
+            need = seq.num_cached + max(1, seq.spec_block)
+            while True:
+                try:
+                    seq.page_table.ensure(need)
+                    scheduled.append(seq)
+                    break
+                except OutOfPages:
+                    victim = queue.pop() if queue else seq
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+        return ScheduledStep(decode=tuple(scheduled), preempted=tuple(preempted))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.page_table.release()
+        seq.num_cached = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def promote(self, seq: Sequence) -> None:
+        """A waiting sequence whose prefill completed starts decoding."""
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)

@@ -1,0 +1,66 @@
+"""One request's state inside the engine: tokens, cache progress, pages and sampling RNG."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache import PageTable
+from engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # needs (more) prefill
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and the top-n alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class Sequence:
+    """Invariant while running: the cache holds every token but the last (num_cached == len(token_ids) - 1),
+    for the target and, when a draft is loaded, for the draft's context too."""
+
+    request_id: str
+    prompt_len: int
+    token_ids: list[int]
+    params: SamplingParams
+    page_table: PageTable
+    spec_block: int = 0  # speculative block size for this request; 0 = no speculation
+    status: SeqStatus = SeqStatus.WAITING
+    num_cached: int = 0
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    new_tokens: list[int] = field(default_factory=list)  # emitted since the last StepOutput
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    arrival_order: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens still to run through prefill (all but the last token are cached once it is done).
+
+        Before the first token is sampled the whole prompt must be prefilled."""
+        target = self.prompt_len if self.num_generated == 0 else self.num_tokens - 1
+        return target - self.num_cached

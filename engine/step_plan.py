@@ -1,0 +1,51 @@
+"""Step plans: what the leader broadcasts to every tensor-parallel rank before each forward.
+
+Plain picklable dataclasses of Python lists, so a follower rebuilds exactly the leader's batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.forward_batch import ForwardMode
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    """One target-model forward. Sequence i feeds q_lens[i] tokens ending its context of kv_lens[i].
+
+    logit_rows: token rows (indices into input_ids) whose logits the leader needs.
+    pool_names: per-rank shared-memory pools to use as the cache (None: the rank's own cache).
+    write_draft_context: also store the draft model's context entries for every token.
+    """
+
+    mode: ForwardMode
+    input_ids: list[int]
+    positions: list[int]
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_tables: list[list[int]]
+    logit_rows: list[int]
+    pool_names: tuple[str, ...] | None = None
+    write_draft_context: bool = False
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """One draft forward: block [last token, MASK x (block_size - 1)] per sequence, starting at
+    position context_lens[i] (the context covers positions 0 .. context_lens[i] - 1)."""
+
+    block_size: int
+    last_tokens: list[int]
+    context_lens: list[int]
+    page_tables: list[list[int]]
+
+
+@dataclass(frozen=True)
+class AttachPoolsPlan:
+    """Every rank maps its shared-memory pool (rank r takes pool_names[r])."""
+
+    pool_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ShutdownPlan:
+    """Followers leave their loop."""
