@@ -13,7 +13,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import OutOfPages, PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
-from engine.sampling import SamplingBatch, logits_to_probs, top_logprobs
+from engine.sampling import SamplingBatch, sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
@@ -129,7 +129,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._finished: list[Sequence] = []
         self._order = itertools.count()
-        self.eos_ids = set(self.model_config.eos_token_ids)
+        self.eos_ids = set(self.model_config.eos_token_id)
         logger.info("engine ready: %d pages, draft=%s, tp=%d", num_pages, bool(draft_dir), config.tp_size)
 
     # --- properties the services read -------------------------------------------------------------
@@ -400,18 +400,29 @@ class LLMEngine:
                 lps = self._logprobs(plain_logits[j : j + 1], [tokens[j]], seq.params.logprobs) if seq.params.logprobs else []
                 seq.num_cached += 1
                 self._append_tokens(seq, [tokens[j]], lps)
-        for i, seq in enumerate(seqs):
-            if seq.request_id not in drafts:
-                continue
-            proposed, draft_probs = drafts[seq.request_id]
-            seq_logits = logits[offsets[i] : offsets[i + 1]]
-            if seq.params.greedy:
-                result = verify_greedy(torch.tensor(proposed), seq_logits)
-            else:
-                target_probs = self._probs([seq.params] * seq_logits.shape[0], seq_logits)
-                result = verify_sampled(torch.tensor(proposed), draft_probs, target_probs, seq.generator)
-            self.acceptance_stats.record(result.num_accepted_drafts, len(proposed))
+        spec = [i for i, seq in enumerate(seqs) if seq.request_id in drafts]
+        greedy = [i for i in spec if seqs[i].params.greedy]
+        sampled = [i for i in spec if not seqs[i].params.greedy]
+        results = {}
+        if greedy:
+            found = verify_greedy(
+                [torch.tensor(drafts[seqs[i].request_id][0]) for i in greedy],
+                [logits[offsets[i] : offsets[i + 1]] for i in greedy],
+            )
+            results.update(zip(greedy, found))
+        if sampled:
+            found = verify_sampled(
+                [torch.tensor(drafts[seqs[i].request_id][0]) for i in sampled],
+                [drafts[seqs[i].request_id][1] for i in sampled],
+                [self._probs([seqs[i].params] * q_lens[i], logits[offsets[i] : offsets[i + 1]]) for i in sampled],
+                [seqs[i].generator for i in sampled],
+            )
+            results.update(zip(sampled, found))
+        for i in spec:
+            seq, result = seqs[i], results[i]
+            self.acceptance_stats.record(result, len(drafts[seq.request_id][0]))
             accepted = result.tokens
+            seq_logits = logits[offsets[i] : offsets[i + 1]]
             lps = self._logprobs(seq_logits[: len(accepted)], accepted, seq.params.logprobs) if seq.params.logprobs else []
             seq.num_cached += len(accepted)
             self._append_tokens(seq, accepted, lps)
@@ -419,13 +430,7 @@ class LLMEngine:
                 seq.page_table.truncate(seq.num_cached + 1)
 
     def _probs(self, params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
-        def column(name, dtype):
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype)
-
-        return logits_to_probs(
-            logits, column("temperature", torch.float32), column("top_k", torch.int64),
-            column("top_p", torch.float32), column("min_p", torch.float32),
-        )
+        return SamplingBatch.from_params(params).probs(logits)
 
     def _propose(self, block: int, group: list[Sequence]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Runs the draft for one block size; returns draft tokens (and their q rows when sampled)."""
@@ -447,8 +452,7 @@ class LLMEngine:
                 proposals[seq.request_id] = (rows.argmax(dim=-1).tolist(), None)
             else:
                 q = self._probs([seq.params] * count, rows)
-                tokens = SamplingBatch.from_params([seq.params] * count, [seq.generator] * count).sample_probs(q)
-                proposals[seq.request_id] = (tokens.tolist(), q)
+                proposals[seq.request_id] = (sample(q, [seq.generator] * count).tolist(), q)
         return {rid: p for rid, p in proposals.items() if p[0]}
 
     # --- prefill service entry point ---------------------------------------------------------------
