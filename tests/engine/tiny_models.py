@@ -79,3 +79,44 @@ def make_tiny_checkpoint(tmp_dir: str | Path, variant: str, seed: int = 0) -> Pa
     if variant == "yarn":
         _to_v4_layout(out / "config.json")
     return out
+
+
+class PagedRunner:
+    """Drives an engine model over sequences that grow step by step in a paged latent cache.
+
+    step() feeds each listed sequence its next tokens (positions continue where it stopped) and
+    returns the float32 logits [num_new_tokens, vocab] of every new token plus the ModelOutput."""
+
+    def __init__(self, model: Any, config: Any, num_pages: int = 64, page_size: int = 16) -> None:
+        from engine.kv_cache import CacheShape, PageAllocator, PagedLatentCache
+
+        shape = CacheShape(config.num_hidden_layers, num_pages, page_size, config.kv_lora_rank,
+                           config.qk_rope_head_dim, model.dtype)
+        self.model = model
+        self.cache = PagedLatentCache(shape)
+        self.allocator = PageAllocator(num_pages)
+        self.allocator.allocate(1)  # page 0 stays unused, so a zero block-table entry is never real context
+        self.page_size = page_size
+        self.tables: dict[int, Any] = {}
+        self.lengths: dict[int, int] = {}
+
+    def step(self, mode: Any, chunks: list[tuple[int, list[int]]], capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, Any]:
+        from engine.forward_batch import ForwardBatch, build_attention_metadata
+        from engine.kv_cache import PageTable
+
+        q_lens, kv_lens, pages, ids, positions = [], [], [], [], []
+        for seq, tokens in chunks:
+            table = self.tables.setdefault(seq, PageTable(self.allocator, self.page_size))
+            start = self.lengths.get(seq, 0)
+            table.ensure(start + len(tokens))
+            self.lengths[seq] = start + len(tokens)
+            q_lens.append(len(tokens))
+            kv_lens.append(start + len(tokens))
+            pages.append(list(table.pages))
+            ids += tokens
+            positions += range(start, start + len(tokens))
+        metadata = build_attention_metadata(q_lens, kv_lens, pages, self.page_size)
+        batch = ForwardBatch(mode, torch.tensor(ids), torch.tensor(positions), metadata)
+        with torch.no_grad():
+            out = self.model(batch, self.cache, capture_layers)
+            return self.model.compute_logits(out.hidden), out
