@@ -1,0 +1,62 @@
+"""What one benchmark request produced: the per-request record every metric is computed from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    """Timings of one streamed request, in seconds since the request was sent.
+
+    ttft_s: arrival of the first chunk that carried at least one token.
+    itl_s: inter-token latencies; a chunk with n tokens arriving g seconds after the previous
+      token-carrying chunk contributes n entries of g / n (tokens that share the first chunk with
+      the first token add none). So sum(itl_s) == last token time - ttft_s.
+    e2e_s: until the stream ended (Complete received).
+    prompt_tokens: the server's count when it reported one, else the client's.
+    output_tokens: tokens actually streamed back.
+    accept_length: the server's mean accepted tokens per verify step (None when not reported).
+    error: empty when the request completed.
+    """
+
+    prompt_tokens: int
+    expected_output_tokens: int
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    start_s: float = 0.0
+    accept_length: float | None = None
+    finish_reason: str = ""
+    error: str = ""
+
+    @property
+    def success(self) -> bool:
+        return not self.error
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (e2e - ttft) / (output_tokens - 1); None for < 2 tokens."""
+        if not self.success or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def spread_chunk_gaps(chunk_times_s: list[float], chunk_tokens: list[int]) -> list[float]:
+    """ITL list from chunk arrival times (seconds since send) and their token counts.
+
+    Chunks with zero tokens (text-only flushes) are skipped. The first token-carrying chunk is the
+    first token; each later chunk with n tokens, arriving g after the previous token-carrying chunk,
+    contributes n intervals of g / n.
+    """
+    if len(chunk_times_s) != len(chunk_tokens):
+        raise ValueError("chunk_times_s and chunk_tokens must have the same length")
+    itl: list[float] = []
+    previous: float | None = None
+    for arrival, count in zip(chunk_times_s, chunk_tokens):
+        if count <= 0:
+            continue
+        if previous is not None:
+            itl.extend([(arrival - previous) / count] * count)
+        previous = arrival
+    return itl
