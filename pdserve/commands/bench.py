@@ -35,11 +35,26 @@ def _argument_type(parse, what: str):
     return convert
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def _make_errors_one_line(parser: argparse.ArgumentParser) -> None:
+    """argparse prints the usage block before an error and leaves unknown options to the top-level
+    parser; here both become one line on stderr and exit code 2."""
+    parse_known_args = parser.parse_known_args
+
     def one_line_error(message: str) -> NoReturn:
         sys.exit(_fail(message, 2))
 
-    parser.error = one_line_error  # argument errors: one line, exit 2 (argparse prints usage too)
+    def parse_known_args_strict(args=None, namespace=None):
+        namespace, extras = parse_known_args(args, namespace)
+        if extras:
+            one_line_error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    parser.error = one_line_error
+    parser.parse_known_args = parse_known_args_strict
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _make_errors_one_line(parser)
     target = parser.add_argument_group("target")
     target.add_argument("--gateway", default=DEFAULT_GATEWAY, help=f"gateway host:port (default {DEFAULT_GATEWAY})")
     target.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the gateway")
