@@ -41,6 +41,21 @@ _VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+# DeepSeek-V3's own config.json (v4 layout), trimmed to what the engine reads.
+DEEPSEEK_V3_CONFIG: dict[str, Any] = {
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "max_position_embeddings": 163840, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+    "rope_theta": 10000, "attention_bias": False, "num_nextn_predict_layers": 1,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+
+
 def tiny_config_kwargs(variant: str) -> dict[str, Any]:
     """The DeepseekV3Config keyword arguments of a variant."""
     if variant not in _VARIANTS:
