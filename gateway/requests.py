@@ -1,0 +1,125 @@
+"""GenerateRequest (protobuf) -> GenerateJob (domain): validation, defaults and tokenization.
+
+Every rejection is an InvalidArgument whose message starts with the offending field's name."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from gateway.model_info import ModelFacts
+from gateway.tokenizer import TextTokenizer
+from pdserve.grpc_errors import InvalidArgument
+from pdserve.v1 import gateway_pb2
+
+MAX_REQUEST_ID_LENGTH = 256
+# SamplingParams' field names (they start its ValueError messages) -> the request field to name.
+_FIELD_NAMES = {
+    "max_new_tokens": "max_tokens", "temperature": "sampling.temperature", "top_k": "sampling.top_k",
+    "top_p": "sampling.top_p", "min_p": "sampling.min_p", "seed": "sampling.seed",
+    "logprobs": "top_logprobs", "block_size": "block_size",
+}
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """One validated request: what the orchestrator runs."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams  # max_new_tokens resolved; eos handling by the engine
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def ends_on(self, token_id: int) -> bool:
+        """Whether generating this token finishes the request (eos unless ignored, or a stop token)."""
+        if token_id in self.params.stop_token_ids:
+            return True
+        return not self.params.ignore_eos and token_id in self.eos_token_ids
+
+
+def _prompt_ids(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
+                both_inputs: bool) -> list[int]:
+    if both_inputs:
+        raise InvalidArgument("input", "set exactly one of text and token_ids, not both")
+    which = request.WhichOneof("input")
+    if which is None:
+        raise InvalidArgument("input", "set one of text and token_ids")
+    if which == "text":
+        if not request.text:
+            raise InvalidArgument("input.text", "is empty")
+        if tokenizer is None:
+            raise InvalidArgument("input.text", "this model has no tokenizer.json; send token_ids")
+        ids = tokenizer.encode(request.text)
+        if not ids:
+            raise InvalidArgument("input.text", "tokenizes to no tokens")
+        return ids
+    ids = list(request.token_ids.ids)
+    if not ids:
+        raise InvalidArgument("input.token_ids", "is empty")
+    for index, token in enumerate(ids):
+        if not 0 <= token < facts.vocab_size:
+            raise InvalidArgument(f"input.token_ids[{index}]", f"{token} is outside the vocabulary [0, {facts.vocab_size})")
+    return ids
+
+
+def _max_tokens(request: gateway_pb2.GenerateRequest, facts: ModelFacts, prompt_len: int, default_max: int) -> int:
+    room = facts.max_context - prompt_len
+    if room <= 0:
+        raise InvalidArgument("input", f"prompt of {prompt_len} tokens leaves no room in the model context of {facts.max_context}")
+    if request.HasField("max_tokens"):
+        if request.max_tokens <= 0:
+            raise InvalidArgument("max_tokens", f"must be positive, got {request.max_tokens}")
+        if request.max_tokens > room:
+            raise InvalidArgument("max_tokens", f"prompt ({prompt_len}) + max_tokens ({request.max_tokens}) exceeds the model context of {facts.max_context}")
+        return request.max_tokens
+    return max(1, min(facts.defaults.max_new_tokens or default_max, room))
+
+
+def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, max_tokens: int) -> SamplingParams:
+    sampling, defaults = request.sampling, facts.defaults
+    values: dict[str, object] = {"max_new_tokens": max_tokens, "ignore_eos": request.ignore_eos}
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        if sampling.HasField(name):
+            value = getattr(sampling, name)
+            values[name] = value
+        elif getattr(defaults, name) is not None:
+            values[name] = getattr(defaults, name)
+    if sampling.HasField("seed"):
+        values["seed"] = int(sampling.seed)
+    for index, token in enumerate(request.stop_token_ids):
+        if not 0 <= token < facts.vocab_size:
+            raise InvalidArgument(f"stop_token_ids[{index}]", f"{token} is outside the vocabulary [0, {facts.vocab_size})")
+    values["stop_token_ids"] = tuple(request.stop_token_ids)
+    if request.HasField("top_logprobs"):
+        values["logprobs"] = request.top_logprobs
+    if request.HasField("speculative"):
+        values["speculative"] = request.speculative
+    if request.HasField("block_size"):
+        values["block_size"] = request.block_size
+    try:
+        return SamplingParams(**values)
+    except ValueError as error:
+        name = str(error).split(" ", 1)[0]
+        raise InvalidArgument(_FIELD_NAMES.get(name, "sampling"), str(error)) from error
+
+
+def parse_generate_request(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
+                           default_max_tokens: int, both_inputs: bool = False) -> GenerateJob:
+    """Validates and converts; both_inputs: the wire message set text AND token_ids (protobuf keeps
+    only the last member of a oneof, so the caller detects this on the raw bytes)."""
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID_LENGTH} characters")
+    prompt = _prompt_ids(request, facts, tokenizer, both_inputs)
+    max_tokens = _max_tokens(request, facts, len(prompt), default_max_tokens)
+    params = _sampling_params(request, facts, max_tokens)
+    for index, stop in enumerate(request.stop):
+        if not stop:
+            raise InvalidArgument(f"stop[{index}]", "is empty")
+    if request.stop and tokenizer is None:
+        raise InvalidArgument("stop", "stop strings need a tokenizer; this model has none")
+    skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+    return GenerateJob(request_id=request_id, prompt_ids=tuple(prompt), params=params, stop=tuple(request.stop),
+                       skip_special_tokens=skip, eos_token_ids=facts.eos_token_ids)
