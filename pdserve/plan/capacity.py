@@ -1,0 +1,135 @@
+"""The capacity arithmetic: weights and KV per GPU, sequences that fit, nodes needed, tok/s per dollar.
+Pure functions of a PlanRequest; nothing here reads files or prints."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.config import ModelConfig
+from pdserve.plan.dtypes import KV_DTYPE_BYTES, UNQUANTISED_BITS, Quantization, kv_bytes
+from pdserve.plan.gpus import GB, GpuSpec
+from pdserve.plan.heads import HeadPlan, plan_heads
+from pdserve.plan.params import REPLICATED_GROUPS, ParamBreakdown
+
+
+_COUNTS = {"gpus": "GPU count", "tp_size": "TP size", "gpus_per_node": "GPUs per node",
+           "context_len": "context length"}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything one plan needs, validated once. gpus = tp_size x replicas (each replica holds the
+    whole model over tp_size GPUs); reserve = reserve_fraction x GPU memory + reserve_gb, kept free
+    for activations, the draft model, graphs and fragmentation."""
+
+    model: ModelConfig
+    params: ParamBreakdown
+    quantization: Quantization
+    gpu: GpuSpec
+    gpus: int
+    tp_size: int
+    kv_dtype: str = "bf16"
+    gpus_per_node: int = 8
+    context_len: int = 8192
+    reserve_fraction: float = 0.10
+    reserve_gb: float = 0.0
+    throughput: float | None = None  # measured tok/s of the whole deployment
+
+    def __post_init__(self) -> None:
+        for name, label in _COUNTS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{label} must be a positive integer, got {value!r}")
+        if self.model.num_attention_heads % self.tp_size:
+            raise ValueError(f"TP size {self.tp_size} does not divide the model's "
+                             f"{self.model.num_attention_heads} attention heads (TP sizes it splits over: {_divisors_text(self.model)})")
+        self.model.validate_tp(self.tp_size)
+        if self.gpus % self.tp_size:
+            raise ValueError(f"{self.gpus} GPUs cannot be split into TP groups of {self.tp_size}")
+        if not 0 <= self.reserve_fraction < 1:
+            raise ValueError(f"reserve fraction must be in [0, 1), got {self.reserve_fraction}")
+        if not self.reserve_gb >= 0:
+            raise ValueError(f"reserve must be >= 0 GB, got {self.reserve_gb}")
+        if self.throughput is not None and not self.throughput > 0:
+            raise ValueError(f"throughput must be positive tok/s, got {self.throughput}")
+        kv_bytes(self.kv_dtype)
+
+    @property
+    def replicas(self) -> int:
+        return self.gpus // self.tp_size
+
+    @property
+    def reserve_bytes(self) -> int:
+        return int(self.gpu.memory_bytes * self.reserve_fraction + self.reserve_gb * GB)
+
+
+def valid_tp_sizes(model: ModelConfig) -> list[int]:
+    """TP sizes the engine can split this model over (heads, vocab, MLP and experts all divide)."""
+    sizes = []
+    for tp_size in range(1, model.num_attention_heads + 1):
+        try:
+            model.validate_tp(tp_size)
+        except ValueError:
+            continue
+        sizes.append(tp_size)
+    return sizes
+
+
+def _divisors_text(model: ModelConfig) -> str:
+    return ", ".join(str(size) for size in valid_tp_sizes(model))
+
+
+def group_bits(quantization: Quantization) -> dict[str, float]:
+    """Bits per weight of every parameter group."""
+    linear, experts = quantization.linear.bits_per_weight, quantization.experts.bits_per_weight
+    return {
+        "embedding": UNQUANTISED_BITS, "lm_head": UNQUANTISED_BITS, "router": UNQUANTISED_BITS,
+        "norms": UNQUANTISED_BITS, "attention_sharded": linear, "attention_replicated": linear,
+        "dense_mlp": linear, "shared_experts": linear, "routed_experts": experts,
+    }
+
+
+def weight_bytes(params: ParamBreakdown, quantization: Quantization, tp_size: int) -> tuple[int, int]:
+    """(bytes of one full copy, bytes on each GPU of a TP group): split groups / tp + replicated groups."""
+    bits = group_bits(quantization)
+    sizes = {name: count * bits[name] / 8 for name, count in params.as_dict().items()}
+    replicated = sum(sizes[name] for name in REPLICATED_GROUPS)
+    total = sum(sizes.values())
+    return math.ceil(total), math.ceil((total - replicated) / tp_size + replicated)
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:
+    """MLA latent per token: layers x (kv_lora_rank + rope dim) x dtype bytes, the same on every TP rank."""
+    return model.num_hidden_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * kv_bytes(kv_dtype)
+
+
+def kv_budget(request: PlanRequest, tp_size: int) -> int:
+    """Bytes left for the KV pool on each GPU (negative: the weights alone do not fit)."""
+    _, per_gpu = weight_bytes(request.params, request.quantization, tp_size)
+    return request.gpu.memory_bytes - per_gpu - request.reserve_bytes
+
+
+def smallest_tp(request: PlanRequest) -> int | None:
+    """The fewest GPUs (a TP size the engine can split the model over) that hold the weights, the
+    reserve and one sequence of context_len tokens; None if even TP = heads does not."""
+    need = kv_bytes_per_token(request.model, request.kv_dtype) * request.context_len
+    return next((size for size in valid_tp_sizes(request.model) if kv_budget(request, size) >= need), None)
+
+
+def heads(request: PlanRequest) -> HeadPlan:
+    return plan_heads(request.model.num_attention_heads, request.tp_size)
+
+
+def cost_per_hour(request: PlanRequest) -> float:
+    return request.gpus * request.gpu.price_per_hour
+
+
+def tok_s_per_dollar(throughput: float, gpus: int, price_per_hour: float) -> float:
+    """The seed's figure of merit: tok/s / (GPUs x $/GPU-hour)."""
+    if throughput <= 0 or gpus <= 0 or price_per_hour <= 0:
+        raise ValueError("throughput, GPU count and price must be positive")
+    return throughput / (gpus * price_per_hour)
+
+
+__all__ = ["KV_DTYPE_BYTES", "PlanRequest", "cost_per_hour", "group_bits", "heads", "kv_budget",
+           "kv_bytes_per_token", "smallest_tp", "tok_s_per_dollar", "valid_tp_sizes", "weight_bytes"]

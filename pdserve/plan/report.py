@@ -1,0 +1,75 @@
+"""Presenting a CapacityPlan: a readable two-column table, or JSON."""
+from __future__ import annotations
+
+import json
+
+from pdserve.plan.gpus import GB
+from pdserve.plan.result import CapacityPlan
+
+
+def _gb(value: float) -> str:
+    return f"{value / GB:,.1f} GB"
+
+
+def _params(count: int) -> str:
+    return f"{count / 1e12:.2f}T" if count >= 1e12 else f"{count / 1e9:.1f}B"
+
+
+def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
+    model, gpu, deploy, weights, kv, scale, cost = (plan.model, plan.gpu, plan.deployment, plan.weights,
+                                                     plan.kv, plan.scale, plan.cost)
+    heads = plan.heads
+    params_note = "computed from the config's shapes" if model["params_total"] == model["params_computed"] \
+        else f"--params (computed: {_params(model['params_computed'])})"
+    rows = [
+        ("model", f"{model['name']} ({model['source']})"),
+        ("parameters", f"{_params(model['params_total'])}, {params_note}"),
+        ("shape", f"{model['layers']} layers, {model['attention_heads']} heads, {model['routed_experts']} "
+                  f"routed experts, MLA latent {model['kv_lora_rank']} + {model['rope_dim']}"),
+        ("GPU", f"{gpu['name']}, {_gb(gpu['memory_bytes'])} each"),
+        ("deployment", f"{deploy['gpus']} GPUs = {deploy['replicas']} x TP{deploy['tp_size']} on "
+                       f"{deploy['nodes']} node(s) of {deploy['gpus_per_node']}"
+                       + (" (TP all-reduce crosses nodes)" if deploy["tp_spans_nodes"] else "")),
+        ("weight format", weights["linear_format"] if weights["linear_format"] == weights["expert_format"]
+         else f"{weights['linear_format']}; routed experts {weights['expert_format']}"),
+        ("weights", f"{_gb(weights['total_bytes'])} in all ({weights['bits_per_weight']:.2f} bits/weight), "
+                    f"{_gb(weights['per_gpu_bytes'])} per GPU"),
+        ("reserve", f"{_gb(weights['reserve_bytes_per_gpu'])} per GPU (activations, draft, fragmentation)"),
+        ("KV budget", f"{_gb(kv['budget_bytes_per_gpu'])} per GPU"
+                      + ("" if weights["fit_per_gpu"] else "  <- weights + reserve exceed the GPU")),
+        ("KV per token", f"{kv['bytes_per_token']:,} bytes ({kv['dtype']}: {model['layers']} layers x "
+                         f"{model['kv_lora_rank'] + model['rope_dim']} latent values)"),
+        ("KV tokens", f"{kv['tokens_per_gpu']:,} per GPU (= per replica: every TP rank holds the whole latent)"),
+        ("sequences", f"{kv['concurrent_sequences']:,} concurrent at {kv['context_len']:,} tokens of context"),
+        ("heads / rank", f"{heads.heads_per_rank} ({heads.heads} / TP{heads.tp_size})"
+                         + (f" -> padded to {heads.padded_heads} for AITER MLA decode "
+                            f"(+{heads.padding_overhead:.0%} attention compute)" if heads.padding_applies
+                            else ", no padding needed")),
+    ]
+    for kernel in heads.kernels:
+        runs = "unsupported" if kernel.runs_heads is None else (
+            f"runs {kernel.runs_heads} heads" + (" (zero-padded)" if kernel.padded else " (native)"))
+        rows.append(("", f"{kernel.name} [{kernel.role}; heads {kernel.supported}]: {runs}"))
+    if scale["min_gpus"] is None:
+        rows.append(("smallest fit", "does not fit at any TP size the model can be split over"))
+    else:
+        verdict = "one node suffices" if scale["one_node_suffices"] else f"needs {scale['min_nodes']} nodes"
+        rows.append(("smallest fit", f"{scale['min_gpus']} GPUs (TP{scale['min_gpus']}): {verdict}"))
+    rows.append(("price", f"${cost['price_per_gpu_hour']:.2f}/GPU-hour ({cost['price_source']}) x "
+                          f"{cost['gpus']} = ${cost['dollars_per_hour']:.2f}/hour"))
+    if cost["throughput_tok_s"] is not None:
+        rows.append(("tok/s per $", f"{cost['tok_s_per_dollar']:.1f} ({cost['throughput_tok_s']:g} tok/s / "
+                                    f"${cost['dollars_per_hour']:.2f}/hour; "
+                                    f"${cost['dollars_per_million_tokens']:.2f} per million tokens)"))
+    rows.append(("verdict", "FITS" if plan.fits else "DOES NOT FIT"))
+    return rows
+
+
+def format_table(plan: CapacityPlan) -> str:
+    rows = _rows(plan)
+    width = max(len(key) for key, _ in rows)
+    return "\n".join(f"{key:<{width}}  {value}" for key, value in rows) + "\n"
+
+
+def format_json(plan: CapacityPlan) -> str:
+    return json.dumps(plan.to_dict(), indent=2) + "\n"
