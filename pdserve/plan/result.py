@@ -63,6 +63,8 @@ def build_plan(request: PlanRequest, model_name: str, source: str, params_comput
         weights={
             "linear_format": request.quantization.linear.describe(),
             "expert_format": request.quantization.experts.describe(),
+            "linear_bits_per_weight": request.quantization.linear.bits_per_weight,
+            "expert_bits_per_weight": request.quantization.experts.bits_per_weight,
             "bits_per_weight": total_bytes * 8 / request.params.total,
             "total_bytes": total_bytes, "per_gpu_bytes": per_gpu_bytes,
             "reserve_bytes_per_gpu": request.reserve_bytes, "fit_per_gpu": budget >= 0,
