@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
-from pdserve.plan.dtypes import KV_DTYPE_BYTES, UNQUANTISED_BITS, Quantization, kv_bytes
+from pdserve.plan.dtypes import UNQUANTISED_BITS, Quantization, kv_bytes
 from pdserve.plan.gpus import GB, GpuSpec
 from pdserve.plan.heads import HeadPlan, plan_heads
 from pdserve.plan.params import REPLICATED_GROUPS, ParamBreakdown
@@ -41,8 +41,8 @@ class PlanRequest:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{label} must be a positive integer, got {value!r}")
         if self.model.num_attention_heads % self.tp_size:
-            raise ValueError(f"TP size {self.tp_size} does not divide the model's "
-                             f"{self.model.num_attention_heads} attention heads (TP sizes it splits over: {_divisors_text(self.model)})")
+            raise ValueError(f"TP size {self.tp_size} does not divide the model's {self.model.num_attention_heads} "
+                             f"attention heads (TP sizes it splits over: {_divisors_text(self.model)})")
         self.model.validate_tp(self.tp_size)
         if self.gpus % self.tp_size:
             raise ValueError(f"{self.gpus} GPUs cannot be split into TP groups of {self.tp_size}")
@@ -131,5 +131,5 @@ def tok_s_per_dollar(throughput: float, gpus: int, price_per_hour: float) -> flo
     return throughput / (gpus * price_per_hour)
 
 
-__all__ = ["KV_DTYPE_BYTES", "PlanRequest", "cost_per_hour", "group_bits", "heads", "kv_budget",
+__all__ = ["PlanRequest", "cost_per_hour", "group_bits", "heads", "kv_budget",
            "kv_bytes_per_token", "smallest_tp", "tok_s_per_dollar", "valid_tp_sizes", "weight_bytes"]
