@@ -1,6 +1,8 @@
 """The planner's pure arithmetic: parameter groups, bits per weight, per-GPU sharding, head padding, cost."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.config import ModelConfig
@@ -151,3 +153,13 @@ def test_quantization_is_read_from_hf_quantization_config():
     assert (fp8.linear.name, fp8.experts.name) == ("fp8", "fp8")
     assert (int4.linear.name, int4.experts.name, int4.experts.bits_per_weight) == ("bf16", "int4", 4.5)
     assert (plain.linear.name, plain.experts.name) == ("bf16", "bf16")
+
+
+def test_config_folder_with_nested_text_config(tmp_path):
+    """A model folder is read through its config.json; a multimodal wrapper's text_config is the model."""
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": SMALL,
+                                                      "quantization_config": {"quant_method": "fp8"}}))
+    model = load_model(str(tmp_path))
+    assert model.name == tmp_path.name
+    assert model.config.hidden_size == 64 and model.config.num_attention_heads == 4
+    assert model.quantization.experts.name == "fp8"
