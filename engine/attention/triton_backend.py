@@ -1,0 +1,67 @@
+"""Attention backend on our own Triton kernels (CUDA / ROCm GPUs; CPU only under TRITON_INTERPRET=1)."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import triton_kernels
+from engine.attention.base import AttentionBackend
+from engine.attention.triton_kernels import decode as decode_kernels
+from engine.attention.triton_kernels import prefill as prefill_kernels
+from engine.forward_batch import AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Both kernels process `head_block` heads per program, so head counts must be multiples of it
+    (registry.get_attention_backend wraps the backend in HeadPaddedBackend otherwise: 12 -> 16)."""
+
+    name = "triton"
+
+    def __init__(self, head_block: int = 16) -> None:
+        if head_block < 16 or head_block & (head_block - 1):
+            raise ValueError(f"head_block must be a power of two >= 16 (tensor-core tile rows), got {head_block}")
+        self.head_block = head_block
+
+    def supports_num_heads(self, num_heads: int) -> bool:
+        return num_heads > 0 and num_heads % self.head_block == 0
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "cpu" and not triton_kernels.kernels_interpreted():
+            raise RuntimeError(
+                "Triton kernels got CPU tensors but were compiled for a GPU: set TRITON_INTERPRET=1 before "
+                "engine.attention.triton_kernels is first imported to run them in the interpreter"
+            )
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        q_lens: tuple[int, ...],
+        k_lens: tuple[int, ...],
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv] in q's dtype."""
+        self._check_device(q)
+        if any(k_len < q_len for q_len, k_len in zip(q_lens, k_lens)):
+            raise ValueError(f"prefill needs k_len >= q_len, got q_lens={q_lens} k_lens={k_lens}")
+        return prefill_kernels.flash_prefill(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens, default=0), softmax_scale, head_block=self.head_block
+        )
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        softmax_scale: float,
+        latent_dim: int,
+    ) -> torch.Tensor:
+        """q: [T, H, latent_dim + rope_dim], kv_cache: [num_pages, page_size, latent_dim + rope_dim]
+        -> [T, H, latent_dim] in q's dtype."""
+        self._check_device(q)
+        return decode_kernels.paged_decode(
+            q, kv_cache, attn.cu_seqlens_q, attn.kv_lens, attn.block_table, attn.max_q_len,
+            latent_dim, softmax_scale, head_block=self.head_block,
+        )

@@ -1,0 +1,139 @@
+"""Varlen causal flash-attention prefill (MHA form: q/k head dim may differ from v's), 16 heads per program.
+
+One program owns BLOCK_M query rows of one sequence and a group of HEAD_BLOCK heads, and walks the
+heads one after another: online softmax over key blocks, scores and accumulators in float32, the
+causal mask aligned bottom-right (query row i of a sequence with q_len queries and k_len keys sees
+keys 0 .. k_len - q_len + i). The q/k head dim is covered by two power-of-two blocks (192 = 128 + 64)
+and every dim is masked, so non-power-of-two dims work.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention.triton_kernels import block_for, split_head_dim
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def flash_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HEAD_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    m_block = tl.program_id(1)
+    head_group = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    k_start = tl.load(cu_k_ptr + seq)
+    k_len = tl.load(cu_k_ptr + seq + 1) - k_start
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_valid = offs_m < q_len
+    last_key = k_len - q_len + offs_m  # bottom-right causal: last visible key per query row
+    key_end = tl.minimum(k_len, k_len - q_len + (m_block + 1) * BLOCK_M)
+    q_rows = (q_start + offs_m).to(tl.int64) * stride_qt
+    o_rows = (q_start + offs_m).to(tl.int64) * stride_ot
+
+    for h in range(HEAD_BLOCK):
+        head = head_group * HEAD_BLOCK + h
+        q_base = q_ptr + q_rows[:, None] + head * stride_qh
+        q1 = tl.load(q_base + offs_d1[None, :], mask=row_valid[:, None] & (offs_d1[None, :] < DQK), other=0.0)
+        if BLOCK_D2 > 0:
+            q2 = tl.load(q_base + offs_d2[None, :], mask=row_valid[:, None] & (offs_d2[None, :] < DQK), other=0.0)
+        if UPCAST:
+            q1 = q1.to(tl.float32)
+            if BLOCK_D2 > 0:
+                q2 = q2.to(tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for start_n in range(0, key_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_valid = offs_n < k_len
+            k_rows = (k_start + offs_n).to(tl.int64)
+            k_base = k_ptr + k_rows[None, :] * stride_kt + head * stride_kh  # transposed: [D, BLOCK_N]
+            k1 = tl.load(k_base + offs_d1[:, None], mask=key_valid[None, :] & (offs_d1[:, None] < DQK), other=0.0)
+            if UPCAST:
+                scores = tl.dot(q1, k1.to(tl.float32), input_precision="ieee")
+            else:
+                scores = tl.dot(q1, k1)
+            if BLOCK_D2 > 0:
+                k2 = tl.load(k_base + offs_d2[:, None], mask=key_valid[None, :] & (offs_d2[:, None] < DQK), other=0.0)
+                if UPCAST:
+                    scores += tl.dot(q2, k2.to(tl.float32), input_precision="ieee")
+                else:
+                    scores += tl.dot(q2, k2)
+            visible = key_valid[None, :] & (offs_n[None, :] <= last_key[:, None])
+            scores = tl.where(visible, scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_base = v_ptr + k_rows[:, None] * stride_vt + head * stride_vh
+            v = tl.load(v_base + offs_dv[None, :], mask=key_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        o_base = out_ptr + o_rows[:, None] + head * stride_oh
+        tl.store(o_base + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & (offs_dv[None, :] < DV))
+
+
+def flash_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_q_len: int,
+    softmax_scale: float,
+    head_block: int = 16,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    upcast: bool | None = None,
+) -> torch.Tensor:
+    """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] (H a multiple of head_block; last dim contiguous),
+    cu_seqlens_q / cu_seqlens_k: [num_seqs + 1] int32 -> [Tq, H, Dv] in q's dtype.
+
+    upcast (default: fp32 inputs or CPU interpreter) casts to float32 before every dot (exact);
+    otherwise bf16/fp16 dots with float32 accumulation."""
+    num_heads, dqk, dv = q.shape[1], q.shape[2], v.shape[2]
+    if num_heads % head_block:
+        raise ValueError(f"{num_heads} heads is not a multiple of {head_block}; wrap with HeadPaddedBackend")
+    if k.shape[1] != num_heads or v.shape[1] != num_heads or k.shape[2] != dqk:
+        raise ValueError(f"shape mismatch q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    on_cpu = q.device.type == "cpu"
+    if upcast is None:
+        upcast = on_cpu or q.dtype == torch.float32
+    block_m = block_m or (16 if on_cpu else 64)
+    block_n = block_n or (16 if on_cpu else 32)
+    out = torch.empty(q.shape[0], num_heads, dv, dtype=q.dtype, device=q.device)
+    num_seqs = cu_seqlens_q.numel() - 1
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out
+    block_d1, block_d2 = split_head_dim(dqk)
+    grid = (num_seqs, triton.cdiv(max_q_len, block_m), num_heads // head_block)
+    flash_prefill_kernel[grid](
+        q, k, v, out, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        softmax_scale * LOG2E,
+        DQK=dqk, DV=dv, BLOCK_D1=block_d1, BLOCK_D2=block_d2, BLOCK_DV=block_for(dv),
+        HEAD_BLOCK=head_block, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast,
+    )
+    return out

@@ -1,0 +1,159 @@
+"""The AITER backend drives AITER's real call signatures correctly: against a fake `aiter` module that keeps
+AITER's argument lists and head-count rules and computes from the indices it is given, prefill and decode
+(12 heads: prefill native, decode padded to 16) equal the torch reference, and the softmax scale is always
+passed explicitly. Also: an unrelated module named `aiter` is treated as unavailable."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from engine.attention.aiter_backend import AiterAttentionBackend, load_aiter
+from engine.attention.head_padding import HeadPaddedBackend
+from engine.attention.torch_backend import TorchAttentionBackend, _causal_attention
+from engine.forward_batch import build_attention_metadata
+
+REFERENCE = TorchAttentionBackend()
+LATENT, ROPE, PAGE = 32, 16, 16
+
+
+class FakeAiter:
+    """aiter.flash_attn_varlen_func and aiter.mla.mla_decode_fwd with AITER's signatures (facts from
+    ROCm/aiter: aiter/ops/mha.py, aiter/mla.py) and AITER's constraints asserted."""
+
+    def __init__(self, paged: bool = True) -> None:
+        self.calls: list[tuple[str, int, float]] = []
+        self.aiter = types.ModuleType("aiter")
+        self.aiter.flash_attn_varlen_func = self.flash_attn_varlen_func
+        self.mla = types.ModuleType("aiter.mla")
+        self.mla.mla_decode_fwd = self.mla_decode_fwd if paged else self.legacy_mla_decode_fwd
+
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), bias=None, alibi_slopes=None,
+                               deterministic=False, return_lse=False, return_attn_probs=False, block_table=None):
+        assert softmax_scale is not None, "AITER's default scale (1/sqrt(192)) is wrong for MLA"
+        assert causal and dropout_p == 0.0
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        assert max_seqlen_q == max(b - a for a, b in zip(cu_q, cu_q[1:]))
+        assert max_seqlen_k == max(b - a for a, b in zip(cu_k, cu_k[1:]))
+        self.calls.append(("prefill", q.shape[1], softmax_scale))
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
+        for i in range(len(cu_q) - 1):
+            rows = slice(cu_q[i], cu_q[i + 1])
+            keys = slice(cu_k[i], cu_k[i + 1])
+            out[rows] = _causal_attention(q[rows], k[keys], v[keys], softmax_scale).to(q.dtype)
+        return out
+
+    def mla_decode_fwd(self, q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
+                       page_size=1, nhead_kv=1, sm_scale=None, logit_cap=0.0, num_kv_splits=None, **unused):
+        assert sm_scale is not None, "AITER's default scale (1/sqrt(576)) is wrong once yarn mscale applies"
+        total, heads, entry = q.shape
+        assert heads >= 16 and heads % 16 == 0, f"mla_decode_fwd: nhead={heads} not supported"
+        assert kv_buffer.dim() == 4 and kv_buffer.shape[1] == page_size and kv_buffer.shape[2] == nhead_kv == 1
+        assert kv_buffer.shape[3] == entry and o.shape[:2] == (total, heads)
+        for tensor in (qo_indptr, kv_indptr, kv_indices, kv_last_page_lens):
+            assert tensor.dtype == torch.int32
+        qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
+        assert all(b - a == max_seqlen_q for a, b in zip(qo, qo[1:])), "AITER wants uniform q_len"
+        self.calls.append(("decode", heads, sm_scale))
+        latent = o.shape[2]
+        for i in range(len(qo) - 1):
+            pages = kv_indices[kv[i] : kv[i + 1]].long()
+            tokens = (len(pages) - 1) * page_size + int(kv_last_page_lens[i])
+            assert 1 <= int(kv_last_page_lens[i]) <= page_size
+            context = kv_buffer[pages].reshape(-1, entry)[:tokens]
+            o[qo[i] : qo[i + 1]] = _causal_attention(q[qo[i] : qo[i + 1]], context, context[:, :latent], sm_scale).to(o.dtype)
+        return o, None
+
+    def legacy_mla_decode_fwd(self, q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
+                              max_seqlen_q, sm_scale=None, logit_cap=0.0, num_kv_splits=None):
+        """Older AITER: no page_size argument, pages of one token."""
+        assert kv_buffer.shape[1] == 1
+        assert bool((kv_last_page_lens == 1).all())
+        return self.mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
+                                   max_seqlen_q, page_size=1, sm_scale=sm_scale)
+
+
+def _paged_case(generator, heads, q_lens, kv_lens):
+    num_pages = sum(-(-n // PAGE) for n in kv_lens) + 3
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    tables, used = [], 0
+    for kv_len in kv_lens:
+        count = -(-kv_len // PAGE)
+        tables.append(order[used : used + count])
+        used += count
+    attn = build_attention_metadata(list(q_lens), list(kv_lens), tables, PAGE)
+    cache = torch.randn(num_pages, PAGE, LATENT + ROPE, generator=generator)
+    q = torch.randn(sum(q_lens), heads, LATENT + ROPE, generator=generator)
+    return q, cache, attn
+
+
+def test_prefill_runs_12_heads_natively_with_explicit_scale():
+    """flash_attn_varlen_func gets the 12 real heads (no padding) and our scale; result equals the reference."""
+    fake = FakeAiter()
+    backend = HeadPaddedBackend(AiterAttentionBackend(fake.aiter, fake.mla))
+    generator = torch.Generator().manual_seed(0)
+    q_lens, k_lens = (5, 17, 2), (5, 30, 9)
+    q = torch.randn(sum(q_lens), 12, 48, generator=generator)
+    k = torch.randn(sum(k_lens), 12, 48, generator=generator)
+    v = torch.randn(sum(k_lens), 12, 32, generator=generator)
+    cu_q = torch.tensor([0, 5, 22, 24], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 35, 44], dtype=torch.int32)
+    out = backend.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.123)
+    torch.testing.assert_close(out, REFERENCE.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.123))
+    assert fake.calls == [("prefill", 12, 0.123)]
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["page-level", "token-level"])
+@pytest.mark.parametrize(
+    ("q_lens", "kv_lens"),
+    [((1, 1, 1), (1, 17, 40)), ((3, 3), (35, 3)), ((4, 1, 4), (20, 16, 33))],
+    ids=["decode", "spec-verify", "mixed-q-lens"],
+)
+def test_decode_pads_12_heads_to_16_and_matches_reference(paged, q_lens, kv_lens):
+    """mla_decode_fwd sees 16 heads, page-level (or legacy token-level) indices it can resolve to exactly
+    each sequence's context, one call per distinct q_len, and our scale; the 12 real heads equal the reference."""
+    fake = FakeAiter(paged=paged)
+    backend = HeadPaddedBackend(AiterAttentionBackend(fake.aiter, fake.mla))
+    generator = torch.Generator().manual_seed(sum(kv_lens))
+    q, cache, attn = _paged_case(generator, 12, q_lens, kv_lens)
+    out = backend.decode(q, cache, attn, 0.0911, LATENT)
+    assert out.shape == (sum(q_lens), 12, LATENT)
+    torch.testing.assert_close(out, REFERENCE.decode(q, cache, attn, 0.0911, LATENT))
+    assert fake.calls == [("decode", 16, 0.0911)] * len(set(q_lens))
+
+
+def test_backend_declares_per_op_head_support():
+    """Prefill runs any head count; decode only multiples of 16 up to 128; the whole backend needs both."""
+    fake = FakeAiter()
+    backend = AiterAttentionBackend(fake.aiter, fake.mla)
+    assert backend.supports_prefill_num_heads(12) and not backend.supports_decode_num_heads(12)
+    assert backend.supports_decode_num_heads(16) and backend.supports_decode_num_heads(128)
+    assert not backend.supports_num_heads(12) and backend.supports_num_heads(32)
+    assert HeadPaddedBackend(backend).padded_heads(12, "decode") == 16
+
+
+def test_an_unrelated_aiter_package_counts_as_unavailable(monkeypatch):
+    """PyPI's unrelated `aiter` (no MLA kernels) must not be mistaken for AMD's AITER."""
+    impostor = types.ModuleType("aiter")
+    impostor_mla = types.ModuleType("aiter.mla")
+    monkeypatch.setitem(sys.modules, "aiter", impostor)
+    monkeypatch.setitem(sys.modules, "aiter.mla", impostor_mla)
+    with pytest.raises(ImportError, match="not AMD's AITER"):
+        load_aiter()
+
+
+def test_real_looking_aiter_module_is_accepted(monkeypatch):
+    """A module with AITER's entry points loads, and the backend built from it calls into it."""
+    fake = FakeAiter()
+    monkeypatch.setitem(sys.modules, "aiter", fake.aiter)
+    monkeypatch.setitem(sys.modules, "aiter.mla", fake.mla)
+    aiter, mla = load_aiter()
+    assert aiter is fake.aiter and mla is fake.mla
+    backend = AiterAttentionBackend()
+    q, cache, attn = _paged_case(torch.Generator().manual_seed(5), 16, (1,), (9,))
+    backend.decode(q, cache, attn, 0.2, LATENT)
+    assert fake.calls == [("decode", 16, 0.2)]
