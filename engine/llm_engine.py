@@ -244,6 +244,8 @@ class LLMEngine:
     # --- the step ---------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         scheduled = self.scheduler.schedule()
+        if scheduled.is_empty and scheduled.preempted:
+            scheduled = self.scheduler.schedule()  # preemption freed pages: plan again
         for seq in scheduled.preempted:
             logger.info("preempted %s (out of KV pages); it will be recomputed", seq.request_id)
         if scheduled.prefill:

@@ -81,17 +81,33 @@ class Scheduler:
         return self._schedule_decode()
 
     def _schedule_prefill(self) -> list[PrefillChunk]:
+        chunks = self._take_prefill_chunks()
+        if not chunks and not self.running:
+            # Partly prefilled sequences behind the head hold pages the head needs: give them back
+            # (they are recomputed later) so the oldest request always makes progress.
+            for seq in list(self.waiting)[1:]:
+                if seq.page_table.pages:
+                    seq.page_table.release()
+                    seq.num_cached = 0
+            chunks = self._take_prefill_chunks()
+        return chunks
+
+    def _take_prefill_chunks(self) -> list[PrefillChunk]:
         budget = self.config.max_batched_tokens
         slots = self.config.max_running - len(self.running)
+        # Pages the running sequences need for their next decode step stay reserved for them.
+        reserve = sum(s.page_table.pages_needed(s.num_cached + max(1, s.spec_block)) for s in self.running)
         chunks: list[PrefillChunk] = []
         for seq in list(self.waiting):
             if budget <= 0 or len(chunks) >= slots:
                 break
-            take = min(seq.remaining_prefill, budget)
-            try:
-                seq.page_table.ensure(seq.num_cached + take)
-            except OutOfPages:
+            table = seq.page_table
+            usable = self.allocator.num_free - reserve
+            fits = (len(table.pages) + max(0, usable)) * table.page_size - seq.num_cached
+            take = min(seq.remaining_prefill, budget, fits)
+            if take <= 0:
                 break
+            table.ensure(seq.num_cached + take)
             chunks.append(PrefillChunk(seq, take))
             budget -= take
         return chunks
@@ -109,12 +125,23 @@ class Scheduler:
                     scheduled.append(seq)
                     break
                 except OutOfPages:
+                    if self._reclaim_waiting_pages():
+                        continue
                     victim = queue.pop() if queue else seq
                     self._preempt(victim)
                     preempted.append(victim)
                     if victim is seq:
                         break
         return ScheduledStep(decode=tuple(scheduled), preempted=tuple(preempted))
+
+    def _reclaim_waiting_pages(self) -> bool:
+        """Frees the pages of the newest partly prefilled waiting sequence (recomputed later)."""
+        for seq in reversed(self.waiting):
+            if seq.page_table.pages:
+                seq.page_table.release()
+                seq.num_cached = 0
+                return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
