@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import sys
@@ -65,6 +66,9 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return error.code, str(error)
     if isinstance(error, grpc.aio.AioRpcError):  # an internal call failed: pass its status through
         return error.code(), error.details() or error.code().name
+    kv_errors = sys.modules.get("kvtransfer.errors")
+    if kv_errors is not None and isinstance(error, kv_errors.KVTransferError):  # each names its own status
+        return getattr(grpc.StatusCode, getattr(error, "status", "INTERNAL"), grpc.StatusCode.INTERNAL), str(error)
     for module_name, type_name, code in _LAZY_TYPES:
         module = sys.modules.get(module_name)
         error_type = getattr(module, type_name, None) if module is not None else None
@@ -117,8 +121,9 @@ def streaming(method: G) -> G:
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in method(self, request, context):
-                yield item
+            async with contextlib.aclosing(method(self, request, context)) as items:
+                async for item in items:
+                    yield item
         except grpc.aio.AbortError:
             raise
         except Exception as error:  # noqa: BLE001

@@ -1,0 +1,309 @@
+"""The decode worker's request handling, independent of gRPC.
+
+reserve  -> allocates the prompt's pages under a lease and registers it with the KV receiver of the
+            requested transport (its Destination tells prefill where to write).
+decode   -> claims the lease, waits for the KV to be complete and verified, hands the request to the
+            engine (add_prefilled) and yields its tokens as the engine thread produces them.
+release  -> frees whatever the request holds (unclaimed lease or running request). Idempotent.
+A sweeper frees the pages of leases nobody claimed in time.
+
+Page-exhaustion policy: reserve keeps `headroom_pages` free for the running requests to grow (one
+speculative block each) and answers ResourceExhausted instead of eating into them; if growth still runs
+out, the engine preempts the newest running request and recomputes it later (its stream just pauses)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from decode_worker.config import DecodeWorkerConfig
+from engine.sampling_params import SamplingParams
+from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.errors import KVTransferError, LeaseExpired, UnknownTransfer
+from kvtransfer.leases import Lease, LeaseTable
+from kvtransfer.transport import KVReceiver
+from pdserve.engine_thread import EngineThread
+from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeUpdate:
+    """Tokens generated since the previous update (the first token, produced by prefill, excluded)."""
+
+    token_ids: list[int]
+    logprobs: list[Any]
+    finished: bool
+    finish_reason: str | None
+    steps: int  # engine steps that produced these tokens
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    free_pages: int = 0
+    total_pages: int = 0
+    running: int = 0
+    waiting: int = 0
+    leases: int = 0
+    leased_pages: int = 0
+    page_size: int = 16
+    tp_size: int = 1
+    headroom_pages: int = 0
+
+
+@dataclass
+class _Entry:
+    lease: Lease
+    receiver: KVReceiver
+    num_prompt_tokens: int
+    first_token: int | None = None  # set once claimed (running)
+    queue: asyncio.Queue[Any] | None = None
+    done: bool = False
+
+
+class _EngineFailed(Exception):
+    pass
+
+
+class DecodeService:
+    """receivers_factory(engine) -> {transport: KVReceiver}, built once the engine (and its pools) exist."""
+
+    def __init__(self, config: DecodeWorkerConfig, receivers_factory: Callable[[Any], Mapping[TransportKind, KVReceiver]],
+                 engine_factory: Callable[[], Any] | None = None) -> None:
+        self.config = config
+        self._receivers_factory = receivers_factory
+        self.receivers: Mapping[TransportKind, KVReceiver] = {}
+        self._leases = LeaseTable(grace_s=config.lease_grace_s)
+        self._entries: dict[str, _Entry] = {}
+        self._force_step = False  # engine thread only
+        factory = engine_factory or (lambda: _build_engine(config))
+        self._engine: EngineThread[Any] = EngineThread(factory, self._work, name="decode-engine")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._snapshot = LoadSnapshot()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.engine: Any = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.engine = await asyncio.to_thread(self._engine.start)
+        self.receivers = dict(self._receivers_factory(self.engine))
+        self._block_pages = -(-(self.config.spec_block_size + 1) // self.engine.config.page_size) + 1
+        self._max_context = self.engine.model_config.max_position_embeddings
+        await self._engine.call(self._publish)
+        self._sweeper = asyncio.create_task(self._sweep_leases())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for entry in list(self._entries.values()):
+            if entry.queue is not None:
+                entry.queue.put_nowait(_EngineFailed("decode worker shutting down"))
+        await asyncio.to_thread(self._engine.stop)
+
+    @property
+    def load(self) -> LoadSnapshot:
+        return self._snapshot
+
+    # --- engine thread --------------------------------------------------------------------------------
+    def _publish(self, engine: Any) -> None:
+        running = engine.num_running
+        leases = [entry.lease for entry in list(self._entries.values()) if entry.first_token is None]
+        self._snapshot = LoadSnapshot(
+            free_pages=engine.num_free_pages, total_pages=engine.allocator.num_pages, running=running,
+            waiting=engine.num_waiting, leases=len(leases), leased_pages=sum(len(lease.page_ids) for lease in leases),
+            page_size=engine.config.page_size, tp_size=engine.config.tp_size, headroom_pages=running * self._block_pages,
+        )
+
+    def _work(self, engine: Any) -> bool:
+        if self._force_step or engine.has_work():
+            self._force_step = False
+            try:
+                outputs = engine.step()
+            except Exception as error:  # noqa: BLE001 - fail the streams, keep serving
+                logger.exception("engine step failed; aborting running requests")
+                self._abort_all(engine, error)
+                outputs = []
+            if outputs:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        self._publish(engine)
+        return engine.has_work()
+
+    def _abort_all(self, engine: Any, error: Exception) -> None:
+        failed = [request_id for request_id, entry in self._entries.items() if entry.first_token is not None]
+        for request_id in failed:
+            try:
+                engine.abort(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort of %s failed", request_id)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_streams, failed, error)
+
+    # --- event loop ---------------------------------------------------------------------------------
+    def _dispatch(self, outputs: list[Any]) -> None:
+        for output in outputs:
+            entry = self._entries.get(output.request_id)
+            if entry is not None and entry.queue is not None:
+                entry.queue.put_nowait(output)
+
+    def _fail_streams(self, request_ids: list[str], error: Exception) -> None:
+        for request_id in request_ids:
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.queue is not None:
+                entry.queue.put_nowait(_EngineFailed(f"engine step failed: {error}"))
+
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
+                      transport: TransportKind) -> Destination:
+        if not request_id:
+            raise InvalidArgument("request_id", "is empty")
+        if request_id in self._entries:
+            raise AlreadyExists(f"request {request_id} already holds a reservation on this worker")
+        if num_prompt_tokens <= 0 or max_new_tokens <= 0:
+            raise InvalidArgument("num_prompt_tokens", "prompt and max_new_tokens must be positive")
+        if num_prompt_tokens + max_new_tokens > self._max_context:
+            raise InvalidArgument("max_new_tokens", f"prompt + max_new_tokens exceeds the model context {self._max_context}")
+        receiver = self.receivers.get(transport)
+        if receiver is None:
+            raise FailedPrecondition(f"transport {TransportKind(transport).name} is not served by this decode worker")
+        worst_case = -(-(num_prompt_tokens + max_new_tokens + self.config.spec_block_size) // self.engine.config.page_size)
+        if worst_case > self._snapshot.total_pages:
+            raise InvalidArgument("max_new_tokens", f"the request needs up to {worst_case} KV pages, the pool has {self._snapshot.total_pages}")
+        page_ids = await self._engine.call(lambda engine: self._allocate(engine, num_prompt_tokens))
+        lease = self._leases.grant(request_id, page_ids, self.config.lease_ttl_s)
+        try:
+            destination = receiver.expect(lease, num_prompt_tokens)
+        except BaseException:
+            self._leases.release(lease.lease_id)
+            self._engine.post(lambda engine: engine.free_pages(page_ids))
+            raise
+        self._entries[request_id] = _Entry(lease, receiver, num_prompt_tokens)
+        return destination
+
+    def _allocate(self, engine: Any, num_tokens: int) -> list[int]:
+        needed = -(-num_tokens // engine.config.page_size)
+        headroom = engine.num_running * self._block_pages
+        if engine.num_free_pages - needed < headroom:
+            raise ResourceExhausted(
+                f"decode pool full: {needed} pages needed, {engine.num_free_pages} free, {headroom} kept for running requests"
+            )
+        pages = engine.allocate_pages(num_tokens)
+        self._publish(engine)
+        return pages
+
+    async def decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
+                     params: SamplingParams) -> AsyncIterator[DecodeUpdate]:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.lease.lease_id != lease_id:
+            raise NotFound(f"no reservation {lease_id!r} for request {request_id}")
+        if entry.first_token is not None:
+            raise AlreadyExists(f"request {request_id} is already decoding")
+        if len(prompt_ids) != entry.num_prompt_tokens:
+            raise InvalidArgument("token_ids", f"the reservation is for {entry.num_prompt_tokens} prompt tokens, got {len(prompt_ids)}")
+        try:
+            self._leases.claim(lease_id)
+        except (UnknownTransfer, LeaseExpired) as error:
+            self._drop(request_id, entry, free=isinstance(error, LeaseExpired))
+            raise FailedPrecondition(f"lease of request {request_id}: {error}") from error
+        entry.first_token = first_token
+        entry.queue = asyncio.Queue()
+        try:
+            await asyncio.to_thread(entry.receiver.admit, request_id, self.config.admit_timeout_s)
+        except KVTransferError as error:
+            self._drop(request_id, entry, free=True)
+            raise FailedPrecondition(f"KV of request {request_id} not usable: {error}") from error
+        pages = list(entry.lease.page_ids)
+
+        def add(engine: Any) -> None:
+            engine.add_prefilled(request_id, list(prompt_ids), first_token, pages, params)
+            self._force_step = True  # emits the request even if it finished on its first token
+
+        try:
+            await self._engine.call(add)
+        except BaseException:
+            self._drop(request_id, entry, free=True)
+            raise
+        async for update in self._stream(request_id, entry):
+            yield update
+
+    async def _stream(self, request_id: str, entry: _Entry) -> AsyncIterator[DecodeUpdate]:
+        assert entry.queue is not None
+        skip_first = True
+        try:
+            while True:
+                items = [await entry.queue.get()]
+                while not entry.queue.empty():
+                    items.append(entry.queue.get_nowait())
+                for item in items:
+                    if isinstance(item, _EngineFailed):
+                        entry.done = True
+                        raise item
+                tokens: list[int] = []
+                logprobs: list[Any] = []
+                finished, reason = False, None
+                for output in items:
+                    new = list(output.new_token_ids)
+                    if skip_first and new:
+                        new, skip_first = new[1:], False  # the first token came from prefill
+                    tokens += new
+                    logprobs += list(output.logprobs or [])
+                    finished, reason = output.finished, output.finish_reason
+                entry.done = finished
+                yield DecodeUpdate(tokens, logprobs, finished, reason, steps=len(items))
+                if finished:
+                    return
+        finally:
+            self._entries.pop(request_id, None)
+            if not entry.done:  # the caller went away (cancel / release): stop generating, free the pages
+                self._engine.post(lambda engine: self._abort(engine, request_id))
+
+    def _abort(self, engine: Any, request_id: str) -> None:
+        if engine.abort(request_id):
+            self._force_step = True
+
+    def _drop(self, request_id: str, entry: _Entry, free: bool) -> None:
+        """Forgets a request that never reached the engine; free: its pages go back to the pool."""
+        self._entries.pop(request_id, None)
+        entry.receiver.cancel(request_id)
+        if free:
+            pages = list(entry.lease.page_ids)
+            self._engine.post(lambda engine: (engine.free_pages(pages), self._publish(engine)))
+
+    async def release(self, request_id: str) -> bool:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return False
+        if entry.first_token is None:  # an unclaimed lease
+            if self._leases.release(entry.lease.lease_id) is not None:
+                self._drop(request_id, entry, free=True)
+            return True
+        await self._engine.call(lambda engine: self._abort(engine, request_id))
+        return True
+
+    def release_soon(self, request_id: str) -> None:
+        """release() from a callback (e.g. when a Decode stream is cancelled)."""
+        task = asyncio.get_running_loop().create_task(self.release(request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _sweep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_sweep_interval_s)
+            for lease in self._leases.expire():
+                entry = self._entries.get(lease.request_id)
+                logger.warning("lease of request %s expired unclaimed; freeing %d pages", lease.request_id, len(lease.page_ids))
+                if entry is not None and entry.lease.lease_id == lease.lease_id:
+                    self._drop(lease.request_id, entry, free=True)
+                else:
+                    pages = list(lease.page_ids)
+                    self._engine.post(lambda engine, pages=pages: engine.free_pages(pages))
+
+
+def _build_engine(config: DecodeWorkerConfig) -> Any:
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(config.engine_config())

@@ -1,0 +1,70 @@
+"""gRPC Decode servicer: protobuf <-> DecodeService calls, nothing else."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_worker.service import DecodeService
+from kvtransfer.destination import TransportKind
+from pdserve.convert import logprob_to_proto, sampling_from_proto
+from pdserve.grpc_errors import InvalidArgument, streaming, unary
+from pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+
+
+def transport_from_proto(value: int) -> TransportKind:
+    """TRANSPORT_UNSPECIFIED means shared memory (the same-host default)."""
+    if value == kv_pb2.TRANSPORT_UNSPECIFIED:
+        return TransportKind.SHM
+    try:
+        return TransportKind(value)
+    except ValueError as error:
+        raise InvalidArgument("transport", f"unknown transport {value}") from error
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeServicer):
+    def __init__(self, service: DecodeService) -> None:
+        self._service = service
+
+    @unary
+    async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> kv_pb2.KVDestination:
+        destination = await self._service.reserve(
+            request.request_id, request.num_prompt_tokens, request.max_new_tokens, transport_from_proto(request.transport)
+        )
+        return destination.to_proto()
+
+    @streaming
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeChunk]:
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as error:
+            raise InvalidArgument("sampling", str(error)) from error
+        finished = False
+
+        def on_done(_: object) -> None:  # the stream ended without finishing (client cancel): free the request
+            if not finished:
+                self._service.release_soon(request.request_id)
+
+        context.add_done_callback(on_done)
+        updates = self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token, params)
+        async with contextlib.aclosing(updates) as stream:
+            async for update in stream:
+                finished = update.finished
+                yield worker_pb2.DecodeChunk(
+                    token_ids=update.token_ids, logprobs=[logprob_to_proto(lp) for lp in update.logprobs],
+                    finished=update.finished, finish_reason=update.finish_reason or "", decode_steps=update.steps,
+                )
+
+    @unary
+    async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
+        return worker_pb2.ReleaseResponse(found=await self._service.release(request.request_id))
+
+    @unary
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.Load:
+        load = self._service.load
+        return worker_pb2.Load(
+            free_pages=load.free_pages, total_pages=load.total_pages, running=load.running, waiting=load.waiting,
+            leases=load.leases, leased_pages=load.leased_pages, page_size=load.page_size, tp_size=load.tp_size,
+            headroom_pages=load.headroom_pages,
+        )

@@ -1,0 +1,40 @@
+"""Gateway settings, built once from the command line."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRANSPORTS = ("shm", "grpc")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """prefill / decode: worker addresses (host:port). transport: how prefill hands KV to decode
+    ("shm" needs both on one host). admission_timeout_s: how long a request waits for a decode worker
+    with room (Reserve answers RESOURCE_EXHAUSTED) before it fails with RESOURCE_EXHAUSTED."""
+
+    model_dir: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    listen: str = "127.0.0.1:50051"
+    transport: str = "shm"
+    default_max_tokens: int = 256
+    load_poll_interval_s: float = 0.2
+    worker_timeout_s: float = 2.0
+    admission_timeout_s: float = 30.0
+    cleanup_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        object.__setattr__(self, "decode", tuple(self.decode))
+        if not self.prefill or not self.decode:
+            raise ValueError("the gateway needs at least one prefill and one decode worker")
+        for address in (*self.prefill, *self.decode, self.listen):
+            if ":" not in address:
+                raise ValueError(f"worker and listen addresses must be host:port, got {address!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.default_max_tokens <= 0:
+            raise ValueError("default_max_tokens must be positive")
+        for name in ("load_poll_interval_s", "worker_timeout_s", "admission_timeout_s", "cleanup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")

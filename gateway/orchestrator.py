@@ -1,0 +1,206 @@
+"""One request's path through the workers: Reserve (decode) -> Prefill -> Decode stream, as a task that
+produces events (tokens with their text, then a finish or an error) for the servicer to send.
+
+Cleanup on every exit (finish, stop string, client cancel, Abort, error) keeps one rule: the pages of an
+unclaimed lease are released only once the prefill worker has confirmed it no longer writes them
+(its Prefill returned, or Cancel returned); if that confirmation cannot be had, the lease is left to
+expire on the decode worker, which frees it then."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.requests import GenerateJob
+from gateway.stop_strings import StopStringMatcher
+from gateway.tokenizer import TextTokenizer
+from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
+from pdserve.convert import sampling_to_proto
+from pdserve.grpc_errors import status_for
+from pdserve.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    token_ids: list[int]
+    text: str
+    logprobs: list[Any] = field(default_factory=list)  # gateway_pb2.TokenLogprob, one per token when asked
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: float
+    decode_steps: int
+    decode_tokens: int
+    stop: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    code: grpc.StatusCode
+    message: str
+
+
+class RequestRun:
+    """Runs one GenerateJob. events: an asyncio.Queue the servicer drains until a Finish/Error event."""
+
+    def __init__(self, job: GenerateJob, pool: WorkerPool, tokenizer: TextTokenizer | None,
+                 arrival: float, deadline: float | None, cleanup_timeout_s: float) -> None:
+        self.job = job
+        self._pool = pool
+        self._arrival = arrival
+        self._deadline = deadline
+        self._cleanup_timeout = cleanup_timeout_s
+        self.events: asyncio.Queue[TokensEvent | FinishEvent | ErrorEvent] = asyncio.Queue()
+        self._detok = IncrementalDetokenizer(tokenizer, job.prompt_ids, job.skip_special_tokens) if tokenizer else None
+        self._stops = StopStringMatcher(job.stop)
+        self._completion_tokens = 0
+        self._decode_steps = 0
+        self._decode_tokens = 0
+        self._ttft_ms = 0.0
+        # where the request is, for cleanup
+        self._decode: DecodeWorker | None = None
+        self._prefill: PrefillWorker | None = None
+        self._prefill_state = "none"   # none | inflight | ok | failed
+        self._decode_state = "none"    # none | reserved | streaming | finished
+        self._prefill_call: Any = None
+        self._decode_call: Any = None
+        self._cancelling = False
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._produce())
+
+    def cancel(self) -> None:
+        """Client went away or Abort: stop the work (once), clean up, end with an abort FinishEvent."""
+        if self.task is not None and not self.task.done() and not self._cancelling:
+            self._cancelling = True
+            self.task.cancel()
+
+    # --- the request path ---------------------------------------------------------------------------
+    async def _produce(self) -> None:
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            self._finish("abort")
+        except Exception as error:  # noqa: BLE001 - every failure becomes an ErrorEvent
+            code, message = status_for(error)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("request %s failed", self.job.request_id)
+            self.events.put_nowait(ErrorEvent(code, message))
+        finally:
+            try:
+                await asyncio.wait_for(self._cleanup(), self._cleanup_timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError) as error:
+                logger.warning("cleanup of request %s incomplete: %r", self.job.request_id, error)
+
+    async def _run(self) -> None:
+        job, params = self.job, self.job.params
+        if not self._pool.polled.is_set():
+            await asyncio.wait_for(self._pool.polled.wait(), remaining(self._deadline))
+        self._decode, destination = await self._pool.reserve(
+            job.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline)
+        self._decode_state = "reserved"
+        sampling = sampling_to_proto(params)
+        response = await self._run_prefill(destination, sampling)
+        self._ttft_ms = (time.perf_counter() - self._arrival) * 1000
+        first = response.first_token
+        logprobs = [response.first_logprob] if response.HasField("first_logprob") else []
+        if self._emit([first], logprobs):
+            return
+        if job.ends_on(first) or params.max_new_tokens == 1:
+            self._finish("stop" if job.ends_on(first) else "length")
+            return
+        request = worker_pb2.DecodeRequest(request_id=job.request_id, lease_id=destination.lease_id,
+                                           token_ids=job.prompt_ids, first_token=first, sampling=sampling)
+        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline))
+        self._decode_state = "streaming"
+        async for chunk in self._decode_call:
+            self._decode_steps += chunk.decode_steps
+            self._decode_tokens += len(chunk.token_ids)
+            if chunk.token_ids and self._emit(list(chunk.token_ids), list(chunk.logprobs)):
+                return
+            if chunk.finished:
+                self._decode_state = "finished"
+                self._finish(chunk.finish_reason or "stop")
+                return
+        raise ConnectionError(f"decode stream of {job.request_id} ended without finishing")
+
+    async def _run_prefill(self, destination: Any, sampling: Any) -> Any:
+        self._prefill = worker = self._pool.pick_prefill()
+        tokens = len(self.job.prompt_ids)
+        worker.state.outstanding_tokens += tokens
+        worker.state.outstanding_requests += 1
+        self._prefill_state = "inflight"
+        try:
+            self._prefill_call = worker.stub.Prefill(
+                worker_pb2.PrefillRequest(request_id=self.job.request_id, token_ids=self.job.prompt_ids,
+                                          sampling=sampling, destination=destination),
+                timeout=remaining(self._deadline))
+            response = await self._prefill_call
+        except grpc.aio.AioRpcError as error:
+            self._prefill_state = "failed"
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self._pool.mark_unreachable(worker.state, error)
+            raise
+        finally:
+            worker.state.outstanding_tokens -= tokens
+            worker.state.outstanding_requests -= 1
+        self._prefill_state = "ok"
+        return response
+
+    # --- events -------------------------------------------------------------------------------------
+    def _emit(self, token_ids: list[int], logprobs: list[Any]) -> bool:
+        """Queues tokens and their text; True when a stop string ended the output."""
+        self._completion_tokens += len(token_ids)
+        text = self._detok.add(token_ids) if self._detok is not None else ""
+        check = self._stops.feed(text)
+        self.events.put_nowait(TokensEvent(token_ids, check.text, logprobs))
+        if check.matched is not None:
+            self._finish("stop", check.matched)
+            return True
+        return False
+
+    def _finish(self, reason: str, stop: str = "") -> None:
+        if not stop and self._detok is not None:
+            tail = self._stops.feed(self._detok.flush())
+            text = tail.text + ("" if tail.matched else self._stops.flush())
+            if tail.matched:
+                reason, stop = "stop", tail.matched
+            if text:
+                self.events.put_nowait(TokensEvent([], text))
+        self.events.put_nowait(FinishEvent(
+            reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
+            self._decode_tokens, stop))
+
+    # --- cleanup ------------------------------------------------------------------------------------
+    async def _cleanup(self) -> None:
+        request_id = self.job.request_id
+        if self._prefill_state in ("inflight", "failed"):
+            assert self._prefill is not None
+            if self._prefill_call is not None:
+                self._prefill_call.cancel()
+            try:
+                await self._prefill.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
+                                                timeout=self._cleanup_timeout)
+            except grpc.aio.AioRpcError as error:
+                logger.warning("could not confirm prefill of %s stopped (%s); its lease will expire",
+                               request_id, error.code().name)
+                return
+            self._prefill_state = "failed"
+        if self._decode_state == "streaming" and self._decode_call is not None:
+            self._decode_call.cancel()
+        if self._decode_state in ("reserved", "streaming") and self._decode is not None:
+            await self._decode.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id),
+                                            timeout=self._cleanup_timeout)
+            self._decode_state = "finished"

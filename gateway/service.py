@@ -1,0 +1,62 @@
+"""The gateway's request handling, independent of gRPC: validate and start runs, abort them, model info."""
+from __future__ import annotations
+
+import logging
+
+from gateway.config import GatewayConfig
+from gateway.model_info import ModelFacts
+from gateway.orchestrator import RequestRun
+from gateway.requests import parse_generate_request
+from gateway.tokenizer import TextTokenizer
+from gateway.workers import WorkerPool
+from pdserve.grpc_errors import AlreadyExists
+from pdserve.v1 import gateway_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig, facts: ModelFacts, tokenizer: TextTokenizer | None, pool: WorkerPool) -> None:
+        self.config = config
+        self.facts = facts
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self._runs: dict[str, RequestRun] = {}
+
+    def submit(self, request: gateway_pb2.GenerateRequest, both_inputs: bool, arrival: float,
+               deadline: float | None) -> RequestRun:
+        """Validates (InvalidArgument naming the field) and starts the request."""
+        job = parse_generate_request(request, self.facts, self.tokenizer, self.config.default_max_tokens, both_inputs)
+        if job.request_id in self._runs:
+            raise AlreadyExists(f"request_id: {job.request_id!r} is already running")
+        run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s)
+        self._runs[job.request_id] = run
+        run.start()
+        assert run.task is not None
+        run.task.add_done_callback(lambda _: self._forget(run))
+        return run
+
+    def _forget(self, run: RequestRun) -> None:
+        if self._runs.get(run.job.request_id) is run:
+            del self._runs[run.job.request_id]
+
+    def abort(self, request_id: str) -> bool:
+        run = self._runs.get(request_id)
+        if run is None:
+            return False
+        logger.info("abort requested for %s", request_id)
+        run.cancel()
+        return True
+
+    @property
+    def num_running(self) -> int:
+        return len(self._runs)
+
+    def model_info(self) -> gateway_pb2.ModelInfo:
+        facts = self.facts
+        return gateway_pb2.ModelInfo(
+            model=facts.name, vocab_size=facts.vocab_size, max_context=facts.max_context,
+            eos_token_ids=list(facts.eos_token_ids), default_max_tokens=self.config.default_max_tokens,
+            num_prefill_workers=len(self.config.prefill), num_decode_workers=len(self.config.decode),
+            has_tokenizer=self.tokenizer is not None,
+        )

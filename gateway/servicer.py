@@ -1,0 +1,82 @@
+"""gRPC Gateway servicer: protobuf <-> GatewayService / RequestRun events, nothing else.
+
+Generate is registered with a raw-bytes deserializer (gateway.wire) so that a request setting both
+members of the input oneof can be rejected."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
+from gateway.service import GatewayService
+from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
+from pdserve.grpc_errors import streaming, unary
+from pdserve.v1 import gateway_pb2
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+FINISH_REASONS = {"stop": gateway_pb2.Complete.STOP, "length": gateway_pb2.Complete.LENGTH,
+                  "abort": gateway_pb2.Complete.ABORT}
+
+
+def complete_message(event: FinishEvent) -> gateway_pb2.Complete:
+    mean = event.decode_tokens / event.decode_steps if event.decode_steps else 0.0
+    return gateway_pb2.Complete(
+        finish_reason=FINISH_REASONS.get(event.reason, gateway_pb2.Complete.FINISH_REASON_UNSPECIFIED),
+        usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+        ttft_ms=event.ttft_ms, stop=event.stop,
+        acceptance=gateway_pb2.AcceptanceStats(mean_accepted_tokens=mean, verify_steps=event.decode_steps),
+    )
+
+
+class GatewayServicer:
+    def __init__(self, service: GatewayService) -> None:
+        self._service = service
+
+    @streaming
+    async def Generate(self, wire: WireGenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        arrival = time.perf_counter()
+        left = context.time_remaining()
+        deadline = None if left is None else time.monotonic() + left
+        run = self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
+        context.add_done_callback(lambda _: run.cancel())  # client gone: abort on every worker
+        request_id = run.job.request_id
+        try:
+            while True:
+                event = await run.events.get()
+                if isinstance(event, TokensEvent):
+                    yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(
+                        token_ids=event.token_ids, text=event.text, logprobs=event.logprobs))
+                elif isinstance(event, FinishEvent):
+                    yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete_message(event))
+                    return
+                elif isinstance(event, ErrorEvent):
+                    yield gateway_pb2.GenerateResponse(request_id=request_id, error=gateway_pb2.Error(
+                        code=event.code.value[0], message=event.message))
+                    await context.abort(event.code, event.message)
+        finally:
+            run.cancel()
+
+    @unary
+    async def Abort(self, request: gateway_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.AbortResponse:
+        return gateway_pb2.AbortResponse(found=self._service.abort(request.request_id))
+
+    @unary
+    async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ModelInfo:
+        return self._service.model_info()
+
+
+def add_gateway_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=parse_generate_request_bytes,
+            response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=gateway_pb2.AbortRequest.FromString,
+            response_serializer=gateway_pb2.AbortResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=gateway_pb2.GetModelInfoRequest.FromString,
+            response_serializer=gateway_pb2.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -1,0 +1,164 @@
+"""The gateway's view of its workers: one channel per worker, load polling, health, routing, and the
+Reserve call with its retry policy."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
+from pdserve.grpc_errors import ResourceExhausted, Unavailable
+from pdserve.serving import CHANNEL_OPTIONS
+from pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}
+
+
+@dataclass
+class PrefillWorker:
+    state: PrefillState
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.PrefillStub
+
+
+@dataclass
+class DecodeWorker:
+    state: DecodeState
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.DecodeStub
+
+
+def remaining(deadline: float | None, floor: float = 0.001) -> float | None:
+    """Seconds left until a time.monotonic() deadline (None: no deadline)."""
+    return None if deadline is None else max(floor, deadline - time.monotonic())
+
+
+class WorkerPool:
+    def __init__(self, config: GatewayConfig, on_health: Callable[[bool], None] | None = None) -> None:
+        self.config = config
+        self.prefill = [self._prefill(address) for address in config.prefill]
+        self.decode = [self._decode(address) for address in config.decode]
+        self._prefill_router = PrefillRouter()
+        self._decode_router = DecodeRouter()
+        self._on_health = on_health
+        self._poller: asyncio.Task[None] | None = None
+        self.healthy = False
+        self.polled = asyncio.Event()  # set after the first polling round
+
+    @staticmethod
+    def _prefill(address: str) -> PrefillWorker:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return PrefillWorker(PrefillState(address, healthy=False), channel, worker_pb2_grpc.PrefillStub(channel))
+
+    @staticmethod
+    def _decode(address: str) -> DecodeWorker:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return DecodeWorker(DecodeState(address, healthy=False), channel, worker_pb2_grpc.DecodeStub(channel))
+
+    # --- polling and health -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for worker in (*self.prefill, *self.decode):
+            await worker.channel.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.config.load_poll_interval_s)
+
+    async def poll_once(self) -> None:
+        request = worker_pb2.GetLoadRequest()
+        timeout = self.config.worker_timeout_s
+
+        async def prefill(worker: PrefillWorker) -> None:
+            try:
+                await worker.stub.GetLoad(request, timeout=timeout)
+                self._mark(worker.state, True)
+            except grpc.aio.AioRpcError as error:
+                self._mark(worker.state, False, error)
+
+        async def decode(worker: DecodeWorker) -> None:
+            try:
+                load = await worker.stub.GetLoad(request, timeout=timeout)
+            except grpc.aio.AioRpcError as error:
+                self._mark(worker.state, False, error)
+                return
+            state = worker.state
+            state.free_pages = max(0, load.free_pages - load.headroom_pages)
+            state.total_pages, state.running, state.page_size = load.total_pages, load.running, load.page_size or 16
+            self._mark(state, True)
+
+        await asyncio.gather(*map(prefill, self.prefill), *map(decode, self.decode))
+        self._update_health()
+        self.polled.set()
+
+    def _mark(self, state: PrefillState | DecodeState, healthy: bool, error: grpc.aio.AioRpcError | None = None) -> None:
+        if state.healthy != healthy:
+            if healthy:
+                logger.info("worker %s is reachable", state.address)
+            else:
+                logger.warning("worker %s is unreachable: %s", state.address, error.code().name if error else "?")
+        state.healthy = healthy
+
+    def mark_unreachable(self, state: PrefillState | DecodeState, error: grpc.aio.AioRpcError) -> None:
+        self._mark(state, False, error)
+        self._update_health()
+
+    def _update_health(self) -> None:
+        healthy = all(w.state.healthy for w in (*self.prefill, *self.decode))
+        if healthy != self.healthy:
+            self.healthy = healthy
+            if self._on_health is not None:
+                self._on_health(healthy)
+
+    # --- routing ------------------------------------------------------------------------------------
+    def pick_prefill(self) -> PrefillWorker:
+        order = self._prefill_router.rank([w.state for w in self.prefill])
+        if not order:
+            raise Unavailable("no reachable prefill worker")
+        return self.prefill[order[0]]
+
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
+                      deadline: float | None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
+        """Reserve on the best decode worker; on RESOURCE_EXHAUSTED tries the others, then waits and retries
+        until the admission timeout (or the request's deadline)."""
+        request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
+                                            max_new_tokens=max_new_tokens, transport=TRANSPORT_VALUES[self.config.transport])
+        give_up = time.monotonic() + self.config.admission_timeout_s
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        backoff, last = 0.005, "no decode worker"
+        while True:
+            order = self._decode_router.rank([w.state for w in self.decode], num_prompt_tokens)
+            if not order:
+                raise Unavailable("no reachable decode worker")
+            for index in order:
+                worker = self.decode[index]
+                try:
+                    destination = await worker.stub.Reserve(request, timeout=remaining(deadline))
+                except grpc.aio.AioRpcError as error:
+                    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        last = error.details() or "full"
+                        worker.state.free_pages = 0  # until the next poll says otherwise
+                        continue
+                    if error.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.mark_unreachable(worker.state, error)
+                        continue
+                    raise
+                worker.state.free_pages = max(0, worker.state.free_pages - len(destination.page_ids))
+                worker.state.running += 1
+                return worker, destination
+            if time.monotonic() >= give_up:
+                raise ResourceExhausted(f"no decode worker has room for the request: {last}")
+            await asyncio.sleep(min(backoff, max(0.0, give_up - time.monotonic())))
+            backoff = min(backoff * 2, 0.1)

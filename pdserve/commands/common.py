@@ -1,0 +1,46 @@
+"""Flags and helpers shared by the service commands (gateway, prefill, decode, up)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = str(Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny")
+DEFAULT_GATEWAY = "127.0.0.1:50051"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL_DIR, help="model directory (default: the embedded pdserve-tiny)")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int) -> None:
+    """The engine flags of a worker (prefill and decode take the same ones)."""
+    add_model_arguments(parser)
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (processes) of this worker")
+    parser.add_argument("--attention-backend", default="auto", help="auto | torch | triton | aiter")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model directory (default: the model's draft/ folder if present; '' disables)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--kv-memory-mb", type=int, default=default_memory_mb, help="KV pool size per rank (MiB)")
+    parser.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk size (tokens per forward)")
+    parser.add_argument("--spec-block-size", type=int, default=8, help="largest speculative block size")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)  # written with the bound address
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The engine flags as keyword arguments of the worker configs."""
+    return dict(
+        model_dir=args.model, tp_size=args.tp_size, attention_backend=args.attention_backend,
+        draft_model_dir=args.draft_model, dtype=args.dtype, page_size=args.page_size,
+        kv_memory_bytes=args.kv_memory_mb * 2**20, max_batched_tokens=args.max_batched_tokens,
+        spec_block_size=args.spec_block_size, num_threads=args.num_threads,
+    )
+
+
+def fail(prog: str, message: object, code: int = 2) -> int:
+    """One line on stderr, no traceback; returns the exit code."""
+    sys.stderr.write(f"pdserve {prog}: error: {' '.join(str(message).split())}\n")
+    sys.stderr.flush()
+    return code

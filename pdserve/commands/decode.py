@@ -1,0 +1,31 @@
+"""`pdserve decode`: run one decode worker (its page pool in shared memory; TP followers are child processes)."""
+from __future__ import annotations
+
+import argparse
+
+from pdserve.commands.common import add_engine_arguments, engine_kwargs, fail
+from pdserve.logging_setup import configure_logging
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:50071", help="host:port to serve on (port 0: any free port)")
+    add_engine_arguments(parser, default_memory_mb=512)
+    parser.add_argument("--max-running", type=int, default=64, help="most requests decoding at once")
+    parser.add_argument("--lease-ttl", type=float, default=60.0, help="seconds a reservation waits for its Decode call")
+    parser.add_argument("--advertise", default=None, help="host:port prefill workers push KV to (grpc transport)")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("decode", 0, args.log_level)
+    from decode_worker.config import DecodeWorkerConfig
+    from decode_worker.server import serve
+    from pdserve import serving
+
+    try:
+        config = DecodeWorkerConfig(listen=args.listen, max_running=args.max_running, lease_ttl_s=args.lease_ttl,
+                                    advertise_address=args.advertise, **engine_kwargs(args))
+        config.engine_config()
+    except ValueError as error:
+        return fail("decode", error)
+    serving.run(lambda: serve(config, ready_file=args.ready_file))
+    return 0

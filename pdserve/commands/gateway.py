@@ -1,0 +1,36 @@
+"""`pdserve gateway`: run the public gateway in front of running prefill and decode workers."""
+from __future__ import annotations
+
+import argparse
+
+from pdserve.commands.common import DEFAULT_GATEWAY, add_model_arguments, fail
+from pdserve.logging_setup import configure_logging
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default=DEFAULT_GATEWAY, help=f"host:port to serve on (default {DEFAULT_GATEWAY})")
+    parser.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT", help="a prefill worker (repeat for more)")
+    parser.add_argument("--decode", action="append", required=True, metavar="HOST:PORT", help="a decode worker (repeat for more)")
+    add_model_arguments(parser)
+    parser.add_argument("--transport", choices=("shm", "grpc"), default="shm",
+                        help="KV handoff: shm (same host) or grpc (any host)")
+    parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request leaves it unset")
+    parser.add_argument("--admission-timeout", type=float, default=30.0,
+                        help="seconds a request waits for decode room before RESOURCE_EXHAUSTED")
+    parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("gateway", 0, args.log_level)
+    from gateway.config import GatewayConfig
+    from gateway.server import serve
+    from pdserve import serving
+
+    try:
+        config = GatewayConfig(model_dir=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
+                               listen=args.listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
+                               admission_timeout_s=args.admission_timeout)
+    except ValueError as error:
+        return fail("gateway", error)
+    serving.run(lambda: serve(config, ready_file=args.ready_file))
+    return 0

@@ -1,0 +1,28 @@
+"""`pdserve prefill`: run one prefill worker (its TP follower ranks are child processes)."""
+from __future__ import annotations
+
+import argparse
+
+from pdserve.commands.common import add_engine_arguments, engine_kwargs, fail
+from pdserve.logging_setup import configure_logging
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on (port 0: any free port)")
+    add_engine_arguments(parser, default_memory_mb=256)
+    parser.add_argument("--batch-tokens", type=int, default=8192, help="prompt tokens taken into one prefill step")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("prefill", 0, args.log_level)
+    from pdserve import serving
+    from prefill_worker.config import PrefillWorkerConfig
+    from prefill_worker.server import serve
+
+    try:
+        config = PrefillWorkerConfig(listen=args.listen, batch_tokens=args.batch_tokens, **engine_kwargs(args))
+        config.engine_config()
+    except ValueError as error:
+        return fail("prefill", error)
+    serving.run(lambda: serve(config, ready_file=args.ready_file))
+    return 0

@@ -1,0 +1,74 @@
+"""`pdserve up`: launch decode, prefill and gateway processes on this machine and keep them running
+until Ctrl-C / SIGTERM (then stop all of them: no orphan process, nothing left in /dev/shm)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_MODEL_DIR, fail
+from pdserve.logging_setup import configure_logging
+
+logger = logging.getLogger("pdserve.up")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL_DIR, help="model directory (default: the embedded pdserve-tiny)")
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode workers")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks per prefill worker")
+    parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks per decode worker")
+    parser.add_argument("--listen", default=DEFAULT_GATEWAY, help=f"gateway address (default {DEFAULT_GATEWAY})")
+    parser.add_argument("--attention-backend", default="auto", help="auto | torch | triton | aiter")
+    parser.add_argument("--transport", choices=("shm", "grpc"), default="shm", help="KV handoff between the workers")
+    parser.add_argument("--draft-model", default=None, help="draft directory ('' disables speculative decoding)")
+    parser.add_argument("--kv-memory-mb", type=int, default=None, help="KV pool per decode rank (MiB)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker rank")
+    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for everything to be healthy")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("up", 0, args.log_level)
+    from pdserve.launcher import Cluster, ClusterSpec
+
+    worker_args: tuple[str, ...] = ()
+    if args.num_threads is not None:
+        worker_args += ("--num-threads", str(args.num_threads))
+    decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
+    try:
+        spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
+                           prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen,
+                           attention_backend=args.attention_backend, transport=args.transport,
+                           draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args,
+                           log_level=args.log_level)
+    except ValueError as error:
+        return fail("up", error)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    cluster = Cluster(spec)
+    try:
+        address = cluster.start(args.start_timeout)
+    except (RuntimeError, TimeoutError) as error:
+        return fail("up", error, 1)
+    sys.stdout.write(
+        f"pdserve is up: gateway {address} ({spec.num_prefill} prefill x TP{spec.prefill_tp}, "
+        f"{spec.num_decode} decode x TP{spec.decode_tp}, {spec.transport} transport, model {spec.model_dir})\n"
+        f"try:  pdserve generate --gateway {address} \"def fibonacci(n):\" --max-tokens 64\n"
+        "Ctrl-C stops everything.\n")
+    sys.stdout.flush()
+    code = 0
+    try:
+        while not stop.wait(0.5):
+            dead = cluster.dead_children()
+            if dead:
+                logger.error("%s exited unexpectedly (code %s); stopping everything", dead[0].role, dead[0].process.returncode)
+                code = 1
+                break
+    finally:
+        logger.info("stopping all services")
+        cluster.stop()
+        logger.info("all services stopped")
+    return code

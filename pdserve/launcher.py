@@ -1,0 +1,192 @@
+"""Starting and stopping a whole pdserve deployment on this machine: decode worker(s), prefill worker(s),
+then the gateway, each a child process in its own process group (so its TP follower ranks go with it).
+
+Ports: workers listen on port 0 and report their bound address through a ready file; the gateway is
+started with those addresses. Stop: SIGTERM to each leader (gateway, prefill, decode, in that order) so
+it shuts down gracefully, then SIGKILL to whatever is left in its group, then stale shared-memory
+segments of dead owners are removed."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_dir: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    listen: str = "127.0.0.1:50051"
+    attention_backend: str = "auto"
+    transport: str = "shm"
+    draft_model: str | None = None  # None: the model's draft/ folder if present; "": none
+    worker_args: tuple[str, ...] = ()   # extra flags for both workers (e.g. --kv-memory-mb 64)
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.transport not in ("shm", "grpc"):
+            raise ValueError(f"transport must be shm or grpc, got {self.transport!r}")
+        if not Path(self.model_dir, "config.json").is_file():
+            raise ValueError(f"model directory {self.model_dir!r} has no config.json")
+
+
+@dataclass
+class Child:
+    role: str
+    process: subprocess.Popen[bytes]
+    ready_file: Path
+    address: str = ""
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def _die_with_parent() -> None:
+    """preexec: the child gets SIGTERM if the launcher dies (Linux), so nothing is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Cluster:
+    spec: ClusterSpec
+    log_dir: Path | None = None  # children's output goes to <log_dir>/<role>.log; None: inherit
+    children: list[Child] = field(default_factory=list)
+    gateway_address: str = ""
+
+    def __post_init__(self) -> None:
+        self._run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self._logs: list[IO[bytes]] = []
+
+    def _spawn(self, role: str, name: str, args: list[str]) -> Child:
+        ready = self._run_dir / f"{name}.addr"
+        command = [sys.executable, "-m", "pdserve.cli", "--log-level", self.spec.log_level, role, *args,
+                   "--ready-file", str(ready)]
+        output: IO[bytes] | None = None
+        if self.log_dir is not None:
+            output = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+            self._logs.append(output)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
+                                   start_new_session=True, preexec_fn=_die_with_parent)
+        child = Child(name, process, ready)
+        self.children.append(child)
+        logger.info("started %s (pid %d)", name, process.pid)
+        return child
+
+    def _worker_args(self, tp: int, extra: tuple[str, ...]) -> list[str]:
+        args = ["--listen", "127.0.0.1:0", "--model", self.spec.model_dir, "--tp-size", str(tp),
+                "--attention-backend", self.spec.attention_backend, *self.spec.worker_args, *extra]
+        if self.spec.draft_model is not None:
+            args += ["--draft-model", self.spec.draft_model]
+        return args
+
+    def _wait_ready(self, children: list[Child], deadline: float) -> None:
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                if child.ready_file.exists():
+                    child.address = child.ready_file.read_text().strip()
+                    pending.remove(child)
+                elif not child.alive:
+                    raise RuntimeError(f"{child.role} exited with code {child.process.returncode} before it was ready")
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(c.role for c in pending)} not ready in time")
+            time.sleep(0.05)
+
+    def start(self, timeout_s: float = 600.0) -> str:
+        """Launches everything and waits until the gateway reports SERVING; returns its address.
+        On failure everything started is stopped and the error re-raised."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(self.spec.decode_tp, self.spec.decode_args))
+                      for i in range(self.spec.num_decode)]
+            prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(self.spec.prefill_tp, self.spec.prefill_args))
+                       for i in range(self.spec.num_prefill)]
+            self._wait_ready(decode + prefill, deadline)
+            args = ["--listen", self.spec.listen, "--model", self.spec.model_dir, "--transport", self.spec.transport]
+            for child in prefill:
+                args += ["--prefill", child.address]
+            for child in decode:
+                args += ["--decode", child.address]
+            gateway = self._spawn("gateway", "gateway", args + list(self.spec.gateway_args))
+            self._wait_ready([gateway], deadline)
+            self.gateway_address = gateway.address
+            self._wait_serving(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self.gateway_address
+
+    def _wait_serving(self, deadline: float) -> None:
+        from pdserve.healthcheck import check
+
+        status = ""
+        while time.monotonic() < deadline:
+            serving, status = check(self.gateway_address, timeout=2.0)
+            if serving:
+                return
+            dead = self.dead_children()
+            if dead:
+                raise RuntimeError(f"{dead[0].role} exited with code {dead[0].process.returncode}")
+            time.sleep(0.1)
+        raise TimeoutError(f"gateway at {self.gateway_address} not SERVING in time ({status})")
+
+    def dead_children(self) -> list[Child]:
+        return [child for child in self.children if not child.alive]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Gateway first, then prefill, then decode: SIGTERM, wait, SIGKILL the group. Idempotent."""
+        order = {"gateway": 0, "prefill": 1, "decode": 2}
+        for child in sorted(self.children, key=lambda c: order.get(c.role.split("-")[0], 3)):
+            if child.alive:
+                child.process.send_signal(signal.SIGTERM)
+                try:
+                    child.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop within %.0f s; killing it", child.role, timeout_s)
+            self._kill_group(child)
+        self.children.clear()
+        for handle in self._logs:
+            handle.close()
+        self._logs.clear()
+        from kvtransfer.shm_pool import cleanup_stale_segments
+
+        cleanup_stale_segments()
+        for path in self._run_dir.glob("*"):
+            path.unlink(missing_ok=True)
+        if self._run_dir.exists():
+            self._run_dir.rmdir()
+
+    @staticmethod
+    def _kill_group(child: Child) -> None:
+        try:
+            os.killpg(child.process.pid, signal.SIGKILL)  # the leader's pid is its group id
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            child.process.wait(5)
+        except subprocess.TimeoutExpired:
+            logger.error("%s (pid %d) survived SIGKILL", child.role, child.process.pid)

@@ -1,0 +1,51 @@
+"""Getting a prefilled prompt's KV to its destination, after engine.prefill ran.
+
+shm:  the engine already wrote the pages in place into the decode pools (pool_names); here we only make
+      every decode rank's pool hold them (copying when decode has more TP ranks than prefill) and write
+      each rank's completion record (checksum over the pages).
+grpc: the engine wrote into its own local pages; their copies are streamed to every decode rank."""
+from __future__ import annotations
+
+import torch
+
+from kvtransfer.destination import Destination
+from kvtransfer.layout import SegmentKind
+from kvtransfer.shm_transport import ShmWriter
+from kvtransfer.transport import KVWriter
+
+
+def prefill_pool_names(destination: Destination, prefill_tp: int) -> tuple[str, ...]:
+    """The pool each prefill rank writes: decode rank r's for r < decode TP; extra prefill ranks
+    rewrite a decode rank's pool with the same (replicated MLA latent) bytes."""
+    targets = destination.targets
+    return tuple(targets[rank % len(targets)] for rank in range(prefill_tp))
+
+
+def finish_shm(writer: ShmWriter, destination: Destination, prefill_tp: int) -> int:
+    """Completes an in-place shm write on every decode rank; returns bytes covered."""
+    total = 0
+    for rank in range(destination.num_ranks):
+        if rank < prefill_tp:
+            handle = writer.open(destination, rank, in_place=True)
+        else:  # a decode rank no prefill rank wrote: copy rank 0's pages into it
+            source = writer.pool(destination.target(0)).cache
+            handle = writer.open(destination, rank)
+            pages = torch.tensor(destination.page_ids, dtype=torch.int64)
+            for kind, layer in handle.layout.segments():
+                data = source.layer(layer) if kind == SegmentKind.TARGET else source.draft_layer(layer)
+                handle.write_pages(kind, layer, 0, data.index_select(0, pages))
+        total += handle.finish().bytes
+    return total
+
+
+def push_pages(writer: KVWriter, destination: Destination, target: torch.Tensor, draft: torch.Tensor | None) -> int:
+    """Sends page copies to every decode rank. target: [layers, pages, page_size, D];
+    draft: [draft_layers, pages, page_size, Dd] or None. Returns bytes sent."""
+    total = 0
+    for rank in range(destination.num_ranks):
+        with writer.open(destination, rank) as handle:
+            for kind, layer in handle.layout.segments():
+                data = target[layer] if kind == SegmentKind.TARGET else draft[layer]  # type: ignore[index]
+                handle.write_pages(kind, layer, 0, data.contiguous())
+            total += handle.finish().bytes
+    return total

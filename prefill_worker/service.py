@@ -1,0 +1,258 @@
+"""The prefill worker's request handling, independent of gRPC.
+
+prefill() queues a job; the engine thread takes queued jobs in arrival order up to `batch_tokens` prompt
+tokens and runs them in one engine.prefill call (chunked inside the engine), writing KV straight into the
+decode pools (shm) or into local pages (grpc). The KV export (completion records / push) then runs off
+the engine thread, so the next batch can start. cancel() drops a queued job, or waits until a running
+one has stopped touching its destination pages."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.grpc_transport import GrpcWriter
+from kvtransfer.shm_transport import ShmWriter
+from pdserve.engine_thread import EngineThread
+from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    first_token: int
+    first_logprob: Any  # engine TokenLogprob or None
+    num_prompt_tokens: int
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+
+
+@dataclass
+class _Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    destination: Destination
+    future: asyncio.Future[Any]
+    arrival: float = field(default_factory=time.perf_counter)
+    state: str = "queued"  # queued -> running -> done | dropped
+    started: float = 0.0
+    local_pages: list[int] = field(default_factory=list)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: bool = False
+    task: asyncio.Task[Any] | None = None
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """What the engine thread hands back: the result and, for grpc, the page copies to push."""
+
+    result: Any
+    prefill_ms: float
+    pages: tuple[Any, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PrefillLoadSnapshot:
+    queued_requests: int
+    queued_tokens: int
+    tp_size: int
+
+
+class PrefillService:
+    def __init__(self, config: PrefillWorkerConfig, engine_factory: Callable[[], Any] | None = None) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._jobs: dict[str, _Job] = {}
+        factory = engine_factory or (lambda: _build_engine(config))
+        self._engine: EngineThread[Any] = EngineThread(factory, self._work, name="prefill-engine")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine: Any = None
+        self._shm: ShmWriter | None = None
+        self._grpc: GrpcWriter | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.engine = await asyncio.to_thread(self._engine.start)
+        self._shm = ShmWriter(self.engine.layout)
+        self._grpc = GrpcWriter(self.engine.layout)
+
+    async def stop(self) -> None:
+        with self._lock:
+            queued, self._queue = list(self._queue), collections.deque()
+        for job in queued:
+            job.state = "dropped"
+            _resolve(job.future, Unavailable("prefill worker shutting down"))
+        await asyncio.to_thread(self._engine.stop)
+        for writer in (self._shm, self._grpc):
+            if writer is not None:
+                writer.close()
+
+    @property
+    def load(self) -> PrefillLoadSnapshot:
+        with self._lock:
+            return PrefillLoadSnapshot(len(self._queue), sum(len(job.prompt_ids) for job in self._queue),
+                                       self.config.tp_size)
+
+    # --- requests -----------------------------------------------------------------------------------
+    def _check(self, request_id: str, prompt_ids: list[int], destination: Destination) -> None:
+        if not request_id:
+            raise InvalidArgument("request_id", "is empty")
+        if request_id in self._jobs:
+            raise AlreadyExists(f"request {request_id} is already being prefilled here")
+        if destination.request_id != request_id:
+            raise InvalidArgument("destination.request_id", f"{destination.request_id!r} is not {request_id!r}")
+        if destination.transport not in (TransportKind.SHM, TransportKind.GRPC):
+            raise FailedPrecondition(f"transport {destination.transport.name} is not supported by this prefill worker")
+        if destination.num_tokens != len(prompt_ids):
+            raise InvalidArgument("destination.num_tokens", f"{destination.num_tokens} != prompt length {len(prompt_ids)}")
+        destination.check_against(self.engine.layout, f"prefill of request {request_id}")
+        destination.check_lease()
+        self.engine.validate_prompt(prompt_ids)
+
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      destination: Destination) -> PrefillOutcome:
+        self._check(request_id, prompt_ids, destination)
+        assert self._loop is not None
+        job = _Job(request_id, list(prompt_ids), params, destination, self._loop.create_future())
+        self._jobs[request_id] = job
+        with self._lock:
+            self._queue.append(job)
+        self._engine.wake()
+        job.task = self._loop.create_task(self._complete(job))
+        try:
+            return await asyncio.shield(job.task)  # a cancelled RPC must not interrupt a running job
+        except asyncio.CancelledError:
+            job.cancelled = True
+            self._drop_if_queued(job)
+            raise
+
+    async def _complete(self, job: _Job) -> PrefillOutcome:
+        """Waits for the engine, then exports the KV (skipped when the request was cancelled meanwhile)."""
+        try:
+            computed = await job.future
+            started = time.perf_counter()
+            if job.cancelled:
+                raise asyncio.CancelledError()
+            if job.destination.transport == TransportKind.SHM:
+                await asyncio.to_thread(finish_shm, self._shm, job.destination, self.config.tp_size)
+            else:
+                target, draft = computed.pages
+                await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft)
+            transfer_ms = (time.perf_counter() - started) * 1000
+            result = computed.result
+            return PrefillOutcome(result.first_token, result.first_logprobs, result.num_prompt_tokens,
+                                  (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_ms)
+        finally:
+            self._jobs.pop(job.request_id, None)
+            job.finished.set()
+
+    def _drop_if_queued(self, job: _Job) -> bool:
+        with self._lock:
+            if job.state != "queued":
+                return False
+            job.state = "dropped"
+            self._queue.remove(job)
+        job.future.cancel()
+        return True
+
+    async def cancel(self, request_id: str) -> bool:
+        """True: dropped before it ran. False: it had started (this waited until it stopped writing) or
+        is unknown. Either way the destination pages are not touched after this returns."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return False
+        job.cancelled = True
+        dropped = self._drop_if_queued(job)
+        await job.finished.wait()
+        return dropped
+
+    # --- engine thread --------------------------------------------------------------------------------
+    def _take_batch(self) -> list[_Job]:
+        batch: list[_Job] = []
+        tokens = 0
+        with self._lock:
+            while self._queue and (not batch or tokens + len(self._queue[0].prompt_ids) <= self.config.batch_tokens):
+                job = self._queue.popleft()
+                job.state, job.started = "running", time.perf_counter()
+                batch.append(job)
+                tokens += len(job.prompt_ids)
+        return batch
+
+    def _work(self, engine: Any) -> bool:
+        from engine.llm_engine import PrefillJob
+
+        batch = self._take_batch()
+        if not batch:
+            return False
+        runnable, engine_jobs = [], []
+        for job in batch:
+            try:
+                job.destination.check_lease()
+                if job.destination.transport == TransportKind.SHM:
+                    pages, pools = list(job.destination.page_ids), prefill_pool_names(job.destination, engine.config.tp_size)
+                else:
+                    job.local_pages = engine.allocate_pages(len(job.prompt_ids))
+                    pages, pools = job.local_pages, None
+            except Exception as error:  # noqa: BLE001 - reported on the job's RPC
+                self._fail(job, error)
+                continue
+            runnable.append(job)
+            engine_jobs.append(PrefillJob(job.request_id, job.prompt_ids, job.params, pages, pools))
+        if not runnable:
+            return True
+        started = time.perf_counter()
+        try:
+            results = engine.prefill(engine_jobs)
+        except Exception as error:  # noqa: BLE001
+            logger.exception("prefill of %d prompts failed", len(runnable))
+            for job in runnable:
+                self._free_local(engine, job)
+                self._fail(job, error)
+            return True
+        prefill_ms = (time.perf_counter() - started) * 1000
+        for job, result in zip(runnable, results):
+            pages = None
+            if job.local_pages:
+                pages = engine.read_pages(job.local_pages)
+                self._free_local(engine, job)
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(_resolve, job.future, _Computed(result, prefill_ms, pages))
+        return True
+
+    @staticmethod
+    def _free_local(engine: Any, job: _Job) -> None:
+        if job.local_pages:
+            engine.free_pages(job.local_pages)
+            job.local_pages = []
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(_resolve, job.future, error)
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+
+
+def _build_engine(config: PrefillWorkerConfig) -> Any:
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(config.engine_config())

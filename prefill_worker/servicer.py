@@ -1,0 +1,47 @@
+"""gRPC Prefill servicer: protobuf <-> PrefillService calls, nothing else."""
+from __future__ import annotations
+
+import grpc
+
+from kvtransfer.destination import Destination
+from pdserve.convert import logprob_to_proto, sampling_from_proto
+from pdserve.grpc_errors import InvalidArgument, unary
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from prefill_worker.service import PrefillService
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServicer):
+    def __init__(self, service: PrefillService) -> None:
+        self._service = service
+
+    @unary
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as error:
+            raise InvalidArgument("sampling", str(error)) from error
+        if not request.HasField("destination"):
+            raise InvalidArgument("destination", "is required")
+        try:
+            destination = Destination.from_proto(request.destination)
+        except ValueError as error:
+            raise InvalidArgument("destination", str(error)) from error
+        outcome = await self._service.prefill(request.request_id, list(request.token_ids), params, destination)
+        response = worker_pb2.PrefillResponse(
+            first_token=outcome.first_token, num_prompt_tokens=outcome.num_prompt_tokens,
+            timing=worker_pb2.PrefillTiming(queue_ms=outcome.queue_ms, prefill_ms=outcome.prefill_ms,
+                                            transfer_ms=outcome.transfer_ms),
+        )
+        if outcome.first_logprob is not None:
+            response.first_logprob.CopyFrom(logprob_to_proto(outcome.first_logprob))
+        return response
+
+    @unary
+    async def Cancel(self, request: worker_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> worker_pb2.CancelResponse:
+        return worker_pb2.CancelResponse(dropped=await self._service.cancel(request.request_id))
+
+    @unary
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillLoad:
+        load = self._service.load
+        return worker_pb2.PrefillLoad(queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
+                                      tp_size=load.tp_size)
