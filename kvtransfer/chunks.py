@@ -1,0 +1,163 @@
+"""KVChunk framing for the gRPC transport: cutting a request's pages into <= 1 MiB chunks, and a wire codec
+that keeps the payload out of protobuf (no copies into / out of message objects).
+
+On the wire a chunk is an ordinary serialized KVChunk: the small header fields, then field 10 (payload)
+appended by hand. encode_chunk joins header and payload pieces (views of the pages) in one copy;
+decode_chunk parses the header with protobuf and returns the payload as a view of the received bytes.
+Any standard KVChunk encoding decodes, so the generated stub works as a client too.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+from kvtransfer.checksum import DEFAULT_ALGORITHM, Algorithm, Hasher, digest
+from kvtransfer.destination import Destination
+from kvtransfer.layout import KVLayout, SegmentKind
+from pdserve.v1 import kv_pb2
+
+MAX_CHUNK_BYTES = 1 << 20  # well under gRPC's 4 MiB default message limit, whatever the prompt length
+PAYLOAD_FIELD = kv_pb2.KVChunk.DESCRIPTOR.fields_by_name["payload"].number
+_PAYLOAD_KEY = bytes([PAYLOAD_FIELD << 3 | 2])  # field number, wire type 2 (length-delimited)
+
+
+class WireChunk(NamedTuple):
+    """header: a KVChunk without payload; payload: the bytes, as one buffer or a list of pieces."""
+
+    header: kv_pb2.KVChunk
+    payload: object
+
+    @property
+    def pieces(self) -> list:
+        return self.payload if isinstance(self.payload, list) else [self.payload]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buffer: memoryview, position: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = buffer[position]
+        position += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, position
+        shift += 7
+        if shift > 63:
+            raise ValueError("malformed varint in KVChunk")
+
+
+def encode_chunk(chunk: WireChunk) -> bytes:
+    pieces = chunk.pieces
+    size = sum(len(piece) for piece in pieces)
+    return b"".join([chunk.header.SerializeToString(), _PAYLOAD_KEY, _varint(size), *pieces])
+
+
+def decode_chunk(raw: bytes) -> WireChunk:
+    """Splits a serialized KVChunk into its header (parsed) and its payload (a view of raw, no copy)."""
+    view = memoryview(raw)
+    header_parts, payload, position = [], view[:0], 0
+    while position < len(view):
+        start = position
+        key, position = _read_varint(view, position)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, position = _read_varint(view, position)
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        elif wire_type == 2:
+            length, position = _read_varint(view, position)
+            if key >> 3 == PAYLOAD_FIELD:
+                payload, position = view[position : position + length], position + length
+                continue
+            position += length
+        else:
+            raise ValueError(f"unsupported wire type {wire_type} in KVChunk")
+        header_parts.append(view[start:position])
+    if position != len(view):
+        raise ValueError("truncated KVChunk")
+    return WireChunk(kv_pb2.KVChunk.FromString(b"".join(header_parts)), payload)
+
+
+def chunk_plan(page_bytes: int, num_pages: int, max_chunk: int) -> Iterator[tuple[int, int, int, int]]:
+    """(first page index, page count, byte offset in the first page, nbytes) covering num_pages pages.
+
+    Chunks hold whole pages when a page fits in max_chunk; larger pages are split across chunks.
+    """
+    step = (max_chunk // page_bytes) * page_bytes if page_bytes <= max_chunk else max_chunk
+    total = num_pages * page_bytes
+    for start in range(0, total, step):
+        end = min(start + step, total)
+        first, last = start // page_bytes, (end - 1) // page_bytes
+        yield first, last - first + 1, start % page_bytes, end - start
+
+
+def gather(view: memoryview, page_offsets: Sequence[int], first: int, count: int, offset: int, nbytes: int,
+           page_bytes: int) -> list[memoryview]:
+    """Views of the payload: nbytes from page `first` (at offset) on, pages found at page_offsets in view;
+    pages that are contiguous in view come back as one piece."""
+    pieces: list[list[int]] = []
+    remaining, position = nbytes, offset
+    for index in range(first, first + count):
+        take = min(page_bytes - position, remaining)
+        start = page_offsets[index] + position
+        if pieces and pieces[-1][1] == start:
+            pieces[-1][1] = start + take
+        else:
+            pieces.append([start, start + take])
+        remaining -= take
+        position = 0
+    return [view[start:end] for start, end in pieces]
+
+
+class ChunkEncoder:
+    """Numbers and checksums the chunks of one Push stream (one request, one rank)."""
+
+    def __init__(self, destination: Destination, rank: int, layout: KVLayout, max_chunk: int = MAX_CHUNK_BYTES,
+                 algorithm: Algorithm = DEFAULT_ALGORITHM) -> None:
+        if not 0 < max_chunk <= MAX_CHUNK_BYTES:
+            raise ValueError(f"max_chunk must be in 1..{MAX_CHUNK_BYTES}")
+        destination.target(rank)
+        self.destination = destination
+        self.rank = rank
+        self.layout = layout
+        self.max_chunk = max_chunk
+        self.algorithm = Algorithm(algorithm)
+        self.sequence = 0
+        self.bytes = 0
+
+    def encode(self, kind: SegmentKind, layer: int, first_index: int, view: memoryview,
+               page_offsets: Sequence[int]) -> Iterator[WireChunk]:
+        """Chunks for destination pages first_index.. whose bytes sit at page_offsets[i] in view. The
+        payload pieces are views of `view`: it must not change until the chunks are sent."""
+        page_bytes = self.layout.page_bytes(kind)
+        dest = self.destination
+        for first, count, offset, nbytes in chunk_plan(page_bytes, len(page_offsets), self.max_chunk):
+            dest.check_lease()
+            pieces = gather(view, page_offsets, first, count, offset, nbytes, page_bytes)
+            if len(pieces) == 1:
+                checksum = digest(pieces[0], self.algorithm)
+            else:
+                hasher = Hasher(self.algorithm)
+                for piece in pieces:
+                    hasher.update(piece)
+                checksum = hasher.intdigest()
+            header = kv_pb2.KVChunk(
+                rank=self.rank, sequence=self.sequence, kind=int(kind), layer=layer,
+                page_ids=dest.page_ids[first_index + first : first_index + first + count],
+                first_page_offset=offset, checksum=checksum, checksum_algorithm=int(self.algorithm),
+            )
+            if self.sequence == 0:
+                header.request_id, header.lease_id, header.layout_hash = dest.request_id, dest.lease_id, dest.layout_hash
+            self.sequence += 1
+            self.bytes += nbytes
+            yield WireChunk(header, pieces)

@@ -1,0 +1,109 @@
+"""Destination: where prefill writes one request's KV (the domain side of the KVDestination message)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from kvtransfer.errors import BadChunk, LeaseExpired
+from kvtransfer.layout import KVLayout, check_layout
+
+
+class TransportKind(enum.IntEnum):
+    """Values match the Transport enum of kv.proto."""
+
+    SHM = 1
+    GRPC = 2
+    MOONCAKE = 3
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class Destination:
+    """A request's reserved decode pages and, per TP rank, where to write them.
+
+    targets[r]: shm pool name (SHM), "host:port" (GRPC) or mooncake session id (MOONCAKE) of decode rank r.
+    """
+
+    transport: TransportKind
+    layout_hash: str
+    request_id: str
+    lease_id: str
+    page_ids: tuple[int, ...]
+    targets: tuple[str, ...]
+    lease_deadline_unix_ms: int
+    num_tokens: int
+    pool_num_pages: int = 0
+    completion_slot: int = -1
+    completion_sequence: int = 0
+    data_addresses: tuple[int, ...] = ()
+    record_addresses: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "transport", TransportKind(self.transport))
+        for name in ("page_ids", "targets", "data_addresses", "record_addresses"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not self.request_id or not self.lease_id:
+            raise ValueError("Destination needs a request id and a lease id")
+        if not self.page_ids or not self.targets:
+            raise ValueError("Destination needs at least one page and one target")
+        if len(set(self.page_ids)) != len(self.page_ids) or min(self.page_ids) < 0:
+            raise ValueError("Destination page ids must be distinct and non-negative")
+        if self.pool_num_pages and max(self.page_ids) >= self.pool_num_pages:
+            raise ValueError(f"page id {max(self.page_ids)} outside a pool of {self.pool_num_pages} pages")
+        if self.num_tokens <= 0:
+            raise ValueError("Destination.num_tokens must be positive")
+        if self.transport == TransportKind.MOONCAKE and not (
+            len(self.data_addresses) == len(self.record_addresses) == len(self.targets)
+        ):
+            raise ValueError("a mooncake Destination needs a data and a record address per target")
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.targets)
+
+    def target(self, rank: int) -> str:
+        if not 0 <= rank < len(self.targets):
+            raise ValueError(f"rank {rank} has no target (destination has {len(self.targets)})")
+        return self.targets[rank]
+
+    def check_lease(self, at_ms: int | None = None) -> None:
+        """Raises LeaseExpired once the lease deadline has passed: writers must not touch the pages then."""
+        if (now_ms() if at_ms is None else at_ms) >= self.lease_deadline_unix_ms:
+            raise LeaseExpired(f"lease {self.lease_id} of request {self.request_id} expired")
+
+    def check_against(self, layout: KVLayout, where: str) -> None:
+        """Layout hash and page count (ceil(num_tokens / page_size) pages) must fit the local layout."""
+        check_layout(layout, self.layout_hash, where)
+        need = layout.pages_for_tokens(self.num_tokens)
+        if need != len(self.page_ids):
+            raise BadChunk(f"{self.num_tokens} tokens need {need} pages of {layout.page_size}, got {len(self.page_ids)}")
+
+    # --- protobuf ---------------------------------------------------------------------------------------
+    def to_proto(self):
+        from pdserve.v1 import kv_pb2
+
+        return kv_pb2.KVDestination(
+            transport=int(self.transport), layout_hash=self.layout_hash, page_ids=self.page_ids,
+            targets=self.targets, request_id=self.request_id, lease_id=self.lease_id,
+            lease_deadline_unix_ms=self.lease_deadline_unix_ms, num_tokens=self.num_tokens,
+            pool_num_pages=self.pool_num_pages, completion_slot=self.completion_slot,
+            completion_sequence=self.completion_sequence, data_addresses=self.data_addresses,
+            record_addresses=self.record_addresses,
+        )
+
+    @classmethod
+    def from_proto(cls, message) -> Destination:
+        if message.transport not in TransportKind._value2member_map_:
+            raise ValueError(f"KVDestination.transport {message.transport} is not a known transport")
+        return cls(
+            transport=TransportKind(message.transport), layout_hash=message.layout_hash,
+            request_id=message.request_id, lease_id=message.lease_id, page_ids=tuple(message.page_ids),
+            targets=tuple(message.targets), lease_deadline_unix_ms=message.lease_deadline_unix_ms,
+            num_tokens=message.num_tokens, pool_num_pages=message.pool_num_pages,
+            completion_slot=message.completion_slot, completion_sequence=message.completion_sequence,
+            data_addresses=tuple(message.data_addresses), record_addresses=tuple(message.record_addresses),
+        )

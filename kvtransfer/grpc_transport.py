@@ -1,0 +1,171 @@
+"""gRPC transport, prefill side: stream a request's pages layer-major into KVTransfer.Push of decode rank r.
+
+Memory stays bounded: push() builds each <= 1 MiB chunk only when gRPC asks for the next one; a
+write handle hands chunks to the call through a queue of queue_depth chunks (write_pages blocks when full).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from engine.kv_cache import PagedLatentCache
+from kvtransfer.checksum import DEFAULT_ALGORITHM, Algorithm
+from kvtransfer.chunks import MAX_CHUNK_BYTES, ChunkEncoder, encode_chunk
+from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.errors import (
+    BadChunk, ChecksumMismatch, KVTransferError, LayoutMismatch, OutOfSlots, TransferAborted, TransferTimeout,
+    UnknownTransfer,
+)
+from kvtransfer.layout import KVLayout, SegmentKind
+from kvtransfer.page_spans import byte_view, cache_view, segment_offset
+from kvtransfer.transport import KVWriteHandle, KVWriter, TransferResult
+
+logger = logging.getLogger(__name__)
+PUSH_METHOD = "/pdserve.v1.KVTransfer/Push"
+
+_ERROR_FOR_CODE = {
+    grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatch,
+    grpc.StatusCode.NOT_FOUND: UnknownTransfer,
+    grpc.StatusCode.INVALID_ARGUMENT: BadChunk,
+    grpc.StatusCode.DATA_LOSS: ChecksumMismatch,
+    grpc.StatusCode.ABORTED: TransferAborted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: TransferTimeout,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfSlots,
+}
+
+
+def error_from_rpc(error: grpc.RpcError) -> KVTransferError:
+    """The kvtransfer exception for a failed Push (the server's message names the precise cause)."""
+    code = error.code()
+    return _ERROR_FOR_CODE.get(code, KVTransferError)(f"Push failed with {code.name}: {error.details()}")
+
+
+class _PushStub:
+    def __init__(self, push) -> None:
+        self.Push = push
+
+
+class GrpcWriteHandle(KVWriteHandle):
+    """Streams chunks as write_pages() produces them; finish() closes the stream and waits for the result."""
+
+    _END = object()
+
+    def __init__(self, stub, destination: Destination, rank: int, layout: KVLayout, algorithm: Algorithm,
+                 max_chunk: int, queue_depth: int, timeout_s: float) -> None:
+        super().__init__(destination, rank, layout)
+        self._encoder = ChunkEncoder(destination, rank, layout, max_chunk, algorithm)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self._future = stub.Push.future(self._requests(), timeout=timeout_s)
+
+    def _requests(self):
+        while True:
+            item = self._queue.get()
+            if item is self._END:
+                return
+            yield item
+
+    def _send(self, item) -> None:
+        while True:
+            try:
+                self._queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                if self._future.done():  # the server refused the stream: stop producing
+                    self._future.result()
+
+    def write_pages(self, kind: SegmentKind, layer: int, first_index: int, data: torch.Tensor) -> None:
+        self.check_data(kind, layer, first_index, data)
+        page_bytes = self.layout.page_bytes(kind)
+        view = byte_view(data.clone(memory_format=torch.contiguous_format))  # queued chunks must not see later writes
+        try:
+            for chunk in self._encoder.encode(kind, layer, first_index, view, range(0, len(view), page_bytes)):
+                self._send(chunk)
+        except grpc.RpcError as error:
+            self.done = True
+            raise error_from_rpc(error) from error
+
+    def finish(self) -> TransferResult:
+        self.done = True
+        try:
+            self._send(self._END)
+            result = self._future.result()
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return TransferResult(self.destination.request_id, result.bytes)
+
+    def abort(self, reason: str) -> None:
+        if not self.done:
+            self.done = True
+            logger.warning("aborting grpc KV push of request %s rank %d: %s", self.destination.request_id, self.rank, reason)
+            self._future.cancel()
+
+
+class GrpcWriter(KVWriter):
+    """Prefill side: one channel per decode address, reused by every request."""
+
+    def __init__(self, layout: KVLayout, *, max_chunk: int = MAX_CHUNK_BYTES, algorithm: Algorithm = DEFAULT_ALGORITHM,
+                 timeout_s: float = 120.0, queue_depth: int = 8) -> None:
+        self.layout = layout
+        self.max_chunk = max_chunk
+        self.algorithm = Algorithm(algorithm)
+        self.timeout_s = timeout_s
+        self.queue_depth = queue_depth
+        self._channels: dict[str, tuple[grpc.Channel, _PushStub]] = {}
+        self._lock = threading.Lock()
+
+    def stub(self, address: str) -> _PushStub:
+        """Push with the chunk codec of kvtransfer.chunks (the payload never enters a protobuf object)."""
+        from pdserve.v1 import kv_pb2
+
+        with self._lock:
+            if address not in self._channels:
+                channel = grpc.insecure_channel(address)
+                push = channel.stream_unary(
+                    PUSH_METHOD, request_serializer=encode_chunk, response_deserializer=kv_pb2.KVPushResult.FromString
+                )
+                self._channels[address] = (channel, _PushStub(push))
+            return self._channels[address][1]
+
+    def _check(self, destination: Destination) -> None:
+        if destination.transport != TransportKind.GRPC:
+            raise BadChunk(f"GrpcWriter cannot write a {destination.transport.name} destination")
+        destination.check_against(self.layout, f"grpc writer for request {destination.request_id}")
+        destination.check_lease()
+
+    def open(self, destination: Destination, rank: int = 0) -> GrpcWriteHandle:
+        self._check(destination)
+        return GrpcWriteHandle(self.stub(destination.target(rank)), destination, rank, self.layout, self.algorithm,
+                               self.max_chunk, self.queue_depth, self.timeout_s)
+
+    def push(self, cache: PagedLatentCache, source_page_ids: Sequence[int], destination: Destination,
+             rank: int = 0) -> TransferResult:
+        """Streams the request's pages straight from the local cache: each chunk is built when gRPC pulls it."""
+        layout, num_pages, view = cache_view(cache)
+        if layout != self.layout:
+            raise LayoutMismatch(f"local cache layout {layout.hash} is not the writer's {self.layout.hash}")
+        self._check(destination)
+        if len(source_page_ids) != len(destination.page_ids):
+            raise BadChunk(f"{len(source_page_ids)} source pages for {len(destination.page_ids)} destination pages")
+        encoder = ChunkEncoder(destination, rank, layout, self.max_chunk, self.algorithm)
+
+        def chunks():
+            for kind, layer in layout.segments():
+                base, page_bytes = segment_offset(layout, num_pages, kind, layer), layout.page_bytes(kind)
+                yield from encoder.encode(kind, layer, 0, view, [base + page * page_bytes for page in source_page_ids])
+
+        try:
+            result = self.stub(destination.target(rank)).Push(chunks(), timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return TransferResult(destination.request_id, result.bytes)
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = self._channels, {}
+        for channel, _ in channels.values():
+            channel.close()

@@ -1,0 +1,278 @@
+"""SharedPagePool: one TP rank's decode page pool in a POSIX shared-memory segment (/dev/shm, Linux).
+
+Segment: [header 4 KiB | completion slots | pad to 64 KiB | page data (the PagedLatentCache buffer)].
+The decode worker creates (owns) it; the prefill worker attaches by name and writes pages in place. The
+name is unguessable (secrets.token_hex), the file mode 0600 and its owner our uid. The header records the
+owner's pid (and its start time, against pid reuse) so cleanup_stale_segments() can remove the segments of
+a killed owner at the next start. os.open + mmap is used directly: multiprocessing.shared_memory's
+resource tracker would unlink (or warn about) segments that other processes attached.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import mmap
+import os
+import secrets
+import stat
+import struct
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import PagedLatentCache
+from kvtransfer.completion import SLOT_BYTES, CompletionTable
+from kvtransfer.errors import LayoutMismatch, SegmentError
+from kvtransfer.layout import KVLayout
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "pdserve-kv-"
+MAGIC = b"PDSKVP01"
+HEADER_BYTES = 4096
+DATA_ALIGN = 64 * 1024
+MAX_SLOTS = 4096
+_HEADER = struct.Struct("<8sIQQQQQIII16s32s256s")
+_OWNED: dict[str, int] = {}  # segment name -> pid of the process that created it
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of a live process in clock ticks since boot; 0 for a zombie; None if /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+        return 0 if fields[0] == b"Z" else int(fields[19])
+    except FileNotFoundError:
+        return 0
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class PoolHeader:
+    owner_pid: int
+    owner_start_ticks: int
+    num_pages: int
+    data_offset: int
+    data_bytes: int
+    num_slots: int
+    rank: int
+    layout_hash: str
+    owner_tag: str
+    layout_canonical: str
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(
+            MAGIC, 1, self.owner_pid, self.owner_start_ticks, self.num_pages, self.data_offset, self.data_bytes,
+            self.num_slots, SLOT_BYTES, self.rank, self.layout_hash.encode("ascii"),
+            self.owner_tag.encode("utf-8")[:32], self.layout_canonical.encode("ascii")[:256],
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes, name: str) -> PoolHeader:
+        if len(raw) < _HEADER.size:
+            raise SegmentError(f"shm segment {name} is too short for a pool header")
+        magic, version, pid, ticks, pages, offset, nbytes, slots, slot_bytes, rank, lhash, tag, canon = (
+            _HEADER.unpack_from(raw)
+        )
+        if magic != MAGIC or version != 1 or slot_bytes != SLOT_BYTES:
+            raise SegmentError(f"shm segment {name} is not a pdserve KV pool (bad magic or version)")
+        strip = lambda value: value.rstrip(b"\0").decode("utf-8", "replace")  # noqa: E731
+        return cls(pid, ticks, pages, offset, nbytes, slots, rank, strip(lhash), strip(tag), strip(canon))
+
+    def owner_alive(self) -> bool:
+        try:
+            os.kill(self.owner_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        ticks = process_start_ticks(self.owner_pid)
+        if ticks is None or not self.owner_start_ticks:  # /proc cannot tell: trust kill()
+            return True
+        return ticks == self.owner_start_ticks  # 0 (zombie) or another start time (pid reused): gone
+
+
+class SharedPagePool:
+    """A mapped pool segment. Build with create() (decode, owner) or attach() (prefill)."""
+
+    def __init__(self, name: str, mapping: mmap.mmap, header: PoolHeader, layout: KVLayout, owner: bool) -> None:
+        self.name = name
+        self.layout = layout
+        self.header = header
+        self.is_owner = owner
+        self._mm = mapping
+        whole = memoryview(mapping)
+        self.data_view: memoryview | None = whole[header.data_offset : header.data_offset + header.data_bytes]
+        self.completions = CompletionTable(whole[HEADER_BYTES : HEADER_BYTES + header.num_slots * SLOT_BYTES], header.num_slots)
+        numel = header.data_bytes // layout.element_size
+        self.tensor: torch.Tensor | None = torch.frombuffer(mapping, dtype=layout.torch_dtype, count=numel, offset=header.data_offset)
+        self.cache: PagedLatentCache | None = PagedLatentCache(layout.to_cache_shape(header.num_pages), self.tensor)
+        self._closed = False
+
+    # --- construction -------------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls, layout: KVLayout, num_pages: int, rank: int = 0, owner_tag: str = "", *,
+        num_slots: int | None = None, prefix: str = SEGMENT_PREFIX, populate: bool = True,
+    ) -> SharedPagePool:
+        if num_pages <= 0:
+            raise ValueError("num_pages must be positive")
+        slots = num_slots if num_slots is not None else min(num_pages, MAX_SLOTS)
+        if not 0 < slots <= MAX_SLOTS:
+            raise ValueError(f"num_slots must be in 1..{MAX_SLOTS}")
+        data_offset = -(-(HEADER_BYTES + slots * SLOT_BYTES) // DATA_ALIGN) * DATA_ALIGN
+        data_bytes = layout.pool_bytes(num_pages)
+        name = f"{prefix}{secrets.token_hex(16)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # the umask can only remove bits; make the mode exact anyway
+            os.ftruncate(fd, data_offset + data_bytes)
+            _OWNED[name] = os.getpid()
+            mapping = _map(fd, data_offset + data_bytes, populate)
+        except BaseException:
+            os.close(fd)
+            _unlink(name)
+            raise
+        os.close(fd)
+        pid = os.getpid()
+        header = PoolHeader(
+            pid, process_start_ticks(pid) or 0, num_pages, data_offset, data_bytes, slots, rank, layout.hash,
+            owner_tag, layout.canonical,
+        )
+        mapping[: _HEADER.size] = header.pack()
+        logger.info("created KV pool %s: rank %d, %d pages, %.1f MiB", name, rank, num_pages, data_bytes / 2**20)
+        return cls(name, mapping, header, layout, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, expected_layout: KVLayout, *, populate: bool = True) -> SharedPagePool:
+        """Maps an existing pool read/write; LayoutMismatch if its layout hash is not expected_layout's."""
+        if "/" in name or not name:
+            raise SegmentError(f"bad shm segment name {name!r}")
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError as error:
+            raise SegmentError(f"shm segment {name} does not exist") from error
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+                raise SegmentError(f"shm segment {name} is not private to this user (uid / mode)")
+            header = PoolHeader.unpack(os.pread(fd, _HEADER.size, 0), name)
+            if header.layout_hash != expected_layout.hash:
+                raise LayoutMismatch(
+                    f"KV layout mismatch attaching {name}: pool has {header.layout_hash} ({header.layout_canonical}),"
+                    f" expected {expected_layout.hash} ({expected_layout.canonical})"
+                )
+            if info.st_size < header.data_offset + header.data_bytes:
+                raise SegmentError(f"shm segment {name} is shorter than its header says")
+            mapping = _map(fd, header.data_offset + header.data_bytes, populate)
+        finally:
+            os.close(fd)
+        return cls(name, mapping, header, expected_layout, owner=False)
+
+    # --- properties ---------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.header.num_pages
+
+    @property
+    def rank(self) -> int:
+        return self.header.rank
+
+    @property
+    def owner_pid(self) -> int:
+        return self.header.owner_pid
+
+    @property
+    def mapping_bytes(self) -> int:
+        """Size of the whole segment (header, slots, pages)."""
+        return self.header.data_offset + self.header.data_bytes
+
+    @property
+    def data_address(self) -> int:
+        """Virtual address of page data in this process (for RDMA registration)."""
+        return self.tensor.data_ptr()
+
+    @property
+    def base_address(self) -> int:
+        return self.data_address - self.header.data_offset
+
+    def record_address(self, slot: int) -> int:
+        return self.base_address + HEADER_BYTES + slot * SLOT_BYTES
+
+    # --- teardown -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drops this object's references to the mapping. The segment is unmapped when the last tensor or
+        view over it is gone (torch.frombuffer keeps the mmap alive), never under a live view."""
+        self.cache = self.tensor = None
+        self.data_view = None
+        self.completions = None
+        self._mm = None
+        self._closed = True
+
+    def unlink(self) -> None:
+        """Removes the name (mappings stay valid until closed). Idempotent."""
+        _unlink(self.name)
+
+    def __enter__(self) -> SharedPagePool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+        if self.is_owner:
+            self.unlink()
+
+
+def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _unlink(name: str) -> None:
+    _OWNED.pop(name, None)
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+@atexit.register
+def _unlink_owned_at_exit() -> None:
+    for name, pid in list(_OWNED.items()):
+        if pid == os.getpid():  # a forked child must not remove its parent's segments
+            _unlink(name)
+
+
+def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX, grace_s: float = 60.0) -> list[str]:
+    """Removes pool segments whose owner process is dead; returns their names. Call at start-up.
+
+    A segment without a readable header is removed only once it is older than grace_s (it may be one
+    being created right now).
+    """
+    removed = []
+    for name in sorted(os.listdir(SHM_DIR)):
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid():
+                continue
+            try:
+                stale = not PoolHeader.unpack(os.pread(fd, _HEADER.size, 0), name).owner_alive()
+            except SegmentError:
+                stale = time.time() - info.st_mtime > grace_s
+        finally:
+            os.close(fd)
+        if stale:
+            _unlink(name)
+            removed.append(name)
+            logger.warning("removed stale KV pool segment %s (owner gone)", name)
+    return removed

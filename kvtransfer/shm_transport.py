@@ -1,0 +1,164 @@
+"""Shared-memory transport: prefill writes pages in place into decode's mapped pool, then a completion record.
+
+Writer (prefill): ShmWriter attaches each decode pool once (by name, layout checked). A handle writes
+pages straight into the mapped pool (one memcpy from the caller's tensor, none if prefill ran its forward
+into handle.cache directly: open(..., in_place=True)). Each layer is hashed as it is written, while its
+bytes are still in cache, when pages arrive in order; finish() hashes the rest from the pool and writes
+the completion record.
+Reader (decode): kvtransfer.shm_receiver.ShmReceiver.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import torch
+
+from kvtransfer.checksum import DEFAULT_ALGORITHM, Algorithm, Hasher, combine, spans_digest
+from kvtransfer.completion import CompletionRecord, SlotState, key_of
+from kvtransfer.destination import Destination, TransportKind, now_ms
+from kvtransfer.errors import BadChunk, IncompleteTransfer, UnknownTransfer
+from kvtransfer.layout import KVLayout, SegmentKind
+from kvtransfer.page_spans import byte_view, segment_spans
+from kvtransfer.shm_pool import SharedPagePool
+from kvtransfer.transport import KVWriteHandle, KVWriter, TransferResult
+
+logger = logging.getLogger(__name__)
+
+
+class ShmWriteHandle(KVWriteHandle):
+    """One request on one rank. `cache` is the mapped pool's PagedLatentCache: prefill may write the
+    reserved pages through it directly (then open with in_place=True and call finish())."""
+
+    def __init__(
+        self, pool: SharedPagePool, destination: Destination, rank: int, algorithm: Algorithm, in_place: bool
+    ) -> None:
+        super().__init__(destination, rank, pool.layout)
+        self.pool = pool
+        self.cache = pool.cache
+        self.algorithm = Algorithm(algorithm)
+        self.in_place = in_place
+        self._segments = {segment: i for i, segment in enumerate(pool.layout.segments())}
+        count = len(destination.page_ids)
+        self._written = np.zeros((len(self._segments), count), dtype=bool)
+        self._hashers = [Hasher(self.algorithm) for _ in self._segments]
+        self._next_index = [0] * len(self._segments)  # pages hashed in order so far, per segment
+        self._in_order = [True] * len(self._segments)
+
+    def write_pages(self, kind: SegmentKind, layer: int, first_index: int, data: torch.Tensor) -> None:
+        self.destination.check_lease()
+        self.check_data(kind, layer, first_index, data)
+        segment = self._segments[(kind, layer)]
+        count = data.shape[0]
+        pages = self.destination.page_ids[first_index : first_index + count]
+        view = self.pool.data_view
+        source = byte_view(data) if data.is_contiguous() else None
+        tensor = self.cache.layer(layer) if kind == SegmentKind.TARGET else self.cache.draft_layer(layer)
+        for span in segment_spans(self.layout, self.pool.num_pages, kind, layer, pages, first_index):
+            local = span.first_index - first_index
+            target = view[span.offset : span.offset + span.nbytes]
+            if source is not None:  # a plain memcpy: no torch thread pool spinning between layers
+                start = local * self.layout.page_bytes(kind)
+                target[:] = source[start : start + span.nbytes]
+            else:
+                tensor[span.first_page : span.first_page + span.num_pages].copy_(data[local : local + span.num_pages])
+            if self._in_order[segment] and span.first_index == self._next_index[segment]:
+                self._hashers[segment].update(target)  # still in cache: hashing now is nearly free
+                self._next_index[segment] += span.num_pages
+            else:
+                self._in_order[segment] = False
+        self._written[segment, first_index : first_index + count] = True
+
+    def finish(self) -> TransferResult:
+        if self.done:
+            raise UnknownTransfer(f"request {self.destination.request_id} already finished or aborted")
+        try:
+            self.destination.check_lease()
+            if not self.in_place and not self._written.all():
+                segment, index = (int(v) for v in np.argwhere(~self._written)[0])
+                kind, layer = self.layout.segments()[segment]
+                raise IncompleteTransfer(
+                    f"request {self.destination.request_id}: page {index} of {kind.name.lower()} layer {layer} "
+                    f"was never written ({int((~self._written).sum())} layer-pages missing)"
+                )
+            checksum, nbytes = self._checksum()
+        except BaseException as error:
+            self.abort(f"{type(error).__name__}: {error}")
+            raise
+        dest = self.destination
+        record = CompletionRecord(
+            SlotState.COMPLETE, dest.completion_sequence, int(self.algorithm), nbytes, checksum, dest.num_tokens,
+            now_ms(), self.layout.hash, key_of(dest.request_id), key_of(dest.lease_id),
+        )
+        self.done = True
+        self.pool.completions.finish(dest.completion_slot, dest.completion_sequence, dest.request_id, dest.lease_id, record)
+        return TransferResult(dest.request_id, nbytes, checksum)
+
+    def _checksum(self) -> tuple[int, int]:
+        digests, nbytes = [], 0
+        count = len(self.destination.page_ids)
+        for (kind, layer), segment in self._segments.items():
+            if not self.in_place and self._in_order[segment] and self._next_index[segment] == count:
+                digests.append(self._hashers[segment].intdigest())
+            else:
+                spans = segment_spans(self.layout, self.pool.num_pages, kind, layer, self.destination.page_ids)
+                digests.append(spans_digest(self.pool.data_view, spans, self.algorithm))
+            nbytes += count * self.layout.page_bytes(kind)
+        return combine(digests, self.algorithm), nbytes
+
+    def abort(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        dest = self.destination
+        logger.warning("aborting shm KV write of request %s rank %d: %s", dest.request_id, self.rank, reason)
+        record = CompletionRecord(
+            SlotState.FAILED, dest.completion_sequence, int(self.algorithm), written_unix_ms=now_ms(),
+            layout_hash=self.layout.hash, request_key=key_of(dest.request_id), lease_key=key_of(dest.lease_id),
+        )
+        try:
+            self.pool.completions.finish(dest.completion_slot, dest.completion_sequence, dest.request_id, dest.lease_id, record)
+        except UnknownTransfer:
+            pass  # the decode side already dropped the request
+
+
+class ShmWriter(KVWriter):
+    """Prefill side: attaches decode pools by name (each once, layout-checked) and opens write handles."""
+
+    def __init__(self, layout: KVLayout, algorithm: Algorithm = DEFAULT_ALGORITHM) -> None:
+        self.layout = layout
+        self.algorithm = Algorithm(algorithm)
+        self._pools: dict[str, SharedPagePool] = {}
+        self._lock = threading.Lock()
+
+    def pool(self, name: str) -> SharedPagePool:
+        with self._lock:
+            if name not in self._pools:
+                self._pools[name] = SharedPagePool.attach(name, self.layout)
+            return self._pools[name]
+
+    def open(self, destination: Destination, rank: int = 0, in_place: bool = False) -> ShmWriteHandle:
+        if destination.transport != TransportKind.SHM:
+            raise BadChunk(f"ShmWriter cannot write a {destination.transport.name} destination")
+        destination.check_against(self.layout, f"shm writer for request {destination.request_id}")
+        destination.check_lease()
+        pool = self.pool(destination.target(rank))
+        if destination.pool_num_pages not in (0, pool.num_pages):
+            raise BadChunk(f"destination expects {destination.pool_num_pages} pool pages, pool has {pool.num_pages}")
+        if max(destination.page_ids) >= pool.num_pages:
+            raise BadChunk(f"page {max(destination.page_ids)} outside pool {pool.name} of {pool.num_pages} pages")
+        if not 0 <= destination.completion_slot < pool.header.num_slots:
+            raise BadChunk(f"completion slot {destination.completion_slot} outside pool {pool.name}")
+        return ShmWriteHandle(pool, destination, rank, self.algorithm, in_place)
+
+    def detach(self, name: str) -> None:
+        with self._lock:
+            pool = self._pools.pop(name, None)
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        for name in list(self._pools):
+            self.detach(name)
+
