@@ -1,0 +1,247 @@
+"""Block-diffusion (DFlash-style) draft model.
+
+The draft predicts a whole block of B tokens in ONE non-causal forward. Its
+context is the target's hidden states at ``target_layer_ids`` (the residual
+stream after decoder layer L, i.e. transformers' ``output_hidden_states[L + 1]``),
+concatenated, projected and RMS-normalised into a context feature. In every
+draft layer the context tokens supply keys/values (that layer's k_proj / v_proj
+applied to the context feature; keys RoPE'd at the context token's position).
+
+The block is [last accepted token, MASK x (B-1)], embedded with the TARGET's
+embedding, at positions n-1 .. n+B-2 while the context covers 0 .. n-2. Block
+tokens see each other and every valid context token. The returned hidden states
+go through the TARGET's LM head; block position i (1..B-1) predicts the token
+at position n-1+i.
+
+Two entry points compute the same function: ``forward`` (inference: one block
+per sequence over a padded context gathered from the engine's cache) and
+``forward_anchors`` (training: many blocks per sequence at once, each seeing
+only the context before its anchor).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Shape of a draft; read from the draft directory's config.json."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    block_size: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "target_hidden_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.target_layer_ids or any(i < 0 for i in self.target_layer_ids):
+            raise ValueError(f"target_layer_ids must be non-empty and >= 0, got {self.target_layer_ids}")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids must be distinct, got {self.target_layer_ids}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+
+    @property
+    def draft_dim(self) -> int:
+        """Width of one context-cache entry per layer: cat(k, v) over kv heads."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def context_input_size(self) -> int:
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DFlashConfig:
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k not in ("model_type", "architectures")}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown DFlashConfig fields: {unknown}")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return {"model_type": "dflash", **asdict(self), "target_layer_ids": list(self.target_layer_ids)}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [..., T, heads, head_dim]; cos/sin: [..., T, head_dim] (half-split rotation)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+class DFlashLayer(nn.Module):
+    """Pre-norm decoder layer whose attention also reads the context entries."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.input_norm = RMSNorm(h, config.rms_norm_eps)
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x: [..., T, hidden] -> roped keys, values: [..., T, kv_heads, head_dim]."""
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        keys = apply_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin)
+        return keys, self.v_proj(x).view(shape)
+
+    def context_entry(self, feature: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """feature: [..., T, hidden] -> [..., T, draft_dim] = cat(k roped, v)."""
+        keys, values = self.keys_values(feature, cos, sin)
+        return torch.cat((keys.flatten(-2), values.flatten(-2)), dim=-1)
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, context: Tensor, mask: Tensor) -> Tensor:
+        """hidden: [S, Q, hidden]; context: [S, C, draft_dim]; mask: [S, Q, C + Q] (True = attend)."""
+        s, q_len, _ = hidden.shape
+        x = self.input_norm(hidden)
+        queries = apply_rope(self.q_norm(self.q_proj(x).view(s, q_len, self.num_heads, self.head_dim)), cos, sin)
+        keys, values = self.keys_values(x, cos, sin)
+        half = context.shape[-1] // 2
+        ctx_shape = (s, context.shape[1], self.num_kv_heads, self.head_dim)
+        keys = torch.cat((context[..., :half].reshape(ctx_shape), keys), dim=1)
+        values = torch.cat((context[..., half:].reshape(ctx_shape), values), dim=1)
+        attended = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask.unsqueeze(1), enable_gqa=True,
+        )
+        hidden = hidden + self.o_proj(attended.transpose(1, 2).reshape(s, q_len, -1))
+        x = self.post_attention_norm(hidden)
+        return hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDraft(nn.Module):
+    """The draft network; the target's embedding and LM head are applied outside."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.context_input_size, config.hidden_size, bias=False)
+        self.context_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        exponent = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+        self.register_buffer("inv_freq", 1.0 / config.rope_theta**exponent, persistent=False)
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions: [...] -> cos, sin: [..., head_dim]."""
+        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.float()
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def context_entries(self, captured: Tensor, positions: Tensor) -> Tensor:
+        """captured: [..., T, len(ids) * target_hidden]; positions: [..., T] -> [num_layers, ..., T, draft_dim]."""
+        dtype = self.fc.weight.dtype
+        feature = self.context_norm(self.fc(captured.to(dtype)))
+        cos, sin = self._rope(positions, dtype)
+        return torch.stack([layer.context_entry(feature, cos, sin) for layer in self.layers])
+
+    def _run(self, hidden: Tensor, positions: Tensor, context: Tensor, mask: Tensor) -> Tensor:
+        cos, sin = self._rope(positions, hidden.dtype)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, context[index].to(hidden.dtype), mask)
+        return self.norm(hidden)
+
+    def forward(self, block_embeds: Tensor, block_positions: Tensor, context: Tensor, context_lens: Tensor) -> Tensor:
+        """block_embeds: [S, B, hidden]; block_positions: [S, B];
+        context: [num_layers, S, Lmax, draft_dim] (rows >= context_lens[s] are padding); context_lens: [S]
+        -> hidden states [S, B, hidden] (after the final norm)."""
+        s, b, _ = block_embeds.shape
+        lmax = context.shape[2]
+        valid = torch.arange(lmax, device=context.device)[None, :] < context_lens.to(context.device)[:, None]
+        mask = torch.cat((valid[:, None, :].expand(s, b, lmax), valid.new_ones(s, b, b)), dim=-1)
+        return self._run(block_embeds.to(self.fc.weight.dtype), block_positions, context, mask)
+
+    def forward_anchors(self, captured: Tensor, block_embeds: Tensor, anchors: Tensor) -> Tensor:
+        """Training path: many blocks per sequence in one pass.
+
+        captured: [N, T, len(ids) * target_hidden] (positions 0..T-1); block_embeds: [N, K, B, hidden];
+        anchors: [N, K] (block k sits at anchors[k] .. anchors[k]+B-1 and sees context < anchors[k])
+        -> [N, K, B, hidden]."""
+        n, t, _ = captured.shape
+        _, k, b, h = block_embeds.shape
+        positions = torch.arange(t, device=captured.device).expand(n, t)
+        context = self.context_entries(captured, positions)
+        block_positions = (anchors[..., None] + torch.arange(b, device=anchors.device)).reshape(n, k * b)
+        sees_context = torch.arange(t, device=anchors.device)[None, None, :] < anchors[..., None]  # [N, K, T]
+        sees_context = sees_context[:, :, None, :].expand(n, k, b, t).reshape(n, k * b, t)
+        block_id = torch.arange(k, device=anchors.device).repeat_interleave(b)
+        same_block = (block_id[:, None] == block_id[None, :]).expand(n, k * b, k * b)
+        mask = torch.cat((sees_context, same_block), dim=-1)
+        hidden = self._run(block_embeds.reshape(n, k * b, h).to(self.fc.weight.dtype), block_positions, context, mask)
+        return hidden.view(n, k, b, h)
+
+
+def save_draft(draft: DFlashDraft, draft_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write config.json and model.safetensors."""
+    path = Path(draft_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
+    tensors = {name: t.detach().to(dtype).contiguous() for name, t in draft.state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraft:
+    """Load a draft directory; missing or unexpected tensors raise one ValueError listing them."""
+    path = Path(draft_dir)
+    config = DFlashConfig.from_dict(json.loads((path / "config.json").read_text()))
+    draft = DFlashDraft(config)
+    tensors = load_file(str(path / "model.safetensors"))
+    expected = set(draft.state_dict())
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ValueError(f"draft weights in {path} do not match config: missing {missing}, unexpected {unexpected}")
+    draft.load_state_dict(tensors)
+    return draft.to(dtype).eval()

@@ -1,0 +1,95 @@
+"""Write the model card (README.md) from the measured metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_model_card(path: Path, m: dict, samples: dict[str, str]) -> None:
+    """The YAML front matter carries the numbers tests read (loss_ratio_threshold)."""
+    sample_text = "\n".join(f"Prompt `{p!r}`:\n\n```python\n{p}{s}\n```\n" for p, s in samples.items())
+    per_position = ", ".join(f"{r:.2f}" for r in m["acceptance_per_position"])
+    path.write_text(f"""---
+held_out_loss: {m['held_out_loss']:.4f}
+unigram_entropy: {m['unigram_entropy']:.4f}
+loss_ratio: {m['loss_ratio']:.4f}
+loss_ratio_threshold: {m['loss_ratio_threshold']:.2f}
+acceptance_length_b8: {m['acceptance_length']:.3f}
+---
+
+# pdserve-tiny
+
+The embedded default model of pdserve: a {m['target_parameters']:,}-parameter DeepSeek-V3-architecture
+(MLA + MoE) causal LM and a {m['draft_parameters']:,}-parameter DFlash-style block-diffusion draft
+(`draft/`), trained from scratch on this machine by `training/train_default_model.py`.
+It writes Python-looking text; it is a test fixture, not a useful model.
+
+## Reproduce
+
+```
+{m['command']}
+```
+
+Seed {m['seed']}; 2 CPU threads (`torch.set_num_threads(2)`), float32 training, weights saved in bf16.
+Wall time on the 2-core development machine (shared with other jobs): {m['wall_minutes']:.1f} min in all
+(target {m['target_minutes']:.1f} min, target + draft {m['train_minutes']:.1f} min, the rest evaluation).
+Results depend on the Python build whose standard library is the corpus.
+
+## Data
+
+The running interpreter's standard library .py sources: `{m['stdlib']}` (Python {m['python_version']}),
+sorted by relative path; `site-packages` and test directories (`test`, `tests`, `idle_test`) excluded;
+files that are not UTF-8 skipped ({m['skipped_files']}). Held-out split: every file whose
+`int(sha1(relative posix path), 16) % 50 == 0`.
+
+| split | files | bytes | tokens |
+|---|---|---|---|
+| train | {m['train_files']} | {m['train_bytes']:,} | {m['train_tokens']:,} |
+| held-out | {m['held_out_files']} | {m['held_out_bytes']:,} | {m['held_out_tokens']:,} |
+
+Each file is one document, `<|bos|> ... <|eos|>`.
+
+## Tokenizer
+
+Byte-level BPE (HF `tokenizers`), vocabulary 4096 (a multiple of 64, so it splits evenly over TP=2),
+trained on the train split. Special tokens: `<|bos|>`=0, `<|eos|>`=1, `<|pad|>`=2, `<|mask|>`=3
+(the draft's mask token). Any Unicode text round-trips.
+
+## Target (`config.json`, `model.safetensors`)
+
+`DeepseekV3ForCausalLM`: hidden 256, 4 layers (layer 0 dense, layers 1-3 MoE), 24 attention heads
+(qk_nope 16, qk_rope 16, v 16), q_lora_rank 128, kv_lora_rank 64, 8 routed experts (top-2, sigmoid
+scores, noaux_tc with aux-loss-free bias balancing during training, n_group 1) + 1 shared expert,
+moe_intermediate 256, dense intermediate 768, untied embeddings, interleaved RoPE with yarn scaling
+(factor 64 over the 256-token training length, max_position_embeddings 16384, mscale = mscale_all_dim = 1.0).
+Trained {m['target_steps']} steps x {m['target_batch']} random 256-token windows, AdamW (betas 0.9/0.95,
+weight decay 0.05), lr 3e-3 with warmup and cosine decay to 10%, gradient clipping 1.0.
+
+## Held-out loss
+
+Slice: the held-out token stream (files in sorted order) cut into the first {m['eval_windows']}
+windows of {m['eval_length']} + 1 tokens (stride {m['eval_length']}); each window's last {m['eval_length']}
+tokens are predicted. Unigram entropy: cross-entropy (nats) of the same tokens under
+p(v) = (count_train(v) + 1) / (N_train + 4096) from the training split's token counts.
+Measured on the saved bf16 weights loaded in float32.
+
+| held-out loss (nats) | unigram entropy (nats) | ratio | threshold |
+|---|---|---|---|
+| {m['held_out_loss']:.4f} | {m['unigram_entropy']:.4f} | {m['loss_ratio']:.4f} | {m['loss_ratio_threshold']:.2f} |
+
+## Draft (`draft/`)
+
+`engine/models/dflash.py`: context = the target's hidden states after decoder layers 0 and 2
+(`output_hidden_states[1]` and `[3]`), concatenated, projected and RMS-normalised; keys/values in
+every draft layer. 2 layers, 8 query / 4 KV heads of 32, intermediate 768, block size 8, mask token 3;
+the target's embedding and LM head are shared (frozen). Trained {m['draft_steps']} steps on the target's own
+greedy continuations ({m['draft_sequences']} sequences: 32-token prompts from the train split + {m['draft_generated']} greedy
+tokens), {m['draft_anchors']} anchors per sequence, loss weights exp(-(i-1)/4) over block positions.
+
+Acceptance (greedy draft-then-verify with the transformers target, block size 8, bonus token counted;
+{m['accept_prompts']} held-out prompts of {m['accept_prompt_length']} tokens, {m['accept_new_tokens']} new tokens each):
+**{m['acceptance_length']:.2f} accepted tokens per verify step**; per-position acceptance {per_position}.
+
+## Greedy samples
+
+{sample_text}""")
