@@ -16,10 +16,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, head_block: int = 16) -> None:
+    def __init__(self, head_block: int = 16, decode_splits: int | None = None) -> None:
+        """decode_splits: key ranges per decode context (None: chosen per step from the GPU's size)."""
         if head_block < 16 or head_block & (head_block - 1):
             raise ValueError(f"head_block must be a power of two >= 16 (tensor-core tile rows), got {head_block}")
+        if decode_splits is not None and decode_splits < 1:
+            raise ValueError(f"decode_splits must be positive, got {decode_splits}")
         self.head_block = head_block
+        self.decode_splits = decode_splits
 
     def supports_num_heads(self, num_heads: int) -> bool:
         return num_heads > 0 and num_heads % self.head_block == 0
@@ -62,6 +66,6 @@ class TritonAttentionBackend(AttentionBackend):
         -> [T, H, latent_dim] in q's dtype."""
         self._check_device(q)
         return decode_kernels.paged_decode(
-            q, kv_cache, attn.cu_seqlens_q, attn.kv_lens, attn.block_table, attn.max_q_len,
-            latent_dim, softmax_scale, head_block=self.head_block,
+            q, kv_cache, attn.cu_seqlens_q, attn.kv_lens, attn.block_table, attn.max_q_len, attn.max_kv_len,
+            latent_dim, softmax_scale, head_block=self.head_block, num_splits=self.decode_splits,
         )

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 
-# Triton picks interpreter vs compiler when a kernel is decorated (at import of our kernel modules),
-# so this must run before engine.attention.triton_kernels is first imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# On CPU the Triton kernels run in the interpreter. Triton picks interpreter vs compiler when a kernel is
+# decorated (its own library when triton is imported, ours when our kernel modules are), so this runs
+# before either import. PDSERVE_TEST_DEVICE=cuda runs the same comparisons with compiled kernels on a GPU.
+DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib  # noqa: E402
 import subprocess  # noqa: E402
@@ -38,7 +41,11 @@ def _triton_built_for_interpreter() -> bool:
 
 @pytest.fixture(scope="module")
 def triton_backend():
-    """The Triton backend in interpreter mode, behind the registry (which pads 12 -> 16 heads)."""
+    """The Triton backend behind the registry (which pads 12 -> 16 heads): interpreted on CPU, compiled on GPUs."""
+    if DEVICE != "cpu":
+        if not torch.cuda.is_available():
+            pytest.skip(f"PDSERVE_TEST_DEVICE={DEVICE} but no GPU is visible")
+        return lambda heads, **options: _backend(heads, DEVICE, **options)
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET is set to something other than 1 in this environment")
     if not _triton_built_for_interpreter():
@@ -55,7 +62,16 @@ def triton_backend():
         importlib.reload(prefill)
         importlib.reload(decode)
     assert triton_kernels.kernels_interpreted()
-    return lambda heads: get_attention_backend("triton", num_heads=heads, device="cpu")
+    return lambda heads, **options: _backend(heads, "cpu", **options)
+
+
+def _backend(heads: int, device: str, **options):
+    """The registry's triton backend, or (with options) one built directly and padded the same way."""
+    if not options:
+        return get_attention_backend("triton", num_heads=heads, device=device)
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    return HeadPaddedBackend(TritonAttentionBackend(**options))
 
 
 def _varlen_batch(generator, heads, dqk, dv, q_lens, extra_context):
@@ -65,6 +81,7 @@ def _varlen_batch(generator, heads, dqk, dv, q_lens, extra_context):
     v = torch.randn(sum(k_lens), heads, dv, generator=generator)
     cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cu_k = torch.tensor([0] + k_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q, k, v, cu_q, cu_k = (t.to(DEVICE) for t in (q, k, v, cu_q, cu_k))
     return q, k, v, cu_q, cu_k, tuple(q_lens), tuple(k_lens)
 
 
@@ -96,9 +113,9 @@ def _paged_case(generator, heads, latent, rope, q_lens, kv_lens, page_size=16):
         count = -(-kv_len // page_size)
         tables.append(order[used : used + count])
         used += count
-    attn = build_attention_metadata(list(q_lens), list(kv_lens), tables, page_size)
-    cache = torch.randn(num_pages, page_size, latent + rope, generator=generator)
-    q = torch.randn(sum(q_lens), heads, latent + rope, generator=generator)
+    attn = build_attention_metadata(list(q_lens), list(kv_lens), tables, page_size, device=DEVICE)
+    cache = torch.randn(num_pages, page_size, latent + rope, generator=generator).to(DEVICE)
+    q = torch.randn(sum(q_lens), heads, latent + rope, generator=generator).to(DEVICE)
     return q, cache, attn
 
 
@@ -122,8 +139,19 @@ def test_triton_paged_decode_matches_torch(triton_backend, heads, latent, rope, 
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_triton_split_kv_decode_matches_torch(triton_backend, splits):
+    """Flash-decoding: contexts split into key ranges (some empty for short contexts) and merged by
+    log-sum-exp give the same result as the reference."""
+    generator = torch.Generator().manual_seed(splits)
+    q, cache, attn = _paged_case(generator, 12, 32, 16, (1, 3, 2), (40, 5, 33))
+    out = triton_backend(12, decode_splits=splits).decode(q, cache, attn, 0.15, 32)
+    torch.testing.assert_close(out, REFERENCE.decode(q, cache, attn, 0.15, 32), atol=1e-3, rtol=1e-3)
+
+
 def test_triton_bf16_inputs_keep_dtype_and_accuracy(triton_backend):
-    """bf16 inputs give bf16 outputs close to the reference (the interpreter path upcasts before tl.dot)."""
+    """bf16 inputs give bf16 outputs close to the reference (the interpreter upcasts before tl.dot; GPUs
+    run bf16 tensor-core dots with float32 accumulation)."""
     generator = torch.Generator().manual_seed(7)
     q, k, v, cu_q, cu_k, q_lens, k_lens = _varlen_batch(generator, 16, 48, 32, [9, 20], [0, 7])
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
@@ -147,13 +175,13 @@ def test_triton_rejects_unpadded_head_counts(triton_backend):
     assert bare.supports_num_heads(16) and bare.supports_num_heads(48) and not bare.supports_num_heads(12)
     generator = torch.Generator().manual_seed(0)
     q, k, v, cu_q, cu_k, q_lens, k_lens = _varlen_batch(generator, 12, 16, 16, [3], [0])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="multiple of 16"):
         bare.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.25)
 
 
 def test_kernels_compile_for_gpu_targets():
-    """Both kernels lower to machine code for an H100/H200 (sm90) and an MI300 (gfx942) at DeepSeek-V3 dims
-    with bf16 tensor-core dots: no interpreter-only constructs. Runs without a GPU, in a fresh process
+    """Both kernels (decode also in its split-KV form) lower to machine code for an H100/H200 (sm90) and an
+    MI300 (gfx942) at DeepSeek-V3 dims with bf16 tensor-core dots: no interpreter-only constructs. Runs without a GPU, in a fresh process
     without TRITON_INTERPRET (the interpreter flag changes how Triton builds its own library)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
@@ -162,7 +190,7 @@ def test_kernels_compile_for_gpu_targets():
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    for kernel in ("flash_prefill_kernel", "paged_decode_kernel"):
+    for kernel in ("flash_prefill_kernel", "paged_decode_kernel", "paged_decode_kernel[split]"):
         assert f"{kernel} for sm90" in result.stderr and "cubin" in result.stderr
         assert f"{kernel} for gfx942" in result.stderr and "hsaco" in result.stderr
 
@@ -175,11 +203,11 @@ def test_registry_auto_on_cpu_is_torch_and_unpadded():
 
 def test_registry_wraps_triton_only_when_heads_need_padding(triton_backend):
     """12 heads -> HeadPaddedBackend around triton running 16; 32 heads -> the bare triton backend."""
-    padded = get_attention_backend("triton", num_heads=12, device="cpu")
+    padded = get_attention_backend("triton", num_heads=12, device=DEVICE)
     assert isinstance(padded, HeadPaddedBackend) and padded.inner.name == "triton"
     assert padded.padded_heads(12, "prefill") == 16 and padded.padded_heads(12, "decode") == 16
-    assert get_attention_backend("triton", num_heads=32, device="cpu").name == "triton"
-    assert not isinstance(get_attention_backend("triton", num_heads=32, device="cpu"), HeadPaddedBackend)
+    assert get_attention_backend("triton", num_heads=32, device=DEVICE).name == "triton"
+    assert not isinstance(get_attention_backend("triton", num_heads=32, device=DEVICE), HeadPaddedBackend)
 
 
 @pytest.mark.parametrize(("name", "message"), [("flash", "unknown attention backend"), ("aiter", "ROCm")])

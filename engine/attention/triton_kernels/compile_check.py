@@ -38,12 +38,18 @@ PREFILL_CONSTANTS = dict(DQK=192, DV=128, BLOCK_D1=128, BLOCK_D2=64, BLOCK_DV=12
                          BLOCK_M=64, BLOCK_N=32, UPCAST=False)
 DECODE_SIGNATURE = {
     **dict.fromkeys(("q_ptr", "cache_ptr", "out_ptr"), "*bf16"),
+    "lse_ptr": "*fp32",
     **dict.fromkeys(("cu_q_ptr", "kv_lens_ptr", "block_table_ptr"), "*i32"),
-    **dict.fromkeys(("stride_qt", "stride_qh", "stride_cp", "stride_cs", "stride_ot", "stride_oh", "stride_bt"), _I32),
+    **dict.fromkeys(("stride_qt", "stride_qh", "stride_cp", "stride_cs", "stride_ot", "stride_oh", "stride_os",
+                     "stride_lt", "stride_lh", "stride_bt"), _I32),
     "qk_scale": "fp32",
     "page_size": _I32,
 }
-DECODE_CONSTANTS = dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, HEAD_BLOCK=16, BLOCK_N=32, UPCAST=False)
+DECODE_CONSTANTS = dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, HEAD_BLOCK=16, BLOCK_N=32, NUM_SPLITS=1,
+                        UPCAST=False)
+# split-KV variant: float32 partial outputs
+DECODE_SPLIT_SIGNATURE = {**DECODE_SIGNATURE, "out_ptr": "*fp32"}
+DECODE_SPLIT_CONSTANTS = {**DECODE_CONSTANTS, "NUM_SPLITS": 4}
 
 
 def compile_kernel(kernel: triton.runtime.JITFunction, signature: dict, constants: dict, target: GPUTarget):
@@ -58,13 +64,14 @@ def compile_all(target_name: str) -> dict[str, list[str]]:
     """{kernel name: stages produced} for one target name from TARGETS."""
     target = TARGETS[target_name]
     stages = {}
-    for kernel, signature, constants in (
-        (prefill.flash_prefill_kernel, PREFILL_SIGNATURE, PREFILL_CONSTANTS),
-        (decode.paged_decode_kernel, DECODE_SIGNATURE, DECODE_CONSTANTS),
+    for label, kernel, signature, constants in (
+        ("flash_prefill_kernel", prefill.flash_prefill_kernel, PREFILL_SIGNATURE, PREFILL_CONSTANTS),
+        ("paged_decode_kernel", decode.paged_decode_kernel, DECODE_SIGNATURE, DECODE_CONSTANTS),
+        ("paged_decode_kernel[split]", decode.paged_decode_kernel, DECODE_SPLIT_SIGNATURE, DECODE_SPLIT_CONSTANTS),
     ):
         compiled = compile_kernel(kernel, signature, constants, target)
-        stages[kernel.__name__] = list(compiled.asm)
-        logger.info("%s for %s: %s (shared memory %s bytes)", kernel.__name__, target_name,
+        stages[label] = list(compiled.asm)
+        logger.info("%s for %s: %s (shared memory %s bytes)", label, target_name,
                     ", ".join(compiled.asm), compiled.metadata.shared)
     return stages
 
