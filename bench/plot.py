@@ -29,6 +29,7 @@ def plot_sweep(results: list[dict[str, Any]], path: Path, title: str = "") -> No
     left, right = figure.subplots(1, 2)
     left.plot(xs, [result["output_throughput"] for result in ordered], marker="o", label="output tok/s")
     left.set_ylabel("output tokens / s")
+    left.set_ylim(bottom=0)
     left.set_title("Throughput")
     for key, label in LATENCY_SERIES:
         points = [(x, result.get(key)) for x, result in zip(xs, ordered) if result.get(key)]
