@@ -10,9 +10,9 @@ from typing import NoReturn
 from bench.config import BenchConfig, SamplingOptions, parse_sweep
 from bench.slo import SLO
 from bench.workload import WorkloadError
+from pdserve.commands.common import DEFAULT_GATEWAY
 
 PROG = "pdserve bench"
-DEFAULT_GATEWAY = "127.0.0.1:50051"
 
 
 def _fail(message: object, code: int) -> int:

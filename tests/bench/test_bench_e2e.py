@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pdserve.cli import main
-from tests.services.conftest import launch
+from pdserve.launcher import Cluster, ClusterSpec
 from tests.services.service_model import make_service_model
 
 pytestmark = pytest.mark.slow
@@ -21,9 +21,14 @@ def live_gateway(tmp_path_factory):
     """The services' test deployment: a tiny random model with a draft (speculative decoding on), 1 prefill +
     1 decode worker + gateway, each its own process, on loopback port 0."""
     root = tmp_path_factory.mktemp("bench-live")
-    cluster = launch(make_service_model(root), root)
+    spec = ClusterSpec(model_dir=str(make_service_model(root)), listen="127.0.0.1:0", attention_backend="torch",
+                       worker_args=("--kv-memory-mb", "64", "--num-threads", "1"))
+    cluster = Cluster(spec, log_dir=root)
     try:
-        yield cluster.gateway_address
+        yield cluster.start(timeout_s=300)
+    except (RuntimeError, TimeoutError) as error:
+        logs = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(root.glob("*.log")))
+        pytest.fail(f"deployment did not start: {error}\n{logs}")
     finally:
         cluster.stop()
 

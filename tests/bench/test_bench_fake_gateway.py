@@ -88,3 +88,28 @@ def test_failed_requests_are_counted_not_fatal(tmp_path, caplog):
     assert result["dataset_name"] == "jsonl" and result["ignore_eos"] is False
     assert not any(r.ignore_eos for r in sent)
     assert any("injected failure" in message for message in caplog.messages)
+
+
+async def test_client_records_rpc_errors_and_chunk_timing():
+    """GatewayClient.send: an RPC that fails with a status becomes a failed record naming the status; a good
+    stream gives TTFT >= the first-token delay, one ITL per token after the first chunk, and the accept stat."""
+    import grpc
+
+    from bench.client import GatewayClient
+    from bench.workload import BenchRequest
+
+    with RunningFake(TIMING) as fake:
+        async with grpc.aio.insecure_channel(fake.address) as channel:
+            client = GatewayClient(channel)
+            info = await client.model_info(fake.address, timeout_s=5)
+            bad = await client.send(BenchRequest(output_len=4, ignore_eos=True, token_ids=(info.vocab_size,)))
+            good = await client.send(BenchRequest(output_len=5, ignore_eos=True, token_ids=(5, 6, 7)))
+    assert info.vocab_size == TIMING.vocab_size and info.eos_token_ids == {TIMING.eos_token_id}
+    assert not bad.success and bad.error.startswith("INVALID_ARGUMENT")
+    assert good.success and good.finish_reason == "LENGTH" and good.output_tokens == 5
+    assert good.ttft_s >= TIMING.first_token_s
+    assert len(good.itl_s) == 5 - TIMING.tokens_per_chunk
+    assert sum(good.itl_s) >= 2 * TIMING.chunk_gap_s * 0.9
+    assert good.e2e_s >= good.ttft_s + sum(good.itl_s) - 1e-9
+    assert good.accept_length == pytest.approx(5 / 3)
+    assert good.prompt_tokens == 3
