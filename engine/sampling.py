@@ -160,13 +160,15 @@ def logits_to_probs(
     min_p: torch.Tensor | None = None,
     *,
     max_top_k: int | None = None,
+    has_greedy_rows: bool = True,
     kernels: SamplingKernels = TORCH_KERNELS,
 ) -> torch.Tensor:
     """logits: [N, V]; temperature, top_p, min_p: [N] float; top_k: [N] int -> [N, V] float32.
 
     The distribution each row is sampled from: softmax(logits / temperature), then top-k, top-p
     (on the top-k-renormalised probs), then min-p. A filter passed as None is skipped. Rows with
-    temperature 0 get a one-hot of their argmax (lowest index on ties)."""
+    temperature 0 get a one-hot of their argmax (lowest index on ties); has_greedy_rows=False
+    promises there are none and skips that merge. max_top_k: see top_k_renorm_prob."""
     probs = torch.softmax(apply_temperature(logits, temperature), dim=-1)
     if top_k is not None:
         probs = kernels.top_k_renorm(probs, top_k, max_top_k)
@@ -174,9 +176,16 @@ def logits_to_probs(
         probs = kernels.top_p_renorm(probs, top_p)
     if min_p is not None:
         probs = min_p_renorm_prob(probs, min_p)
+    if not has_greedy_rows:
+        return probs
     greedy = (temperature <= 0).to(logits.device).unsqueeze(1)
     one_hot = torch.zeros_like(probs).scatter_(1, greedy_sample(logits).unsqueeze(1), 1.0)
     return torch.where(greedy, one_hot, probs)
+
+
+def fill_exponential_(noise: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill `noise` in place with Exp(1) draws, -log(1 - U) with U ~ U[0, 1) (one uniform per entry)."""
+    return noise.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
 def exponential_noise(shape: tuple[int, int], device: torch.device, generators: Generators) -> torch.Tensor:
@@ -184,15 +193,15 @@ def exponential_noise(shape: tuple[int, int], device: torch.device, generators: 
     from generators[i] alone (rows with None share one draw from the default RNG)."""
     noise = torch.empty(shape, device=device, dtype=torch.float32)
     if generators is None or isinstance(generators, torch.Generator):
-        return noise.exponential_(generator=generators)
+        return fill_exponential_(noise, generators)
     if len(generators) != shape[0]:
         raise ValueError(f"need one generator entry per row: {len(generators)} != {shape[0]}")
     default_rows = [row for row, gen in enumerate(generators) if gen is None]
     for row, gen in enumerate(generators):
         if gen is not None:
-            noise[row].exponential_(generator=gen)
+            fill_exponential_(noise[row], gen)
     if default_rows:
-        noise[default_rows] = torch.empty((len(default_rows), shape[1]), device=device).exponential_()
+        noise[default_rows] = fill_exponential_(torch.empty((len(default_rows), shape[1]), device=device), None)
     return noise
 
 
@@ -310,7 +319,7 @@ class SamplingBatch:
             self.top_k if self.needs_top_k else None,
             self.top_p if self.needs_top_p else None,
             self.min_p if self.needs_min_p else None,
-            max_top_k=self.max_top_k, kernels=self.kernels)
+            max_top_k=self.max_top_k, has_greedy_rows=self.any_greedy, kernels=self.kernels)
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [N, V] -> [N] int64 next tokens; all-greedy batches take the argmax directly."""

@@ -12,7 +12,9 @@ Greedy: accept the longest prefix of drafts equal to the target argmax, then emi
 argmax at the first mismatch (or after the last draft) - 1 .. k_i + 1 tokens.
 Sampled: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection emit a
 draw from norm(max(0, p_j - q_j)) and stop; if every draft is accepted emit a draw from p_{k_i}.
-A greedy (deterministic) draft is covered by passing one-hot q rows.
+A greedy (deterministic) draft is covered by passing one-hot q rows; a greedy request in a sampled
+batch (one-hot p and q rows) gets exactly verify_greedy's result, so mixed batches can go through
+verify_sampled alone.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import NamedTuple, Union
 
 import torch
 
-from engine.sampling import Generators, exponential_noise, sample_with_noise
+from engine.sampling import Generators, exponential_noise, fill_exponential_, sample_with_noise
 
 Rows = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -104,7 +106,9 @@ def rejection_sample(
     draft_probs q: [S, K, V]; target_probs p: [S, K + 1, V]; uniform: [S, K] U[0, 1);
     noise: [S, V] Exp(1) for the one categorical draw each sequence makes.
     Returns (num_accepted [S] int64, final_token [S] int64). d_j is accepted iff u_j * q(d_j) <
-    p(d_j), i.e. with probability min(1, p/q); p(d_j) = 0 is always rejected."""
+    p(d_j), i.e. with probability min(1, p/q); p(d_j) = 0 is always rejected (q(d_j) = 0 cannot
+    happen for a draft sampled from q; it would be accepted whenever p(d_j) > 0). Tokens with
+    q = 0 < p are reached through the residual max(0, p - q)."""
     num_seqs, width = draft_tokens.shape
     drafts = draft_tokens.long()
     p_draft = target_probs[:, :width].gather(2, drafts.unsqueeze(2)).squeeze(2)
@@ -140,7 +144,7 @@ def draw_verify_randomness(
     noise = torch.empty((len(num_drafts), vocab_size), device=device)
     for index, (gen, length) in enumerate(zip(generators, num_drafts)):
         uniform[index, :length].uniform_(generator=gen)
-        noise[index].exponential_(generator=gen)
+        fill_exponential_(noise[index], gen)
     return uniform, noise
 
 

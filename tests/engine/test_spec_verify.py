@@ -219,6 +219,27 @@ def test_seeded_verification_is_reproducible_in_any_batch() -> None:
     assert len(draws) > 1, "different seeds should give different outcomes"
 
 
+def test_one_hot_rows_reduce_sampled_to_greedy() -> None:
+    """Greedy requests in a sampled batch (one-hot p and q) get exactly verify_greedy's tokens."""
+    gen = torch.Generator().manual_seed(4)
+    lengths = [3, 0, 2, 4]
+    logits = [torch.randn(n + 1, VOCAB, generator=gen) for n in lengths]
+    drafts = [torch.where(torch.rand(n, generator=gen) < 0.7, lg[:n].argmax(dim=-1), torch.randint(0, VOCAB, (n,), generator=gen))
+              for n, lg in zip(lengths, logits)]
+    one_hot_p = [torch.nn.functional.one_hot(lg.argmax(dim=-1), VOCAB).float() for lg in logits]
+    one_hot_q = [torch.nn.functional.one_hot(d, VOCAB).float() for d in drafts]
+    assert verify_sampled(drafts, one_hot_q, one_hot_p, gen) == verify_greedy(drafts, logits)
+
+
+def test_sampled_with_no_drafts_emits_one_target_token() -> None:
+    """A batch where no sequence has drafts emits exactly one token per sequence, from p's support."""
+    p = torch.zeros(200, 1, VOCAB)
+    p[:, 0, 3], p[:, 0, 6] = 0.25, 0.75
+    results = verify_sampled(torch.zeros(200, 0, dtype=torch.long), torch.zeros(200, 0, VOCAB), p, None)
+    tokens = [r.tokens for r in results]
+    assert all(r.num_accepted_drafts == 0 for r in results) and {tuple(t) for t in tokens} == {(3,), (6,)}
+
+
 # ---- acceptance statistics --------------------------------------------------------------
 
 def test_acceptance_stats_counts_and_merge() -> None:
