@@ -190,7 +190,8 @@ class ModelConfig:
         return self.moe_intermediate_size * self.n_shared_experts
 
     def is_moe_layer(self, layer: int) -> bool:
-        """DeepSeek's rule: MoE from first_k_dense_replace on, every moe_layer_freq-th layer."""
+        """DeepSeek's rule: MoE from first_k_dense_replace on, every moe_layer_freq-th layer.
+        (transformers 5.24 ignores moe_layer_freq; every released checkpoint uses 1, where both agree.)"""
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @property
@@ -238,11 +239,9 @@ class ModelConfig:
         values["rope"] = RopeConfig.from_hf(
             rope_params, float(d.get("rope_theta", 10000.0)), int(values["max_position_embeddings"])
         )
-        values["rope_interleave"] = bool(values["rope_interleave"])
-        values["norm_topk_prob"] = bool(values["norm_topk_prob"])
-        values["tie_word_embeddings"] = bool(values["tie_word_embeddings"])
-        values["routed_scaling_factor"] = float(values["routed_scaling_factor"])
-        values["rms_norm_eps"] = float(values["rms_norm_eps"])
+        for key, kind in (("rope_interleave", bool), ("norm_topk_prob", bool), ("tie_word_embeddings", bool),
+                          ("routed_scaling_factor", float), ("rms_norm_eps", float)):
+            values[key] = kind(values[key])
         names = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in values.items() if key in names})
 

@@ -184,3 +184,19 @@ def test_softmax_scale_matches_transformers(tiny_checkpoint) -> None:
     config = ModelConfig.from_pretrained(path)
     assert config.softmax_scale == pytest.approx(reference.model.layers[0].self_attn.scaling, rel=1e-12)
     assert config.softmax_scale != pytest.approx(config.qk_head_dim ** -0.5)
+
+
+def test_bfloat16_model_tracks_float32(models, tiny_checkpoint) -> None:
+    """A bfloat16 model with a bfloat16 cache (prefill then absorbed decode) returns float32 logits close
+    to the float32 model's (mean error well under bf16 noise of a routing flip)."""
+    variant, config, model, _ = models
+    _, model_bf16 = load_model(tiny_checkpoint(variant), TPGroup(), TorchAttentionBackend(), torch.bfloat16)
+    tokens = _prompt(40, config.vocab_size, seed=6)
+    expected, _ = PagedRunner(model, config).step(EXTEND, [(0, tokens)])
+    runner = PagedRunner(model_bf16, config)
+    assert runner.cache.kv.dtype == torch.bfloat16
+    prefill, _ = runner.step(EXTEND, [(0, tokens[:30])])
+    decode, _ = runner.step(DECODE, [(0, tokens[30:])])
+    got = torch.cat([prefill, decode])
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got - expected).abs().mean() < 0.03

@@ -8,6 +8,9 @@ Variants:
   grouped    n_group=4, topk_group=2, 16 experts, top-4
   heads24    24 heads (12 per rank at TP=2), yarn without mscale_all_dim
 Every MoE router gets a non-zero e_score_correction_bias so its selection-only use is exercised.
+
+Also here: DEEPSEEK_V3_CONFIG (the real model's config.json, v4 layout) and PagedRunner, which drives
+an engine model over growing sequences in a paged latent cache (prefill, chunks, decode steps).
 """
 from __future__ import annotations
 
