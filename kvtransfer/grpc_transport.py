@@ -81,7 +81,8 @@ class GrpcWriteHandle(KVWriteHandle):
     def write_pages(self, kind: SegmentKind, layer: int, first_index: int, data: torch.Tensor) -> None:
         self.check_data(kind, layer, first_index, data)
         page_bytes = self.layout.page_bytes(kind)
-        view = byte_view(data.clone(memory_format=torch.contiguous_format))  # queued chunks must not see later writes
+        # Queued chunks are views of data: it must not change until finish() (a change fails the chunk checksum).
+        view = byte_view(data.contiguous())
         try:
             for chunk in self._encoder.encode(kind, layer, first_index, view, range(0, len(view), page_bytes)):
                 self._send(chunk)

@@ -1,0 +1,252 @@
+"""KVTransfer.Push refuses bad streams with the right status before (or instead of) writing, fails only that
+request, and hands its pages back through on_failed; the aio servicer behaves the same."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import grpc
+import pytest
+import torch
+
+from engine.kv_cache import PageAllocator
+from kvtransfer.chunks import ChunkEncoder, WireChunk
+from kvtransfer.errors import BadChunk, ChecksumMismatch, LayoutMismatch, TransferAborted, UnknownTransfer
+from kvtransfer.grpc_receiver import PushReceiver
+from kvtransfer.grpc_servicer import KVTransferAioServicer, add_to_server
+from kvtransfer.grpc_transport import GrpcWriter
+from kvtransfer.layout import KVLayout, SegmentKind
+from kvtransfer.leases import LeaseTable
+from kvtransfer.page_spans import cache_view, segment_offset
+from kvtransfer.shm_pool import SharedPagePool
+from pdserve.v1 import kv_pb2, kv_pb2_grpc
+
+from .conftest import SMALL_WITH_DRAFT, random_cache
+
+LAYOUT = SMALL_WITH_DRAFT
+
+
+def encode_all(destination, cache, source_pages, rank=0, max_chunk=4096, layout=LAYOUT) -> list[WireChunk]:
+    encoder = ChunkEncoder(destination, rank, layout, max_chunk)
+    _, num_pages, view = cache_view(cache)
+    chunks = []
+    for kind, layer in layout.segments():
+        base, page_bytes = segment_offset(layout, num_pages, kind, layer), layout.page_bytes(kind)
+        chunks += encoder.encode(kind, layer, 0, view, [base + page * page_bytes for page in source_pages])
+    return chunks
+
+
+@pytest.fixture
+def decode(push_server):
+    """A two-rank decode: shm pools, a PushReceiver served on port 0, an allocator freed via on_failed."""
+    pools = [SharedPagePool.create(LAYOUT, 12, rank) for rank in range(2)]
+    allocator, leases, failed, held = PageAllocator(12), LeaseTable(), [], {}
+
+    def on_failed(request_id: str) -> None:
+        failed.append(request_id)
+        allocator.free(held.pop(request_id))
+
+    receiver = push_server([pool.cache for pool in pools], on_failed=on_failed)
+
+    def reserve(request_id: str, num_tokens: int, ttl_s: float = 60):
+        pages = allocator.allocate(LAYOUT.pages_for_tokens(num_tokens))
+        held[request_id] = pages
+        return receiver.expect(leases.grant(request_id, pages, ttl_s), num_tokens)
+
+    writer = GrpcWriter(LAYOUT)
+    yield pools, receiver, allocator, reserve, failed, writer
+    writer.close()
+    for pool in pools:
+        pool.close()
+        pool.unlink()
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def push_raw(writer: GrpcWriter, destination, chunks, rank=0):
+    return writer.stub(destination.target(rank)).Push(iter(chunks), timeout=10)
+
+
+def test_corrupted_chunk_is_data_loss_and_fails_only_that_request(decode):
+    """One flipped payload byte on rank 0: DATA_LOSS, on_failed frees the pages, rank 1's stream already in
+    flight is ABORTED, a new stream for it is NOT_FOUND, and a request pushed afterwards is admitted."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    source = random_cache(LAYOUT, 4, seed=5)
+    bad = reserve("bad", 40)
+    rank1 = writer.open(bad, rank=1)
+    rank1.write_layer(0, source.layer(0)[:3])
+    state = receiver._requests["bad"]
+    assert wait_for(lambda: 1 in state.open_ranks)
+    chunks = encode_all(bad, source, [0, 1, 2])
+    payload = bytearray(b"".join(chunks[3].pieces))
+    payload[100] ^= 0x10
+    chunks[3] = WireChunk(chunks[3].header, bytes(payload))
+    with pytest.raises(grpc.RpcError) as caught:
+        push_raw(writer, bad, chunks)
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in caught.value.details()
+    assert failed == ["bad"] and allocator.num_free == 12
+    with pytest.raises(TransferAborted):
+        for layer in range(1, LAYOUT.num_layers):
+            rank1.write_layer(layer, source.layer(layer)[:3])
+        rank1.finish()
+    with pytest.raises(UnknownTransfer):
+        writer.push(source, [0, 1, 2], bad, rank=1)
+    with pytest.raises(ChecksumMismatch):
+        receiver.admit("bad")
+    good = reserve("good", 40)
+    for rank in range(2):
+        writer.push(source, [0, 1, 2], good, rank)
+    assert receiver.admit("good", timeout_s=5).bytes == 2 * 3 * LAYOUT.bytes_per_page
+
+
+def test_layout_mismatch_is_refused_before_any_byte_moves(decode):
+    """A stream whose layout hash differs: FAILED_PRECONDITION and the pool is untouched; a writer with a
+    different local layout refuses before connecting."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    for pool in pools:
+        pool.tensor.view(torch.uint8).fill_(0x5A)
+    destination = reserve("r", 40)
+    other = dataclasses.replace(LAYOUT, page_size=8)
+    forged = dataclasses.replace(destination, layout_hash=other.hash)
+    chunks = encode_all(forged, random_cache(LAYOUT, 3, seed=6), [0, 1, 2])
+    with pytest.raises(grpc.RpcError) as caught:
+        push_raw(writer, destination, chunks)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert other.hash in caught.value.details() and LAYOUT.hash in caught.value.details()
+    assert all(pool.tensor.view(torch.uint8).eq(0x5A).all() for pool in pools)
+    assert failed == ["r"]
+    with pytest.raises(LayoutMismatch):
+        GrpcWriter(other).open(destination)
+
+
+@pytest.mark.parametrize("mutate,code", [
+    (lambda chunks: [WireChunk(_with(chunks[0].header, lease_id="nope"), chunks[0].payload)] + chunks[1:],
+     grpc.StatusCode.NOT_FOUND),
+    (lambda chunks: [WireChunk(_with(chunks[0].header, request_id="other"), chunks[0].payload)] + chunks[1:],
+     grpc.StatusCode.NOT_FOUND),
+    (lambda chunks: chunks[:1] + [WireChunk(_with(chunks[1].header, page_ids=[11]), chunks[1].payload)],
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda chunks: chunks[:1] + chunks[2:], grpc.StatusCode.INVALID_ARGUMENT),  # a dropped chunk: sequence gap
+    (lambda chunks: chunks[:-1], grpc.StatusCode.DATA_LOSS),  # the stream ends early: short write
+    (lambda chunks: [WireChunk(_with(chunks[0].header, rank=5), chunks[0].payload)], grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda chunks: [], grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_bad_streams_get_their_status(decode, mutate, code):
+    """Wrong lease or request: NOT_FOUND; a page outside the lease, a sequence gap, a bad rank or an empty
+    stream: INVALID_ARGUMENT; a stream that stops short: DATA_LOSS."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    destination = reserve("r", 40)
+    chunks = encode_all(destination, random_cache(LAYOUT, 3, seed=7), [0, 1, 2])
+    with pytest.raises(grpc.RpcError) as caught:
+        push_raw(writer, destination, mutate(chunks))
+    assert caught.value.code() == code, caught.value.details()
+    if code == grpc.StatusCode.NOT_FOUND:  # a stranger's stream cannot fail someone else's request
+        assert failed == [] and "r" in receiver._requests
+    elif mutate(chunks):
+        assert failed == ["r"] and allocator.num_free == 12
+
+
+def _with(header: kv_pb2.KVChunk, **fields) -> kv_pb2.KVChunk:
+    copy = kv_pb2.KVChunk()
+    copy.CopyFrom(header)
+    for name, value in fields.items():
+        if name == "page_ids":
+            del copy.page_ids[:]
+            copy.page_ids.extend(value)
+        else:
+            setattr(copy, name, value)
+    return copy
+
+
+def test_a_page_written_twice_is_refused(decode):
+    """Repeating a chunk (same pages, next sequence number) is INVALID_ARGUMENT, not a silent overwrite."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    destination = reserve("r", 40)
+    chunks = encode_all(destination, random_cache(LAYOUT, 3, seed=8), [0, 1, 2])
+    repeated = WireChunk(_with(chunks[0].header, sequence=1, request_id="", lease_id="", layout_hash=""), chunks[0].payload)
+    with pytest.raises(grpc.RpcError) as caught:
+        push_raw(writer, destination, [chunks[0], repeated])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "twice" in caught.value.details()
+
+
+def test_expired_lease_stops_the_push(decode):
+    """A lease that expires before the stream arrives: NOT_FOUND, request failed, pages back."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    destination = reserve("r", 40, ttl_s=0.001)
+    chunks = encode_all(dataclasses.replace(destination, lease_deadline_unix_ms=destination.lease_deadline_unix_ms + 60_000),
+                        random_cache(LAYOUT, 3, seed=9), [0, 1, 2])
+    with pytest.raises(grpc.RpcError) as caught:
+        push_raw(writer, destination, chunks)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in caught.value.details()
+    assert failed == ["r"] and allocator.num_free == 12
+
+
+def test_standard_protobuf_client_and_write_handle(decode):
+    """Plain KVChunk messages from the generated stub are accepted; a write handle streams pages as they
+    are written (pages split over 1000-byte chunks)."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    source = random_cache(LAYOUT, 3, seed=10)
+    destination = reserve("r", 40)
+    messages = []
+    for chunk in encode_all(destination, source, [2, 0, 1]):
+        message = kv_pb2.KVChunk()
+        message.CopyFrom(chunk.header)
+        message.payload = b"".join(chunk.pieces)
+        messages.append(message)
+    stub = kv_pb2_grpc.KVTransferStub(grpc.insecure_channel(destination.targets[0]))
+    result = stub.Push(iter(messages), timeout=10)
+    assert result.ok and result.bytes == 3 * LAYOUT.bytes_per_page
+    with GrpcWriter(LAYOUT, max_chunk=1000).open(destination, rank=1) as handle:
+        for kind, layer in LAYOUT.segments():
+            pages = source.layer(layer) if kind == SegmentKind.TARGET else source.draft_layer(layer)
+            handle.write_pages(kind, layer, 0, pages[[2, 0]])
+            handle.write_pages(kind, layer, 2, pages[1:2])
+        assert handle.finish().bytes == 3 * LAYOUT.bytes_per_page
+    receiver.admit("r", timeout_s=5)
+    for pool in pools:
+        assert torch.equal(pool.cache.kv[:, list(destination.page_ids)].view(torch.uint8),
+                           source.kv[:, [2, 0, 1]].view(torch.uint8))
+
+
+def test_handle_rejects_bad_data_before_sending(decode):
+    """write_pages with the wrong shape raises BadChunk locally."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    with writer.open(reserve("r", 40)) as handle:
+        with pytest.raises(BadChunk):
+            handle.write_pages(SegmentKind.TARGET, 0, 0, torch.zeros(3, 16, 81, dtype=torch.bfloat16))
+        handle.abort("test over")
+
+
+@pytest.mark.parametrize("registration", ["generated", "add_to_server"])
+async def test_aio_server(registration):
+    """The asyncio servicer (as the decode worker runs it) receives a push, registered either way."""
+    layout = KVLayout(2, 16, 4, 8, "float32", 1, 8)
+    with SharedPagePool.create(layout, 6) as pool:
+        receiver = PushReceiver([pool.cache])
+        server = grpc.aio.server()
+        if registration == "generated":
+            kv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferAioServicer(receiver), server)
+        else:
+            add_to_server(receiver, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            receiver.advertise([f"127.0.0.1:{port}"])
+            source = random_cache(layout, 2, seed=11)
+            destination = receiver.expect(LeaseTable().grant("r", [4, 1], 60), 16)
+            writer = GrpcWriter(layout)
+            await asyncio.to_thread(writer.push, source, [1, 0], destination)
+            writer.close()
+            assert receiver.admit("r").bytes == 2 * layout.bytes_per_page
+            assert torch.equal(pool.cache.kv[:, [4, 1]].view(torch.uint8), source.kv[:, [1, 0]].view(torch.uint8))
+            assert torch.equal(pool.cache.draft[:, [4, 1]].view(torch.uint8), source.draft[:, [1, 0]].view(torch.uint8))
+        finally:
+            await server.stop(0)
