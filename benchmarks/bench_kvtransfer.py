@@ -180,7 +180,6 @@ def main() -> None:
     flat = source.buffer[: nbytes // LAYOUT.element_size]
     copy_target = torch.empty_like(flat)
     rows = [("plain copy", best_of(args.repeat, lambda: copy_target.copy_(flat), lambda: None))]
-    del copy_target
     rows += shm_rows(source, source_pages, args.tokens, args.repeat)
     rows += grpc_rows(source, source_pages, args.tokens, args.repeat)
 

@@ -15,9 +15,6 @@ import mmap
 import os
 import secrets
 import stat
-import struct
-import time
-from dataclasses import dataclass
 
 import torch
 
@@ -25,74 +22,17 @@ from engine.kv_cache import PagedLatentCache
 from kvtransfer.completion import SLOT_BYTES, CompletionTable
 from kvtransfer.errors import LayoutMismatch, SegmentError
 from kvtransfer.layout import KVLayout
+from kvtransfer.shm_segment import (
+    HEADER, HEADER_BYTES, SEGMENT_PREFIX, SHM_DIR, PoolHeader, cleanup_stale_segments, process_start_ticks,
+    unlink_segment,
+)
 
+__all__ = ["SharedPagePool", "cleanup_stale_segments", "PoolHeader", "SEGMENT_PREFIX", "SHM_DIR"]
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "pdserve-kv-"
-MAGIC = b"PDSKVP01"
-HEADER_BYTES = 4096
 DATA_ALIGN = 64 * 1024
 MAX_SLOTS = 4096
-_HEADER = struct.Struct("<8sIQQQQQIII16s32s256s")
 _OWNED: dict[str, int] = {}  # segment name -> pid of the process that created it
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of a live process in clock ticks since boot; 0 for a zombie; None if /proc cannot tell."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-        return 0 if fields[0] == b"Z" else int(fields[19])
-    except FileNotFoundError:
-        return 0
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-@dataclass(frozen=True)
-class PoolHeader:
-    owner_pid: int
-    owner_start_ticks: int
-    num_pages: int
-    data_offset: int
-    data_bytes: int
-    num_slots: int
-    rank: int
-    layout_hash: str
-    owner_tag: str
-    layout_canonical: str
-
-    def pack(self) -> bytes:
-        return _HEADER.pack(
-            MAGIC, 1, self.owner_pid, self.owner_start_ticks, self.num_pages, self.data_offset, self.data_bytes,
-            self.num_slots, SLOT_BYTES, self.rank, self.layout_hash.encode("ascii"),
-            self.owner_tag.encode("utf-8")[:32], self.layout_canonical.encode("ascii")[:256],
-        )
-
-    @classmethod
-    def unpack(cls, raw: bytes, name: str) -> PoolHeader:
-        if len(raw) < _HEADER.size:
-            raise SegmentError(f"shm segment {name} is too short for a pool header")
-        magic, version, pid, ticks, pages, offset, nbytes, slots, slot_bytes, rank, lhash, tag, canon = (
-            _HEADER.unpack_from(raw)
-        )
-        if magic != MAGIC or version != 1 or slot_bytes != SLOT_BYTES:
-            raise SegmentError(f"shm segment {name} is not a pdserve KV pool (bad magic or version)")
-        strip = lambda value: value.rstrip(b"\0").decode("utf-8", "replace")  # noqa: E731
-        return cls(pid, ticks, pages, offset, nbytes, slots, rank, strip(lhash), strip(tag), strip(canon))
-
-    def owner_alive(self) -> bool:
-        try:
-            os.kill(self.owner_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        ticks = process_start_ticks(self.owner_pid)
-        if ticks is None or not self.owner_start_ticks:  # /proc cannot tell: trust kill()
-            return True
-        return ticks == self.owner_start_ticks  # 0 (zombie) or another start time (pid reused): gone
 
 
 class SharedPagePool:
@@ -143,7 +83,7 @@ class SharedPagePool:
             pid, process_start_ticks(pid) or 0, num_pages, data_offset, data_bytes, slots, rank, layout.hash,
             owner_tag, layout.canonical,
         )
-        mapping[: _HEADER.size] = header.pack()
+        mapping[: HEADER.size] = header.pack()
         logger.info("created KV pool %s: rank %d, %d pages, %.1f MiB", name, rank, num_pages, data_bytes / 2**20)
         return cls(name, mapping, header, layout, owner=True)
 
@@ -160,7 +100,7 @@ class SharedPagePool:
             info = os.fstat(fd)
             if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
                 raise SegmentError(f"shm segment {name} is not private to this user (uid / mode)")
-            header = PoolHeader.unpack(os.pread(fd, _HEADER.size, 0), name)
+            header = PoolHeader.unpack(os.pread(fd, HEADER.size, 0), name)
             if header.layout_hash != expected_layout.hash:
                 raise LayoutMismatch(
                     f"KV layout mismatch attaching {name}: pool has {header.layout_hash} ({header.layout_canonical}),"
@@ -233,10 +173,7 @@ def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
 
 def _unlink(name: str) -> None:
     _OWNED.pop(name, None)
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
+    unlink_segment(name)
 
 
 @atexit.register
@@ -244,35 +181,3 @@ def _unlink_owned_at_exit() -> None:
     for name, pid in list(_OWNED.items()):
         if pid == os.getpid():  # a forked child must not remove its parent's segments
             _unlink(name)
-
-
-def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX, grace_s: float = 60.0) -> list[str]:
-    """Removes pool segments whose owner process is dead; returns their names. Call at start-up.
-
-    A segment without a readable header is removed only once it is older than grace_s (it may be one
-    being created right now).
-    """
-    removed = []
-    for name in sorted(os.listdir(SHM_DIR)):
-        if not name.startswith(prefix):
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            info = os.fstat(fd)
-            if info.st_uid != os.getuid():
-                continue
-            try:
-                stale = not PoolHeader.unpack(os.pread(fd, _HEADER.size, 0), name).owner_alive()
-            except SegmentError:
-                stale = time.time() - info.st_mtime > grace_s
-        finally:
-            os.close(fd)
-        if stale:
-            _unlink(name)
-            removed.append(name)
-            logger.warning("removed stale KV pool segment %s (owner gone)", name)
-    return removed
