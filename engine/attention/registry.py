@@ -30,6 +30,8 @@ def _make_torch(device: torch.device) -> AttentionBackend:
 
 
 def _make_triton(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"attention backend 'triton' needs a visible GPU for device {device}")
     if device.type == "cpu" and not _interpreter_requested():
         raise ValueError("attention backend 'triton' on CPU needs TRITON_INTERPRET=1 (set before triton kernels load)")
     try:

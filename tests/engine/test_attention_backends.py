@@ -167,6 +167,25 @@ def test_triton_bf16_inputs_keep_dtype_and_accuracy(triton_backend):
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="GPU-sized shapes; the interpreter would take minutes")
+def test_triton_matches_torch_at_deepseek_dims_on_gpu(triton_backend):
+    """On a GPU, at DeepSeek-V3 dims in bf16 (q/k 192, v 128; latent 512 + rope 64; several kernel tiles
+    per sequence), 12 padded heads match the reference."""
+    generator = torch.Generator().manual_seed(11)
+    q_lens = torch.randint(200, 700, (3,), generator=generator).tolist()
+    q, k, v, cu_q, cu_k, q_lens, k_lens = _varlen_batch(generator, 12, 192, 128, q_lens, [0, 300, 37])
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out = triton_backend(12).prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 192**-0.5)
+    expected = REFERENCE.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 192**-0.5)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+    q, cache, attn = _paged_case(generator, 12, 512, 64, (1, 4, 1), (3000, 777, 17))
+    for splits in (None, 1):
+        out = triton_backend(12, decode_splits=splits).decode(q.bfloat16(), cache.bfloat16(), attn, 0.1, 512)
+        expected = REFERENCE.decode(q.bfloat16(), cache.bfloat16(), attn, 0.1, 512)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_triton_rejects_unpadded_head_counts(triton_backend):
     """The bare backend declares multiples of 16 only and refuses 12 heads instead of mis-computing."""
     from engine.attention.triton_backend import TritonAttentionBackend

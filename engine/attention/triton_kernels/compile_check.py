@@ -47,6 +47,9 @@ DECODE_SIGNATURE = {
 }
 DECODE_CONSTANTS = dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, HEAD_BLOCK=16, BLOCK_N=32, NUM_SPLITS=1,
                         UPCAST=False)
+# float32 inputs: exact float32 ("ieee") dots, as the tests on GPUs use
+PREFILL_FP32_SIGNATURE = {**PREFILL_SIGNATURE, **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*fp32")}
+PREFILL_FP32_CONSTANTS = {**PREFILL_CONSTANTS, "UPCAST": True}
 # split-KV variant: float32 partial outputs
 DECODE_SPLIT_SIGNATURE = {**DECODE_SIGNATURE, "out_ptr": "*fp32"}
 DECODE_SPLIT_CONSTANTS = {**DECODE_CONSTANTS, "NUM_SPLITS": 4}
@@ -66,6 +69,7 @@ def compile_all(target_name: str) -> dict[str, list[str]]:
     stages = {}
     for label, kernel, signature, constants in (
         ("flash_prefill_kernel", prefill.flash_prefill_kernel, PREFILL_SIGNATURE, PREFILL_CONSTANTS),
+        ("flash_prefill_kernel[fp32]", prefill.flash_prefill_kernel, PREFILL_FP32_SIGNATURE, PREFILL_FP32_CONSTANTS),
         ("paged_decode_kernel", decode.paged_decode_kernel, DECODE_SIGNATURE, DECODE_CONSTANTS),
         ("paged_decode_kernel[split]", decode.paged_decode_kernel, DECODE_SPLIT_SIGNATURE, DECODE_SPLIT_CONSTANTS),
     ):
