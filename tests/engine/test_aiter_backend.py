@@ -12,11 +12,21 @@ import torch
 
 from engine.attention.aiter_backend import AiterAttentionBackend, load_aiter
 from engine.attention.head_padding import HeadPaddedBackend
-from engine.attention.torch_backend import TorchAttentionBackend, _causal_attention
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.forward_batch import build_attention_metadata
 
 REFERENCE = TorchAttentionBackend()
 LATENT, ROPE, PAGE = 32, 16, 16
+
+
+def _causal_attention(q, k, v, scale):
+    """q: [Lq, H, Dqk], k: [Lk, Dqk] or [Lk, H, Dqk], v likewise -> [Lq, H, Dv] float32, bottom-right causal."""
+    if k.dim() == 2:
+        k, v = k[:, None].expand(-1, q.shape[1], -1), v[:, None].expand(-1, q.shape[1], -1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    visible = torch.arange(k.shape[0])[None, :] <= torch.arange(q.shape[0])[:, None] + (k.shape[0] - q.shape[0])
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float())
 
 
 class FakeAiter:
