@@ -40,7 +40,7 @@ def gather_context(kv_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len
     page_size = kv_cache.shape[1]
     num_pages = -(-kv_len // page_size)
     pages = block_table_row[:num_pages].long()
-    return kv_cache[pages].reshape(num_pages * page_size, kv_cache.shape[-1])[:kv_len]
+    return kv_cache.index_select(0, pages).reshape(num_pages * page_size, kv_cache.shape[-1])[:kv_len]
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -86,7 +86,7 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe)
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [T, kv_lora_rank + rope]
         kv_cache = cache.layer(self.layer_index)
-        kv_cache.view(-1, kv_cache.shape[-1])[batch.attn.slot_mapping] = latent.to(kv_cache.dtype)
+        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, batch.attn.slot_mapping, latent.to(kv_cache.dtype))
         if batch.mode == ForwardMode.DECODE:
             out = self._absorbed(q_nope, q_pe, kv_cache, batch.attn)
         else:
@@ -101,7 +101,7 @@ class MLAAttention(nn.Module):
         if attn.is_fresh_prefill:
             context, cu_seqlens_k = latent, attn.cu_seqlens_q
         else:
-            context = kv_cache.view(-1, kv_cache.shape[-1])[context_slots(attn)].to(latent.dtype)
+            context = kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, context_slots(attn)).to(latent.dtype)
             cu_seqlens_k = torch.zeros(attn.num_seqs + 1, dtype=torch.int32, device=attn.kv_lens.device)
             cu_seqlens_k[1:] = torch.cumsum(attn.kv_lens, 0)
         num_context = context.shape[0]

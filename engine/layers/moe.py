@@ -92,16 +92,14 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden], weights/ids: [T, k] -> [T, hidden] float32, the sum over this rank's experts only."""
         num_tokens, top_k = ids.shape
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
         local_ids = ids.reshape(-1) - self.expert_start
         assignments = ((local_ids >= 0) & (local_ids < self.num_local)).nonzero().squeeze(1)
         if assignments.numel() == 0:
-            return out
+            return torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
         order = torch.argsort(local_ids[assignments], stable=True)
         assignments = assignments[order]  # flat (token, slot) indices grouped by expert
         counts = torch.bincount(local_ids[assignments], minlength=self.num_local).tolist()
-        tokens = assignments // top_k
-        inputs = x[tokens]
+        inputs = x.index_select(0, assignments // top_k)
         results = torch.empty(inputs.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         offset = 0
         for expert, count in enumerate(counts):
@@ -111,8 +109,12 @@ class RoutedExperts(nn.Module):
             gate, up = F.linear(chunk, self.gate_up_proj[expert]).split(self.intermediate_size, dim=-1)
             results[offset : offset + count] = F.linear(F.silu(gate) * up, self.down_proj[expert]).float()
             offset += count
-        results.mul_(weights.reshape(-1)[assignments].unsqueeze(1))
-        return out.index_add_(0, tokens, results)
+        results.mul_(weights.reshape(-1).index_select(0, assignments).unsqueeze(1))
+        # Back to (token, slot) order; slots routed to other ranks' experts stay zero. (index_copy_ +
+        # sum: CPU index_add_ / advanced indexing are far slower here.)
+        per_slot = torch.zeros(num_tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
+        per_slot.index_copy_(0, assignments, results)
+        return per_slot.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 class MoE(nn.Module):
