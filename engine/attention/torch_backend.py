@@ -11,27 +11,28 @@ from engine.attention.base import AttentionBackend
 from engine.forward_batch import AttentionMetadata
 
 
+# Queries are processed in row blocks so the float32 score matrix [H, rows, Lk] stays under ~256 MiB.
+_SCORE_BUDGET = 64 * 1024 * 1024  # elements
+
+
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [Lq, H, Dqk], k: [Lk, H, Dqk] (or [Lk, Dqk] shared by all heads), v: [Lk, H, Dv] (or [Lk, Dv])
     -> [Lq, H, Dv] float32; query j sees keys 0 .. Lk - Lq + j.
 
-    Explicit matmul + softmax in float32: CPU SDPA falls back to a slow path when Dqk != Dv."""
-    q_len, k_len = q.shape[0], k.shape[0]
-    qf = q.float().transpose(0, 1)  # [H, Lq, Dqk]
-    if k.dim() == 2:
-        scores = torch.matmul(qf, k.float().t())  # [H, Lq, Lk]
-    else:
-        scores = torch.matmul(qf, k.float().permute(1, 2, 0))
-    scores.mul_(scale)
-    if k_len > 1:
-        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (k_len - q_len)
-        cols = torch.arange(k_len, device=q.device).unsqueeze(0)
+    Explicit matmul + softmax in float32 (measured on CPU: as fast as SDPA, which slows down when
+    Dqk != Dv, and exact in float32 for bf16 inputs)."""
+    q_len, k_len, heads = q.shape[0], k.shape[0], q.shape[1]
+    keys = k.float().t() if k.dim() == 2 else k.float().permute(1, 2, 0)  # [Dqk, Lk] or [H, Dqk, Lk]
+    values = v.float() if v.dim() == 2 else v.float().transpose(0, 1)  # [Lk, Dv] or [H, Lk, Dv]
+    out = torch.empty(heads, q_len, values.shape[-1], dtype=torch.float32, device=q.device)
+    block = max(1, _SCORE_BUDGET // max(1, heads * k_len))
+    cols = torch.arange(k_len, device=q.device).unsqueeze(0)
+    for start in range(0, q_len, block):
+        end = min(q_len, start + block)
+        scores = torch.matmul(q[start:end].float().transpose(0, 1), keys).mul_(scale)  # [H, rows, Lk]
+        rows = torch.arange(start, end, device=q.device).unsqueeze(1) + (k_len - q_len)
         scores.masked_fill_(cols > rows, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if v.dim() == 2:
-        out = torch.matmul(probs, v.float())  # [H, Lq, Dv]
-    else:
-        out = torch.matmul(probs, v.float().transpose(0, 1))
+        out[:, start:end] = torch.matmul(torch.softmax(scores, dim=-1), values)
     return out.transpose(0, 1)
 
 

@@ -200,3 +200,26 @@ def test_bfloat16_model_tracks_float32(models, tiny_checkpoint) -> None:
     got = torch.cat([prefill, decode])
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert (got - expected).abs().mean() < 0.03
+
+
+@pytest.mark.parametrize("score_budget", [None, 40])
+def test_torch_backend_prefill_matches_sdpa(score_budget: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference prefill (also when split into query blocks) equals SDPA with a bottom-right causal mask."""
+    import engine.attention.torch_backend as torch_backend
+
+    if score_budget is not None:
+        monkeypatch.setattr(torch_backend, "_SCORE_BUDGET", score_budget)
+    generator = torch.Generator().manual_seed(3)
+    q_lens, k_lens = (3, 9), (7, 9)
+    q = torch.randn(sum(q_lens), 2, 12, generator=generator)
+    k = torch.randn(sum(k_lens), 2, 12, generator=generator)
+    v = torch.randn(sum(k_lens), 2, 8, generator=generator)
+    out = TorchAttentionBackend().prefill(q, k, v, torch.tensor([0, 3, 12]), torch.tensor([0, 7, 16]), q_lens, k_lens, 0.3)
+    q_start = k_start = 0
+    for q_len, k_len in zip(q_lens, k_lens):
+        mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[q_start : q_start + q_len].transpose(0, 1), k[k_start : k_start + k_len].transpose(0, 1),
+            v[k_start : k_start + k_len].transpose(0, 1), attn_mask=mask, scale=0.3).transpose(0, 1)
+        torch.testing.assert_close(out[q_start : q_start + q_len], expected, atol=1e-5, rtol=0)
+        q_start, k_start = q_start + q_len, k_start + k_len
