@@ -105,9 +105,11 @@ class LLMEngine:
         draft_dir = config.resolved_draft_dir
         self.draft_config = None
         if draft_dir:
+            import json
+
             from engine.models.dflash import DFlashConfig
 
-            self.draft_config = DFlashConfig.from_pretrained(draft_dir)
+            self.draft_config = DFlashConfig.from_dict(json.loads(Path(draft_dir, "config.json").read_text()))
         probe = cache_shape_for(self.model_config, self.draft_config, 1, config.page_size, DTYPES[config.dtype])
         num_pages = max(1, config.kv_memory_bytes // probe.bytes_per_page)
         runner_config = RunnerConfig(
