@@ -86,3 +86,12 @@ def shard_weight(name: str, tensor: torch.Tensor, tp: TPGroup, num_experts: int)
     if not start <= int(expert) < end:
         return None
     return f"{prefix}{int(expert) - start}{suffix}", tensor
+
+
+def owned_elsewhere(name: str, tp: TPGroup, num_experts: int) -> bool:
+    """True for a per-expert weight that another rank owns (this rank need not read it)."""
+    match = _EXPERT_INDEX.fullmatch(name)
+    if match is None or tp.size == 1:
+        return False
+    start, end = tp.shard_range(num_experts)
+    return not start <= int(match.group(2)) < end

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -95,27 +95,38 @@ def _block_size(model_dir: Path) -> tuple[int, int]:
 
 
 def iter_checkpoint(
-    model_dir: str | Path, num_hidden_layers: int | None = None, dequant_dtype: torch.dtype = torch.float32
+    model_dir: str | Path,
+    num_hidden_layers: int | None = None,
+    dequant_dtype: torch.dtype = torch.float32,
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, full tensor) in file order. FP8 weights come out dequantised (their
-    weight_scale_inv is consumed); layers >= num_hidden_layers (MTP) are skipped when it is given."""
+    weight_scale_inv is consumed); layers >= num_hidden_layers (MTP) are dropped when it is given.
+    Names for which skip(name) is true are not read: they come out as "meta" tensors of the stored
+    shape (e.g. experts another rank owns), so shape checks still see them."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     block = _block_size(model_dir)
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
-        def read(name: str) -> torch.Tensor:
+        def handle(name: str):  # the open safetensors file holding `name`
             file = files[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            return handles[file].get_tensor(name)
+            return handles[file]
+
+        def read(name: str) -> torch.Tensor:
+            return handle(name).get_tensor(name)
 
         for name in sorted(files, key=lambda n: (str(files[n]), n)):
             if num_hidden_layers is not None and is_mtp_weight(name, num_hidden_layers):
                 continue
             if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in files:
                 continue  # consumed with its weight
+            if skip is not None and skip(name):
+                yield name, torch.empty(handle(name).get_slice(name).get_shape(), device="meta")
+                continue
             tensor = read(name)
             if tensor.dtype in FP8_DTYPES:
                 scale_name = name + "_scale_inv"

@@ -19,7 +19,7 @@ from engine.layers.mla import MLAAttention
 from engine.layers.mlp import DenseMLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
-from engine.sharding import shard_weight
+from engine.sharding import owned_elsewhere, shard_weight
 from engine.weights import expected_weight_shapes, format_weight_errors, is_mtp_weight, iter_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,9 @@ def load_model(
     config = ModelConfig.from_pretrained(model_dir)
     with torch.device(device):
         model = DeepseekV3ForCausalLM(config, tp, attention, dtype)
-    model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers))
+    def skip(name: str) -> bool:
+        return owned_elsewhere(name, tp, config.n_routed_experts)
+
+    model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip))
     model.eval().requires_grad_(False)
     return config, model

@@ -8,7 +8,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
-from engine.sharding import ShardKind, find_rule, shard_weight
+from engine.sharding import ShardKind, find_rule, owned_elsewhere, shard_weight
 from engine.weights import expected_weight_shapes
 from tests.engine.tiny_models import DEEPSEEK_V3_CONFIG as DEEPSEEK_V3
 
@@ -108,3 +108,14 @@ def test_indivisible_split_names_the_weight() -> None:
     """A dimension that does not split evenly raises ValueError naming the weight."""
     with pytest.raises(ValueError, match="o_proj"):
         shard_weight("model.layers.0.self_attn.o_proj.weight", torch.randn(4, 7), TPGroup(0, 2), 8)
+
+
+def test_owned_elsewhere_marks_only_foreign_experts() -> None:
+    """owned_elsewhere is true exactly for per-expert weights of experts another rank owns."""
+    tp = TPGroup(rank=1, size=4)
+    assert owned_elsewhere("model.layers.3.mlp.experts.0.gate_proj.weight", tp, 8)
+    assert not owned_elsewhere("model.layers.3.mlp.experts.2.gate_proj.weight", tp, 8)
+    assert not owned_elsewhere("model.layers.3.mlp.experts.3.down_proj.weight", tp, 8)
+    assert owned_elsewhere("model.layers.3.mlp.experts.4.down_proj.weight", tp, 8)
+    assert not owned_elsewhere("model.layers.3.mlp.shared_experts.down_proj.weight", tp, 8)
+    assert not owned_elsewhere("model.layers.3.mlp.experts.0.gate_proj.weight", TPGroup(), 8)

@@ -16,6 +16,7 @@ from engine.config import ModelConfig
 from engine.distributed import TPGroup
 from engine.forward_batch import ForwardMode
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM, load_model
+from engine.sharding import owned_elsewhere
 from engine.weights import dequantize_fp8_block, expected_weight_shapes, iter_checkpoint, quantize_fp8_block
 from tests.engine.tiny_models import PagedRunner
 
@@ -178,3 +179,24 @@ def test_checkpoint_dir_without_weights_is_an_error(source, tmp_path: Path) -> N
     shutil.copy(path / "config.json", tmp_path / "config.json")
     with pytest.raises(FileNotFoundError):
         list(iter_checkpoint(tmp_path))
+
+
+def test_experts_of_other_ranks_are_not_read(source) -> None:
+    """With skip=owned_elsewhere, rank 1 of 2 gets shape-only meta tensors for experts 0..E/2-1 (and only
+    those), and loads exactly the parameters a full read gives."""
+    path, _ = source
+    config = ModelConfig.from_pretrained(path)
+    tp = TPGroup(rank=1, size=2)
+    skipped = [name for name, tensor in iter_checkpoint(path, config.num_hidden_layers,
+                                                          skip=lambda n: owned_elsewhere(n, tp, config.n_routed_experts))
+               if tensor.is_meta]
+    half = config.n_routed_experts // 2
+    moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    assert sorted(skipped) == sorted(f"model.layers.{layer}.mlp.experts.{e}.{p}.weight" for layer in moe_layers
+                                     for e in range(half) for p in ("gate_proj", "up_proj", "down_proj"))
+    lazy = DeepseekV3ForCausalLM(config, tp, TorchAttentionBackend(), torch.float32)
+    lazy.load_weights(iter_checkpoint(path, config.num_hidden_layers,
+                                      skip=lambda n: owned_elsewhere(n, tp, config.n_routed_experts)))
+    full = DeepseekV3ForCausalLM(config, tp, TorchAttentionBackend(), torch.float32)
+    full.load_weights(iter_checkpoint(path, config.num_hidden_layers))
+    _assert_same_parameters(lazy, full)
