@@ -52,7 +52,8 @@ class MLAAttention(nn.Module):
         self.kv_lora_rank = c.kv_lora_rank
         self.softmax_scale = c.softmax_scale
         q_out = c.num_attention_heads * c.qk_head_dim
-        if c.q_lora_rank is None:
+        self.use_q_lora = c.q_lora_rank is not None
+        if not self.use_q_lora:
             self.q_proj = ColumnParallelLinear(c.hidden_size, q_out, tp, dtype)
         else:
             self.q_a_proj = ReplicatedLinear(c.hidden_size, c.q_lora_rank, dtype)
@@ -75,10 +76,10 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedLatentCache) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
+        if self.use_q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
         q = q.view(num_tokens, self.num_local_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
