@@ -55,14 +55,20 @@ def _read_varint(buffer: memoryview, position: int) -> tuple[int, int]:
 
 
 def encode_chunk(chunk: WireChunk) -> bytes:
+    """The payload field first, then the header fields (protobuf allows any field order)."""
     pieces = chunk.pieces
     size = sum(len(piece) for piece in pieces)
-    return b"".join([chunk.header.SerializeToString(), _PAYLOAD_KEY, _varint(size), *pieces])
+    return b"".join([_PAYLOAD_KEY, _varint(size), *pieces, chunk.header.SerializeToString()])
 
 
 def decode_chunk(raw: bytes) -> WireChunk:
     """Splits a serialized KVChunk into its header (parsed) and its payload (a view of raw, no copy)."""
     view = memoryview(raw)
+    if raw[:1] == _PAYLOAD_KEY:  # our own encoding: payload first, no other payload field after it
+        size, start = _read_varint(view, 1)
+        header = kv_pb2.KVChunk.FromString(view[start + size :].tobytes())
+        if not header.payload:  # (a second payload field would win: then take the general path)
+            return WireChunk(header, view[start : start + size])
     header_parts, payload, position = [], view[:0], 0
     while position < len(view):
         start = position

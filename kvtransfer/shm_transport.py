@@ -25,6 +25,7 @@ from kvtransfer.shm_pool import SharedPagePool
 from kvtransfer.transport import KVWriteHandle, KVWriter, TransferResult
 
 logger = logging.getLogger(__name__)
+HASH_PIECE_BYTES = 256 * 1024  # copy-then-hash granularity: small enough to stay in a core's L2
 
 
 class ShmWriteHandle(KVWriteHandle):
@@ -55,19 +56,24 @@ class ShmWriteHandle(KVWriteHandle):
         view = self.pool.data_view
         source = byte_view(data) if data.is_contiguous() else None
         tensor = self.cache.layer(layer) if kind == SegmentKind.TARGET else self.cache.draft_layer(layer)
+        hasher = self._hashers[segment]
         for span in segment_spans(self.layout, self.pool.num_pages, kind, layer, pages, first_index):
             local = span.first_index - first_index
             target = view[span.offset : span.offset + span.nbytes]
-            if source is not None:  # a plain memcpy: no torch thread pool spinning between layers
-                start = local * self.layout.page_bytes(kind)
-                target[:] = source[start : start + span.nbytes]
+            in_order = self._in_order[segment] = self._in_order[segment] and span.first_index == self._next_index[segment]
+            if source is not None:  # plain memcpy (no torch thread pool spinning between small copies), in
+                start = local * self.layout.page_bytes(kind)  # pieces hashed while they are still in L2
+                for begin in range(0, span.nbytes, HASH_PIECE_BYTES):
+                    end = min(begin + HASH_PIECE_BYTES, span.nbytes)
+                    target[begin:end] = source[start + begin : start + end]
+                    if in_order:
+                        hasher.update(target[begin:end])
             else:
                 tensor[span.first_page : span.first_page + span.num_pages].copy_(data[local : local + span.num_pages])
-            if self._in_order[segment] and span.first_index == self._next_index[segment]:
-                self._hashers[segment].update(target)  # still in cache: hashing now is nearly free
+                if in_order:
+                    hasher.update(target)
+            if in_order:
                 self._next_index[segment] += span.num_pages
-            else:
-                self._in_order[segment] = False
         self._written[segment, first_index : first_index + count] = True
 
     def finish(self) -> TransferResult:

@@ -55,3 +55,16 @@ def test_max_chunk_is_under_grpc_message_limit():
     header = kv_pb2.KVChunk(request_id="x" * 200, lease_id="y" * 64, layout_hash="z" * 16,
                             page_ids=list(range(1 << 14)), checksum=1)
     assert len(encode_chunk(WireChunk(header, bytes(MAX_CHUNK_BYTES)))) < 2 * MAX_CHUNK_BYTES
+
+
+def test_own_encoding_round_trips_and_last_payload_wins():
+    """decode_chunk(encode_chunk(c)) gives c back; a message carrying a second payload field later decodes to
+    that one, as protobuf's last-one-wins rule says."""
+    header = kv_pb2.KVChunk(request_id="r", sequence=9, page_ids=[1, 2], checksum=77)
+    payload = bytes(range(200)) * 10
+    decoded = decode_chunk(encode_chunk(WireChunk(header, [payload[:7], payload[7:]])))
+    assert decoded.header == header and bytes(decoded.payload) == payload
+    second = kv_pb2.KVChunk(payload=b"later").SerializeToString()
+    decoded = decode_chunk(encode_chunk(WireChunk(header, payload)) + second)
+    assert bytes(decoded.payload) == b"later"
+    assert kv_pb2.KVChunk.FromString(encode_chunk(WireChunk(header, payload)) + second).payload == b"later"
