@@ -1,0 +1,54 @@
+"""Shared fixtures for service tests: the test model, one launched deployment (decode + prefill +
+gateway processes on loopback) for the whole session, and in-process reference outputs."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.launcher import Cluster, ClusterSpec
+from tests.services.service_model import make_service_model
+
+WORKER_ARGS = ("--kv-memory-mb", "64", "--num-threads", "1")
+
+
+@pytest.fixture(scope="session")
+def service_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_service_model(tmp_path_factory.mktemp("service_model"))
+
+
+def launch(model: Path, log_dir: Path, **overrides: object) -> Cluster:
+    spec = ClusterSpec(model_dir=str(model), listen="127.0.0.1:0", attention_backend="torch", worker_args=WORKER_ARGS,
+                       **overrides)  # type: ignore[arg-type]
+    cluster = Cluster(spec, log_dir=log_dir)
+    try:
+        cluster.start(timeout_s=300)
+    except BaseException:
+        for log in sorted(log_dir.glob("*.log")):
+            print(f"==== {log.name}\n{log.read_text()[-4000:]}")  # noqa: T201 - shown by pytest on failure
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def cluster(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """1 prefill + 1 decode (TP 1, shm transport, with the draft) + gateway."""
+    log_dir = tmp_path_factory.mktemp("cluster_logs")
+    cluster = launch(service_model, log_dir)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def llm(service_model: Path) -> Iterator[object]:
+    """The in-process reference: LLM over the same model (and draft)."""
+    from engine import LLM
+
+    with LLM(str(service_model), attention_backend="torch", kv_memory_bytes=64 * 2**20,
+             num_threads=1) as llm:
+        yield llm
+
+
+def worker_address(cluster: Cluster, role: str) -> str:
+    return next(child.address for child in cluster.children if child.role == role)

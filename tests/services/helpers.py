@@ -1,0 +1,59 @@
+"""Helpers for service tests: deterministic prompts, stubs, and polling a decode worker's load."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+PROMPT_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 100, 128, 255, 300, 512, 777, 1024, 1500, 2048)
+FIRST_ORDINARY_TOKEN = 4  # ids 0..3 are the special tokens
+VOCAB_LIMIT = 300          # the test tokenizer's vocabulary (the model's is 320)
+
+
+def token_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB_LIMIT) for _ in range(length)] for length in lengths]
+
+
+def greedy(max_tokens: int, speculative: bool | None = None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True, speculative=speculative)
+
+
+@asynccontextmanager
+async def gateway_stub(address: str) -> AsyncIterator[gateway_pb2_grpc.GatewayStub]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        yield gateway_pb2_grpc.GatewayStub(channel)
+
+
+async def decode_load(address: str) -> worker_pb2.Load:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await worker_pb2_grpc.DecodeStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+
+
+async def idle_free_pages(address: str, timeout: float = 30.0) -> int:
+    """The decode worker's free pages once nothing runs and no lease is held (its idle baseline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = await decode_load(address)
+        if load.running == 0 and load.leases == 0 and load.waiting == 0:
+            return load.free_pages
+        if time.monotonic() > deadline:
+            raise AssertionError(f"decode worker never went idle: {load}")
+        await asyncio.sleep(0.05)
+
+
+async def wait_for_free_pages(address: str, expected: int, timeout: float = 15.0) -> worker_pb2.Load:
+    """Polls GetLoad until free_pages == expected; returns the last Load either way."""
+    deadline = time.monotonic() + timeout
+    load = await decode_load(address)
+    while load.free_pages != expected and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        load = await decode_load(address)
+    return load
