@@ -76,14 +76,16 @@ class RequestRun:
         self._prefill_call: Any = None
         self._decode_call: Any = None
         self._cancelling = False
+        self.finished = False  # the final event is queued (cleanup may still be running)
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._produce())
 
     def cancel(self) -> None:
-        """Client went away or Abort: stop the work (once), clean up, end with an abort FinishEvent."""
-        if self.task is not None and not self.task.done() and not self._cancelling:
+        """Client went away or Abort: stop the work (once), clean up, end with an abort FinishEvent.
+        A run whose final event is queued is left alone: it is only cleaning up."""
+        if self.task is not None and not self.task.done() and not self._cancelling and not self.finished:
             self._cancelling = True
             self.task.cancel()
 
@@ -97,6 +99,7 @@ class RequestRun:
             code, message = status_for(error)
             if code == grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed", self.job.request_id)
+            self.finished = True
             self.events.put_nowait(ErrorEvent(code, message))
         finally:
             try:
@@ -179,6 +182,7 @@ class RequestRun:
                 reason, stop = "stop", tail.matched
             if text:
                 self.events.put_nowait(TokensEvent([], text))
+        self.finished = True
         self.events.put_nowait(FinishEvent(
             reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
             self._decode_tokens, stop))

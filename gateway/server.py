@@ -25,6 +25,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
         logger.warning("%s has no tokenizer.json: only token-id requests will be accepted", config.model_dir)
     server = grpc.aio.server(options=serving.SERVER_OPTIONS)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
+    await serving.set_serving(health, [SERVICE_NAME], False)  # until the first poll finds every worker
     tasks: set[asyncio.Task[None]] = set()
 
     def on_health(healthy: bool) -> None:
@@ -50,5 +51,6 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
         logger.info("gateway stopping")
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
+        await service.shutdown(config.cleanup_timeout_s)
         await pool.close()
         logger.info("gateway stopped")

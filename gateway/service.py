@@ -1,6 +1,7 @@
 """The gateway's request handling, independent of gRPC: validate and start runs, abort them, model info."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from gateway.config import GatewayConfig
@@ -42,11 +43,20 @@ class GatewayService:
 
     def abort(self, request_id: str) -> bool:
         run = self._runs.get(request_id)
-        if run is None:
+        if run is None or run.finished:
             return False
         logger.info("abort requested for %s", request_id)
         run.cancel()
         return True
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Aborts every run and waits (up to timeout_s) for their cleanup on the workers."""
+        runs = list(self._runs.values())
+        for run in runs:
+            run.cancel()
+        tasks = [run.task for run in runs if run.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
 
     @property
     def num_running(self) -> int:

@@ -40,7 +40,8 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> HealthServicer:
-    """Registers grpc.health.v1 (every service and "" start NOT_SERVING) and server reflection."""
+    """Registers grpc.health.v1 and server reflection; call set_serving() to publish a status
+    (grpc's HealthServicer answers SERVING for "" until told otherwise)."""
     names = list(service_names)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
