@@ -1,0 +1,89 @@
+"""DecodeService without gRPC, over a real tiny engine with a shared-memory pool: leases, admission and release."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.server import _Receivers
+from decode_worker.service import DecodeService
+from kvtransfer.destination import TransportKind
+from pdserve.grpc_errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from tests.services.helpers import greedy
+
+PAGE_SIZE = 16
+
+
+@pytest.fixture
+async def service(service_model):
+    receivers = _Receivers()
+    config = DecodeWorkerConfig(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
+                                kv_memory_bytes=96 * 1024, page_size=PAGE_SIZE, num_threads=1, lease_ttl_s=0.3,
+                                lease_grace_s=0.0, lease_sweep_interval_s=0.02, admit_timeout_s=0.2)
+    decode = DecodeService(config, receivers)
+    await decode.start()
+    receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))  # no pushes here; expect() needs an address
+    yield decode
+    await decode.stop()
+    receivers.close()
+
+
+async def _settled(decode: DecodeService) -> None:
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        if decode.load.leases == 0:
+            return
+
+
+async def test_unclaimed_lease_expires_and_frees_its_pages(service):
+    """A reservation nobody claims is freed by the sweeper after its deadline; claiming it then fails."""
+    total = service.load.free_pages
+    destination = await service.reserve("r1", 40, 8, TransportKind.SHM)
+    assert len(destination.page_ids) == 3 and service.load.free_pages == total - 3
+    assert destination.lease_deadline_unix_ms > 0 and destination.completion_slot >= 0
+    await asyncio.sleep(0.5)
+    await _settled(service)
+    assert service.load.free_pages == total and service.load.leases == 0
+    with pytest.raises(NotFound):
+        async for _ in service.decode("r1", destination.lease_id, [5] * 40, 7, greedy(8)):
+            pass
+
+
+async def test_release_frees_an_unclaimed_lease_at_once(service):
+    """Release of a reservation returns its pages immediately and is idempotent."""
+    total = service.load.free_pages
+    await service.reserve("r2", 17, 4, TransportKind.GRPC)
+    assert service.load.free_pages == total - 2
+    assert await service.release("r2")
+    await _settled(service)
+    assert service.load.free_pages == total
+    assert not await service.release("r2")
+
+
+async def test_admission_refuses_what_does_not_fit(service):
+    """A request that can never fit is INVALID_ARGUMENT; one that does not fit now is RESOURCE_EXHAUSTED;
+    a second reservation under the same id is refused."""
+    total = service.load.total_pages
+    with pytest.raises(InvalidArgument):
+        await service.reserve("big", total * PAGE_SIZE, 8, TransportKind.SHM)
+    held = [await service.reserve(f"fill{i}", PAGE_SIZE * 3, 1, TransportKind.SHM) for i in range(total // 3)]
+    with pytest.raises(ResourceExhausted):
+        await service.reserve("late", PAGE_SIZE * 3, 1, TransportKind.SHM)
+    with pytest.raises(Exception, match="already"):
+        await service.reserve("fill0", 10, 1, TransportKind.SHM)
+    for i in range(len(held)):
+        await service.release(f"fill{i}")
+    await _settled(service)
+    assert service.load.free_pages == total
+
+
+async def test_decode_without_kv_fails_and_frees(service):
+    """Decode of a lease whose KV never arrived fails (no completion record) and its pages return."""
+    total = service.load.free_pages
+    destination = await service.reserve("r3", 20, 4, TransportKind.SHM)
+    with pytest.raises(FailedPrecondition):
+        async for _ in service.decode("r3", destination.lease_id, [5] * 20, 7, greedy(4)):
+            pass
+    await _settled(service)
+    assert service.load.free_pages == total
