@@ -1,0 +1,47 @@
+"""TP=2 for both workers (12 heads per rank, the padded-head path): outputs equal the TP=1 in-process
+engine's; stopping the deployment leaves no process and no shared-memory segment behind."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.client import build_request, generate
+from tests.services.conftest import launch
+from tests.services.helpers import gateway_stub, greedy, token_prompts
+from tests.services.processes import alive, existing_segments, group_members, mapped_kv_segments
+
+PROMPTS = token_prompts((1, 17, 100, 255, 1024, 2048), seed=5)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tp2_cluster(service_model, tmp_path_factory):
+    cluster = launch(service_model, tmp_path_factory.mktemp("tp2_logs"), prefill_tp=2, decode_tp=2)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "nospec"])
+async def test_tp2_greedy_outputs_match_in_process(tp2_cluster, llm, speculative):
+    """Greedy outputs through TP=2 prefill and decode workers equal the TP=1 in-process engine's."""
+    spec = None if speculative else False
+    expected = llm.generate(PROMPTS, greedy(MAX_TOKENS, spec))
+    async with gateway_stub(tp2_cluster.gateway_address) as stub:
+        results = await asyncio.gather(*(
+            generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                         speculative=spec), timeout=300)
+            for prompt in PROMPTS))
+    assert [r.token_ids for r in results] == expected
+
+
+def test_tp2_stop_leaves_no_process_and_no_segment(tp2_cluster):
+    """After stop(): every process of every worker's group (leaders and TP followers) is gone, and so are
+    the per-rank KV pool segments they had mapped."""
+    processes = set().union(*(group_members(child.process.pid) for child in tp2_cluster.children))
+    assert len(processes) >= 5  # gateway + 2 prefill ranks + 2 decode ranks
+    segments = mapped_kv_segments(processes)
+    assert len(segments) >= 2  # one pool per decode rank
+    tp2_cluster.stop()
+    assert not alive(processes)
+    assert not existing_segments(segments)
