@@ -1,6 +1,6 @@
 """KV handoff throughput: an 8k-token prompt in DeepSeek-V3's layout (61 layers x 576 bf16, ~549 MiB).
 
-Rows (best of --repeat runs each):
+Rows (best of --repeat runs each; compared rows take turns):
   plain copy    torch copy_ of the same bytes between two local tensors (the floor for any copy)
   shm write     ShmWriter.push: memcpy into the mapped decode pool + per-layer checksum + completion record
   shm in-place  prefill ran its forward into the pool pages: only finish() (checksum + record)
@@ -11,7 +11,7 @@ Rows (best of --repeat runs each):
 The gRPC server runs in a child process (the decode worker), as in deployment: sender and receiver do
 not share a GIL. Goals: shm write >= 70% of plain copy; grpc push >= 80% of raw grpc.
 
-Run: .venv/bin/python benchmarks/bench_kvtransfer.py [--tokens 8192] [--repeat 3]
+Run: .venv/bin/python benchmarks/bench_kvtransfer.py [--tokens 8192] [--repeat 7]
 """
 from __future__ import annotations
 
@@ -45,14 +45,20 @@ CHUNK = 1 << 20
 identity = lambda data: data  # noqa: E731
 
 
-def best_of(repeat: int, run: Callable[[], None], setup: Callable[[], None] = lambda: None) -> float:
-    times = []
+def interleaved(repeat: int, rows: list[tuple[str, Callable[[], None], Callable[[], None]]]) -> list[tuple[str, float]]:
+    """Best time of each (name, run, untimed setup) row; the rows take turns, so that every ratio compares
+    runs made under the same background load."""
+    best = {name: float("inf") for name, _, _ in rows}
     for _ in range(repeat):
-        setup()
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for name, run, setup in rows:
+            setup()
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return list(best.items())
+
+
+nothing = lambda: None  # noqa: E731
 
 
 # --- decode side (child process) ----------------------------------------------------------------------
@@ -117,8 +123,7 @@ def grpc_rows(source: PagedLatentCache, source_pages: list[int], tokens: int, re
             assert int.from_bytes(admit(destination.request_id.encode()), "little") == len(view)
 
         raw_stream()  # warm the connection
-        rows = [("raw grpc", best_of(repeat, raw_stream))]
-        rows.append(("grpc push", best_of(repeat, push, new_destination)))
+        rows = interleaved(repeat, [("raw grpc", raw_stream, nothing), ("grpc push", push, new_destination)])
         writer.close()
         channel.close()
         return rows
@@ -128,6 +133,9 @@ def grpc_rows(source: PagedLatentCache, source_pages: list[int], tokens: int, re
 
 
 def shm_rows(source: PagedLatentCache, source_pages: list[int], tokens: int, repeat: int) -> list[tuple[str, float]]:
+    flat = source.buffer[: len(source_pages) * LAYOUT.bytes_per_page // LAYOUT.element_size]
+    copy_target = torch.empty_like(flat)
+    copy_target.copy_(flat)
     pool = SharedPagePool.create(LAYOUT, FIRST_PAGE + len(source_pages) + 16, owner_tag="bench")
     try:
         pool.tensor.view(torch.int16).fill_(1)
@@ -150,11 +158,12 @@ def shm_rows(source: PagedLatentCache, source_pages: list[int], tokens: int, rep
             next_request()
             write()
 
-        rows = [("shm write", best_of(repeat, write, next_request))]
-        rows.append(("shm in-place", best_of(
-            repeat, lambda: writer.open(state["destination"], in_place=True).finish(), next_request
-        )))
-        rows.append(("shm verify", best_of(repeat, admit, write_next)))
+        rows = interleaved(repeat, [
+            ("plain copy", lambda: copy_target.copy_(flat), nothing),
+            ("shm write", write, next_request),
+            ("shm in-place", lambda: writer.open(state["destination"], in_place=True).finish(), next_request),
+            ("shm verify", admit, write_next),
+        ])
         writer.close()
         return rows
     finally:
@@ -165,7 +174,7 @@ def shm_rows(source: PagedLatentCache, source_pages: list[int], tokens: int, rep
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -177,10 +186,7 @@ def main() -> None:
     source.buffer.view(torch.int16).random_(-(2**15), 2**15 - 1)
     source_pages = list(range(num_pages))
     nbytes = num_pages * LAYOUT.bytes_per_page
-    flat = source.buffer[: nbytes // LAYOUT.element_size]
-    copy_target = torch.empty_like(flat)
-    rows = [("plain copy", best_of(args.repeat, lambda: copy_target.copy_(flat), lambda: None))]
-    rows += shm_rows(source, source_pages, args.tokens, args.repeat)
+    rows = shm_rows(source, source_pages, args.tokens, args.repeat)
     rows += grpc_rows(source, source_pages, args.tokens, args.repeat)
 
     seconds = dict(rows)

@@ -153,16 +153,22 @@ class GrpcWriter(KVWriter):
         if len(source_page_ids) != len(destination.page_ids):
             raise BadChunk(f"{len(source_page_ids)} source pages for {len(destination.page_ids)} destination pages")
         encoder = ChunkEncoder(destination, rank, layout, self.max_chunk, self.algorithm)
+        stopped: list[KVTransferError] = []
 
         def chunks():
-            for kind, layer in layout.segments():
-                base, page_bytes = segment_offset(layout, num_pages, kind, layer), layout.page_bytes(kind)
-                yield from encoder.encode(kind, layer, 0, view, [base + page * page_bytes for page in source_page_ids])
+            try:
+                for kind, layer in layout.segments():
+                    base, page_bytes = segment_offset(layout, num_pages, kind, layer), layout.page_bytes(kind)
+                    yield from encoder.encode(kind, layer, 0, view, [base + page * page_bytes for page in source_page_ids])
+            except KVTransferError as error:  # e.g. the lease expired mid-stream: end it, report this error
+                stopped.append(error)
 
         try:
             result = self.stub(destination.target(rank)).Push(chunks(), timeout=self.timeout_s)
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from error
+            raise (stopped[0] if stopped else error_from_rpc(error)) from error
+        if stopped:
+            raise stopped[0]
         return TransferResult(destination.request_id, result.bytes)
 
     def close(self) -> None:

@@ -11,7 +11,10 @@ import torch
 
 from engine.kv_cache import PageAllocator
 from kvtransfer.chunks import ChunkEncoder, WireChunk
-from kvtransfer.errors import BadChunk, ChecksumMismatch, LayoutMismatch, TransferAborted, UnknownTransfer
+from kvtransfer.destination import Destination
+from kvtransfer.errors import (
+    BadChunk, ChecksumMismatch, KVTransferError, LayoutMismatch, LeaseExpired, TransferAborted, UnknownTransfer,
+)
 from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import SegmentKind
 from kvtransfer.leases import LeaseTable
@@ -220,3 +223,40 @@ def test_handle_rejects_bad_data_before_sending(decode):
         with pytest.raises(BadChunk):
             handle.write_pages(SegmentKind.TARGET, 0, 0, torch.zeros(3, 16, 81, dtype=torch.bfloat16))
         handle.abort("test over")
+
+
+def test_aborted_handle_fails_the_request_and_frees_pages(decode):
+    """A writer that gives up mid-stream (an exception inside the handle's with-block) cancels the Push:
+    decode fails the request, on_failed frees its pages, admit raises."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    destination = reserve("r", 40)
+    source = random_cache(LAYOUT, 3, seed=14)
+    with pytest.raises(RuntimeError, match="prefill crashed"):
+        with writer.open(destination) as handle:
+            handle.write_layer(0, source.layer(0)[:3])
+            raise RuntimeError("prefill crashed")
+    assert wait_for(lambda: failed == ["r"])
+    assert allocator.num_free == 12
+    with pytest.raises(KVTransferError):
+        receiver.admit("r")
+
+
+def test_lease_expiring_mid_push_is_reported_as_such(decode):
+    """push() whose lease runs out between chunks raises LeaseExpired (not a bare stream error)."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    destination = reserve("r", 40, ttl_s=60)
+    source = random_cache(LAYOUT, 3, seed=15)
+    calls = {"count": 0}
+    real_check = Destination.check_lease
+
+    def expiring(self, at_ms=None):
+        calls["count"] += 1
+        if calls["count"] > 3:  # the first chunks go out, then the deadline passes
+            raise LeaseExpired("lease expired (test)")
+        return real_check(self, at_ms)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Destination, "check_lease", expiring)
+        with pytest.raises(LeaseExpired):
+            GrpcWriter(LAYOUT, max_chunk=4096).push(source, [0, 1, 2], destination)
+    assert wait_for(lambda: failed == ["r"]) and allocator.num_free == 12

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import subprocess
 import sys
 
@@ -34,8 +35,9 @@ def test_hash_is_stable_across_processes():
     """A fresh interpreter computes the same hash (no dependence on PYTHONHASHSEED or process state)."""
     code = ("from kvtransfer.layout import KVLayout;"
             "print(KVLayout(61, 512, 64, 64, 'bfloat16').hash)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            env={"PYTHONHASHSEED": "12345", "PATH": ""})
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                            env={"PYTHONHASHSEED": "12345", "PATH": "", "PYTHONPATH": str(root)})
     assert result.stdout.strip() == DEEPSEEK_V3.hash
     assert len(DEEPSEEK_V3.hash) == 16 and int(DEEPSEEK_V3.hash, 16) >= 0
 
