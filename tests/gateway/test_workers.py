@@ -1,0 +1,82 @@
+"""WorkerPool.reserve: the admission policy when decode workers are full or unreachable (fake stubs)."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.workers import WorkerPool
+from pdserve.grpc_errors import ResourceExhausted, Unavailable
+from pdserve.v1 import kv_pb2
+
+
+def _error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=code.name)
+
+
+class _FakeDecode:
+    """Answers Reserve from a script: a status code to fail with, or None to succeed."""
+
+    def __init__(self, script: list[grpc.StatusCode | None]) -> None:
+        self.script = list(script)
+        self.calls = 0
+
+    async def Reserve(self, request, timeout=None):  # noqa: N802 - gRPC method name
+        self.calls += 1
+        outcome = self.script.pop(0) if self.script else None
+        if outcome is not None:
+            raise _error(outcome)
+        return kv_pb2.KVDestination(request_id=request.request_id, page_ids=[1, 2])
+
+
+async def _pool(scripts, admission_timeout_s=5.0) -> tuple[WorkerPool, list[_FakeDecode]]:
+    config = GatewayConfig(model_dir="unused", prefill=("127.0.0.1:1",), decode=tuple(f"127.0.0.1:{i + 2}" for i in range(len(scripts))),
+                           admission_timeout_s=admission_timeout_s)
+    pool = WorkerPool(config)
+    fakes = [_FakeDecode(script) for script in scripts]
+    for worker, fake, free in zip(pool.decode, fakes, range(100, 0, -10)):
+        worker.stub = fake
+        worker.state.healthy, worker.state.free_pages = True, free  # the first worker looks emptiest
+    return pool, fakes
+
+
+async def test_full_worker_is_skipped_for_the_next():
+    """RESOURCE_EXHAUSTED from the best worker moves the request to the next one."""
+    pool, fakes = await _pool([[grpc.StatusCode.RESOURCE_EXHAUSTED], []])
+    worker, destination = await pool.reserve("r", 10, 5, deadline=None)
+    assert worker is pool.decode[1] and destination.request_id == "r"
+    assert [fake.calls for fake in fakes] == [1, 1]
+    await pool.close()
+
+
+async def test_all_full_retries_until_room_appears():
+    """When every worker is full the gateway waits and retries; a later success is returned."""
+    pool, fakes = await _pool([[grpc.StatusCode.RESOURCE_EXHAUSTED] * 3])
+    worker, _ = await pool.reserve("r", 10, 5, deadline=None)
+    assert worker is pool.decode[0] and fakes[0].calls == 4
+    await pool.close()
+
+
+async def test_gives_up_after_the_admission_timeout():
+    """A pool that stays full fails the request with ResourceExhausted once the admission timeout passes."""
+    pool, fakes = await _pool([[grpc.StatusCode.RESOURCE_EXHAUSTED] * 1000], admission_timeout_s=0.2)
+    with pytest.raises(ResourceExhausted):
+        await pool.reserve("r", 10, 5, deadline=None)
+    assert fakes[0].calls >= 2
+    await pool.close()
+
+
+async def test_unreachable_worker_is_marked_and_skipped():
+    """UNAVAILABLE marks the worker unhealthy (health turns NOT_SERVING) and the next worker is used;
+    with none left the request is Unavailable; other errors pass through."""
+    pool, fakes = await _pool([[grpc.StatusCode.UNAVAILABLE], []])
+    worker, _ = await pool.reserve("r", 10, 5, deadline=None)
+    assert worker is pool.decode[1] and not pool.decode[0].state.healthy and not pool.healthy
+    pool.decode[1].state.healthy = False
+    with pytest.raises(Unavailable):
+        await pool.reserve("s", 10, 5, deadline=None)
+    pool.decode[1].state.healthy = True
+    fakes[1].script = [grpc.StatusCode.INVALID_ARGUMENT]
+    with pytest.raises(grpc.aio.AioRpcError):
+        await pool.reserve("t", 10, 5, deadline=None)
+    await pool.close()

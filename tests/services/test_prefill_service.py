@@ -1,0 +1,99 @@
+"""PrefillService without gRPC, over a fake engine whose prefill blocks until released: batching by
+prompt tokens, and Cancel semantics (drop when queued, wait when running, no KV export afterwards)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from engine.llm_engine import PrefillResult
+from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.layout import KVLayout
+from pdserve.grpc_errors import AlreadyExists
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.service import PrefillService
+from tests.services.helpers import greedy
+
+LAYOUT = KVLayout(num_layers=2, latent_dim=16, rope_dim=4, page_size=16, dtype="float32")
+
+
+class _BlockingEngine:
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(tp_size=1, page_size=16)
+        self.layout = LAYOUT
+        self.release = threading.Event()
+        self.batches: list[list[str]] = []
+
+    def validate_prompt(self, prompt_ids) -> None:
+        pass
+
+    def prefill(self, jobs):
+        self.batches.append([job.request_id for job in jobs])
+        assert self.release.wait(10)
+        return [PrefillResult(job.request_id, 7, None, len(job.prompt_ids), 0.0) for job in jobs]
+
+    def close(self) -> None:
+        pass
+
+
+def _destination(request_id: str, tokens: int) -> Destination:
+    return Destination(transport=TransportKind.SHM, layout_hash=LAYOUT.hash, request_id=request_id, lease_id="l-" + request_id,
+                       page_ids=tuple(range(LAYOUT.pages_for_tokens(tokens))), targets=("pdserve-kv-none",),
+                       lease_deadline_unix_ms=int(time.time() * 1000) + 60_000, num_tokens=tokens, completion_slot=0)
+
+
+@pytest.fixture
+async def prefill():
+    engine = _BlockingEngine()
+    service = PrefillService(PrefillWorkerConfig(model_dir="unused", batch_tokens=10), engine_factory=lambda: engine)
+    await service.start()
+    yield service, engine
+    engine.release.set()
+    await service.stop()
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def test_cancel_drops_queued_and_waits_for_running(prefill):
+    """With A running and B, C queued: cancel(B) drops it at once; cancel(A) returns only after the engine
+    finished A, and A's KV is not exported (its Prefill call ends cancelled); C still runs."""
+    service, engine = prefill
+    calls = {name: asyncio.create_task(service.prefill(name, [5] * 8, greedy(4), _destination(name, 8)))
+             for name in ("A", "B", "C")}
+    await _until(lambda: engine.batches == [["A"]])  # 8 + 8 > batch_tokens: one prompt per batch
+    assert service.load.queued_requests == 2 and service.load.queued_tokens == 16
+    assert await service.cancel("B") is True
+    with pytest.raises(asyncio.CancelledError):
+        await calls["B"]
+    cancel_a = asyncio.create_task(service.cancel("A"))
+    await asyncio.sleep(0.1)
+    assert not cancel_a.done()  # A is inside engine.prefill: cancel waits
+    engine.release.set()
+    assert await cancel_a is False
+    with pytest.raises(asyncio.CancelledError):
+        await calls["A"]
+    await _until(lambda: calls["C"].done())
+    assert engine.batches == [["A"], ["C"]]
+    assert await service.cancel("unknown") is False
+
+
+async def test_duplicate_and_expired_requests_are_refused(prefill):
+    """A request id already in flight is ALREADY_EXISTS; a destination whose lease has passed is refused."""
+    service, engine = prefill
+    first = asyncio.create_task(service.prefill("D", [5] * 4, greedy(4), _destination("D", 4)))
+    await _until(lambda: engine.batches)
+    with pytest.raises(AlreadyExists):
+        await service.prefill("D", [5] * 4, greedy(4), _destination("D", 4))
+    expired = Destination(**{**_destination("E", 4).__dict__, "lease_deadline_unix_ms": 1})
+    with pytest.raises(Exception, match="expired"):
+        await service.prefill("E", [5] * 4, greedy(4), expired)
+    engine.release.set()
+    await asyncio.wait([first], timeout=5)
