@@ -227,13 +227,16 @@ def test_handle_rejects_bad_data_before_sending(decode):
 
 def test_aborted_handle_fails_the_request_and_frees_pages(decode):
     """A writer that gives up mid-stream (an exception inside the handle's with-block) cancels the Push:
-    decode fails the request, on_failed frees its pages, admit raises."""
+    decode fails the request, on_failed frees its pages, admit raises. (A stream cancelled before its
+    first chunk arrived names no request: that lease is freed by expiry.)"""
     pools, receiver, allocator, reserve, failed, writer = decode
     destination = reserve("r", 40)
     source = random_cache(LAYOUT, 3, seed=14)
+    state = receiver._requests["r"]
     with pytest.raises(RuntimeError, match="prefill crashed"):
         with writer.open(destination) as handle:
             handle.write_layer(0, source.layer(0)[:3])
+            assert wait_for(lambda: 0 in state.open_ranks)  # decode knows the stream's request
             raise RuntimeError("prefill crashed")
     assert wait_for(lambda: failed == ["r"])
     assert allocator.num_free == 12
