@@ -216,16 +216,27 @@ class DecodeService:
         except KVTransferError as error:
             self._drop(request_id, entry, free=True)
             raise FailedPrecondition(f"KV of request {request_id} not usable: {error}") from error
+        except BaseException:  # cancelled while waiting: the claimed pages are still ours to free
+            self._drop(request_id, entry, free=True)
+            raise
         pages = list(entry.lease.page_ids)
 
         def add(engine: Any) -> None:
-            engine.add_prefilled(request_id, list(prompt_ids), first_token, pages, params)
+            try:
+                engine.add_prefilled(request_id, list(prompt_ids), first_token, pages, params)
+            except Exception:
+                engine.free_pages(pages)
+                raise
             self._force_step = True  # emits the request even if it finished on its first token
 
         try:
             await self._engine.call(add)
-        except BaseException:
-            self._drop(request_id, entry, free=True)
+        except asyncio.CancelledError:  # the command still runs: abort after it (FIFO) frees the pages
+            self._entries.pop(request_id, None)
+            self._engine.post(lambda engine: self._abort(engine, request_id))
+            raise
+        except Exception:
+            self._entries.pop(request_id, None)
             raise
         async for update in self._stream(request_id, entry):
             yield update
