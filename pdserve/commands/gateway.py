@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pdserve.commands.common import DEFAULT_GATEWAY, add_model_arguments, fail
 from pdserve.logging_setup import configure_logging
@@ -26,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from gateway.server import serve
     from pdserve import serving
 
+    if not Path(args.model, "config.json").is_file():
+        return fail("gateway", f"model directory {args.model!r} has no config.json")
     try:
         config = GatewayConfig(model_dir=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
                                listen=args.listen, transport=args.transport, default_max_tokens=args.default_max_tokens,

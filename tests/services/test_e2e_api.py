@@ -191,3 +191,16 @@ def gateway_pb2_grpc_stub(channel: grpc.aio.Channel):
     from pdserve.v1 import gateway_pb2_grpc
 
     return gateway_pb2_grpc.GatewayStub(channel)
+
+
+async def test_top_logprobs_come_with_every_token(cluster):
+    """top_logprobs=3: one TokenLogprob per generated token (the first from prefill included), each with
+    3 alternatives; under greedy sampling the chosen token is the most likely one."""
+    async with gateway_stub(cluster.gateway_address) as stub:
+        result = await generate(stub, build_request(token_prompts((30,), seed=8)[0], max_tokens=6, temperature=0.0,
+                                                    ignore_eos=True, top_logprobs=3), timeout=60)
+    assert len(result.logprobs) == len(result.token_ids) == 6
+    for token, logprob in zip(result.token_ids, result.logprobs):
+        assert logprob.token_id == token and len(logprob.top) == 3
+        assert logprob.top[0].token_id == token and logprob.logprob == pytest.approx(logprob.top[0].logprob)
+        assert logprob.top[0].logprob >= logprob.top[1].logprob >= logprob.top[2].logprob
