@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from decode_worker.admission import DecodeUpdate, admits, fits_ever, headroom, merge_outputs
 from decode_worker.config import DecodeWorkerConfig
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination, TransportKind
@@ -28,17 +29,6 @@ from pdserve.engine_thread import EngineThread
 from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DecodeUpdate:
-    """Tokens generated since the previous update (the first token, produced by prefill, excluded)."""
-
-    token_ids: list[int]
-    logprobs: list[Any]
-    finished: bool
-    finish_reason: str | None
-    steps: int  # engine steps that produced these tokens
 
 
 @dataclass(frozen=True)
@@ -92,7 +82,6 @@ class DecodeService:
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(self._engine.start)
         self.receivers = dict(self._receivers_factory(self.engine))
-        self._block_pages = -(-(self.config.spec_block_size + 1) // self.engine.config.page_size) + 1
         self._max_context = self.engine.model_config.max_position_embeddings
         await self._engine.call(self._publish)
         self._sweeper = asyncio.create_task(self._sweep_leases())
@@ -116,7 +105,8 @@ class DecodeService:
         self._snapshot = LoadSnapshot(
             free_pages=engine.num_free_pages, total_pages=engine.allocator.num_pages, running=running,
             waiting=engine.num_waiting, leases=len(leases), leased_pages=sum(len(lease.page_ids) for lease in leases),
-            page_size=engine.config.page_size, tp_size=engine.config.tp_size, headroom_pages=running * self._block_pages,
+            page_size=engine.config.page_size, tp_size=engine.config.tp_size,
+            headroom_pages=headroom(running, self.config.spec_block_size, engine.config.page_size),
         )
 
     def _work(self, engine: Any) -> bool:
@@ -170,9 +160,9 @@ class DecodeService:
         receiver = self.receivers.get(transport)
         if receiver is None:
             raise FailedPrecondition(f"transport {TransportKind(transport).name} is not served by this decode worker")
-        worst_case = -(-(num_prompt_tokens + max_new_tokens + self.config.spec_block_size) // self.engine.config.page_size)
-        if worst_case > self._snapshot.total_pages:
-            raise InvalidArgument("max_new_tokens", f"the request needs up to {worst_case} KV pages, the pool has {self._snapshot.total_pages}")
+        if not fits_ever(num_prompt_tokens, max_new_tokens, self.config.spec_block_size, self.engine.config.page_size,
+                         self._snapshot.total_pages):
+            raise InvalidArgument("max_new_tokens", f"the request could never fit the pool of {self._snapshot.total_pages} pages")
         page_ids = await self._engine.call(lambda engine: self._allocate(engine, num_prompt_tokens))
         lease = self._leases.grant(request_id, page_ids, self.config.lease_ttl_s)
         try:
@@ -185,11 +175,11 @@ class DecodeService:
         return destination
 
     def _allocate(self, engine: Any, num_tokens: int) -> list[int]:
-        needed = -(-num_tokens // engine.config.page_size)
-        headroom = engine.num_running * self._block_pages
-        if engine.num_free_pages - needed < headroom:
+        page_size, block = engine.config.page_size, self.config.spec_block_size
+        if not admits(engine.num_free_pages, num_tokens, engine.num_running, block, page_size):
             raise ResourceExhausted(
-                f"decode pool full: {needed} pages needed, {engine.num_free_pages} free, {headroom} kept for running requests"
+                f"decode pool full: {engine.num_free_pages} pages free, "
+                f"{headroom(engine.num_running, block, page_size)} kept for running requests"
             )
         pages = engine.allocate_pages(num_tokens)
         self._publish(engine)
@@ -247,25 +237,17 @@ class DecodeService:
         try:
             while True:
                 items = [await entry.queue.get()]
-                while not entry.queue.empty():
+                while not entry.queue.empty():  # the reader fell behind: merge what piled up
                     items.append(entry.queue.get_nowait())
                 for item in items:
                     if isinstance(item, _EngineFailed):
                         entry.done = True
                         raise item
-                tokens: list[int] = []
-                logprobs: list[Any] = []
-                finished, reason = False, None
-                for output in items:
-                    new = list(output.new_token_ids)
-                    if skip_first and new:
-                        new, skip_first = new[1:], False  # the first token came from prefill
-                    tokens += new
-                    logprobs += list(output.logprobs or [])
-                    finished, reason = output.finished, output.finish_reason
-                entry.done = finished
-                yield DecodeUpdate(tokens, logprobs, finished, reason, steps=len(items))
-                if finished:
+                update = merge_outputs(items, skip_first)
+                skip_first = skip_first and not any(output.new_token_ids for output in items)
+                entry.done = update.finished
+                yield update
+                if update.finished:
                     return
         finally:
             self._entries.pop(request_id, None)
