@@ -12,6 +12,7 @@ Policy (documented in docs/architecture.md):
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -98,8 +99,8 @@ class Scheduler:
         # Pages the running sequences need for their next decode step stay reserved for them.
         reserve = sum(s.page_table.pages_needed(s.num_cached + max(1, s.spec_block)) for s in self.running)
         chunks: list[PrefillChunk] = []
-        for seq in list(self.waiting):
-            if budget <= 0 or len(chunks) >= slots:
+        for seq in itertools.islice(self.waiting, 0, slots):
+            if budget <= 0:
                 break
             table = seq.page_table
             usable = self.allocator.num_free - reserve

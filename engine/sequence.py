@@ -26,7 +26,7 @@ class TokenLogprob:
     top_logprobs: list[float]
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """Invariant while running: the cache holds every token but the last (num_cached == len(token_ids) - 1),
     for the target and, when a draft is loaded, for the draft's context too."""
