@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from decode_worker.admission import DecodeUpdate, admits, fits_ever, headroom, merge_outputs
@@ -42,6 +42,7 @@ class LoadSnapshot:
     page_size: int = 16
     tp_size: int = 1
     headroom_pages: int = 0
+    requests_total: int = 0
 
 
 @dataclass
@@ -75,6 +76,7 @@ class DecodeService:
         self._snapshot = LoadSnapshot()
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._reservations = 0
         self.engine: Any = None
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -96,16 +98,17 @@ class DecodeService:
 
     @property
     def load(self) -> LoadSnapshot:
-        return self._snapshot
+        """The engine figures published after its last step, with this loop's own lease bookkeeping."""
+        leases = [entry.lease for entry in self._entries.values() if entry.first_token is None]
+        return replace(self._snapshot, leases=len(leases), leased_pages=sum(len(lease.page_ids) for lease in leases),
+                       requests_total=self._reservations)
 
     # --- engine thread --------------------------------------------------------------------------------
     def _publish(self, engine: Any) -> None:
         running = engine.num_running
-        leases = [entry.lease for entry in list(self._entries.values()) if entry.first_token is None]
         self._snapshot = LoadSnapshot(
             free_pages=engine.num_free_pages, total_pages=engine.allocator.num_pages, running=running,
-            waiting=engine.num_waiting, leases=len(leases), leased_pages=sum(len(lease.page_ids) for lease in leases),
-            page_size=engine.config.page_size, tp_size=engine.config.tp_size,
+            waiting=engine.num_waiting, page_size=engine.config.page_size, tp_size=engine.config.tp_size,
             headroom_pages=headroom(running, self.config.spec_block_size, engine.config.page_size),
         )
 
@@ -172,6 +175,7 @@ class DecodeService:
             self._engine.post(lambda engine: engine.free_pages(page_ids))
             raise
         self._entries[request_id] = _Entry(lease, receiver, num_prompt_tokens)
+        self._reservations += 1
         return destination
 
     def _allocate(self, engine: Any, num_tokens: int) -> list[int]:

@@ -68,6 +68,7 @@ class PrefillLoadSnapshot:
     queued_requests: int
     queued_tokens: int
     tp_size: int
+    requests_total: int
 
 
 class PrefillService:
@@ -76,6 +77,7 @@ class PrefillService:
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._jobs: dict[str, _Job] = {}
+        self._accepted = 0
         factory = engine_factory or (lambda: _build_engine(config))
         self._engine: EngineThread[Any] = EngineThread(factory, self._work, name="prefill-engine")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -104,7 +106,7 @@ class PrefillService:
     def load(self) -> PrefillLoadSnapshot:
         with self._lock:
             return PrefillLoadSnapshot(len(self._queue), sum(len(job.prompt_ids) for job in self._queue),
-                                       self.config.tp_size)
+                                       self.config.tp_size, self._accepted)
 
     # --- requests -----------------------------------------------------------------------------------
     def _check(self, request_id: str, prompt_ids: list[int], destination: Destination) -> None:
@@ -130,6 +132,7 @@ class PrefillService:
         self._jobs[request_id] = job
         with self._lock:
             self._queue.append(job)
+            self._accepted += 1
         self._engine.wake()
         job.task = self._loop.create_task(self._complete(job))
         try:

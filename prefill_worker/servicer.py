@@ -44,4 +44,4 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillLoad:
         load = self._service.load
         return worker_pb2.PrefillLoad(queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
-                                      tp_size=load.tp_size)
+                                      tp_size=load.tp_size, requests_total=load.requests_total)

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(
         f"pdserve is up: gateway {address} ({spec.num_prefill} prefill x TP{spec.prefill_tp}, "
         f"{spec.num_decode} decode x TP{spec.decode_tp}, {spec.transport} transport, model {spec.model_dir})\n"
+        f"prefill workers: {' '.join(c.address for c in cluster.children if c.role.startswith('prefill'))}\n"
+        f"decode workers:  {' '.join(c.address for c in cluster.children if c.role.startswith('decode'))}\n"
         f"try:  pdserve generate --gateway {address} \"def fibonacci(n):\" --max-tokens 64\n"
         "Ctrl-C stops everything.\n")
     sys.stdout.flush()

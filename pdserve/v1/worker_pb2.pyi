@@ -85,14 +85,16 @@ class CancelResponse(_message.Message):
     def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
-    __slots__ = ("queued_requests", "queued_tokens", "tp_size")
+    __slots__ = ("queued_requests", "queued_tokens", "tp_size", "requests_total")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     queued_tokens: int
     tp_size: int
-    def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    requests_total: int
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "transport")
@@ -147,7 +149,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "tp_size", "headroom_pages")
+    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "tp_size", "headroom_pages", "requests_total")
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +159,7 @@ class Load(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     free_pages: int
     total_pages: int
     running: int
@@ -166,4 +169,5 @@ class Load(_message.Message):
     page_size: int
     tp_size: int
     headroom_pages: int
-    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ...) -> None: ...
+    requests_total: int
+    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...

@@ -1,55 +1,92 @@
-"""`pdserve up` (here with the grpc KV transport) serves `pdserve generate`, and Ctrl-C (SIGINT) stops
-every process it started, leaving nothing in /dev/shm."""
+"""`pdserve up` (here 2 prefill + 2 decode workers and the grpc KV transport) serves `pdserve generate`
+and routes over all its workers; Ctrl-C (SIGINT) stops every process it started, leaving nothing in /dev/shm."""
 from __future__ import annotations
 
+import asyncio
+import queue
 import re
-import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import grpc
+
+from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
-from tests.services.helpers import greedy, token_prompts
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.services.helpers import gateway_stub, greedy, token_prompts
 from tests.services.processes import alive, descendants, existing_segments, mapped_kv_segments
 
 UP_LINE = re.compile(r"pdserve is up: gateway (\S+)")
+WORKERS_LINE = re.compile(r"(prefill|decode) workers:\s+(.*)")
 
 
-def _read_until_up(process: subprocess.Popen[str], timeout: float) -> str:
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
+def _read_until_up(process: subprocess.Popen[str], timeout: float) -> tuple[str, dict[str, list[str]]]:
+    """The gateway address and the worker addresses from up's banner (read by a thread: readline blocks)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     deadline = time.monotonic() + timeout
-    seen = []
+    seen, address, workers = [], "", {}
     while time.monotonic() < deadline:
-        if not selector.select(timeout=1.0):
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
             assert process.poll() is None, f"pdserve up exited with {process.returncode}: {seen}"
             continue
-        line = process.stdout.readline()
         seen.append(line)
-        match = UP_LINE.search(line)
-        if match:
-            return match.group(1)
-        assert line or process.poll() is None, f"pdserve up exited with {process.returncode}: {seen}"
+        match, listed = UP_LINE.search(line), WORKERS_LINE.search(line)
+        address = match.group(1) if match else address
+        if listed:
+            workers[listed.group(1)] = listed.group(2).split()
+        if address and len(workers) == 2:
+            return address, workers
     raise AssertionError(f"pdserve up did not come up in {timeout} s: {seen}")
+
+
+def _requests_served(workers: dict[str, list[str]]) -> dict[str, list[int]]:
+    async def ask() -> dict[str, list[int]]:
+        served: dict[str, list[int]] = {"prefill": [], "decode": []}
+        for role, addresses in workers.items():
+            for address in addresses:
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = (worker_pb2_grpc.PrefillStub if role == "prefill" else worker_pb2_grpc.DecodeStub)(channel)
+                    served[role].append((await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)).requests_total)
+        return served
+
+    return asyncio.run(ask())
+
+
+def _generate_many(address: str, prompts: list[list[int]]) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        async with gateway_stub(address) as stub:
+            results = await asyncio.gather(*(generate(stub, build_request(p, max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                                          speculative=False), timeout=120) for p in prompts))
+        return [result.token_ids for result in results]
+
+    return asyncio.run(run())
 
 
 def test_up_generate_and_ctrl_c(service_model, llm, tmp_path):
     """up prints where to connect; generate streams the greedy completion (== the in-process engine's text);
+    concurrent requests are spread over both prefill and both decode workers with unchanged outputs;
     SIGINT makes up exit 0 with none of its descendants alive and its KV segments unlinked."""
     prompt = token_prompts((40,), seed=7)[0]
     expected = TextTokenizer.from_model_dir(service_model).decode(llm.generate([prompt], greedy(10, False))[0])
+    many = token_prompts(tuple(range(5, 125, 10)), seed=11)
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115
     up = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--model", str(service_model), "--listen", "127.0.0.1:0",
          "--transport", "grpc", "--attention-backend", "torch", "--num-threads", "1", "--kv-memory-mb", "64",
-         "--draft-model", ""],
+         "--draft-model", "", "--num-prefill", "2", "--num-decode", "2"],
         stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
-        address = _read_until_up(up, timeout=300)
+        address, workers = _read_until_up(up, timeout=300)
+        assert len(workers["prefill"]) == len(workers["decode"]) == 2
         processes = descendants(up.pid)
         segments = mapped_kv_segments(processes)
-        assert len(processes) >= 3 and segments
+        assert len(processes) >= 5 and len(segments) >= 2
         generated = subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "generate", "--gateway", address, "--token-ids",
              ",".join(map(str, prompt)), "--max-tokens", "10", "--temperature", "0", "--ignore-eos", "--no-spec"],
@@ -57,6 +94,10 @@ def test_up_generate_and_ctrl_c(service_model, llm, tmp_path):
         assert generated.returncode == 0, generated.stderr
         assert generated.stdout == expected + "\n"
         assert "[length] 10 tokens" in generated.stderr
+        assert _generate_many(address, many) == llm.generate(many, greedy(6, False))
+        served = _requests_served(workers)
+        assert sum(served["decode"]) == sum(served["prefill"]) == len(many) + 1
+        assert min(served["decode"]) > 0 and min(served["prefill"]) > 0, served
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=90) == 0
         assert not alive(processes)
