@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 
 from pdserve.launcher import Cluster, ClusterSpec
+from tests.services.helpers import PROMPT_LENGTHS, greedy, token_prompts
 from tests.services.service_model import make_service_model
 
 WORKER_ARGS = ("--kv-memory-mb", "64", "--num-threads", "1")
+MAX_TOKENS = 16
+PROMPTS = token_prompts(PROMPT_LENGTHS)  # 16 prompts of 1 to 2048 tokens
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +51,12 @@ def llm(service_model: Path) -> Iterator[object]:
     with LLM(str(service_model), attention_backend="torch", kv_memory_bytes=64 * 2**20,
              num_threads=1) as llm:
         yield llm
+
+
+@pytest.fixture(scope="session")
+def reference(llm) -> dict[bool, list[list[int]]]:
+    """In-process greedy outputs of PROMPTS: with speculation (speculative=None, the draft is loaded) and without."""
+    return {spec: llm.generate(PROMPTS, greedy(MAX_TOKENS, None if spec else False)) for spec in (True, False)}
 
 
 def worker_address(cluster: Cluster, role: str) -> str:

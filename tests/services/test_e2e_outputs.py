@@ -7,16 +7,8 @@ import pytest
 
 from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
-from tests.services.helpers import PROMPT_LENGTHS, gateway_stub, greedy, token_prompts
-
-MAX_TOKENS = 16
-PROMPTS = token_prompts(PROMPT_LENGTHS)
-
-
-@pytest.fixture(scope="module")
-def reference(llm) -> dict[bool, list[list[int]]]:
-    """In-process greedy outputs, with (speculative=None: the draft is loaded) and without speculation."""
-    return {spec: llm.generate(PROMPTS, greedy(MAX_TOKENS, None if spec else False)) for spec in (True, False)}
+from tests.services.conftest import MAX_TOKENS, PROMPTS
+from tests.services.helpers import gateway_stub, greedy, token_prompts
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "nospec"])

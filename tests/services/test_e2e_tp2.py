@@ -7,12 +7,9 @@ import asyncio
 import pytest
 
 from gateway.client import build_request, generate
-from tests.services.conftest import launch
-from tests.services.helpers import gateway_stub, greedy, token_prompts
+from tests.services.conftest import MAX_TOKENS, PROMPTS, launch
+from tests.services.helpers import gateway_stub
 from tests.services.processes import alive, existing_segments, group_members, mapped_kv_segments
-
-PROMPTS = token_prompts((1, 17, 100, 255, 1024, 2048), seed=5)
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +20,16 @@ def tp2_cluster(service_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "nospec"])
-async def test_tp2_greedy_outputs_match_in_process(tp2_cluster, llm, speculative):
-    """Greedy outputs through TP=2 prefill and decode workers equal the TP=1 in-process engine's."""
+async def test_tp2_greedy_outputs_match_in_process(tp2_cluster, reference, speculative):
+    """Greedy outputs of the 16 prompts (1..2048 tokens) through TP=2 prefill and decode workers equal
+    the TP=1 in-process engine's."""
     spec = None if speculative else False
-    expected = llm.generate(PROMPTS, greedy(MAX_TOKENS, spec))
     async with gateway_stub(tp2_cluster.gateway_address) as stub:
         results = await asyncio.gather(*(
             generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
                                          speculative=spec), timeout=300)
             for prompt in PROMPTS))
-    assert [r.token_ids for r in results] == expected
+    assert [r.token_ids for r in results] == reference[speculative]
 
 
 def test_tp2_stop_leaves_no_process_and_no_segment(tp2_cluster):
