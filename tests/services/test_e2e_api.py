@@ -204,3 +204,23 @@ async def test_top_logprobs_come_with_every_token(cluster):
         assert logprob.token_id == token and len(logprob.top) == 3
         assert logprob.top[0].token_id == token and logprob.logprob == pytest.approx(logprob.top[0].logprob)
         assert logprob.top[0].logprob >= logprob.top[1].logprob >= logprob.top[2].logprob
+
+
+async def test_first_token_can_finish_the_request(cluster, llm):
+    """When prefill's token already ends the request (max_tokens=1, or a stop token), the reservation is
+    released without a Decode call: one token, the right finish reason, the pool back at its baseline."""
+    decode = worker_address(cluster, "decode-0")
+    baseline = await idle_free_pages(decode)
+    prompt = token_prompts((50,), seed=12)[0]
+    first, second = llm.generate([prompt], greedy(2))[0]
+    async with gateway_stub(cluster.gateway_address) as stub:
+        length = await generate(stub, build_request(prompt, max_tokens=1, temperature=0.0), timeout=60)
+        stopped = await generate(stub, build_request(prompt, max_tokens=8, temperature=0.0, stop_token_ids=[first]),
+                                 timeout=60)
+        later = await generate(stub, build_request(prompt, max_tokens=8, temperature=0.0, stop_token_ids=[second]),
+                               timeout=60)
+    assert (length.token_ids, length.finish_reason) == ([first], "LENGTH")
+    assert (stopped.token_ids, stopped.finish_reason) == ([first], "STOP")
+    assert (later.token_ids, later.finish_reason) == ([first, second], "STOP")
+    load = await wait_for_free_pages(decode, baseline)
+    assert (load.free_pages, load.leases, load.running) == (baseline, 0, 0)
