@@ -21,7 +21,7 @@ from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
 from pdserve.convert import sampling_to_proto
-from pdserve.grpc_errors import status_for
+from pdserve.grpc_errors import Unavailable, status_for
 from pdserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class RequestRun:
                 self._decode_state = "finished"
                 self._finish(chunk.finish_reason or "stop")
                 return
-        raise ConnectionError(f"decode stream of {job.request_id} ended without finishing")
+        raise Unavailable(f"decode stream of {job.request_id} ended without finishing")
 
     async def _run_prefill(self, destination: Any, sampling: Any) -> Any:
         self._prefill = worker = self._pool.pick_prefill()
