@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -128,6 +129,18 @@ class WorkerPool:
             raise Unavailable("no reachable prefill worker")
         return self.prefill[order[0]]
 
+    async def _undo_reserve(self, worker: DecodeWorker, call: asyncio.Future[Any], request_id: str) -> None:
+        """The request was cancelled while its Reserve was in flight: let the call finish (a Release sent
+        before it lands would miss it), then release what it reserved."""
+        try:
+            await asyncio.wait_for(call, self.config.cleanup_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+            return  # nothing reserved, or unknown: the lease (if any) expires on the worker
+        try:
+            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            logger.warning("could not release the reservation of cancelled request %s: %s", request_id, error.code().name)
+
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       deadline: float | None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
         """Reserve on the best decode worker; on RESOURCE_EXHAUSTED tries the others, then waits and retries
@@ -144,8 +157,12 @@ class WorkerPool:
                 raise Unavailable("no reachable decode worker")
             for index in order:
                 worker = self.decode[index]
+                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline)))
                 try:
-                    destination = await worker.stub.Reserve(request, timeout=remaining(deadline))
+                    destination = await asyncio.shield(call)
+                except asyncio.CancelledError:
+                    await self._undo_reserve(worker, call, request_id)
+                    raise
                 except grpc.aio.AioRpcError as error:
                     if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         last = error.details() or "full"

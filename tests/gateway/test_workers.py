@@ -1,6 +1,8 @@
 """WorkerPool.reserve: the admission policy when decode workers are full or unreachable (fake stubs)."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -79,4 +81,38 @@ async def test_unreachable_worker_is_marked_and_skipped():
     fakes[1].script = [grpc.StatusCode.INVALID_ARGUMENT]
     with pytest.raises(grpc.aio.AioRpcError):
         await pool.reserve("t", 10, 5, deadline=None)
+    await pool.close()
+
+
+class _SlowDecode(_FakeDecode):
+    """Reserve succeeds only after `gate` opens; Release calls are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.gate = asyncio.Event()
+        self.released: list[str] = []
+
+    async def Reserve(self, request, timeout=None):  # noqa: N802
+        await self.gate.wait()
+        return await super().Reserve(request, timeout)
+
+    async def Release(self, request, timeout=None):  # noqa: N802
+        self.released.append(request.request_id)
+
+
+async def test_cancel_during_reserve_releases_what_it_reserved():
+    """A request cancelled while its Reserve is in flight waits for that call and then releases the
+    reservation (a Release sent earlier could arrive before the Reserve and miss it)."""
+    pool, _ = await _pool([[]])
+    slow = _SlowDecode()
+    pool.decode[0].stub = slow
+    task = asyncio.create_task(pool.reserve("r", 10, 5, deadline=None))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done() and slow.released == []  # still waiting for the Reserve reply
+    slow.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert slow.released == ["r"]
     await pool.close()
