@@ -415,10 +415,14 @@ class LLMEngine:
             )
             results.update(zip(greedy, found))
         if sampled:
+            target_rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in sampled])
+            target_probs = SamplingBatch.from_params([seqs[i].params for i in sampled]).repeat_rows(
+                [q_lens[i] for i in sampled]
+            ).probs(logits.index_select(0, target_rows))
             found = verify_sampled(
                 [torch.tensor(drafts[seqs[i].request_id][0]) for i in sampled],
                 [drafts[seqs[i].request_id][1] for i in sampled],
-                [self._probs([seqs[i].params] * q_lens[i], logits[offsets[i] : offsets[i + 1]]) for i in sampled],
+                list(torch.split(target_probs, [q_lens[i] for i in sampled])),
                 [seqs[i].generator for i in sampled],
             )
             results.update(zip(sampled, found))
@@ -447,16 +451,26 @@ class LLMEngine:
         )
         logits = self.leader.execute(plan).view(len(group), block - 1, -1)
         proposals = {}
+        sampled = []
         for i, seq in enumerate(group):
             count = max(0, remaining[i])
-            rows = logits[i, :count]
             if count == 0:
                 proposals[seq.request_id] = ([], None)
             elif seq.params.greedy:
-                proposals[seq.request_id] = (rows.argmax(dim=-1).tolist(), None)
+                proposals[seq.request_id] = (logits[i, :count].argmax(dim=-1).tolist(), None)
             else:
-                q = self._probs([seq.params] * count, rows)
-                proposals[seq.request_id] = (sample(q, [seq.generator] * count).tolist(), q)
+                sampled.append((i, seq, count))
+        if sampled:
+            counts = [count for _, _, count in sampled]
+            rows = torch.cat([logits[i, :count] for i, _, count in sampled])
+            batch = SamplingBatch.from_params([seq.params for _, seq, _ in sampled], [seq.generator for _, seq, _ in sampled])
+            repeated = batch.repeat_rows(counts)
+            q = repeated.probs(rows)
+            tokens = sample(q, repeated.generators).tolist()
+            start = 0
+            for (_, seq, count) in sampled:
+                proposals[seq.request_id] = (tokens[start : start + count], q[start : start + count])
+                start += count
         return {rid: p for rid, p in proposals.items() if p[0]}
 
     # --- prefill service entry point ---------------------------------------------------------------

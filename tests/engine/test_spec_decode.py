@@ -1,0 +1,126 @@
+"""Speculative decoding in the engine is exact: greedy outputs are unchanged and sampled outputs
+follow the target distribution, whatever the (here deliberately poor, random) draft proposes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine import llm_engine
+from engine.spec_verify import VerifyResult
+from tests.engine.spec_fixtures import add_random_draft, make_small_vocab_checkpoint, make_tiny_checkpoint
+
+PROMPTS = [[5 + i % 7, 6 + i, 7, 8 + (3 * i) % 11] * (1 + i % 5) for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "m", "heads24")
+    add_random_draft(path, block_size=16)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(model_dir, attention_backend="torch", draft_model="") as llm:
+        return llm.generate(PROMPTS, params)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_greedy_spec_decoding_is_token_identical(model_dir, reference, block_size):
+    """For 20 prompts, alone (batch 1) and 8 at a time, spec decoding with block size B emits exactly
+    the tokens of plain greedy decoding, and the engine records its acceptance statistics."""
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, block_size=block_size)
+    with LLM(model_dir, attention_backend="torch", spec_block_size=16) as llm:
+        solo = [llm.generate([prompt], params)[0] for prompt in PROMPTS]
+        batched = []
+        for start in range(0, len(PROMPTS), 8):
+            batched.extend(llm.generate(PROMPTS[start : start + 8], params))
+        stats = llm.acceptance_stats
+    assert solo == reference
+    assert batched == reference
+    assert stats.num_steps > 0 and stats.num_drafts >= stats.num_steps
+    assert 1.0 <= stats.mean_accepted_tokens <= block_size
+
+
+def test_spec_off_per_request_and_block_size_bound(model_dir, reference):
+    """speculative=False runs without verify steps; a block size above the server maximum is refused."""
+    with LLM(model_dir, attention_backend="torch", spec_block_size=4) as llm:
+        params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, speculative=False)
+        assert llm.generate(PROMPTS[:3], params) == reference[:3]
+        assert llm.acceptance_stats.num_steps == 0
+        with pytest.raises(ValueError, match="block_size"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, block_size=8))
+
+
+VOCAB = 16
+SAMPLES = 20_000
+PROMPT = [3, 7, 2, 9]
+
+
+def _exact_second_token_distribution(llm: LLM, temperature: float) -> torch.Tensor:
+    """P(token 2) = sum over t1 of P(t1 | prompt) P(t2 | prompt, t1), from the target's logits."""
+    first = torch.softmax(llm.logits(PROMPT)[-1] / temperature, dim=-1)
+    second = torch.zeros(VOCAB)
+    for token in range(VOCAB):
+        second += first[token] * torch.softmax(llm.logits(PROMPT + [token])[-1] / temperature, dim=-1)
+    return second
+
+
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit, bins with expected count < 5 merged into one."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed_bins = torch.cat([counts[big], counts[~big].sum().view(1)])
+    expected_bins = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = expected_bins > 0
+    statistic = float(((observed_bins[keep] - expected_bins[keep]) ** 2 / expected_bins[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(statistic / 2.0, dtype=torch.float64)))
+
+
+def _second_tokens(llm: LLM, temperature: float) -> torch.Tensor:
+    params = SamplingParams(max_new_tokens=2, temperature=temperature, ignore_eos=True, block_size=4)
+    torch.manual_seed(1234)
+    outputs = llm.generate([PROMPT] * SAMPLES, params)
+    return torch.bincount(torch.tensor([out[1] for out in outputs]), minlength=VOCAB).float()
+
+
+@pytest.fixture(scope="module")
+def small_vocab_llm(tmp_path_factory):
+    path = make_small_vocab_checkpoint(tmp_path_factory.mktemp("vocab") / "m", vocab_size=VOCAB)
+    add_random_draft(path, block_size=4, seed=3)
+    with LLM(str(path), attention_backend="torch", spec_block_size=4, max_running=1024,
+             max_batched_tokens=4096) as llm:
+        yield llm
+
+
+def test_sampled_spec_decoding_matches_target_distribution(small_vocab_llm):
+    """20k sampled second tokens (the first token a verify step emits) follow the exact target
+    marginal (chi-square p > 1e-3), with a random draft that is rarely right."""
+    llm = small_vocab_llm
+    exact = _exact_second_token_distribution(llm, temperature=1.0)
+    counts = _second_tokens(llm, temperature=1.0)
+    p_value = _chi_square_p_value(counts, exact)
+    print(f"spec sampling chi-square p-value {p_value:.4f}; acceptance {llm.acceptance_stats.acceptance_rate:.3f}")
+    assert llm.acceptance_stats.num_steps >= SAMPLES
+    assert 0.0 < llm.acceptance_stats.acceptance_rate < 0.9
+    assert p_value > 1e-3
+
+
+def test_broken_verifier_is_detected(small_vocab_llm, monkeypatch):
+    """Negative control: a verifier that always accepts the draft (ignoring p/q) fails the same statistic."""
+
+    def accept_everything(draft_tokens, draft_probs, target_probs, generators):
+        return [VerifyResult(tokens.tolist() + [int(p[-1].argmax())], len(tokens)) for tokens, p in zip(draft_tokens, target_probs)]
+
+    monkeypatch.setattr(llm_engine, "verify_sampled", accept_everything)
+    llm = small_vocab_llm
+    exact = _exact_second_token_distribution(llm, temperature=1.0)
+    p_value = _chi_square_p_value(_second_tokens(llm, temperature=1.0), exact)
+    print(f"broken verifier chi-square p-value {p_value:.3g}")
+    assert p_value < 1e-6
+    assert not math.isnan(p_value)
