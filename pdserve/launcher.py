@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,7 @@ class Cluster:
     def __post_init__(self) -> None:
         self._run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self._logs: list[IO[bytes]] = []
+        self._interrupt: threading.Event | None = None
 
     def _spawn(self, role: str, name: str, args: list[str]) -> Child:
         ready = self._run_dir / f"{name}.addr"
@@ -103,9 +105,14 @@ class Cluster:
             args += ["--draft-model", self.spec.draft_model]
         return args
 
+    def _check_interrupted(self) -> None:
+        if self._interrupt is not None and self._interrupt.is_set():
+            raise InterruptedError("interrupted while starting")
+
     def _wait_ready(self, children: list[Child], deadline: float) -> None:
         pending = list(children)
         while pending:
+            self._check_interrupted()
             for child in list(pending):
                 if child.ready_file.exists():
                     child.address = child.ready_file.read_text().strip()
@@ -116,9 +123,10 @@ class Cluster:
                 raise TimeoutError(f"{', '.join(c.role for c in pending)} not ready in time")
             time.sleep(0.05)
 
-    def start(self, timeout_s: float = 600.0) -> str:
+    def start(self, timeout_s: float = 600.0, interrupt: threading.Event | None = None) -> str:
         """Launches everything and waits until the gateway reports SERVING; returns its address.
-        On failure everything started is stopped and the error re-raised."""
+        On failure (or when `interrupt` is set meanwhile) everything started is stopped and the error raised."""
+        self._interrupt = interrupt
         deadline = time.monotonic() + timeout_s
         try:
             decode = [self._spawn("decode", f"decode-{i}", self._worker_args(self.spec.decode_tp, self.spec.decode_args))
@@ -145,6 +153,7 @@ class Cluster:
 
         status = ""
         while time.monotonic() < deadline:
+            self._check_interrupted()
             serving, status = check(self.gateway_address, timeout=2.0)
             if serving:
                 return

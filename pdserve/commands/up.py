@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     cluster = Cluster(spec)
     try:
-        address = cluster.start(args.start_timeout)
+        address = cluster.start(args.start_timeout, interrupt=stop)
+    except InterruptedError:
+        return 130
     except (RuntimeError, TimeoutError) as error:
         return fail("up", error, 1)
     sys.stdout.write(
