@@ -21,7 +21,7 @@ class PrefillWorkerConfig:
     page_size: int = 16
     kv_memory_bytes: int = 256 * 2**20
     max_batched_tokens: int = 2048
-    batch_tokens: int = 8192
+    batch_tokens: int = 2048
     spec_block_size: int = 8
     num_threads: int | None = None
 

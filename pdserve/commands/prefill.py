@@ -10,7 +10,8 @@ from pdserve.logging_setup import configure_logging
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on (port 0: any free port)")
     add_engine_arguments(parser, default_memory_mb=256)
-    parser.add_argument("--batch-tokens", type=int, default=8192, help="prompt tokens taken into one prefill step")
+    parser.add_argument("--batch-tokens", type=int, default=2048,
+                        help="prompt tokens taken from the queue into one prefill step (at least one prompt)")
 
 
 def run(args: argparse.Namespace) -> int:
