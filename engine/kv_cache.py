@@ -1,6 +1,7 @@
 """Paged latent KV cache: page storage, a reference-counted page allocator, per-sequence page tables."""
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,7 @@ class PageAllocator:
             raise ValueError("num_pages must be positive")
         self.num_pages = num_pages
         self._refs = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id
+        self._free = list(range(num_pages))  # a min-heap: the lowest free id is reused first
 
     @property
     def num_free(self) -> int:
@@ -109,7 +110,7 @@ class PageAllocator:
             raise ValueError("count must be non-negative")
         if count > len(self._free):
             raise OutOfPages(f"need {count} pages, {len(self._free)} free of {self.num_pages}")
-        pages = [self._free.pop() for _ in range(count)]
+        pages = [heapq.heappop(self._free) for _ in range(count)]
         for page in pages:
             self._refs[page] = 1
         return pages
@@ -127,8 +128,7 @@ class PageAllocator:
                 raise ValueError(f"page {page} is not allocated")
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                self._free.append(page)
-        self._free.sort(reverse=True)
+                heapq.heappush(self._free, page)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]

@@ -149,15 +149,18 @@ def _decode_group(q, flat_cache, page_size, attn, group, starts, scale, latent_d
     rows = torch.tensor(
         [starts[i] + min(j, q_len - 1) for i, q_len in zip(seqs, q_lens) for j in range(q_max)], device=device
     )
-    queries = q.index_select(0, rows).view(len(seqs), q_max, q.shape[1], -1).float().transpose(1, 2)  # [S, H, Q, D]
-    scores = torch.matmul(queries, context.transpose(1, 2).unsqueeze(1)).mul_(scale)  # [S, H, Q, L]
+    heads = q.shape[1]
+    # Heads folded into the query axis: plain batched matmuls, no broadcast copies of the context.
+    queries = q.index_select(0, rows).view(len(seqs), q_max, heads, -1).float().transpose(1, 2)  # [S, H, Q, D]
+    queries = queries.reshape(len(seqs), heads * q_max, -1)
+    scores = torch.bmm(queries, context.transpose(1, 2)).mul_(scale).view(len(seqs), heads, q_max, kv_max)
     q_len_t = torch.tensor(q_lens, device=device).view(-1, 1, 1)
     kv_len_t = torch.tensor(kv_lens, device=device).view(-1, 1, 1)
     query_pos = torch.arange(q_max, device=device).view(1, -1, 1)
     visible = positions.view(1, 1, -1) <= kv_len_t - q_len_t + query_pos  # [S, Q, L]
     scores.masked_fill_(~visible.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    result = torch.matmul(probs, context[:, :, :latent_dim].unsqueeze(1))  # [S, H, Q, latent]
+    probs = torch.softmax(scores, dim=-1).view(len(seqs), heads * q_max, kv_max)
+    result = torch.bmm(probs, context[:, :, :latent_dim]).view(len(seqs), heads, q_max, latent_dim)
     result = result.transpose(1, 2)  # [S, Q, H, latent]
     for index, (i, q_len) in enumerate(zip(seqs, q_lens)):
         out[starts[i] : starts[i] + q_len] = result[index, :q_len].to(out.dtype)
