@@ -3,99 +3,25 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from engine import spec_decode
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardMode
-from engine.kv_cache import OutOfPages, PageAllocator, PageTable
+from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
-from engine.sampling import SamplingBatch, sample, top_logprobs
+from engine.engine_types import DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, StepOutput
+from engine.sampling import SamplingBatch, exponential_noise, make_generator, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
-from engine.spec_verify import AcceptanceStats, verify_greedy, verify_sampled
-from engine.step_plan import DraftPlan, TargetPlan
+from engine.spec_verify import AcceptanceStats
+from engine.step_plan import TargetPlan
 from engine.tp_launcher import TPLeader, default_threads
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Built once from the CLI or LLM(...) arguments. draft_model_dir None = the model's draft/ folder if
-    present, "" = no draft. spec_block_size is the server's maximum speculative block size."""
-
-    model_dir: str = str(DEFAULT_MODEL_DIR)
-    tp_size: int = 1
-    dtype: str = "float32"
-    attention_backend: str = "auto"
-    draft_model_dir: str | None = None
-    spec_block_size: int = 8
-    page_size: int = 16
-    kv_memory_bytes: int = 512 * 2**20
-    max_running: int = 64
-    max_batched_tokens: int = 2048
-    kv_pool: str = "local"
-    num_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if not Path(self.model_dir, "config.json").is_file():
-            raise ValueError(f"model_dir {self.model_dir!r} has no config.json")
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.spec_block_size < 2:
-            raise ValueError(f"spec_block_size must be >= 2, got {self.spec_block_size}")
-        if self.page_size <= 0 or self.kv_memory_bytes <= 0:
-            raise ValueError("page_size and kv_memory_bytes must be positive")
-        if self.kv_pool not in ("local", "shm"):
-            raise ValueError(f"kv_pool must be 'local' or 'shm', got {self.kv_pool!r}")
-        if self.draft_model_dir and not Path(self.draft_model_dir, "config.json").is_file():
-            raise ValueError(f"draft_model_dir {self.draft_model_dir!r} has no config.json")
-
-    @property
-    def resolved_draft_dir(self) -> str | None:
-        if self.draft_model_dir is None:
-            default = Path(self.model_dir, "draft")
-            return str(default) if (default / "config.json").is_file() else None
-        return self.draft_model_dir or None
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_generated: int = 0
-
-
-@dataclass(frozen=True)
-class PrefillJob:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    page_ids: list[int]
-    pool_names: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    first_token: int
-    first_logprobs: TokenLogprob | None
-    num_prompt_tokens: int
-    prefill_time_s: float
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -196,7 +122,7 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams, pages=None) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        generator = make_generator(params.seed)
         seq = Sequence(
             request_id=request_id,
             prompt_len=len(prompt_ids),
@@ -231,6 +157,10 @@ class LLMEngine:
             raise ValueError(f"{len(page_ids)} pages cannot hold a prompt of {len(prompt_ids)} tokens")
         seq = self._new_sequence(request_id, prompt_ids, params, pages=page_ids)
         seq.num_cached = len(prompt_ids)
+        if seq.generator is not None and not params.greedy:
+            # The prefill worker drew the first token from the same seed: skip those draws so the
+            # rest of the request samples exactly as it would in one engine.
+            exponential_noise((1, self.model_config.vocab_size), torch.device("cpu"), [seq.generator])
         self._append_tokens(seq, [first_token], [])
         if seq.status != SeqStatus.FINISHED:
             self.scheduler.add_running(seq)
@@ -372,7 +302,7 @@ class LLMEngine:
             if seq.spec_block >= 2:
                 by_block.setdefault(seq.spec_block, []).append(seq)
         for block, group in by_block.items():
-            drafts.update(self._propose(block, group))
+            drafts.update(spec_decode.propose(self.leader.execute, block, group))
         input_ids, positions, q_lens, kv_lens, tables = [], [], [], [], []
         for seq in seqs:
             proposed = drafts.get(seq.request_id, ([], None))[0]
@@ -404,28 +334,8 @@ class LLMEngine:
                 lps = self._logprobs(plain_logits[j : j + 1], [tokens[j]], seq.params.logprobs) if seq.params.logprobs else []
                 seq.num_cached += 1
                 self._append_tokens(seq, [tokens[j]], lps)
-        spec = [i for i, seq in enumerate(seqs) if seq.request_id in drafts]
-        greedy = [i for i in spec if seqs[i].params.greedy]
-        sampled = [i for i in spec if not seqs[i].params.greedy]
-        results = {}
-        if greedy:
-            found = verify_greedy(
-                [torch.tensor(drafts[seqs[i].request_id][0]) for i in greedy],
-                [logits[offsets[i] : offsets[i + 1]] for i in greedy],
-            )
-            results.update(zip(greedy, found))
-        if sampled:
-            target_rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in sampled])
-            target_probs = SamplingBatch.from_params([seqs[i].params for i in sampled]).repeat_rows(
-                [q_lens[i] for i in sampled]
-            ).probs(logits.index_select(0, target_rows))
-            found = verify_sampled(
-                [torch.tensor(drafts[seqs[i].request_id][0]) for i in sampled],
-                [drafts[seqs[i].request_id][1] for i in sampled],
-                list(torch.split(target_probs, [q_lens[i] for i in sampled])),
-                [seqs[i].generator for i in sampled],
-            )
-            results.update(zip(sampled, found))
+        results = spec_decode.verify(seqs, drafts, logits, offsets)
+        spec = sorted(results)
         for i in spec:
             seq, result = seqs[i], results[i]
             self.acceptance_stats.record(result, len(drafts[seq.request_id][0]))
@@ -437,82 +347,13 @@ class LLMEngine:
             if seq.status != SeqStatus.FINISHED:
                 seq.page_table.truncate(seq.num_cached + 1)
 
-    def _probs(self, params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
-        return SamplingBatch.from_params(params).probs(logits)
-
-    def _propose(self, block: int, group: list[Sequence]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
-        """Runs the draft for one block size; returns draft tokens (and their q rows when sampled)."""
-        remaining = [min(block - 1, s.params.max_new_tokens - s.num_generated) for s in group]
-        plan = DraftPlan(
-            block_size=block,
-            last_tokens=[s.last_token for s in group],
-            context_lens=[s.num_cached for s in group],
-            page_tables=[list(s.page_table.pages) for s in group],
-        )
-        logits = self.leader.execute(plan).view(len(group), block - 1, -1)
-        proposals = {}
-        sampled = []
-        for i, seq in enumerate(group):
-            count = max(0, remaining[i])
-            if count == 0:
-                proposals[seq.request_id] = ([], None)
-            elif seq.params.greedy:
-                proposals[seq.request_id] = (logits[i, :count].argmax(dim=-1).tolist(), None)
-            else:
-                sampled.append((i, seq, count))
-        if sampled:
-            counts = [count for _, _, count in sampled]
-            rows = torch.cat([logits[i, :count] for i, _, count in sampled])
-            batch = SamplingBatch.from_params([seq.params for _, seq, _ in sampled], [seq.generator for _, seq, _ in sampled])
-            repeated = batch.repeat_rows(counts)
-            q = repeated.probs(rows)
-            tokens = sample(q, repeated.generators).tolist()
-            start = 0
-            for (_, seq, count) in sampled:
-                proposals[seq.request_id] = (tokens[start : start + count], q[start : start + count])
-                start += count
-        return {rid: p for rid, p in proposals.items() if p[0]}
-
     # --- prefill service entry point ---------------------------------------------------------------
     def prefill(self, jobs: list[PrefillJob]) -> list[PrefillResult]:
-        """Prefills prompts into given pages (of another engine's shared pools or this one's) in chunks;
-        returns each prompt's first token. Does not keep the requests."""
-        results: dict[str, PrefillResult] = {}
-        started = time.perf_counter()
-        groups: dict[tuple[str, ...] | None, list[PrefillJob]] = {}
-        for job in jobs:
-            self.validate_prompt(job.prompt_ids)
-            if len(job.page_ids) * self.config.page_size < len(job.prompt_ids):
-                raise ValueError(f"{len(job.page_ids)} pages cannot hold a prompt of {len(job.prompt_ids)} tokens")
-            groups.setdefault(job.pool_names, []).append(job)
-        for pool_names, group in groups.items():
-            progress = {job.request_id: 0 for job in group}
-            while any(progress[j.request_id] < len(j.prompt_ids) for j in group):
-                budget = self.config.max_batched_tokens
-                items, stepping = [], []
-                for job in group:
-                    done = progress[job.request_id]
-                    left = len(job.prompt_ids) - done
-                    if left == 0 or budget == 0:
-                        continue
-                    take = min(left, budget)
-                    budget -= take
-                    items.append((job.prompt_ids, done, take, job.page_ids, done + take == len(job.prompt_ids)))
-                    stepping.append((job, take))
-                plan, _, needs = self._prefill_plan(items, pool_names)
-                logits = self.leader.execute(plan)
-                finishing = [job for (job, _), need in zip(stepping, needs) if need]
-                if finishing:
-                    generators = [torch.Generator().manual_seed(j.params.seed) if j.params.seed is not None else None for j in finishing]
-                    tokens = self._sample([j.params for j in finishing], generators, logits)
-                    for row, job in enumerate(finishing):
-                        lp = self._logprobs(logits[row : row + 1], [tokens[row]], job.params.logprobs)[0] if job.params.logprobs else None
-                        results[job.request_id] = PrefillResult(
-                            job.request_id, tokens[row], lp, len(job.prompt_ids), time.perf_counter() - started
-                        )
-                for job, take in stepping:
-                    progress[job.request_id] += take
-        return [results[job.request_id] for job in jobs]
+        """Prefills prompts into given pages (another engine's shared pools, or this one's) in chunks and
+        returns each prompt's first token; the engine keeps no state for them (engine/prefill_jobs.py)."""
+        from engine.prefill_jobs import run_prefill_jobs
+
+        return run_prefill_jobs(self, jobs)
 
     def read_pages(self, page_ids: list[int]):
         """This (leader) rank's copies of pages: (target [layers, n, page_size, D], draft or None)."""

@@ -1,0 +1,82 @@
+"""Engine configuration and the values the engine hands back (per-step outputs, prefill results)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.model_runner import DTYPES
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Built once from the CLI or LLM(...) arguments. draft_model_dir None = the model's draft/ folder if
+    present, "" = no draft. spec_block_size is the server's maximum speculative block size."""
+
+    model_dir: str = str(DEFAULT_MODEL_DIR)
+    tp_size: int = 1
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    draft_model_dir: str | None = None
+    spec_block_size: int = 8
+    page_size: int = 16
+    kv_memory_bytes: int = 512 * 2**20
+    max_running: int = 64
+    max_batched_tokens: int = 2048
+    kv_pool: str = "local"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not Path(self.model_dir, "config.json").is_file():
+            raise ValueError(f"model_dir {self.model_dir!r} has no config.json")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.spec_block_size < 2:
+            raise ValueError(f"spec_block_size must be >= 2, got {self.spec_block_size}")
+        if self.page_size <= 0 or self.kv_memory_bytes <= 0:
+            raise ValueError("page_size and kv_memory_bytes must be positive")
+        if self.kv_pool not in ("local", "shm"):
+            raise ValueError(f"kv_pool must be 'local' or 'shm', got {self.kv_pool!r}")
+        if self.draft_model_dir and not Path(self.draft_model_dir, "config.json").is_file():
+            raise ValueError(f"draft_model_dir {self.draft_model_dir!r} has no config.json")
+
+    @property
+    def resolved_draft_dir(self) -> str | None:
+        if self.draft_model_dir is None:
+            default = Path(self.model_dir, "draft")
+            return str(default) if (default / "config.json").is_file() else None
+        return self.draft_model_dir or None
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_generated: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    page_ids: list[int]
+    pool_names: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    first_logprobs: TokenLogprob | None
+    num_prompt_tokens: int
+    prefill_time_s: float

@@ -1,0 +1,58 @@
+"""The prefill service's entry point: prompts prefilled into pages chosen by someone else (the decode
+worker's shared-memory pools, or this engine's own pool for the grpc transport), in chunks of at most
+max_batched_tokens per forward, several prompts per forward; returns each prompt's first token."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from engine.engine_types import PrefillJob, PrefillResult
+from engine.sampling import make_generator
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+
+def _group_by_destination(engine: LLMEngine, jobs: list[PrefillJob]) -> dict[tuple[str, ...] | None, list[PrefillJob]]:
+    groups: dict[tuple[str, ...] | None, list[PrefillJob]] = {}
+    for job in jobs:
+        engine.validate_prompt(job.prompt_ids)
+        if len(job.page_ids) * engine.config.page_size < len(job.prompt_ids):
+            raise ValueError(f"{len(job.page_ids)} pages cannot hold a prompt of {len(job.prompt_ids)} tokens")
+        groups.setdefault(job.pool_names, []).append(job)
+    return groups
+
+
+def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob]) -> list[PrefillResult]:
+    results: dict[str, PrefillResult] = {}
+    started = time.perf_counter()
+    for pool_names, group in _group_by_destination(engine, jobs).items():
+        progress = {job.request_id: 0 for job in group}
+        while any(progress[job.request_id] < len(job.prompt_ids) for job in group):
+            budget = engine.config.max_batched_tokens
+            items, stepping = [], []
+            for job in group:
+                done = progress[job.request_id]
+                left = len(job.prompt_ids) - done
+                if left == 0 or budget == 0:
+                    continue
+                take = min(left, budget)
+                budget -= take
+                items.append((job.prompt_ids, done, take, job.page_ids, done + take == len(job.prompt_ids)))
+                stepping.append((job, take))
+            plan, _, needs = engine._prefill_plan(items, pool_names)
+            logits = engine.leader.execute(plan)
+            finishing = [job for (job, _), need in zip(stepping, needs) if need]
+            if finishing:
+                generators = [make_generator(job.params.seed) for job in finishing]
+                tokens = engine._sample([job.params for job in finishing], generators, logits)
+                for row, job in enumerate(finishing):
+                    logprob = None
+                    if job.params.logprobs:
+                        logprob = engine._logprobs(logits[row : row + 1], [tokens[row]], job.params.logprobs)[0]
+                    results[job.request_id] = PrefillResult(
+                        job.request_id, tokens[row], logprob, len(job.prompt_ids), time.perf_counter() - started
+                    )
+            for job, take in stepping:
+                progress[job.request_id] += take
+    return [results[job.request_id] for job in jobs]
