@@ -1,0 +1,178 @@
+"""Through the gateway vs in process, in one run (issue 6; issue 7 (a) and (b)).
+
+Launches 1 prefill + 1 decode worker (TP 1, shm KV transport, torch attention, the model's draft) and the
+gateway on loopback, and an in-process LLM over the same model with the same engine settings. Both serve the
+same prompts (held-out Python token ids, fixed input/output lengths, greedy, ignore eos):
+  overhead   speculation off. Gateway: gRPC streaming client (bench.client.GatewayClient, the one
+             `pdserve bench` uses) over one warm channel, closed loop at concurrency C. In process: the
+             same prompts in consecutive groups of C through the engine's step loop. Output tok/s and TTFT
+             p50 (gateway: send -> first streamed token; in process: add_request -> the step that
+             produced the first token).
+  spec       speculation on vs off through the gateway at concurrency 1, 4, 16, 64.
+Variants take turns; medians of --repeats. Goals (issue 6): gateway >= 95% of in-process throughput at
+concurrency 16, <= 5 ms added TTFT at p50.
+
+Run: .venv/bin/python -m benchmarks.bench_gateway [--model DIR] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from bench.client import GatewayClient, SamplingOptions
+from bench.load import LoadPlan, run_load
+from bench.metrics import compute_metrics
+from bench.workload import BenchRequest
+from benchmarks.common import (Metrics, Table, add_common_arguments, goal_line, interleave, make_prompts, median,
+                               print_header, ratio, timed_generate)
+from engine import LLM, SamplingParams
+from pdserve.launcher import Cluster, ClusterSpec
+
+
+def request_count(concurrency: int) -> int:
+    """Requests per run: two waves at concurrency C (at least 4 requests, at most 64)."""
+    return min(max(2 * concurrency, 4), max(64, concurrency))
+
+
+class GatewayRunner:
+    """One event loop and one warm channel to the gateway, reused by every run."""
+
+    def __init__(self, address: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.channel = self.loop.run_until_complete(self._connect(address))
+
+    @staticmethod
+    async def _connect(address: str) -> grpc.aio.Channel:
+        channel = grpc.aio.insecure_channel(address)
+        await GatewayClient(channel).model_info(address, 60.0)
+        return channel
+
+    def run(self, prompts: list[list[int]], output_len: int, concurrency: int, speculative: bool) -> Metrics:
+        return self.loop.run_until_complete(self._run(prompts, output_len, concurrency, speculative))
+
+    async def _run(self, prompts, output_len, concurrency, speculative) -> Metrics:
+        client = GatewayClient(self.channel, SamplingOptions(temperature=0.0, speculative=speculative))
+        requests = [BenchRequest(output_len=output_len, ignore_eos=True, token_ids=tuple(p)) for p in prompts]
+        outcome = await run_load(requests, client.send, LoadPlan(max_concurrency=concurrency))
+        failed = [r.error for r in outcome.records if not r.success]
+        if failed:
+            raise RuntimeError(f"{len(failed)} gateway requests failed, first: {failed[0]}")
+        metrics = compute_metrics(outcome.records, outcome.duration_s)
+        result = {"tok_s": metrics.output_throughput, "ttft_ms": metrics.ttft_ms.median or float("nan"),
+                  "tpot_ms": metrics.tpot_ms.median or float("nan")}
+        if metrics.accept_length:
+            result["accept_len"] = metrics.accept_length
+        return result
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.channel.close())
+        self.loop.close()
+
+
+def in_process(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int) -> Metrics:
+    """The prompts in consecutive groups of `concurrency`, speculation off."""
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True, speculative=False)
+    tokens, seconds, ttfts = 0, 0.0, []
+    for start in range(0, len(prompts), concurrency):
+        run = timed_generate(llm.engine, prompts[start : start + concurrency], params)
+        tokens, seconds = tokens + run.new_tokens, seconds + run.total_s
+        ttfts += run.ttft_s
+    return {"tok_s": tokens / seconds, "ttft_ms": 1e3 * statistics.median(ttfts)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser, repeats=3)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--overhead-concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--spec-concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--kv-memory-mb", type=int, default=512)
+    parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats = 1
+        args.spec_concurrency = [c for c in args.spec_concurrency if c <= 16]
+    print_header("bench_gateway: through the gateway vs in process", args)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    worker_args = ("--num-threads", str(args.threads), "--kv-memory-mb", str(args.kv_memory_mb))
+    spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
+                       worker_args=worker_args, log_level="WARNING")
+    cluster = Cluster(spec, log_dir=log_dir)
+    address = cluster.start(timeout_s=300)
+    print(f"cluster: gateway {address}, 1 prefill + 1 decode worker (TP 1, shm, torch attention, "
+          f"{args.threads} threads each), logs in {log_dir}\n", flush=True)
+    try:
+        llm = LLM(str(args.model), attention_backend="torch", num_threads=args.threads,
+                  kv_memory_bytes=args.kv_memory_mb * 2**20)
+        gateway = GatewayRunner(address)
+        try:
+            config = llm.model_config
+            count = max(request_count(c) for c in args.overhead_concurrency + args.spec_concurrency)
+            prompts, source = make_prompts(args.model, count, args.input_len, args.seed, config.vocab_size,
+                                           list(config.eos_token_id))
+            print(f"prompts: {source}, {args.input_len} tokens in, {args.output_len} out\n", flush=True)
+            overhead = bench_overhead(args, llm, gateway, prompts, source)
+            if llm.engine.has_draft:
+                bench_spec(args, gateway, prompts, source)
+            else:
+                print("spec: the model has no draft; skipped\n")
+        finally:
+            gateway.close()
+            llm.close()
+    finally:
+        cluster.stop()
+    print("## Goals\n")
+    for line in overhead:
+        print(f"- {line}")
+
+
+def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> list[str]:
+    table = Table(f"gateway vs in process, speculation off, {args.input_len} in / {args.output_len} out ({source})",
+                  ["concurrency", "requests", "in-process tok/s", "gateway tok/s", "gateway / in-process",
+                   "in-process TTFT p50 ms", "gateway TTFT p50 ms", "added TTFT ms"])
+    goals = []
+    for concurrency in args.overhead_concurrency:
+        batch = prompts[: request_count(concurrency)]
+        runs = interleave({
+            "in-process": lambda: in_process(llm, batch, args.output_len, concurrency),
+            "gateway": lambda: gateway.run(batch, args.output_len, concurrency, speculative=False),
+        }, args.repeats)
+        local, remote = median(runs["in-process"], "tok_s"), median(runs["gateway"], "tok_s")
+        local_ttft, remote_ttft = median(runs["in-process"], "ttft_ms"), median(runs["gateway"], "ttft_ms")
+        table.add(concurrency, len(batch), local, remote, f"{100 * ratio(remote, local):.1f}%", local_ttft,
+                  remote_ttft, remote_ttft - local_ttft)
+        if concurrency == 16:
+            goals.append(goal_line("gateway throughput / in-process at concurrency 16", 100 * ratio(remote, local),
+                                   95.0, unit="%"))
+        goals.append(goal_line(f"added TTFT p50 at concurrency {concurrency}", remote_ttft - local_ttft, 5.0,
+                               unit=" ms", higher_is_better=False))
+    table.print()
+    return goals
+
+
+def bench_spec(args, gateway: GatewayRunner, prompts, source) -> None:
+    table = Table(f"speculative decoding through the gateway, greedy, {args.input_len} in / {args.output_len} out "
+                  f"({source})",
+                  ["concurrency", "requests", "off tok/s", "on tok/s", "speed-up", "accept len", "off TPOT p50 ms",
+                   "on TPOT p50 ms"])
+    for concurrency in args.spec_concurrency:
+        batch = prompts[: request_count(concurrency)]
+        runs = interleave({
+            "off": lambda: gateway.run(batch, args.output_len, concurrency, speculative=False),
+            "on": lambda: gateway.run(batch, args.output_len, concurrency, speculative=True),
+        }, args.repeats)
+        off, on = median(runs["off"], "tok_s"), median(runs["on"], "tok_s")
+        table.add(concurrency, len(batch), off, on, f"{ratio(on, off):.2f}x", median(runs["on"], "accept_len"),
+                  median(runs["off"], "tpot_ms"), median(runs["on"], "tpot_ms"))
+    table.print()
+
+
+if __name__ == "__main__":
+    main()
