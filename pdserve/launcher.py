@@ -190,12 +190,37 @@ class Cluster:
             self._run_dir.rmdir()
 
     @staticmethod
-    def _kill_group(child: Child) -> None:
+    def _kill_group(child: Child, timeout_s: float = 10.0) -> None:
+        """SIGKILL to the child's process group (the leader's pid is its group id), then wait until no
+        member is left running (killing is asynchronous; orphaned followers are reaped by init)."""
         try:
-            os.killpg(child.process.pid, signal.SIGKILL)  # the leader's pid is its group id
+            os.killpg(child.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         try:
-            child.process.wait(5)
+            child.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             logger.error("%s (pid %d) survived SIGKILL", child.role, child.process.pid)
+        deadline = time.monotonic() + timeout_s
+        while _running_members(child.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _running_members(pgid: int) -> list[int]:
+    """Pids of the group's processes that are not zombies (Linux /proc; empty elsewhere)."""
+    members = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return members
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
