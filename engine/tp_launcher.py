@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 from datetime import timedelta
 
@@ -33,7 +34,21 @@ def _init_group(rank: int, size: int, port: int) -> None:
     )
 
 
+def _die_with_parent() -> None:
+    """Linux: a follower is killed when the leader that spawned it dies, however it dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        logger.warning("cannot tie follower lifetime to the leader on this platform")
+
+
 def _follower_main(rank: int, size: int, port: int, config: RunnerConfig, log_level: int) -> None:
+    _die_with_parent()
+    if os.getppid() == 1:  # the leader already died before the line above ran
+        return
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [tp-rank{rank}] %(name)s: %(message)s")
     _init_group(rank, size, port)
     runner = ModelRunner(config, TPGroup(rank, size))

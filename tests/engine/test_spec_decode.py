@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import llm_engine
+from engine import spec_decode
 from engine.spec_verify import VerifyResult
 from tests.engine.spec_fixtures import add_random_draft, make_small_vocab_checkpoint, make_tiny_checkpoint
 
@@ -117,7 +117,7 @@ def test_broken_verifier_is_detected(small_vocab_llm, monkeypatch):
     def accept_everything(draft_tokens, draft_probs, target_probs, generators):
         return [VerifyResult(tokens.tolist() + [int(p[-1].argmax())], len(tokens)) for tokens, p in zip(draft_tokens, target_probs)]
 
-    monkeypatch.setattr(llm_engine, "verify_sampled", accept_everything)
+    monkeypatch.setattr(spec_decode, "verify_sampled", accept_everything)
     llm = small_vocab_llm
     exact = _exact_second_token_distribution(llm, temperature=1.0)
     p_value = _chi_square_p_value(_second_tokens(llm, temperature=1.0), exact)
