@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def write_model_card(path: Path, m: dict, samples: dict[str, str]) -> None:
-    """The YAML front matter carries the numbers tests read (loss_ratio_threshold)."""
+def write_model_card(path: Path, m: dict, samples: dict[str, str], c: dict, d: dict) -> None:
+    """m: metrics; c: the target's config.json; d: the draft's config.json.
+
+    The YAML front matter carries the numbers tests read (loss_ratio_threshold)."""
+    rope = c["rope_parameters"]
     sample_text = "\n".join(f"Prompt `{p!r}`:\n\n```python\n{p}{s}\n```\n" for p, s in samples.items())
     per_position = ", ".join(f"{r:.2f}" for r in m["acceptance_per_position"])
     path.write_text(f"""---
@@ -21,7 +24,8 @@ acceptance_length_b8: {m['acceptance_length']:.3f}
 
 The embedded default model of pdserve: a {m['target_parameters']:,}-parameter DeepSeek-V3-architecture
 (MLA + MoE) causal LM and a {m['draft_parameters']:,}-parameter DFlash-style block-diffusion draft
-(`draft/`), trained from scratch on this machine by `training/train_default_model.py`.
+(`draft/`), trained from scratch on this machine by `training/train_default_model.py`
+(the target with transformers' `DeepseekV3ForCausalLM`).
 It writes Python-looking text; it is a test fixture, not a useful model.
 
 ## Reproduce
@@ -30,7 +34,7 @@ It writes Python-looking text; it is a test fixture, not a useful model.
 {m['command']}
 ```
 
-Seed {m['seed']}; 2 CPU threads (`torch.set_num_threads(2)`), float32 training, weights saved in bf16.
+Seed {m['seed']}; {m['threads']} CPU threads (`torch.set_num_threads`), float32 training, weights saved in bf16.
 Wall time on the 2-core development machine (shared with other jobs): {m['wall_minutes']:.1f} min in all
 (target {m['target_minutes']:.1f} min, target + draft {m['train_minutes']:.1f} min, the rest evaluation).
 Results depend on the Python build whose standard library is the corpus.
@@ -51,26 +55,31 @@ Each file is one document, `<|bos|> ... <|eos|>`.
 
 ## Tokenizer
 
-Byte-level BPE (HF `tokenizers`), vocabulary 4096 (a multiple of 64, so it splits evenly over TP=2),
+Byte-level BPE (HF `tokenizers`), vocabulary {c['vocab_size']} (a multiple of 64, so it splits evenly over TP=2),
 trained on the train split. Special tokens: `<|bos|>`=0, `<|eos|>`=1, `<|pad|>`=2, `<|mask|>`=3
 (the draft's mask token). Any Unicode text round-trips.
 
 ## Target (`config.json`, `model.safetensors`)
 
-`DeepseekV3ForCausalLM`: hidden 256, 4 layers (layer 0 dense, layers 1-3 MoE), 24 attention heads
-(qk_nope 16, qk_rope 16, v 16), q_lora_rank 128, kv_lora_rank 64, 8 routed experts (top-2, sigmoid
-scores, noaux_tc with aux-loss-free bias balancing during training, n_group 1) + 1 shared expert,
-moe_intermediate 256, dense intermediate 768, untied embeddings, interleaved RoPE with yarn scaling
-(factor 64 over the 256-token training length, max_position_embeddings 16384, mscale = mscale_all_dim = 1.0).
-Trained {m['target_steps']} steps x {m['target_batch']} random 256-token windows, AdamW (betas 0.9/0.95,
-weight decay 0.05), lr 3e-3 with warmup and cosine decay to 10%, gradient clipping 1.0.
+`DeepseekV3ForCausalLM`: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers (first {c['first_k_dense_replace']} dense,
+the rest MoE), {c['num_attention_heads']} attention heads (qk_nope {c['qk_nope_head_dim']}, qk_rope {c['qk_rope_head_dim']},
+v {c['v_head_dim']}), q_lora_rank {c['q_lora_rank']}, kv_lora_rank {c['kv_lora_rank']}, {c['n_routed_experts']} routed experts
+(top-{c['num_experts_per_tok']}, sigmoid scores, noaux_tc with aux-loss-free bias balancing during training, n_group
+{c['n_group']}) + {c['n_shared_experts']} shared expert, moe_intermediate {c['moe_intermediate_size']}, dense intermediate
+{c['intermediate_size']}, untied embeddings, interleaved RoPE with yarn scaling (factor {rope['factor']:g} over the
+{rope['original_max_position_embeddings']}-token training length, max_position_embeddings {c['max_position_embeddings']},
+mscale {rope['mscale']:g}, mscale_all_dim {rope['mscale_all_dim']:g}).
+Trained {m['target_steps']} steps x {m['target_batch']} random {rope['original_max_position_embeddings']}-token windows
+({m['target_steps'] * m['target_batch'] * rope['original_max_position_embeddings']:,} tokens), AdamW (betas 0.9/0.95,
+weight decay 0.05), lr {m['target_lr']:g} with {m['target_warmup']} warmup steps and cosine decay to 10%,
+gradient clipping 1.0.
 
 ## Held-out loss
 
 Slice: the held-out token stream (files in sorted order) cut into the first {m['eval_windows']}
 windows of {m['eval_length']} + 1 tokens (stride {m['eval_length']}); each window's last {m['eval_length']}
 tokens are predicted. Unigram entropy: cross-entropy (nats) of the same tokens under
-p(v) = (count_train(v) + 1) / (N_train + 4096) from the training split's token counts.
+p(v) = (count_train(v) + 1) / (N_train + {c['vocab_size']}) from the training split's token counts.
 Measured on the saved bf16 weights loaded in float32.
 
 | held-out loss (nats) | unigram entropy (nats) | ratio | threshold |
@@ -79,12 +88,14 @@ Measured on the saved bf16 weights loaded in float32.
 
 ## Draft (`draft/`)
 
-`engine/models/dflash.py`: context = the target's hidden states after decoder layers 0 and 2
-(`output_hidden_states[1]` and `[3]`), concatenated, projected and RMS-normalised; keys/values in
-every draft layer. 2 layers, 8 query / 4 KV heads of 32, intermediate 768, block size 8, mask token 3;
-the target's embedding and LM head are shared (frozen). Trained {m['draft_steps']} steps on the target's own
-greedy continuations ({m['draft_sequences']} sequences: 32-token prompts from the train split + {m['draft_generated']} greedy
-tokens), {m['draft_anchors']} anchors per sequence, loss weights exp(-(i-1)/4) over block positions.
+`engine/models/dflash.py`: context = the target's hidden states after decoder layers
+{list(d['target_layer_ids'])} (`output_hidden_states[L + 1]`), concatenated, projected and RMS-normalised;
+keys/values in every draft layer. {d['num_layers']} layers, {d['num_heads']} query / {d['num_kv_heads']} KV heads of
+{d['head_dim']}, intermediate {d['intermediate_size']}, block size {d['block_size']}, mask token {d['mask_token_id']};
+the target's embedding and LM head are shared (frozen). Trained {m['draft_steps']} steps x {m['draft_batch']} sequences
+on the target's own greedy continuations ({m['draft_sequences']} sequences: {m['accept_prompt_length']}-token prompts
+from the train split + {m['draft_generated']} greedy tokens), {m['draft_anchors']} anchors per sequence, loss weights
+exp(-(i-1)/4) over block positions, AdamW lr {m['draft_lr']:g} with cosine decay.
 
 Acceptance (greedy draft-then-verify with the transformers target, block size 8, bonus token counted;
 {m['accept_prompts']} held-out prompts of {m['accept_prompt_length']} tokens, {m['accept_new_tokens']} new tokens each):

@@ -49,7 +49,7 @@ FULL = {
     "shape": TargetShape(),
     "target": TargetTraining(),
     "draft": DraftTraining(),
-    "draft_shape": {"num_layers": 2, "num_heads": 8, "num_kv_heads": 4, "head_dim": 32, "intermediate_size": 768},
+    "draft_shape": {"num_layers": 2, "num_heads": 8, "num_kv_heads": 4, "head_dim": 24, "intermediate_size": 512},
     "eval_windows": 64, "accept_prompts": 24, "accept_new_tokens": 96, "sample_tokens": 48,
 }
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"], do_sample=False)
         model.to(torch.bfloat16).save_pretrained(out)
     target_time = time.monotonic() - started
-    target = DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    target = DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32, experts_implementation="eager").eval()
     num_params = sum(p.numel() for p in target.parameters())
     logger.info("target phase done after %.1f min", target_time / 60)
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     samples = {p: tokenizer.decode(evaluate.greedy_text(target, tokenizer.encode(p).ids, plan["sample_tokens"]))
                for p in SAMPLE_PROMPTS}
     metrics = {
-        "seed": args.seed, "python_version": corpus.python_version, "stdlib": corpus.root,
+        "seed": args.seed, "threads": args.threads, "python_version": corpus.python_version, "stdlib": corpus.root,
         "train_files": len(corpus.train), "held_out_files": len(corpus.held_out), "skipped_files": len(corpus.skipped),
         "train_bytes": corpus.train_bytes, "held_out_bytes": corpus.held_out_bytes,
         "train_tokens": train_stream.numel(), "held_out_tokens": held_stream.numel(),
@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         "loss_ratio_threshold": LOSS_RATIO_THRESHOLD, "eval_windows": plan["eval_windows"],
         "eval_length": shape.train_length, "acceptance_length": accept, "acceptance_per_position": per_position,
         "accept_prompts": len(prompts), "accept_prompt_length": length, "accept_new_tokens": plan["accept_new_tokens"],
-        "target_steps": target_cfg.steps, "target_batch": target_cfg.batch_size, "draft_steps": draft_cfg.steps,
+        "target_steps": target_cfg.steps, "target_batch": target_cfg.batch_size, "target_lr": target_cfg.lr,
+        "target_warmup": target_cfg.warmup_steps, "draft_steps": draft_cfg.steps, "draft_batch": draft_cfg.batch_size,
+        "draft_lr": draft_cfg.lr,
         "draft_sequences": draft_cfg.num_sequences, "draft_generated": draft_cfg.generated_length,
         "draft_anchors": draft_cfg.anchors_per_sequence, "target_minutes": target_time / 60,
         "wall_minutes": (time.monotonic() - started) / 60, "train_minutes": train_time / 60,
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("metrics: %s", json.dumps(metrics, indent=1))
     for prompt, text in samples.items():
         logger.info("sample %r -> %r", prompt, text)
-    write_model_card(out / "README.md", metrics, samples)
+    write_model_card(out / "README.md", metrics, samples, json.loads((out / "config.json").read_text()),
+                     json.loads((out / "draft" / "config.json").read_text()))
     return 0
 
 

@@ -22,12 +22,12 @@ class DraftTraining:
     prompt_length: int = 32
     generated_length: int = 128
     generate_batch: int = 128
-    steps: int = 400
+    steps: int = 600
     batch_size: int = 16
     anchors_per_sequence: int = 16
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
-    warmup_steps: int = 40
+    warmup_steps: int = 20
     weight_decay: float = 0.01
     gamma: float = 4.0  # loss weight of block position i: exp(-(i - 1) / gamma)
     log_every: int = 25
