@@ -55,7 +55,6 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator)
         self.acceptance_stats = AcceptanceStats()
         self._seqs: dict[str, Sequence] = {}
-        self._finished: list[Sequence] = []
         self._order = itertools.count()
         self.eos_ids = set(self.model_config.eos_token_id)
         logger.info("engine ready: %d pages, draft=%s, tp=%d", num_pages, bool(draft_dir), config.tp_size)
@@ -88,7 +87,7 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._finished)
+        return bool(self._seqs)  # running, waiting, or finished with output not yet collected
 
     # --- validation -------------------------------------------------------------------------------
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:

@@ -49,7 +49,8 @@ def _follower_main(rank: int, size: int, port: int, config: RunnerConfig, log_le
     _die_with_parent()
     if os.getppid() == 1:  # the leader already died before the line above ran
         return
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [tp-rank{rank}] %(name)s: %(message)s")
+    role = os.environ.get("PDSERVE_LOG_ROLE", "engine")
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{role} rank{rank}] %(name)s: %(message)s")
     _init_group(rank, size, port)
     runner = ModelRunner(config, TPGroup(rank, size))
     dist.all_gather_object([None] * size, runner.pool_name)
