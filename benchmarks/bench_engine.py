@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=1024)
     parser.add_argument("--prefill-batch", type=int, default=4)
     parser.add_argument("--long-len", type=int, default=16384, help="long-prompt tokens (capped at the context)")
-    parser.add_argument("--long-repeats", type=int, default=2)
+    parser.add_argument("--long-repeats", type=int, default=1)
     parser.add_argument("--hf-experts", default="eager", help="transformers experts_implementation")
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "long"])
@@ -90,7 +90,8 @@ def main() -> None:
         args.repeats, args.new_tokens, args.long_repeats = 1, min(args.new_tokens, 32), 1
         args.batches = [b for b in args.batches if b <= 64]
     print_header("bench_engine: pdserve engine vs transformers", args)
-    llm = LLM(str(args.model), attention_backend="torch", draft_model="", num_threads=args.threads, max_running=max(args.batches + [16]))
+    llm = LLM(str(args.model), attention_backend="torch", draft_model="", num_threads=args.threads,
+              max_running=max(args.batches + [16]))
     config = llm.model_config
     model, generation_config_cls = hf_model(args.model, args.hf_experts)
     avoid = list(config.eos_token_id)
@@ -136,7 +137,7 @@ def bench_decode(args, llm, model, generation_config_cls, config, avoid) -> dict
         variants[f"engine {batch}"] = engine_variant(batch)
         if batch in (1, 16):
             variants[f"transformers {batch}"] = hf_variant(batch)
-    runs = interleave(variants, args.repeats)
+    runs = interleave(variants, args.repeats, warmup=["engine 16", "transformers 16"])
     table = Table(f"decode: greedy tok/s, prompt {args.prompt_len} + {args.new_tokens} new tokens ({source})",
                   ["batch", "engine tok/s", "transformers tok/s", "engine / transformers", "identical outputs"])
     for batch in (1, 16):

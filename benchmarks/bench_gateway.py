@@ -8,7 +8,7 @@ same prompts (held-out Python token ids, fixed input/output lengths, greedy, ign
              same prompts in consecutive groups of C through the engine's step loop. Output tok/s and TTFT
              p50 (gateway: send -> first streamed token; in process: add_request -> the step that
              produced the first token).
-  spec       speculation on vs off through the gateway at concurrency 1, 4, 16, 64.
+  spec       speculation on vs off at concurrency 1, 4, 16, 64, through the gateway and in process.
 Variants take turns; medians of --repeats. Goals (issue 6): gateway >= 95% of in-process throughput at
 concurrency 16, <= 5 ms added TTFT at p50.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import tempfile
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from bench.load import LoadPlan, run_load
 from bench.metrics import compute_metrics
 from bench.workload import BenchRequest
 from benchmarks.common import (Metrics, Table, add_common_arguments, goal_line, interleave, make_prompts, median,
-                               print_header, ratio, timed_generate)
+                               print_header, ratio, timed_groups)
 from engine import LLM, SamplingParams
 from pdserve.launcher import Cluster, ClusterSpec
 
@@ -65,8 +64,10 @@ class GatewayRunner:
         metrics = compute_metrics(outcome.records, outcome.duration_s)
         result = {"tok_s": metrics.output_throughput, "ttft_ms": metrics.ttft_ms.median or float("nan"),
                   "tpot_ms": metrics.tpot_ms.median or float("nan")}
-        if metrics.accept_length:
-            result["accept_len"] = metrics.accept_length
+        spec = [(r.output_tokens - 1, r.accept_length) for r in outcome.records
+                if r.accept_length and r.output_tokens > 1]
+        if spec:  # pooled over verify steps, as in process: decode tokens / verify steps
+            result["accept_len"] = sum(n for n, _ in spec) / sum(n / length for n, length in spec)
         return result
 
     def close(self) -> None:
@@ -74,15 +75,16 @@ class GatewayRunner:
         self.loop.close()
 
 
-def in_process(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int) -> Metrics:
-    """The prompts in consecutive groups of `concurrency`, speculation off."""
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True, speculative=False)
-    tokens, seconds, ttfts = 0, 0.0, []
-    for start in range(0, len(prompts), concurrency):
-        run = timed_generate(llm.engine, prompts[start : start + concurrency], params)
-        tokens, seconds = tokens + run.new_tokens, seconds + run.total_s
-        ttfts += run.ttft_s
-    return {"tok_s": tokens / seconds, "ttft_ms": 1e3 * statistics.median(ttfts)}
+def in_process(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int,
+               speculative: bool = False) -> Metrics:
+    """The prompts in consecutive groups of `concurrency`; with the acceptance length of this run's verify steps."""
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True, speculative=speculative)
+    stats = llm.acceptance_stats
+    steps, accepted = stats.num_steps, stats.num_accepted_drafts
+    metrics = timed_groups(llm.engine, prompts, params, concurrency).metrics()
+    if stats.num_steps > steps:
+        metrics["accept_len"] = 1 + (stats.num_accepted_drafts - accepted) / (stats.num_steps - steps)
+    return metrics
 
 
 def main() -> None:
@@ -120,7 +122,7 @@ def main() -> None:
             print(f"prompts: {source}, {args.input_len} tokens in, {args.output_len} out\n", flush=True)
             overhead = bench_overhead(args, llm, gateway, prompts, source)
             if llm.engine.has_draft:
-                bench_spec(args, gateway, prompts, source)
+                bench_spec(args, llm, gateway, prompts, source)
             else:
                 print("spec: the model has no draft; skipped\n")
         finally:
@@ -157,20 +159,26 @@ def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> l
     return goals
 
 
-def bench_spec(args, gateway: GatewayRunner, prompts, source) -> None:
-    table = Table(f"speculative decoding through the gateway, greedy, {args.input_len} in / {args.output_len} out "
-                  f"({source})",
-                  ["concurrency", "requests", "off tok/s", "on tok/s", "speed-up", "accept len", "off TPOT p50 ms",
-                   "on TPOT p50 ms"])
+def bench_spec(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> None:
+    table = Table(f"speculative decoding on vs off, greedy, {args.input_len} in / {args.output_len} out ({source})",
+                  ["concurrency", "requests", "gateway off tok/s", "gateway on tok/s", "gateway speed-up",
+                   "gateway accept len", "in-process off tok/s", "in-process on tok/s", "in-process speed-up",
+                   "in-process accept len", "gateway TPOT p50 off / on ms"])
     for concurrency in args.spec_concurrency:
         batch = prompts[: request_count(concurrency)]
         runs = interleave({
-            "off": lambda: gateway.run(batch, args.output_len, concurrency, speculative=False),
-            "on": lambda: gateway.run(batch, args.output_len, concurrency, speculative=True),
+            "gateway off": lambda: gateway.run(batch, args.output_len, concurrency, speculative=False),
+            "gateway on": lambda: gateway.run(batch, args.output_len, concurrency, speculative=True),
+            "in-process off": lambda: in_process(llm, batch, args.output_len, concurrency, speculative=False),
+            "in-process on": lambda: in_process(llm, batch, args.output_len, concurrency, speculative=True),
         }, args.repeats)
-        off, on = median(runs["off"], "tok_s"), median(runs["on"], "tok_s")
-        table.add(concurrency, len(batch), off, on, f"{ratio(on, off):.2f}x", median(runs["on"], "accept_len"),
-                  median(runs["off"], "tpot_ms"), median(runs["on"], "tpot_ms"))
+        rate = {name: median(samples, "tok_s") for name, samples in runs.items()}
+        table.add(concurrency, len(batch), rate["gateway off"], rate["gateway on"],
+                  f"{ratio(rate['gateway on'], rate['gateway off']):.2f}x", median(runs["gateway on"], "accept_len"),
+                  rate["in-process off"], rate["in-process on"],
+                  f"{ratio(rate['in-process on'], rate['in-process off']):.2f}x",
+                  median(runs["in-process on"], "accept_len"),
+                  f"{median(runs['gateway off'], 'tpot_ms'):.2f} / {median(runs['gateway on'], 'tpot_ms'):.2f}")
     table.print()
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common import (Table, add_common_arguments, goal_line, interleave, make_prompts, median,
-                               print_header, ratio, timed_generate)
+                               print_header, ratio, timed_groups)
 from engine import LLM, SamplingParams
 
 
@@ -23,12 +23,12 @@ def acceptance_counts(llm: LLM) -> tuple[int, int, list[int], list[int]]:
     return stats.num_steps, stats.num_accepted_drafts, list(stats.position_attempted), list(stats.position_accepted)
 
 
-def spec_variant(llm: LLM, prompts: list[list[int]], params: SamplingParams, outputs: dict, key: str):
-    """A run that also reports the acceptance length of its own verify steps."""
+def spec_variant(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams, outputs: dict, key: str):
+    """A run (the prompts in groups of `batch`) that also reports the acceptance length of its verify steps."""
 
     def run():
         steps0, accepted0, _, _ = acceptance_counts(llm)
-        timed = timed_generate(llm.engine, prompts, params)
+        timed = timed_groups(llm.engine, prompts, params, batch)
         steps, accepted, _, _ = acceptance_counts(llm)
         outputs[key] = timed.outputs
         metrics = timed.metrics()
@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 64])
+    parser.add_argument("--min-prompts", type=int, default=8,
+                        help="small batches run this many prompts, in consecutive groups of the batch size")
     parser.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16],
                         help="block sizes (those above the draft's own block size are skipped)")
     args = parser.parse_args()
@@ -63,23 +65,24 @@ def main() -> None:
     llm = LLM(str(args.model), draft_model=args.draft, num_threads=args.threads, max_running=max(args.batches),
               spec_block_size=max(blocks))
     config = llm.model_config
-    prompts, source = make_prompts(args.model, max(args.batches), args.prompt_len, args.seed, config.vocab_size,
-                                   list(config.eos_token_id))
+    prompts, source = make_prompts(args.model, max(args.batches + [args.min_prompts]), args.prompt_len, args.seed,
+                                   config.vocab_size, list(config.eos_token_id))
     print(f"draft block size {draft_block}; block sizes measured: {blocks}"
           + (f" (skipped {skipped}: larger than the draft's block)" if skipped else "") + "\n", flush=True)
     table = Table(f"speculative decoding, greedy, prompt {args.prompt_len} + {args.new_tokens} new tokens ({source})",
-                  ["batch", "off tok/s"] + [c for b in blocks for c in (f"B={b} tok/s", f"B={b} speed-up",
-                                                                          f"B={b} accept len")] + ["identical"])
+                  ["batch", "prompts", "off tok/s"]
+                  + [c for b in blocks for c in (f"B={b} tok/s", f"B={b} speed-up", f"B={b} accept len")]
+                  + ["identical"])
     single: dict[int, float] = {}
     for batch in args.batches:
         outputs: dict[str, list] = {}
-        batch_prompts = prompts[:batch]
-        variants = {"off": spec_variant(llm, batch_prompts, SamplingParams(
+        batch_prompts = prompts[: batch * max(1, args.min_prompts // batch)]
+        variants = {"off": spec_variant(llm, batch_prompts, batch, SamplingParams(
             max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, speculative=False), outputs, "off")}
         for block in blocks:
             params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True,
                                     speculative=True, block_size=block)
-            variants[f"B={block}"] = spec_variant(llm, batch_prompts, params, outputs, f"B={block}")
+            variants[f"B={block}"] = spec_variant(llm, batch_prompts, batch, params, outputs, f"B={block}")
         runs = interleave(variants, args.repeats)
         off = median(runs["off"], "tok_s")
         cells: list[object] = [batch, off]
@@ -88,9 +91,10 @@ def main() -> None:
             cells += [on, f"{ratio(on, off):.2f}x", median(runs[f"B={block}"], "accept_len")]
             if batch == 1:
                 single[block] = ratio(on, off)
-        same = sum(all(outputs[f"B={b}"][i] == outputs["off"][i] for b in blocks) for i in range(batch))
-        cells.append(f"{same}/{batch}")
-        table.add(*cells)
+        same = sum(all(outputs[f"B={b}"][i] == outputs["off"][i] for b in blocks)
+                   for i in range(len(batch_prompts)))
+        cells.append(f"{same}/{len(batch_prompts)}")
+        table.add(batch, len(batch_prompts), *cells[1:])
         print(f"batch {batch} done", flush=True)
     print()
     table.print()

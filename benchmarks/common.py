@@ -76,13 +76,14 @@ def print_header(title: str, args: argparse.Namespace) -> None:
 
 
 # --- interleaved repetitions ------------------------------------------------------------------------
-def interleave(variants: dict[str, Callable[[], Metrics]], repeats: int, warmup: bool = True) -> dict[str, list[Metrics]]:
-    """Runs every variant `repeats` times, taking turns (alternating the order each round), after one
-    unrecorded warm-up round; returns each variant's list of metrics dicts."""
+def interleave(variants: dict[str, Callable[[], Metrics]], repeats: int,
+               warmup: bool | Sequence[str] = True) -> dict[str, list[Metrics]]:
+    """Runs every variant `repeats` times, taking turns (alternating the order each round), after an
+    unrecorded warm-up run of every variant (warmup=True) or of the named ones; returns each variant's list
+    of metrics dicts."""
     names = list(variants)
-    if warmup:
-        for name in names:
-            variants[name]()
+    for name in names if warmup is True else (warmup or ()):
+        variants[name]()
     results: dict[str, list[Metrics]] = {name: [] for name in names}
     for round_index in range(repeats):
         for name in names if round_index % 2 == 0 else reversed(names):
@@ -165,6 +166,21 @@ def timed_generate(engine, prompts: list[list[int]], params) -> TimedRun:
     run.outputs = [outputs[rid] for rid in ids]
     run.ttft_s = [first[rid] for rid in ids if rid in first]
     return run
+
+
+def timed_groups(engine, prompts: list[list[int]], params, group_size: int) -> TimedRun:
+    """The prompts in consecutive groups of `group_size` (one timed_generate each), merged into one TimedRun
+    (times and tokens summed, TTFTs pooled): a closed loop at concurrency `group_size`."""
+    merged = TimedRun(outputs=[], total_s=0.0)
+    for start in range(0, len(prompts), group_size):
+        run = timed_generate(engine, prompts[start : start + group_size], params)
+        merged.outputs += run.outputs
+        merged.total_s += run.total_s
+        merged.decode_s += run.decode_s
+        merged.decode_tokens += run.decode_tokens
+        merged.decode_steps += run.decode_steps
+        merged.ttft_s += run.ttft_s
+    return merged
 
 
 # --- prompts ----------------------------------------------------------------------------------------
