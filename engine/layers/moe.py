@@ -89,8 +89,30 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype), requires_grad=False)
 
+    # Below this many tokens every local expert runs densely in two batched matmuls (cheaper than one
+    # small matmul per active expert when dispatch overhead dominates, as in decode and verify steps).
+    dense_token_limit = 16
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden], weights/ids: [T, k] -> [T, hidden] float32, the sum over this rank's experts only."""
+        if ids.shape[0] <= self.dense_token_limit and self.num_local <= 4 * self.dense_token_limit:
+            return self._dense(x, weights, ids)
+        return self._sparse(x, weights, ids)
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every token, combined with the routing weights (zero where not routed)."""
+        num_tokens = x.shape[0]
+        local_ids = ids - self.expert_start
+        routed = (local_ids >= 0) & (local_ids < self.num_local)
+        combine = torch.zeros(num_tokens, self.num_local, dtype=torch.float32, device=x.device)
+        combine.scatter_add_(1, local_ids.clamp(0, self.num_local - 1), torch.where(routed, weights, 0.0))
+        gate_up = F.linear(x, self.gate_up_proj.view(-1, x.shape[1])).view(num_tokens, self.num_local, -1)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        hidden = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
+        out = torch.bmm(hidden, self.down_proj.transpose(1, 2)).float()  # [E, T, hidden]
+        return torch.bmm(combine.unsqueeze(1), out.transpose(0, 1)).squeeze(1)
+
+    def _sparse(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = ids.shape
         local_ids = ids.reshape(-1) - self.expert_start
         assignments = ((local_ids >= 0) & (local_ids < self.num_local)).nonzero().squeeze(1)
