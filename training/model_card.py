@@ -10,6 +10,9 @@ def write_model_card(path: Path, m: dict, samples: dict[str, str], c: dict, d: d
 
     The YAML front matter carries the numbers tests read (loss_ratio_threshold)."""
     rope = c["rope_parameters"]
+    rerun = ("\nThe shipped draft was retrained after the full run with `--reuse-target` (same code and defaults as the"
+             "\ncommand above; the target phase is unaffected by draft settings); the wall time adds the full run's target"
+             "\nphase to the draft rerun." if m.get("draft_rerun") else "")
     sample_text = "\n".join(f"Prompt `{p!r}`:\n\n```python\n{p}{s}\n```\n" for p, s in samples.items())
     per_position = ", ".join(f"{r:.2f}" for r in m["acceptance_per_position"])
     path.write_text(f"""---
@@ -37,7 +40,8 @@ It writes Python-looking text; it is a test fixture, not a useful model.
 Seed {m['seed']}; {m['threads']} CPU threads (`torch.set_num_threads`), float32 training, weights saved in bf16.
 Wall time on the 2-core development machine (shared with other jobs): {m['wall_minutes']:.1f} min in all
 (target {m['target_minutes']:.1f} min, target + draft {m['train_minutes']:.1f} min, the rest evaluation).
-Results depend on the Python build whose standard library is the corpus.
+Results depend on the Python build whose standard library is the corpus.{rerun}
+All measured numbers are also in `training_metrics.json`.
 
 ## Data
 
@@ -99,7 +103,7 @@ exp(-(i-1)/4) over block positions, AdamW lr {m['draft_lr']:g} with cosine decay
 
 Acceptance (greedy draft-then-verify with the transformers target, block size 8, bonus token counted;
 {m['accept_prompts']} held-out prompts of {m['accept_prompt_length']} tokens, {m['accept_new_tokens']} new tokens each):
-**{m['acceptance_length']:.2f} accepted tokens per verify step**; per-position acceptance {per_position}.
+**{m['acceptance_length']:.2f} accepted tokens per verify step**; fraction of verify steps in which draft positions 1..{len(m["acceptance_per_position"])} were accepted: {per_position}.
 
 ## Greedy samples
 

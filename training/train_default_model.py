@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"], do_sample=False)
         model.to(torch.bfloat16).save_pretrained(out)
     target_time = time.monotonic() - started
+    reused_from = None
+    if args.reuse_target:
+        reused_from = json.loads((out / "training_metrics.json").read_text())
+        target_time = reused_from["target_minutes"] * 60
+        started -= target_time  # wall times below add the earlier run's target phase
     target = DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32, experts_implementation="eager").eval()
     num_params = sum(p.numel() for p in target.parameters())
     logger.info("target phase done after %.1f min", target_time / 60)
@@ -147,9 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         "draft_sequences": draft_cfg.num_sequences, "draft_generated": draft_cfg.generated_length,
         "draft_anchors": draft_cfg.anchors_per_sequence, "target_minutes": target_time / 60,
         "wall_minutes": (time.monotonic() - started) / 60, "train_minutes": train_time / 60,
+        "draft_rerun": args.reuse_target,
         "command": ".venv/bin/python -m training.train_default_model " + shlex.join(sys.argv[1:] if argv is None else argv),
     }
+    if reused_from is not None:
+        metrics["command"] = reused_from["command"]
     logger.info("metrics: %s", json.dumps(metrics, indent=1))
+    (out / "training_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     for prompt, text in samples.items():
         logger.info("sample %r -> %r", prompt, text)
     write_model_card(out / "README.md", metrics, samples, json.loads((out / "config.json").read_text()),

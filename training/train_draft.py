@@ -18,11 +18,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DraftTraining:
-    num_sequences: int = 512
+    num_sequences: int = 2048
     prompt_length: int = 32
     generated_length: int = 128
     generate_batch: int = 128
-    steps: int = 600
+    steps: int = 1500
     batch_size: int = 16
     anchors_per_sequence: int = 16
     lr: float = 2e-3
