@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -28,7 +29,7 @@ from bench.load import LoadPlan, run_load
 from bench.metrics import compute_metrics
 from bench.workload import BenchRequest
 from benchmarks.common import (Metrics, Table, add_common_arguments, goal_line, interleave, make_prompts, median,
-                               print_header, ratio, timed_groups)
+                               print_header, process_cpu_seconds, ratio, timed_groups)
 from engine import LLM, SamplingParams
 from pdserve.launcher import Cluster, ClusterSpec
 
@@ -41,9 +42,10 @@ def request_count(concurrency: int) -> int:
 class GatewayRunner:
     """One event loop and one warm channel to the gateway, reused by every run."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, pids: dict[str, int]) -> None:
         self.loop = asyncio.new_event_loop()
         self.channel = self.loop.run_until_complete(self._connect(address))
+        self.pids = pids  # role -> process id, for CPU accounting
 
     @staticmethod
     async def _connect(address: str) -> grpc.aio.Channel:
@@ -52,7 +54,15 @@ class GatewayRunner:
         return channel
 
     def run(self, prompts: list[list[int]], output_len: int, concurrency: int, speculative: bool) -> Metrics:
-        return self.loop.run_until_complete(self._run(prompts, output_len, concurrency, speculative))
+        """Also reports each process's CPU milliseconds per output token (cpu_<role>, the client included)."""
+        before = {role: process_cpu_seconds(pid) for role, pid in self.pids.items()}
+        client_before = time.process_time()
+        metrics = self.loop.run_until_complete(self._run(prompts, output_len, concurrency, speculative))
+        tokens = metrics.pop("tokens")
+        metrics["cpu_client"] = 1e3 * (time.process_time() - client_before) / tokens
+        for role, pid in self.pids.items():
+            metrics[f"cpu_{role}"] = 1e3 * (process_cpu_seconds(pid) - before[role]) / tokens
+        return metrics
 
     async def _run(self, prompts, output_len, concurrency, speculative) -> Metrics:
         client = GatewayClient(self.channel, SamplingOptions(temperature=0.0, speculative=speculative))
@@ -62,7 +72,8 @@ class GatewayRunner:
         if failed:
             raise RuntimeError(f"{len(failed)} gateway requests failed, first: {failed[0]}")
         metrics = compute_metrics(outcome.records, outcome.duration_s)
-        result = {"tok_s": metrics.output_throughput, "ttft_ms": metrics.ttft_ms.median or float("nan"),
+        result = {"tok_s": metrics.output_throughput, "tokens": metrics.total_output_tokens,
+                  "ttft_ms": metrics.ttft_ms.median or float("nan"),
                   "tpot_ms": metrics.tpot_ms.median or float("nan")}
         spec = [(r.output_tokens - 1, r.accept_length) for r in outcome.records
                 if r.accept_length and r.output_tokens > 1]
@@ -81,7 +92,10 @@ def in_process(llm: LLM, prompts: list[list[int]], output_len: int, concurrency:
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True, speculative=speculative)
     stats = llm.acceptance_stats
     steps, accepted = stats.num_steps, stats.num_accepted_drafts
-    metrics = timed_groups(llm.engine, prompts, params, concurrency).metrics()
+    cpu = time.process_time()
+    run = timed_groups(llm.engine, prompts, params, concurrency)
+    metrics = run.metrics()
+    metrics["cpu_in_process"] = 1e3 * (time.process_time() - cpu) / run.new_tokens
     if stats.num_steps > steps:
         metrics["accept_len"] = 1 + (stats.num_accepted_drafts - accepted) / (stats.num_steps - steps)
     return metrics
@@ -113,7 +127,7 @@ def main() -> None:
     try:
         llm = LLM(str(args.model), attention_backend="torch", num_threads=args.threads,
                   kv_memory_bytes=args.kv_memory_mb * 2**20)
-        gateway = GatewayRunner(address)
+        gateway = GatewayRunner(address, {child.role.split("-")[0]: child.process.pid for child in cluster.children})
         try:
             config = llm.model_config
             count = max(request_count(c) for c in args.overhead_concurrency + args.spec_concurrency)
@@ -136,6 +150,9 @@ def main() -> None:
 
 
 def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> list[str]:
+    cpu = Table("CPU milliseconds per output token in the runs above (user + system, all threads of each process)",
+                ["concurrency", "in process", "bench client", "gateway", "prefill worker", "decode worker",
+                 "gateway path (no client)"])
     table = Table(f"gateway vs in process, speculation off, {args.input_len} in / {args.output_len} out ({source})",
                   ["concurrency", "requests", "in-process tok/s", "gateway tok/s", "gateway / in-process",
                    "in-process TTFT p50 ms", "gateway TTFT p50 ms", "added TTFT ms"])
@@ -150,12 +167,16 @@ def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> l
         local_ttft, remote_ttft = median(runs["in-process"], "ttft_ms"), median(runs["gateway"], "ttft_ms")
         table.add(concurrency, len(batch), local, remote, f"{100 * ratio(remote, local):.1f}%", local_ttft,
                   remote_ttft, remote_ttft - local_ttft)
+        roles = [median(runs["gateway"], f"cpu_{role}") for role in ("gateway", "prefill", "decode")]
+        cpu.add(concurrency, median(runs["in-process"], "cpu_in_process"), median(runs["gateway"], "cpu_client"),
+                *roles, sum(roles))
         if concurrency == 16:
             goals.append(goal_line("gateway throughput / in-process at concurrency 16", 100 * ratio(remote, local),
                                    95.0, unit="%"))
         goals.append(goal_line(f"added TTFT p50 at concurrency {concurrency}", remote_ttft - local_ttft, 5.0,
                                unit=" ms", higher_is_better=False))
     table.print()
+    cpu.print()
     return goals
 
 
