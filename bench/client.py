@@ -10,7 +10,7 @@ import grpc
 from bench.config import SamplingOptions
 from bench.record import RequestRecord, spread_chunk_gaps
 from bench.workload import BenchRequest
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 class GatewayUnreachable(RuntimeError):

@@ -37,7 +37,7 @@ from kvtransfer.page_spans import byte_view
 from kvtransfer.shm_pool import SharedPagePool
 from kvtransfer.shm_receiver import ShmReceiver
 from kvtransfer.shm_transport import ShmWriter
-from pdserve.v1 import kv_pb2
+from rpc.v1 import kv_pb2
 
 LAYOUT = KVLayout(num_layers=61, latent_dim=512, rope_dim=64, page_size=64, dtype="bfloat16")
 FIRST_PAGE = 16  # the request's pages in the decode pool start here (not at 0)

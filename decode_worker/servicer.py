@@ -8,9 +8,10 @@ import grpc
 
 from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
-from pdserve.convert import logprob_to_proto, sampling_from_proto
-from pdserve.grpc_errors import InvalidArgument, streaming, unary
-from pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from engine.sampling_params import SamplingParams
+from rpc.convert import logprob_to_proto, sampling_fields
+from rpc.status import InvalidArgument, streaming, unary
+from rpc.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
 
 def transport_from_proto(value: int) -> TransportKind:
@@ -37,7 +38,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     @streaming
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeChunk]:
         try:
-            params = sampling_from_proto(request.sampling)
+            params = SamplingParams(**sampling_fields(request.sampling))
         except ValueError as error:
             raise InvalidArgument("sampling", str(error)) from error
         finished = False

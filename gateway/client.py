@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def build_request(prompt: str | Sequence[int], *, max_tokens: int | None = None, temperature: float | None = None,

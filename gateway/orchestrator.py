@@ -20,9 +20,9 @@ from gateway.requests import GenerateJob
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
-from pdserve.convert import sampling_to_proto
-from pdserve.grpc_errors import Unavailable, status_for
-from pdserve.v1 import worker_pb2
+from rpc.convert import sampling_to_proto
+from rpc.status import Unavailable, status_for
+from rpc.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from gateway.orchestrator import RequestRun
 from gateway.requests import parse_generate_request
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import WorkerPool
-from pdserve.grpc_errors import AlreadyExists
-from pdserve.v1 import gateway_pb2
+from rpc.status import AlreadyExists
+from rpc.v1 import gateway_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import grpc
 from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
-from pdserve.grpc_errors import streaming, unary
-from pdserve.v1 import gateway_pb2
+from rpc.status import streaming, unary
+from rpc.v1 import gateway_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 FINISH_REASONS = {"stop": gateway_pb2.Complete.STOP, "length": gateway_pb2.Complete.LENGTH,

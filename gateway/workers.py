@@ -13,9 +13,9 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
-from pdserve.grpc_errors import ResourceExhausted, Unavailable
-from pdserve.serving import CHANNEL_OPTIONS
-from pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.status import ResourceExhausted, Unavailable
+from rpc.server import CHANNEL_OPTIONS
+from rpc.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from kvtransfer.checksum import DEFAULT_ALGORITHM, Algorithm, Hasher, digest
 from kvtransfer.destination import Destination
 from kvtransfer.layout import KVLayout, SegmentKind
-from pdserve.v1 import kv_pb2
+from rpc.v1 import kv_pb2
 
 MAX_CHUNK_BYTES = 1 << 20  # well under gRPC's 4 MiB default message limit, whatever the prompt length
 PAYLOAD_FIELD = kv_pb2.KVChunk.DESCRIPTOR.fields_by_name["payload"].number

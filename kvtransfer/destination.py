@@ -84,7 +84,7 @@ class Destination:
 
     # --- protobuf ---------------------------------------------------------------------------------------
     def to_proto(self):
-        from pdserve.v1 import kv_pb2
+        from rpc.v1 import kv_pb2
 
         return kv_pb2.KVDestination(
             transport=int(self.transport), layout_hash=self.layout_hash, page_ids=self.page_ids,

@@ -1,7 +1,7 @@
-"""KVTransfer servicers (sync and asyncio): thin wrappers over PushReceiver; the one place kvtransfer errors
-become gRPC status codes (each KVTransferError names its own: LayoutMismatch -> FAILED_PRECONDITION,
-UnknownTransfer / LeaseExpired -> NOT_FOUND, BadChunk -> INVALID_ARGUMENT, ChecksumMismatch /
-IncompleteTransfer -> DATA_LOSS, TransferAborted -> ABORTED)."""
+"""KVTransfer servicers (sync and asyncio): thin wrappers over PushReceiver. Refusals become gRPC status
+through rpc.status, the one mapper (each KVTransferError names its own grpc_status: LayoutMismatch ->
+FAILED_PRECONDITION, UnknownTransfer / LeaseExpired -> NOT_FOUND, BadChunk -> INVALID_ARGUMENT,
+ChecksumMismatch / IncompleteTransfer -> DATA_LOSS, TransferAborted -> ABORTED)."""
 from __future__ import annotations
 
 import logging
@@ -12,15 +12,12 @@ import grpc
 from kvtransfer.chunks import decode_chunk
 from kvtransfer.errors import KVTransferError, TransferAborted
 from kvtransfer.grpc_receiver import PushReceiver, PushSession
-from pdserve.v1 import kv_pb2, kv_pb2_grpc
+from rpc.status import status_for
+from rpc.v1 import kv_pb2, kv_pb2_grpc
 
 SERVICE = "pdserve.v1.KVTransfer"
 
 logger = logging.getLogger(__name__)
-
-
-def status_for(error: KVTransferError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)
 
 
 def _result(session: PushSession, nbytes: int) -> kv_pb2.KVPushResult:
@@ -44,7 +41,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             return _result(session, nbytes)
         except KVTransferError as error:
             logger.info("KV Push refused: %s", error)
-            context.abort(status_for(error), str(error))
+            context.abort(*status_for(error))
         finally:
             if not finished:  # client went away, or an unexpected error: the request must not linger
                 session.abort(TransferAborted("the Push stream ended early"))
@@ -67,7 +64,7 @@ class KVTransferAioServicer(kv_pb2_grpc.KVTransferServicer):
             return _result(session, nbytes)
         except KVTransferError as error:
             logger.info("KV Push refused: %s", error)
-            await context.abort(status_for(error), str(error))
+            await context.abort(*status_for(error))
         finally:
             if not finished:
                 session.abort(TransferAborted("the Push stream ended early"))

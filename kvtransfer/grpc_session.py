@@ -18,7 +18,7 @@ from kvtransfer.errors import (
 )
 from kvtransfer.layout import SegmentKind, check_layout
 from kvtransfer.page_spans import segment_offset
-from pdserve.v1 import kv_pb2
+from rpc.v1 import kv_pb2
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_receiver import PushReceiver

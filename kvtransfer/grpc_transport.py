@@ -121,7 +121,7 @@ class GrpcWriter(KVWriter):
 
     def stub(self, address: str) -> _PushStub:
         """Push with the chunk codec of kvtransfer.chunks (the payload never enters a protobuf object)."""
-        from pdserve.v1 import kv_pb2
+        from rpc.v1 import kv_pb2
 
         with self._lock:
             if address not in self._channels:

@@ -4,9 +4,10 @@ from __future__ import annotations
 import grpc
 
 from kvtransfer.destination import Destination
-from pdserve.convert import logprob_to_proto, sampling_from_proto
-from pdserve.grpc_errors import InvalidArgument, unary
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from engine.sampling_params import SamplingParams
+from rpc.convert import logprob_to_proto, sampling_fields
+from rpc.status import InvalidArgument, unary
+from rpc.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.service import PrefillService
 
 
@@ -17,7 +18,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     @unary
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         try:
-            params = sampling_from_proto(request.sampling)
+            params = SamplingParams(**sampling_fields(request.sampling))
         except ValueError as error:
             raise InvalidArgument("sampling", str(error)) from error
         if not request.HasField("destination"):

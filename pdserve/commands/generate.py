@@ -30,7 +30,7 @@ async def _main(args: argparse.Namespace) -> int:
     import grpc
 
     from gateway.client import build_request
-    from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+    from rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
     prompt: str | list[int]
     if args.token_ids:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.workers import WorkerPool
-from pdserve.grpc_errors import ResourceExhausted, Unavailable
-from pdserve.v1 import kv_pb2
+from rpc.status import ResourceExhausted, Unavailable
+from rpc.v1 import kv_pb2
 
 
 def _error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:

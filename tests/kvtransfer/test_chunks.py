@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransfer.chunks import MAX_CHUNK_BYTES, WireChunk, chunk_plan, decode_chunk, encode_chunk, gather
-from pdserve.v1 import kv_pb2
+from rpc.v1 import kv_pb2
 
 
 @settings(max_examples=200, deadline=None)

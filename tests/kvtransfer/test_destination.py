@@ -8,7 +8,7 @@ import pytest
 
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import BadChunk, LayoutMismatch, LeaseExpired
-from pdserve.v1 import kv_pb2
+from rpc.v1 import kv_pb2
 
 from .conftest import DEEPSEEK_V3, SMALL_WITH_DRAFT
 

@@ -14,7 +14,7 @@ from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import KVLayout
 from kvtransfer.leases import LeaseTable
 from kvtransfer.shm_pool import SharedPagePool
-from pdserve.v1 import kv_pb2_grpc
+from rpc.v1 import kv_pb2_grpc
 
 from .conftest import random_cache
 

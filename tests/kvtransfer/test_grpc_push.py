@@ -20,7 +20,7 @@ from kvtransfer.layout import SegmentKind
 from kvtransfer.leases import LeaseTable
 from kvtransfer.page_spans import cache_view, segment_offset
 from kvtransfer.shm_pool import SharedPagePool
-from pdserve.v1 import kv_pb2, kv_pb2_grpc
+from rpc.v1 import kv_pb2, kv_pb2_grpc
 
 from .conftest import SMALL_WITH_DRAFT, random_cache
 

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import grpc
 
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 PROMPT_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 100, 128, 255, 300, 512, 777, 1024, 1500, 2048)
 FIRST_ORDINARY_TOKEN = 4  # ids 0..3 are the special tokens

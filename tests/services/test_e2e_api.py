@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from gateway.client import build_request, generate
 from gateway.config import GatewayConfig
 from gateway.server import serve as serve_gateway
-from pdserve.v1 import gateway_pb2
+from rpc.v1 import gateway_pb2
 from tests.services.conftest import worker_address
 from tests.services.helpers import gateway_stub, greedy, idle_free_pages, token_prompts, wait_for_free_pages
 
@@ -188,7 +188,7 @@ async def test_gateway_health_follows_its_workers(cluster, service_model, tmp_pa
 
 
 def gateway_pb2_grpc_stub(channel: grpc.aio.Channel):
-    from pdserve.v1 import gateway_pb2_grpc
+    from rpc.v1 import gateway_pb2_grpc
 
     return gateway_pb2_grpc.GatewayStub(channel)
 

@@ -15,7 +15,7 @@ import grpc
 
 from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from rpc.v1 import worker_pb2, worker_pb2_grpc
 from tests.services.helpers import gateway_stub, greedy, token_prompts
 from tests.services.processes import alive, descendants, existing_segments, mapped_kv_segments
 

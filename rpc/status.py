@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -54,10 +53,13 @@ class Aborted(ServiceError):
     code = grpc.StatusCode.ABORTED
 
 
-# Exceptions of modules the gateway must not import (they pull in torch), matched only when loaded.
-_LAZY_TYPES: tuple[tuple[str, str, grpc.StatusCode], ...] = (
-    ("engine.kv_cache", "OutOfPages", grpc.StatusCode.RESOURCE_EXHAUSTED),
-)
+def _named_status(error: BaseException) -> grpc.StatusCode | None:
+    """The code an exception class names itself with a `grpc_status` attribute (a grpc.StatusCode name), so
+    that lower floors (engine, kvtransfer) choose their status without importing grpc or this module."""
+    name = getattr(type(error), "grpc_status", None)
+    if not isinstance(name, str):
+        return None
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
 
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -66,14 +68,9 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return error.code, str(error)
     if isinstance(error, grpc.aio.AioRpcError):  # an internal call failed: pass its status through
         return error.code(), error.details() or error.code().name
-    kv_errors = sys.modules.get("kvtransfer.errors")
-    if kv_errors is not None and isinstance(error, kv_errors.KVTransferError):  # each names its own status
-        return getattr(grpc.StatusCode, getattr(error, "status", "INTERNAL"), grpc.StatusCode.INTERNAL), str(error)
-    for module_name, type_name, code in _LAZY_TYPES:
-        module = sys.modules.get(module_name)
-        error_type = getattr(module, type_name, None) if module is not None else None
-        if error_type is not None and isinstance(error, error_type):
-            return code, str(error)
+    named = _named_status(error)
+    if named is not None:  # e.g. kvtransfer's errors, engine.kv_cache.OutOfPages
+        return named, str(error)
     if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "deadline exceeded"
     if isinstance(error, ValueError):

@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 from kvtransfer.errors import ChecksumMismatch, LayoutMismatch, LeaseExpired
-from pdserve.grpc_errors import InvalidArgument, NotFound, ResourceExhausted, status_for, streaming, unary
-from pdserve.v1 import gateway_pb2
+from rpc.status import InvalidArgument, NotFound, ResourceExhausted, status_for, streaming, unary
+from rpc.v1 import gateway_pb2
 
 
 @pytest.mark.parametrize("error,code", [

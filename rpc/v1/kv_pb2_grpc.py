@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
+from rpc.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

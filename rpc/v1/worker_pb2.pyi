@@ -1,5 +1,5 @@
-from pdserve.v1 import gateway_pb2 as _gateway_pb2
-from pdserve.v1 import kv_pb2 as _kv_pb2
+from rpc.v1 import gateway_pb2 as _gateway_pb2
+from rpc.v1 import kv_pb2 as _kv_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
