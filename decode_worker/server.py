@@ -17,12 +17,12 @@ from kvtransfer.grpc_servicer import KVTransferAioServicer
 from kvtransfer.shm_pool import SharedPagePool, cleanup_stale_segments
 from kvtransfer.shm_receiver import ShmReceiver
 from rpc import server
-from rpc.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAMES = (
-    worker_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
-    kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name,
+    worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name,
+    kv_pb2.DESCRIPTOR.services_by_name["KVTransferService"].full_name,
 )
 
 
@@ -55,8 +55,8 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     assert push is not None
 
     def register(grpc_server: grpc.aio.Server) -> None:
-        worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(service), grpc_server)
-        kv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferAioServicer(push), grpc_server)
+        worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(service), grpc_server)
+        kv_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferAioServicer(push), grpc_server)
 
     async def on_stop() -> None:
         await service.stop()

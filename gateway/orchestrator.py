@@ -22,7 +22,8 @@ from gateway.tokenizer import TextTokenizer
 from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
 from rpc.convert import sampling_to_proto
 from rpc.status import Unavailable, status_for
-from rpc.v1 import worker_pb2
+from rpc.internal.v1 import worker_pb2
+from rpc.v1 import logprobs_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 class TokensEvent:
     token_ids: list[int]
     text: str
-    logprobs: list[Any] = field(default_factory=list)  # gateway_pb2.TokenLogprob, one per token when asked
+    logprobs: list[Any] = field(default_factory=list)  # logprobs_pb2.TokenLogprob, one per token when asked
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
 from rpc.status import streaming, unary
 from rpc.v1 import gateway_pb2
 
-SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-FINISH_REASONS = {"stop": gateway_pb2.Complete.STOP, "length": gateway_pb2.Complete.LENGTH,
-                  "abort": gateway_pb2.Complete.ABORT}
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+FINISH_REASONS = {"stop": gateway_pb2.Complete.FINISH_REASON_STOP, "length": gateway_pb2.Complete.FINISH_REASON_LENGTH,
+                  "abort": gateway_pb2.Complete.FINISH_REASON_ABORT}
 
 
 def complete_message(event: FinishEvent) -> gateway_pb2.Complete:
@@ -63,7 +63,7 @@ class GatewayServicer:
         return gateway_pb2.AbortResponse(found=self._service.abort(request.request_id))
 
     @unary
-    async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ModelInfo:
+    async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GetModelInfoResponse:
         return self._service.model_info()
 
 
@@ -77,6 +77,6 @@ def add_gateway_to_server(servicer: GatewayServicer, server: grpc.aio.Server) ->
             response_serializer=gateway_pb2.AbortResponse.SerializeToString),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, request_deserializer=gateway_pb2.GetModelInfoRequest.FromString,
-            response_serializer=gateway_pb2.ModelInfo.SerializeToString),
+            response_serializer=gateway_pb2.GetModelInfoResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -13,18 +13,18 @@ from kvtransfer.chunks import decode_chunk
 from kvtransfer.errors import KVTransferError, TransferAborted
 from kvtransfer.grpc_receiver import PushReceiver, PushSession
 from rpc.status import status_for
-from rpc.v1 import kv_pb2, kv_pb2_grpc
+from rpc.internal.v1 import kv_pb2, kv_pb2_grpc
 
-SERVICE = "pdserve.v1.KVTransfer"
+SERVICE = "pdserve.internal.v1.KVTransferService"
 
 logger = logging.getLogger(__name__)
 
 
-def _result(session: PushSession, nbytes: int) -> kv_pb2.KVPushResult:
-    return kv_pb2.KVPushResult(ok=True, bytes=nbytes, chunks=session.sequence)
+def _result(session: PushSession, nbytes: int) -> kv_pb2.PushResponse:
+    return kv_pb2.PushResponse(ok=True, bytes=nbytes, chunks=session.sequence)
 
 
-class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
+class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
     """For a grpc.server (thread pool): each Push runs in its own worker thread."""
 
     def __init__(self, receiver: PushReceiver) -> None:
@@ -47,7 +47,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                 session.abort(TransferAborted("the Push stream ended early"))
 
 
-class KVTransferAioServicer(kv_pb2_grpc.KVTransferServicer):
+class KVTransferAioServicer(kv_pb2_grpc.KVTransferServiceServicer):
     """For a grpc.aio.server. Each chunk is checked and copied inline (~100 us per MiB)."""
 
     def __init__(self, receiver: PushReceiver) -> None:
@@ -72,11 +72,11 @@ class KVTransferAioServicer(kv_pb2_grpc.KVTransferServicer):
 
 def add_to_server(receiver: PushReceiver, server) -> None:
     """Registers KVTransfer on a grpc.server or grpc.aio.server, decoding chunks with kvtransfer.chunks
-    (payloads stay views of the received bytes) instead of the generated add_KVTransferServicer_to_server."""
+    (payloads stay views of the received bytes) instead of the generated add_KVTransferServiceServicer_to_server."""
     aio = isinstance(server, grpc.aio.Server)
     servicer = KVTransferAioServicer(receiver) if aio else KVTransferServicer(receiver)
     handler = grpc.stream_unary_rpc_method_handler(
-        servicer.Push, request_deserializer=decode_chunk, response_serializer=kv_pb2.KVPushResult.SerializeToString
+        servicer.Push, request_deserializer=decode_chunk, response_serializer=kv_pb2.PushResponse.SerializeToString
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": handler}),))
 

@@ -8,10 +8,10 @@ from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillService
 from prefill_worker.servicer import PrefillServicer
 from rpc import server
-from rpc.v1 import worker_pb2, worker_pb2_grpc
+from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
-SERVICE_NAMES = (worker_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,)
+SERVICE_NAMES = (worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,)
 
 
 async def serve(config: PrefillWorkerConfig, stop: asyncio.Event | None = None, ready_file: str | None = None) -> None:
@@ -21,6 +21,6 @@ async def serve(config: PrefillWorkerConfig, stop: asyncio.Event | None = None, 
     logger.info("prefill worker: tp=%d", config.tp_size)
     await server.serve(
         "prefill worker", config.listen, SERVICE_NAMES,
-        lambda grpc_server: worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(service), grpc_server),
+        lambda grpc_server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(service), grpc_server),
         service.stop, stop=stop, ready_file=ready_file,
     )

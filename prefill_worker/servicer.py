@@ -7,11 +7,11 @@ from kvtransfer.destination import Destination
 from engine.sampling_params import SamplingParams
 from rpc.convert import logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, unary
-from rpc.v1 import worker_pb2, worker_pb2_grpc
+from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.service import PrefillService
 
 
-class PrefillServicer(worker_pb2_grpc.PrefillServicer):
+class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     def __init__(self, service: PrefillService) -> None:
         self._service = service
 
@@ -42,7 +42,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         return worker_pb2.CancelResponse(dropped=await self._service.cancel(request.request_id))
 
     @unary
-    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillLoad:
+    async def GetPrefillLoad(self, request: worker_pb2.GetPrefillLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetPrefillLoadResponse:
         load = self._service.load
-        return worker_pb2.PrefillLoad(queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
+        return worker_pb2.GetPrefillLoadResponse(queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
                                       tp_size=load.tp_size, requests_total=load.requests_total)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rpc.v1 import gateway_pb2, worker_pb2
+from rpc.v1 import gateway_pb2, logprobs_pb2
+from rpc.internal.v1 import worker_pb2
 
 
 def sampling_to_proto(params: Any) -> worker_pb2.WorkerSampling:
@@ -33,9 +34,14 @@ def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, Any]:
     )
 
 
-def logprob_to_proto(logprob: Any) -> gateway_pb2.TokenLogprob:
+def logprob_to_proto(logprob: Any) -> logprobs_pb2.TokenLogprob:
     """logprob: engine.sequence.TokenLogprob (token_id, logprob, top_ids, top_logprobs)."""
-    return gateway_pb2.TokenLogprob(
+    return logprobs_pb2.TokenLogprob(
         token_id=logprob.token_id, logprob=logprob.logprob,
-        top=[gateway_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(logprob.top_ids, logprob.top_logprobs)],
+        top=[logprobs_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(logprob.top_ids, logprob.top_logprobs)],
     )
+
+
+def finish_reason_name(value: int) -> str:
+    """A Complete.FinishReason value's short name: "STOP", "LENGTH", "ABORT" (or "UNSPECIFIED")."""
+    return gateway_pb2.Complete.FinishReason.Name(value).removeprefix("FINISH_REASON_")

@@ -30,8 +30,9 @@ def test_generated_code_is_fresh(tmp_path):
 
 def test_generated_modules_import_as_a_package():
     """rpc.v1 stubs import without sys.path changes and expose the services."""
-    from rpc.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2_grpc
+    from rpc.v1 import gateway_pb2, gateway_pb2_grpc
+    from rpc.internal.v1 import worker_pb2_grpc
 
-    assert gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].methods_by_name["Generate"].server_streaming
-    assert hasattr(gateway_pb2_grpc, "GatewayStub")
-    assert hasattr(worker_pb2_grpc, "DecodeStub") and hasattr(worker_pb2_grpc, "PrefillStub")
+    assert gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].methods_by_name["Generate"].server_streaming
+    assert hasattr(gateway_pb2_grpc, "GatewayServiceStub")
+    assert hasattr(worker_pb2_grpc, "DecodeServiceStub") and hasattr(worker_pb2_grpc, "PrefillServiceStub")
