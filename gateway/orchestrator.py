@@ -21,7 +21,7 @@ from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
 from rpc.convert import sampling_to_proto
-from rpc.status import Unavailable, status_for
+from rpc.status import Unavailable, status_of
 from rpc.internal.v1 import worker_pb2
 from rpc.v1 import logprobs_pb2
 
@@ -48,8 +48,9 @@ class FinishEvent:
 
 @dataclass(frozen=True)
 class ErrorEvent:
-    code: grpc.StatusCode
-    message: str
+    """The request failed: the full status (code, message, google.rpc details) the RPC ends with."""
+
+    status: grpc.Status
 
 
 class RequestRun:
@@ -97,11 +98,11 @@ class RequestRun:
         except asyncio.CancelledError:
             self._finish("abort")
         except Exception as error:  # noqa: BLE001 - every failure becomes an ErrorEvent
-            code, message = status_for(error)
-            if code == grpc.StatusCode.INTERNAL:
+            status = status_of(error)
+            if status.code == grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed", self.job.request_id)
             self.finished = True
-            self.events.put_nowait(ErrorEvent(code, message))
+            self.events.put_nowait(ErrorEvent(status))
         finally:
             try:
                 await asyncio.wait_for(self._cleanup(), self._cleanup_timeout)

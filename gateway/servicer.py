@@ -12,7 +12,7 @@ import grpc
 from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
-from rpc.status import streaming, unary
+from rpc.status import abort, streaming, unary
 from rpc.v1 import gateway_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -52,9 +52,10 @@ class GatewayServicer:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete_message(event))
                     return
                 elif isinstance(event, ErrorEvent):
+                    status = event.status
                     yield gateway_pb2.GenerateResponse(request_id=request_id, error=gateway_pb2.Error(
-                        code=event.code.value[0], message=event.message))
-                    await context.abort(event.code, event.message)
+                        code=status.code.value[0], message=status.details))
+                    await abort(context, status)
         finally:
             run.cancel()
 

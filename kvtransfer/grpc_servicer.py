@@ -12,7 +12,7 @@ import grpc
 from kvtransfer.chunks import decode_chunk
 from kvtransfer.errors import KVTransferError, TransferAborted
 from kvtransfer.grpc_receiver import PushReceiver, PushSession
-from rpc.status import status_for
+from rpc.status import abort, status_of
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc
 
 SERVICE = "pdserve.internal.v1.KVTransferService"
@@ -41,7 +41,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
             return _result(session, nbytes)
         except KVTransferError as error:
             logger.info("KV Push refused: %s", error)
-            context.abort(*status_for(error))
+            context.abort_with_status(status_of(error))
         finally:
             if not finished:  # client went away, or an unexpected error: the request must not linger
                 session.abort(TransferAborted("the Push stream ended early"))
@@ -64,7 +64,7 @@ class KVTransferAioServicer(kv_pb2_grpc.KVTransferServiceServicer):
             return _result(session, nbytes)
         except KVTransferError as error:
             logger.info("KV Push refused: %s", error)
-            await context.abort(*status_for(error))
+            await abort(context, status_of(error))
         finally:
             if not finished:
                 session.abort(TransferAborted("the Push stream ended early"))

@@ -1,14 +1,23 @@
-"""The one place that maps exceptions to gRPC status codes, and the decorators servicers use to apply it."""
+"""The one place that maps exceptions to gRPC status, and the decorators servicers use to apply it.
+
+The status code and message are the contract; richer google.rpc details ride along as grpc-status-details-bin
+(grpcio-status): INVALID_ARGUMENT carries google.rpc.BadRequest naming the field, RESOURCE_EXHAUSTED and
+UNAVAILABLE carry google.rpc.RetryInfo when retrying can succeed (docs/client.md)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +46,19 @@ class AlreadyExists(ServiceError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
-class ResourceExhausted(ServiceError):
+class _Retryable(ServiceError):
+    """retry_after_s: the delay a client should wait before retrying (sent as google.rpc.RetryInfo);
+    None: retrying is not expected to help, no RetryInfo."""
+
+    retry_after_s: float | None = 1.0
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
+
+
+class ResourceExhausted(_Retryable):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -45,7 +66,7 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
-class Unavailable(ServiceError):
+class Unavailable(_Retryable):
     code = grpc.StatusCode.UNAVAILABLE
 
 
@@ -82,6 +103,51 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
+def _details(error: BaseException) -> list[Message]:
+    """The google.rpc detail messages an error carries (empty for most)."""
+    if isinstance(error, InvalidArgument):
+        reason = str(error).removeprefix(f"{error.field}: ")
+        return [error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=error.field, description=reason)])]
+    if isinstance(error, _Retryable) and error.retry_after_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromTimedelta(datetime.timedelta(seconds=error.retry_after_s))
+        return [error_details_pb2.RetryInfo(retry_delay=delay)]
+    return []
+
+
+def status_of(error: BaseException) -> grpc.Status:
+    """The full status for an exception: code, message and (when it has any) google.rpc details in the
+    trailing metadata. A failed internal call passes its own status and details through."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        try:
+            passed = rpc_status.from_call(error)  # type: ignore[arg-type] - AioRpcError has the same accessors
+        except ValueError:  # details inconsistent with the status: keep code and message only
+            passed = None
+        if passed is not None:
+            return rpc_status.to_status(passed)
+    code, message = status_for(error)
+    details = _details(error)
+    if not details:
+        return _Status(code, message, ())
+    packed = []
+    for detail in details:
+        item = any_pb2.Any()
+        item.Pack(detail)
+        packed.append(item)
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=packed))
+
+
+class _Status(grpc.Status):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple) -> None:
+        self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
+
+
+async def abort(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
+    """Ends the RPC with `status` (raises grpc.aio.AbortError)."""
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
 def _log(method: str, error: BaseException, code: grpc.StatusCode) -> None:
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("%s failed", method, exc_info=error)
@@ -102,9 +168,9 @@ def unary(method: F) -> F:
         except grpc.aio.AbortError:
             raise
         except Exception as error:  # noqa: BLE001 - every failure must reach the client as a status
-            code, details = status_for(error)
-            _log(method.__qualname__, error, code)
-            await context.abort(code, details)
+            status = status_of(error)
+            _log(method.__qualname__, error, status.code)
+            await abort(context, status)
 
     return wrapper  # type: ignore[return-value]
 
@@ -124,8 +190,8 @@ def streaming(method: G) -> G:
         except grpc.aio.AbortError:
             raise
         except Exception as error:  # noqa: BLE001
-            code, details = status_for(error)
-            _log(method.__qualname__, error, code)
-            await context.abort(code, details)
+            status = status_of(error)
+            _log(method.__qualname__, error, status.code)
+            await abort(context, status)
 
     return wrapper  # type: ignore[return-value]

@@ -7,6 +7,8 @@ import socket
 import time
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -63,8 +65,21 @@ BAD = [
 ]
 
 
+def _bad_request(error: grpc.aio.AioRpcError) -> error_details_pb2.BadRequest:
+    """The google.rpc.BadRequest packed in the status details (grpc-status-details-bin trailer)."""
+    status = rpc_status.from_call(error)
+    assert status is not None, "no google.rpc.Status in the trailing metadata"
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and status.message == error.details()
+    found = [detail for detail in status.details if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR)]
+    assert len(found) == 1, status.details
+    bad = error_details_pb2.BadRequest()
+    found[0].Unpack(bad)
+    return bad
+
+
 async def test_bad_requests_get_invalid_argument_naming_the_field(cluster):
-    """Each bad request fails with INVALID_ARGUMENT whose details start with the field; then a good one works."""
+    """Each bad request fails with INVALID_ARGUMENT whose details start with the field and whose
+    google.rpc.BadRequest detail names the same field; then a good one works."""
     async with grpc.aio.insecure_channel(cluster.gateway_address) as channel:
         raw = channel.unary_stream("/pdserve.v1.GatewayService/Generate", request_serializer=lambda data: data,
                                    response_deserializer=gateway_pb2.GenerateResponse.FromString)
@@ -78,6 +93,7 @@ async def test_bad_requests_get_invalid_argument_naming_the_field(cluster):
                     pass
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, caught.value.details())
             assert caught.value.details().startswith(field + ":"), (field, caught.value.details())
+            assert [v.field for v in _bad_request(caught.value).field_violations] == [field], caught.value.details()
         responses = [r async for r in stub_generate(GOOD, timeout=60)]
     assert responses[-1].complete.finish_reason == gateway_pb2.Complete.FINISH_REASON_LENGTH
 
