@@ -28,6 +28,7 @@ class EngineConfig:
     max_batched_tokens: int = 2048
     kv_pool: str = "local"
     num_threads: int | None = None
+    share_weights: bool = False  # workers: map one copy of the weights per node (engine/weight_store.py)
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir, "config.json").is_file():
