@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.llm_engine import EngineConfig
+from kvtransfer.shm_pool import ShmPoolFactory
 
 
 @dataclass(frozen=True)
@@ -46,4 +47,5 @@ class DecodeWorkerConfig:
             kv_memory_bytes=self.kv_memory_bytes, max_running=self.max_running,
             max_batched_tokens=self.max_batched_tokens, kv_pool="shm", num_threads=self.num_threads,
             share_weights=self.share_weights,
+            page_pools=ShmPoolFactory(),
         )
