@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine import spec_decode
 from engine.spec_verify import VerifyResult
 from tests.engine.spec_fixtures import add_random_draft, make_small_vocab_checkpoint, make_tiny_checkpoint
+from tests.engine.chi_square import chi_square_pvalue
 
 PROMPTS = [[5 + i % 7, 6 + i, 7, 8 + (3 * i) % 11] * (1 + i % 5) for i in range(20)]
 
@@ -70,18 +71,6 @@ def _exact_second_token_distribution(llm: LLM, temperature: float) -> torch.Tens
     return second
 
 
-def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit, bins with expected count < 5 merged into one."""
-    expected = probs * counts.sum()
-    big = expected >= 5
-    observed_bins = torch.cat([counts[big], counts[~big].sum().view(1)])
-    expected_bins = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = expected_bins > 0
-    statistic = float(((observed_bins[keep] - expected_bins[keep]) ** 2 / expected_bins[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(statistic / 2.0, dtype=torch.float64)))
-
-
 def _second_tokens(llm: LLM, temperature: float) -> torch.Tensor:
     params = SamplingParams(max_new_tokens=2, temperature=temperature, ignore_eos=True, block_size=4)
     torch.manual_seed(1234)
@@ -98,19 +87,21 @@ def small_vocab_llm(tmp_path_factory):
         yield llm
 
 
+@pytest.mark.slow
 def test_sampled_spec_decoding_matches_target_distribution(small_vocab_llm):
     """20k sampled second tokens (the first token a verify step emits) follow the exact target
     marginal (chi-square p > 1e-3), with a random draft that is rarely right."""
     llm = small_vocab_llm
     exact = _exact_second_token_distribution(llm, temperature=1.0)
     counts = _second_tokens(llm, temperature=1.0)
-    p_value = _chi_square_p_value(counts, exact)
+    p_value = chi_square_pvalue(counts, exact, min_expected=5)
     print(f"spec sampling chi-square p-value {p_value:.4f}; acceptance {llm.acceptance_stats.acceptance_rate:.3f}")
     assert llm.acceptance_stats.num_steps >= SAMPLES
     assert 0.0 < llm.acceptance_stats.acceptance_rate < 0.9
     assert p_value > 1e-3
 
 
+@pytest.mark.slow
 def test_broken_verifier_is_detected(small_vocab_llm, monkeypatch):
     """Negative control: a verifier that always accepts the draft (ignoring p/q) fails the same statistic."""
 
@@ -120,7 +111,7 @@ def test_broken_verifier_is_detected(small_vocab_llm, monkeypatch):
     monkeypatch.setattr(spec_decode, "verify_sampled", accept_everything)
     llm = small_vocab_llm
     exact = _exact_second_token_distribution(llm, temperature=1.0)
-    p_value = _chi_square_p_value(_second_tokens(llm, temperature=1.0), exact)
+    p_value = chi_square_pvalue(_second_tokens(llm, temperature=1.0), exact, min_expected=5)
     print(f"broken verifier chi-square p-value {p_value:.3g}")
     assert p_value < 1e-6
     assert not math.isnan(p_value)

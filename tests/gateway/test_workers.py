@@ -90,9 +90,11 @@ class _SlowDecode(_FakeDecode):
     def __init__(self) -> None:
         super().__init__([])
         self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
         self.released: list[str] = []
 
     async def Reserve(self, request, timeout=None):  # noqa: N802
+        self.entered.set()
         await self.gate.wait()
         return await super().Reserve(request, timeout)
 
@@ -107,9 +109,10 @@ async def test_cancel_during_reserve_releases_what_it_reserved():
     slow = _SlowDecode()
     pool.decode[0].stub = slow
     task = asyncio.create_task(pool.reserve("r", 10, 5, deadline=None))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(slow.entered.wait(), timeout=10)
     task.cancel()
-    await asyncio.sleep(0.05)
+    for _ in range(20):  # let the cancellation reach reserve() (in-process fakes: no I/O to wait for)
+        await asyncio.sleep(0)
     assert not task.done() and slow.released == []  # still waiting for the Reserve reply
     slow.gate.set()
     with pytest.raises(asyncio.CancelledError):

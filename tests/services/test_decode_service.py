@@ -1,8 +1,6 @@
 """DecodeService without gRPC, over a real tiny engine with a shared-memory pool: leases, admission and release."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from decode_worker.config import DecodeWorkerConfig
@@ -10,7 +8,7 @@ from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
 from rpc.status import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from tests.services.helpers import greedy
+from tests.services.helpers import eventually, greedy
 
 PAGE_SIZE = 16
 
@@ -29,11 +27,11 @@ async def service(service_model):
     receivers.close()
 
 
-async def _settled(decode: DecodeService) -> None:
-    for _ in range(50):
-        await asyncio.sleep(0.02)
-        if decode.load.leases == 0:
-            return
+async def _settled(decode: DecodeService, free_pages: int) -> None:
+    """Waits (failing loudly) until no lease is held and the engine thread has published `free_pages`
+    (the load snapshot follows the engine thread, so freed pages show up a moment after the lease goes)."""
+    await eventually(lambda: decode.load.leases == 0 and decode.load.free_pages == free_pages,
+                     f"no lease and {free_pages} free pages")
 
 
 async def test_unclaimed_lease_expires_and_frees_its_pages(service):
@@ -42,8 +40,7 @@ async def test_unclaimed_lease_expires_and_frees_its_pages(service):
     destination = await service.reserve("r1", 40, 8, TransportKind.SHM)
     assert len(destination.page_ids) == 3 and service.load.free_pages == total - 3
     assert destination.lease_deadline_unix_ms > 0 and destination.completion_slot >= 0
-    await asyncio.sleep(0.5)
-    await _settled(service)
+    await _settled(service, total)  # only the sweeper can drop an unclaimed lease
     assert service.load.free_pages == total and service.load.leases == 0
     with pytest.raises(NotFound):
         async for _ in service.decode("r1", destination.lease_id, [5] * 40, 7, greedy(8)):
@@ -56,7 +53,7 @@ async def test_release_frees_an_unclaimed_lease_at_once(service):
     await service.reserve("r2", 17, 4, TransportKind.GRPC)
     assert service.load.free_pages == total - 2
     assert await service.release("r2")
-    await _settled(service)
+    await _settled(service, total)
     assert service.load.free_pages == total
     assert not await service.release("r2")
 
@@ -74,7 +71,7 @@ async def test_admission_refuses_what_does_not_fit(service):
         await service.reserve("fill0", 10, 1, TransportKind.SHM)
     for i in range(len(held)):
         await service.release(f"fill{i}")
-    await _settled(service)
+    await _settled(service, total)
     assert service.load.free_pages == total
 
 
@@ -85,5 +82,5 @@ async def test_decode_without_kv_fails_and_frees(service):
     with pytest.raises(FailedPrecondition):
         async for _ in service.decode("r3", destination.lease_id, [5] * 20, 7, greedy(4)):
             pass
-    await _settled(service)
+    await _settled(service, total)
     assert service.load.free_pages == total
