@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from engine.kv_cache import PagedLatentCache
+from kvtransfer import errors
 from kvtransfer.checksum import DEFAULT_ALGORITHM, Algorithm
 from kvtransfer.chunks import MAX_CHUNK_BYTES, ChunkEncoder, encode_chunk
 from kvtransfer.destination import Destination, TransportKind
@@ -24,6 +25,7 @@ from kvtransfer.errors import (
 from kvtransfer.layout import KVLayout, SegmentKind
 from kvtransfer.page_spans import byte_view, cache_view, segment_offset
 from kvtransfer.transport import KVWriteHandle, KVWriter, TransferResult
+from rpc.status import error_reason
 
 logger = logging.getLogger(__name__)
 PUSH_METHOD = "/pdserve.internal.v1.KVTransferService/Push"
@@ -40,9 +42,16 @@ _ERROR_FOR_CODE = {
 
 
 def error_from_rpc(error: grpc.RpcError) -> KVTransferError:
-    """The kvtransfer exception for a failed Push (the server's message names the precise cause)."""
+    """The kvtransfer exception for a failed Push: the class the server raised (its ErrorInfo names it),
+    else the one its status code stands for; the message is the server's."""
     code = error.code()
-    return _ERROR_FOR_CODE.get(code, KVTransferError)(f"Push failed with {code.name}: {error.details()}")
+    kind = _ERROR_FOR_CODE.get(code, KVTransferError)
+    named = error_reason(error)
+    if named is not None and named[0] == errors.__name__:
+        raised = getattr(errors, named[1], None)
+        if isinstance(raised, type) and issubclass(raised, KVTransferError):
+            kind = raised
+    return kind(f"Push failed with {code.name}: {error.details()}")
 
 
 class _PushStub:
