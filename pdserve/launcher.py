@@ -7,7 +7,6 @@ it shuts down gracefully, then SIGKILL to whatever is left in its group, then st
 segments of dead owners are removed."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -20,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from rpc.processes import die_with_parent, group_members
+
 logger = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,6 @@ class Child:
         return self.process.poll() is None
 
 
-def _die_with_parent() -> None:
-    """preexec: the child gets SIGTERM if the launcher dies (Linux), so nothing is orphaned."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 @dataclass
 class Cluster:
     spec: ClusterSpec
@@ -92,7 +84,7 @@ class Cluster:
             output = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
             self._logs.append(output)
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
+                                   start_new_session=True, preexec_fn=die_with_parent)
         child = Child(name, process, ready)
         self.children.append(child)
         logger.info("started %s (pid %d)", name, process.pid)
@@ -205,25 +197,5 @@ class Cluster:
         except subprocess.TimeoutExpired:
             logger.error("%s (pid %d) survived SIGKILL", child.role, child.process.pid)
         deadline = time.monotonic() + timeout_s
-        while _running_members(child.process.pid) and time.monotonic() < deadline:
+        while group_members(child.process.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-
-
-def _running_members(pgid: int) -> list[int]:
-    """Pids of the group's processes that are not zombies (Linux /proc; empty elsewhere)."""
-    members = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return members
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry))
-    return members

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-DEFAULT_MODEL_DIR = str(Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny")
+from engine.paths import DEFAULT_MODEL_DIR as ENGINE_DEFAULT_MODEL_DIR
+
+DEFAULT_MODEL_DIR = str(ENGINE_DEFAULT_MODEL_DIR)
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 
 
