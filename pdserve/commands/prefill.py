@@ -21,8 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from prefill_worker.server import serve
 
     try:
-        config = PrefillWorkerConfig(listen=args.listen, batch_tokens=args.batch_tokens, **engine_kwargs(args))
-        config.engine_config()
+        config = PrefillWorkerConfig.build(listen=args.listen, batch_tokens=args.batch_tokens, **engine_kwargs(args))
     except ValueError as error:
         return fail("prefill", error)
     run_event_loop(lambda: serve(config, ready_file=args.ready_file))

@@ -48,7 +48,7 @@ def _destination(request_id: str, tokens: int) -> Destination:
 @pytest.fixture
 async def prefill():
     engine = _BlockingEngine()
-    service = PrefillService(PrefillWorkerConfig(model_dir="unused", batch_tokens=10), engine_factory=lambda: engine)
+    service = PrefillService(PrefillWorkerConfig.build(batch_tokens=10), engine_factory=lambda: engine)
     await service.start()
     yield service, engine
     engine.release.set()

@@ -1,0 +1,21 @@
+"""What a worker's role config shares: it embeds one EngineConfig and reads engine settings through it."""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.engine_types import EngineConfig
+
+
+class EmbedsEngineConfig:
+    """Mixin for a frozen role config with a field `engine: EngineConfig` (prefill and decode workers):
+    config.tp_size is config.engine.tp_size, for every engine setting the role config does not define."""
+
+    engine: EngineConfig
+
+    def __getattr__(self, name: str) -> Any:  # only called when normal lookup fails
+        if name == "engine" or name.startswith("__"):  # (during unpickling / copying, before `engine` is set)
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def engine_config(self) -> EngineConfig:
+        return self.engine
