@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -51,12 +51,25 @@ class ErrorEvent:
     message: str
 
 
+class RunObserver(Protocol):
+    """What a run reports as it goes (gateway.metrics.GatewayMetrics); times in seconds."""
+
+    def admitted(self, queue_s: float, prompt_tokens: int) -> None: ...
+    def first_token(self, ttft_s: float) -> None: ...
+    def tokens(self, count: int, gap_s: float | None) -> None: ...
+    def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None: ...
+
+
 class RequestRun:
     """Runs one GenerateJob. events: an asyncio.Queue the servicer drains until a Finish/Error event."""
 
     def __init__(self, job: GenerateJob, pool: WorkerPool, tokenizer: TextTokenizer | None,
-                 arrival: float, deadline: float | None, cleanup_timeout_s: float) -> None:
+                 arrival: float, deadline: float | None, cleanup_timeout_s: float,
+                 observer: RunObserver | None = None) -> None:
         self.job = job
+        self._observer = observer
+        self._last_token_at: float | None = None
+        self.admitted = False  # a decode worker reserved its pages
         self._pool = pool
         self._arrival = arrival
         self._deadline = deadline
@@ -100,6 +113,7 @@ class RequestRun:
             if code == grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed", self.job.request_id)
             self.finished = True
+            self._observe_end()
             self.events.put_nowait(ErrorEvent(code, message))
         finally:
             try:
@@ -114,6 +128,9 @@ class RequestRun:
         self._decode, destination = await self._pool.reserve(
             job.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline)
         self._decode_state = "reserved"
+        self.admitted = True
+        if self._observer is not None:
+            self._observer.admitted(time.perf_counter() - self._arrival, len(job.prompt_ids))
         sampling = sampling_to_proto(params)
         response = await self._run_prefill(destination, sampling)
         self._ttft_ms = (time.perf_counter() - self._arrival) * 1000
@@ -166,6 +183,12 @@ class RequestRun:
     def _emit(self, token_ids: list[int], logprobs: list[Any]) -> bool:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
+        if self._observer is not None:
+            now = time.perf_counter()
+            if self._last_token_at is None:
+                self._observer.first_token(now - self._arrival)
+            self._observer.tokens(len(token_ids), None if self._last_token_at is None else now - self._last_token_at)
+            self._last_token_at = now
         text = self._detok.add(token_ids) if self._detok is not None else ""
         check = self._stops.feed(text)
         self.events.put_nowait(TokensEvent(token_ids, check.text, logprobs))
@@ -183,9 +206,14 @@ class RequestRun:
             if text:
                 self.events.put_nowait(TokensEvent([], text))
         self.finished = True
+        self._observe_end()
         self.events.put_nowait(FinishEvent(
             reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
             self._decode_tokens, stop))
+
+    def _observe_end(self) -> None:
+        if self._observer is not None:
+            self._observer.finished(time.perf_counter() - self._arrival, self._decode_steps, self._decode_tokens)
 
     # --- cleanup ------------------------------------------------------------------------------------
     async def _cleanup(self) -> None:

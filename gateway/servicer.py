@@ -12,7 +12,7 @@ import grpc
 from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
-from pdserve.grpc_errors import streaming, unary
+from pdserve.grpc_errors import status_for, streaming, unary
 from pdserve.v1 import gateway_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -39,7 +39,12 @@ class GatewayServicer:
         arrival = time.perf_counter()
         left = context.time_remaining()
         deadline = None if left is None else time.monotonic() + left
-        run = self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
+        outcome = ["error", grpc.StatusCode.CANCELLED.name]  # (final status, code) for the metrics
+        try:
+            run = self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
+        except Exception as error:
+            self._service.metrics.count("grpc", "error", status_for(error)[0].name)
+            raise
         context.add_done_callback(lambda _: run.cancel())  # client gone: abort on every worker
         request_id = run.job.request_id
         try:
@@ -49,13 +54,18 @@ class GatewayServicer:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(
                         token_ids=event.token_ids, text=event.text, logprobs=event.logprobs))
                 elif isinstance(event, FinishEvent):
+                    outcome = [event.reason, grpc.StatusCode.OK.name]
                     yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete_message(event))
                     return
                 elif isinstance(event, ErrorEvent):
+                    outcome = ["error", event.code.name]
                     yield gateway_pb2.GenerateResponse(request_id=request_id, error=gateway_pb2.Error(
                         code=event.code.value[0], message=event.message))
                     await context.abort(event.code, event.message)
         finally:
+            if outcome[1] == grpc.StatusCode.CANCELLED.name:
+                outcome[0] = "abort"
+            self._service.metrics.count("grpc", *outcome)
             run.cancel()
 
     @unary
