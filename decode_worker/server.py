@@ -15,7 +15,9 @@ from kvtransfer.grpc_receiver import PushReceiver
 from kvtransfer.grpc_servicer import KVTransferAioServicer
 from kvtransfer.shm_pool import SharedPagePool, cleanup_stale_segments
 from kvtransfer.shm_receiver import ShmReceiver
+from decode_worker.metrics import decode_registry
 from pdserve import serving
+from pdserve.metrics_http import serve_metrics
 from pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -61,11 +63,16 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     await server.start()
     await serving.set_serving(health, SERVICE_NAMES, True)
     logger.info("decode worker serving on %s (tp=%d, %d pages)", address, config.tp_size, service.load.total_pages)
-    serving.write_ready_file(ready_file, address)
+    metrics_address, stop_metrics = "", None
+    if config.metrics_listen:
+        metrics_address, stop_metrics = serve_metrics(config.metrics_listen, decode_registry(service))
+    serving.write_ready_file(ready_file, address, metrics=metrics_address)
     try:
         await serving.wait_for_stop_signal(stop)
     finally:
         logger.info("decode worker stopping")
+        if stop_metrics is not None:
+            stop_metrics()
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         await service.stop()

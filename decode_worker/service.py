@@ -77,6 +77,7 @@ class DecodeService:
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reservations = 0
+        self.lease_expiries = 0
         self.engine: Any = None
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -291,6 +292,7 @@ class DecodeService:
         while True:
             await asyncio.sleep(self.config.lease_sweep_interval_s)
             for lease in self._leases.expire():
+                self.lease_expiries += 1
                 entry = self._entries.get(lease.request_id)
                 logger.warning("lease of request %s expired unclaimed; freeing %d pages", lease.request_id, len(lease.page_ids))
                 if entry is not None and entry.lease.lease_id == lease.lease_id:

@@ -23,9 +23,10 @@ from gateway.orchestrator import ErrorEvent, FinishEvent, RequestRun, TokensEven
 from gateway.service import GatewayService
 from gateway.requests import MAX_REQUEST_ID_LENGTH
 from pdserve.grpc_errors import status_for
+from pdserve.logging_setup import REQUEST_ID_KEY, bind_request_id
 
 logger = logging.getLogger(__name__)
-REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_HEADER = REQUEST_ID_KEY
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
@@ -63,6 +64,7 @@ class GenerateHandler:
         metrics, request_id, parsed = self._service.metrics, "", None
         try:
             request_id = request_id_from(request)
+            bind_request_id(request_id)
             parsed = await self._parse(request, chat)
             prompt_ids = chat_prompt_ids(parsed, self._template, self._service.tokenizer) if chat else None
             run = self._service.submit(to_generate_request(parsed, request_id, prompt_ids), False, arrival, None)

@@ -22,6 +22,7 @@ from gateway.tokenizer import TextTokenizer
 from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
 from pdserve.convert import sampling_to_proto
 from pdserve.grpc_errors import Unavailable, status_for
+from pdserve.logging_setup import bind_request_id, request_metadata
 from pdserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class RequestRun:
                  arrival: float, deadline: float | None, cleanup_timeout_s: float,
                  observer: RunObserver | None = None) -> None:
         self.job = job
+        self._metadata = request_metadata(job.request_id)  # x-request-id on every call to the workers
         self._observer = observer
         self._last_token_at: float | None = None
         self.admitted = False  # a decode worker reserved its pages
@@ -104,6 +106,7 @@ class RequestRun:
 
     # --- the request path ---------------------------------------------------------------------------
     async def _produce(self) -> None:
+        bind_request_id(self.job.request_id)  # this task's log lines name the request
         try:
             await self._run()
         except asyncio.CancelledError:
@@ -143,7 +146,7 @@ class RequestRun:
             return
         request = worker_pb2.DecodeRequest(request_id=job.request_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling)
-        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline))
+        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
         self._decode_state = "streaming"
         async for chunk in self._decode_call:
             self._decode_steps += chunk.decode_steps
@@ -166,7 +169,7 @@ class RequestRun:
             self._prefill_call = worker.stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=self.job.request_id, token_ids=self.job.prompt_ids,
                                           sampling=sampling, destination=destination),
-                timeout=remaining(self._deadline))
+                timeout=remaining(self._deadline), metadata=self._metadata)
             response = await self._prefill_call
         except grpc.aio.AioRpcError as error:
             self._prefill_state = "failed"
@@ -224,7 +227,7 @@ class RequestRun:
                 self._prefill_call.cancel()
             try:
                 await self._prefill.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                                timeout=self._cleanup_timeout)
+                                                timeout=self._cleanup_timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as error:
                 logger.warning("could not confirm prefill of %s stopped (%s); its lease will expire",
                                request_id, error.code().name)
@@ -234,5 +237,5 @@ class RequestRun:
             self._decode_call.cancel()
         if self._decode_state in ("reserved", "streaming") and self._decode is not None:
             await self._decode.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id),
-                                            timeout=self._cleanup_timeout)
+                                            timeout=self._cleanup_timeout, metadata=self._metadata)
             self._decode_state = "finished"

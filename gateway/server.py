@@ -7,6 +7,8 @@ import logging
 import grpc
 
 from gateway.config import GatewayConfig
+from gateway.http_server import HttpFront, start_http
+from gateway.openai_api.chat_template import ChatTemplate
 from gateway.model_info import ModelFacts
 from gateway.service import GatewayService
 from gateway.servicer import SERVICE_NAME, GatewayServicer, add_gateway_to_server
@@ -44,11 +46,17 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
     pool.start()
     logger.info("gateway serving on %s: model %s, %d prefill, %d decode worker(s), %s transport",
                 address, facts.name, len(config.prefill), len(config.decode), config.transport)
-    serving.write_ready_file(ready_file, address)
+    http_runner, http_address = None, ""
+    if config.http_listen:
+        front = HttpFront(service, ChatTemplate.from_model_dir(config.model_dir), lambda: pool.healthy)
+        http_runner, http_address = await start_http(front, config.http_listen)
+    serving.write_ready_file(ready_file, address, http=http_address)
     try:
         await serving.wait_for_stop_signal(stop)
     finally:
         logger.info("gateway stopping")
+        if http_runner is not None:
+            await http_runner.cleanup()
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         await service.shutdown(config.cleanup_timeout_s)

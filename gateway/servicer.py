@@ -13,6 +13,7 @@ from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
 from pdserve.grpc_errors import status_for, streaming, unary
+from pdserve.logging_setup import REQUEST_ID_KEY
 from pdserve.v1 import gateway_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -40,6 +41,9 @@ class GatewayServicer:
         left = context.time_remaining()
         deadline = None if left is None else time.monotonic() + left
         outcome = ["error", grpc.StatusCode.CANCELLED.name]  # (final status, code) for the metrics
+        if not wire.message.request_id:  # x-request-id metadata names the request when the message does not
+            wire.message.request_id = next((value for key, value in context.invocation_metadata() or ()
+                                            if key == REQUEST_ID_KEY), "")
         try:
             run = self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
         except Exception as error:

@@ -14,6 +14,7 @@ import grpc
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
 from pdserve.grpc_errors import ResourceExhausted, Unavailable
+from pdserve.logging_setup import request_metadata
 from pdserve.serving import CHANNEL_OPTIONS
 from pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -137,7 +138,8 @@ class WorkerPool:
         except (grpc.aio.AioRpcError, asyncio.TimeoutError):
             return  # nothing reserved, or unknown: the lease (if any) expires on the worker
         try:
-            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s)
+            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s,
+                                      metadata=request_metadata(request_id))
         except grpc.aio.AioRpcError as error:
             logger.warning("could not release the reservation of cancelled request %s: %s", request_id, error.code().name)
 
@@ -157,7 +159,8 @@ class WorkerPool:
                 raise Unavailable("no reachable decode worker")
             for index in order:
                 worker = self.decode[index]
-                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline)))
+                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
+                                                                  metadata=request_metadata(request_id)))
                 try:
                     destination = await asyncio.shield(call)
                 except asyncio.CancelledError:

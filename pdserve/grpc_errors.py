@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pdserve.logging_setup import REQUEST_ID_KEY, bind_request_id
+
 logger = logging.getLogger(__name__)
 
 
@@ -92,6 +94,14 @@ def _log(method: str, error: BaseException, code: grpc.StatusCode) -> None:
         logger.info("%s -> %s: %s", method, code.name, error)
 
 
+def bind_request_id_of(request: Any, context: grpc.aio.ServicerContext) -> None:
+    """This RPC's log lines carry the request id: x-request-id metadata, else the message's request_id."""
+    request_id = next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY), "")
+    request_id = request_id or getattr(request, "request_id", "")
+    if isinstance(request_id, str) and request_id:
+        bind_request_id(request_id)
+
+
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
@@ -100,6 +110,7 @@ def unary(method: F) -> F:
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        bind_request_id_of(request, context)
         try:
             return await method(self, request, context)
         except grpc.aio.AbortError:
@@ -120,6 +131,7 @@ def streaming(method: G) -> G:
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        bind_request_id_of(request, context)
         try:
             async with contextlib.aclosing(method(self, request, context)) as items:
                 async for item in items:

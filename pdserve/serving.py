@@ -92,9 +92,18 @@ async def wait_for_stop_signal(stop: asyncio.Event | None = None) -> None:
             loop.remove_signal_handler(signum)
 
 
-def write_ready_file(path: str | None, address: str) -> None:
-    """Writes the served address to path (how a launcher learns a port-0 server's port)."""
+def write_ready_file(path: str | None, address: str, **extra: str) -> None:
+    """Writes the served address to path (how a launcher learns a port-0 server's port), then one
+    `name=address` line per other endpoint (e.g. http=..., metrics=...); empty ones are left out."""
     if path:
+        lines = [address] + [f"{name}={value}" for name, value in extra.items() if value]
         with open(path + ".tmp", "w") as handle:
-            handle.write(address + "\n")
+            handle.write("\n".join(lines) + "\n")
         os.replace(path + ".tmp", path)
+
+
+def read_ready_file(path: str) -> tuple[str, dict[str, str]]:
+    """(the served address, {name: address} of the other endpoints) from a ready file."""
+    first, *rest = open(path).read().split("\n")
+    extra = dict(line.split("=", 1) for line in rest if "=" in line)
+    return first.strip(), {name.strip(): value.strip() for name, value in extra.items()}

@@ -7,6 +7,7 @@ import logging
 import grpc
 
 from pdserve import serving
+from pdserve.metrics_http import serve_metrics
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillService
@@ -28,11 +29,16 @@ async def serve(config: PrefillWorkerConfig, stop: asyncio.Event | None = None, 
     await server.start()
     await serving.set_serving(health, SERVICE_NAMES, True)
     logger.info("prefill worker serving on %s (tp=%d)", address, config.tp_size)
-    serving.write_ready_file(ready_file, address)
+    metrics_address, stop_metrics = "", None
+    if config.metrics_listen:
+        metrics_address, stop_metrics = serve_metrics(config.metrics_listen, service.metrics.registry)
+    serving.write_ready_file(ready_file, address, metrics=metrics_address)
     try:
         await serving.wait_for_stop_signal(stop)
     finally:
         logger.info("prefill worker stopping")
+        if stop_metrics is not None:
+            stop_metrics()
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         await service.stop()

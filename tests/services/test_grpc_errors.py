@@ -51,6 +51,9 @@ class _Context:
         self.aborted = (code, details)
         raise grpc.aio.AbortError()
 
+    def invocation_metadata(self):
+        return ()
+
 
 class _Servicer:
     @unary
