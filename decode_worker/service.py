@@ -253,10 +253,12 @@ class DecodeService:
                 entry.done = update.finished
                 yield update
                 if update.finished:
+                    logger.info("decode finished (%s)", update.finish_reason)
                     return
         finally:
             self._entries.pop(request_id, None)
             if not entry.done:  # the caller went away (cancel / release): stop generating, free the pages
+                logger.info("decode stream of %s ended early; aborting it", request_id)
                 self._engine.post(lambda engine: self._abort(engine, request_id))
 
     def _abort(self, engine: Any, request_id: str) -> None:

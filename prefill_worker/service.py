@@ -160,6 +160,9 @@ class PrefillService:
                 num_bytes = await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft)
             transfer_s = time.perf_counter() - started
             result = computed.result
+            logger.info("prefilled %d tokens: queue %.1f ms, prefill %.1f ms, %s handoff of %d bytes in %.1f ms",
+                        len(job.prompt_ids), (job.started - job.arrival) * 1000, computed.prefill_ms,
+                        job.destination.transport.name.lower(), num_bytes, transfer_s * 1000)
             self.metrics.prefilled(job.started - job.arrival, computed.prefill_ms / 1000,
                                    job.destination.transport.name.lower(), num_bytes, transfer_s)
             return PrefillOutcome(result.first_token, result.first_logprobs, result.num_prompt_tokens,
