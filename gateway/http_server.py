@@ -60,7 +60,9 @@ class HttpFront:
     def _model_card(self) -> dict[str, object]:
         facts = self._service.facts
         return {"id": facts.name, "object": "model", "created": self._created, "owned_by": "pdserve",
-                "max_model_len": facts.max_context}
+                "max_model_len": facts.max_context,
+                # pdserve extensions (what `pdserve bench --backend openai` needs for random token prompts)
+                "vocab_size": facts.vocab_size, "eos_token_ids": list(facts.eos_token_ids)}
 
     async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
         return json_response({"object": "list", "data": [self._model_card()]})

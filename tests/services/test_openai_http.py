@@ -131,3 +131,24 @@ def test_request_id_reaches_every_service_log(cluster, client, model):
     for name in ("prefill-0", "decode-0"):
         text = (cluster.log_dir / f"{name}.log").read_text()
         assert "request=http-trace-1" in text and "request=grpc-trace-2" in text, name
+
+
+def test_bench_openai_backend(cluster, tmp_path):
+    """`pdserve bench --backend openai` runs the random workload over HTTP: every request completes with
+    exact token totals (from usage) and finite, ordered latencies."""
+    import json
+    import math
+
+    from pdserve.cli import main
+
+    out = tmp_path / "openai.jsonl"
+    code = main(["bench", "--backend", "openai", "--base-url", f"http://{cluster.http_address}/v1", "--num-prompts", "6",
+                 "--input-len", "24", "--output-len", "8", "--max-concurrency", "3", "--warmup-requests", "1",
+                 "--no-progress", "--output-file", str(out), "--request-timeout", "300"])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["backend"] == "openai" and (result["completed"], result["failed"]) == (6, 0)
+    assert (result["total_input_tokens"], result["total_output_tokens"]) == (6 * 24, 6 * 8)
+    for name in ("ttft", "itl", "e2e_latency"):
+        assert math.isfinite(result[f"median_{name}_ms"]) and result[f"median_{name}_ms"] > 0, name
+    assert result["mean_e2e_latency_ms"] > result["mean_ttft_ms"]
