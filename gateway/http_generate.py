@@ -91,6 +91,8 @@ class GenerateHandler:
     async def _parse(self, request: web.BaseRequest, chat: bool) -> OpenAIRequest:
         try:
             body = json.loads(await request.read())
+        except web.HTTPRequestEntityTooLarge as error:
+            raise OpenAIError(413, f"body: larger than {request.client_max_size} bytes", param="body") from error
         except (ValueError, UnicodeDecodeError) as error:
             raise OpenAIError(400, f"body: not valid JSON ({error})", param="body") from error
         parsed = parse_request(body, chat)

@@ -9,9 +9,11 @@ which is how an abandoned request gets aborted. The low-level server skips aioht
 router and middleware machinery: there are five routes, matched by one dict lookup."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,6 +22,7 @@ from gateway.http_generate import GenerateHandler, error_response, json_response
 from gateway.openai_api.chat_template import ChatTemplate
 from gateway.openai_api.errors import OpenAIError
 from gateway.service import GatewayService
+from pdserve.serving import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
@@ -81,7 +84,13 @@ async def start_http(front: HttpFront, listen: str) -> tuple[web.BaseRunner, str
     """Serves front on listen (host:port; port 0 picks one); returns the runner (await runner.cleanup()
     to stop) and the bound host:port."""
     host, port = listen.rsplit(":", 1)
-    server = web.Server(front.handle, handler_cancellation=True, access_log=None)
+    loop = asyncio.get_running_loop()
+
+    def make_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+        """Bodies up to the gRPC API's message limit (long prompts), not aiohttp's default 1 MiB."""
+        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=MAX_MESSAGE_BYTES)
+
+    server = web.Server(front.handle, request_factory=make_request, handler_cancellation=True, access_log=None)
     runner = web.ServerRunner(server, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host.strip("[]") or None, int(port))

@@ -174,3 +174,15 @@ async def test_health_models_and_metrics(front):
                for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples[("pdserve_requests_total", "length", "200")] == 1
     assert samples[("pdserve_requests_total", "error", "429")] == 1
+
+
+async def test_long_bodies_are_accepted_up_to_the_grpc_limit(front):
+    """A 2 MiB prompt (over aiohttp's default 1 MiB) reaches the service; an oversized body is a 413."""
+    service, url, _ = front
+    service.runs.append(scripted(FINISH))
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x" * 2**21}) as response:
+            assert response.status == 200
+        async with session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x" * 2**27}) as response:
+            assert response.status == 413 and (await response.json())["error"]["param"] == "body"
+    assert len(service.submitted[0].text) == 2**21
