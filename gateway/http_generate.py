@@ -22,8 +22,8 @@ from gateway.openai_api.responses import DONE_EVENT, ResponseBuilder, sse
 from gateway.orchestrator import ErrorEvent, FinishEvent, RequestRun, TokensEvent
 from gateway.service import GatewayService
 from gateway.requests import MAX_REQUEST_ID_LENGTH
-from pdserve.grpc_errors import status_for
-from pdserve.logging_setup import REQUEST_ID_KEY, bind_request_id
+from rpc.logging_setup import REQUEST_ID_KEY, bind_request_id
+from rpc.status import status_for
 
 logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = REQUEST_ID_KEY
@@ -123,7 +123,7 @@ class GenerateHandler:
                                         event.completion_tokens)
                 return json_response(body, 200, builder.request_id)
             elif isinstance(event, ErrorEvent):
-                error = from_status(event.code, event.message, parsed.prompt_param, parsed.logprobs_param)
+                error = from_status(event.status.code, event.status.details, parsed.prompt_param, parsed.logprobs_param)
                 outcome[:] = ["error", str(error.status)]
                 return error_response(error, builder.request_id)
 
@@ -131,7 +131,7 @@ class GenerateHandler:
                       parsed: OpenAIRequest, outcome: list[str]) -> web.StreamResponse:
         first = await run.events.get()
         if isinstance(first, ErrorEvent):  # nothing sent yet: a plain error response with its status
-            error = from_status(first.code, first.message, parsed.prompt_param, parsed.logprobs_param)
+            error = from_status(first.status.code, first.status.details, parsed.prompt_param, parsed.logprobs_param)
             outcome[:] = ["error", str(error.status)]
             return error_response(error, builder.request_id)
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, REQUEST_ID_HEADER: builder.request_id})
@@ -171,6 +171,6 @@ class GenerateHandler:
                 await response.write(sse(builder.usage_chunk(event.prompt_tokens, event.completion_tokens)))
             outcome[:] = [event.reason, "200"]
             return
-        error = from_status(event.code, event.message, parsed.prompt_param, parsed.logprobs_param)
+        error = from_status(event.status.code, event.status.details, parsed.prompt_param, parsed.logprobs_param)
         await response.write(sse(error.body()))
         outcome[:] = ["error", str(error.status)]

@@ -22,7 +22,7 @@ from gateway.http_generate import GenerateHandler, error_response, json_response
 from gateway.openai_api.chat_template import ChatTemplate
 from gateway.openai_api.errors import OpenAIError
 from gateway.service import GatewayService
-from pdserve.serving import MAX_MESSAGE_BYTES
+from rpc.server import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pdserve.serving import read_ready_file
+from rpc.server import read_ready_file
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

@@ -6,7 +6,7 @@ from gateway.openai_api.chat_template import ChatTemplate
 from gateway.openai_api.errors import bad_param
 from gateway.openai_api.params import OpenAIRequest
 from gateway.tokenizer import TextTokenizer
-from pdserve.v1 import gateway_pb2
+from rpc.v1 import gateway_pb2
 
 
 def chat_prompt_ids(request: OpenAIRequest, template: ChatTemplate, tokenizer: TextTokenizer | None) -> list[int]:

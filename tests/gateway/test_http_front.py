@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,7 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.model_info import ModelFacts
 from gateway.openai_api.chat_template import ChatTemplate
 from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
-from pdserve.grpc_errors import ResourceExhausted, Unavailable
+from rpc.status import ResourceExhausted, Unavailable, status_of
 
 
 @dataclass
@@ -112,7 +111,7 @@ async def test_chat_stream_framing(front):
 @pytest.mark.parametrize("run,status", [
     (lambda: ResourceExhausted("no decode worker has room"), 429),
     (lambda: Unavailable("no reachable decode worker"), 503),
-    (lambda: scripted(ErrorEvent(grpc.StatusCode.UNAVAILABLE, "decode worker gone")), 503),
+    (lambda: scripted(ErrorEvent(status_of(Unavailable("decode worker gone")))), 503),
 ])
 async def test_errors_have_their_http_status(front, run, status, stream):
     """Admission timeout -> 429, no worker -> 503, raised at submission or as the run's first event,

@@ -120,9 +120,9 @@ def test_request_id_reaches_every_service_log(cluster, client, model):
 
     async def over_grpc() -> str:
         async with grpc.aio.insecure_channel(cluster.gateway_address) as channel:
-            from pdserve.v1 import gateway_pb2_grpc
+            from rpc.v1 import gateway_pb2_grpc
 
-            stub = gateway_pb2_grpc.GatewayStub(channel)
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             call = stub.Generate(build_request([5, 6, 7], max_tokens=3, temperature=0.0, ignore_eos=True),
                                  metadata=(("x-request-id", "grpc-trace-2"),), timeout=120)
             return [response.request_id async for response in call][-1]

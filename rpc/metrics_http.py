@@ -13,8 +13,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 logger = logging.getLogger(__name__)
 
 
-def serve_metrics(listen: str, registry: CollectorRegistry) -> tuple[str, Callable[[], None]]:
-    """Serves registry at http://listen/metrics (port 0 picks one); returns (bound host:port, stop)."""
+def serve_metrics(listen: str, registry: CollectorRegistry) -> tuple[dict[str, str], Callable[[], None]]:
+    """Serves registry at http://listen/metrics (port 0 picks one; "" serves nothing). Returns
+    ({"metrics": bound host:port} for the ready file, or {}) and a stop function."""
+    if not listen:
+        return {}, lambda: None
     host, port = listen.rsplit(":", 1)
     host = host.strip("[]") or "0.0.0.0"
     server, thread = start_http_server(int(port), addr=host, registry=registry)
@@ -27,4 +30,4 @@ def serve_metrics(listen: str, registry: CollectorRegistry) -> tuple[str, Callab
         server.server_close()
         thread.join(timeout=5)
 
-    return address, stop
+    return {"metrics": address}, stop
