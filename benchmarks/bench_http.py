@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from bench.openai_client import OpenAIClient
 from bench.workload import BenchRequest
 from benchmarks.bench_gateway import request_count
 from benchmarks.common import (Metrics, Table, add_common_arguments, goal_line, interleave, make_prompts, median,
-                               print_header, ratio)
+                               print_header, process_cpu_seconds, ratio)
 from pdserve.launcher import Cluster, ClusterSpec
 
 OPTIONS = SamplingOptions(temperature=0.0)
@@ -40,7 +41,8 @@ OPTIONS = SamplingOptions(temperature=0.0)
 class Fronts:
     """One event loop, one warm gRPC channel and one warm HTTP session, reused by every run."""
 
-    def __init__(self, grpc_address: str, http_address: str) -> None:
+    def __init__(self, grpc_address: str, http_address: str, gateway_pid: int) -> None:
+        self.gateway_pid = gateway_pid
         self.loop = asyncio.new_event_loop()
         self.channel, self.session = self.loop.run_until_complete(self._connect(grpc_address))
         self.clients: dict[str, Any] = {"grpc": GatewayClient(self.channel, OPTIONS),
@@ -54,15 +56,20 @@ class Fronts:
         return grpc.aio.insecure_channel(grpc_address), aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
     def run(self, front: str, prompts: list[list[int]], output_len: int, concurrency: int) -> Metrics:
+        """Also the gateway's and this client's CPU milliseconds per output token (user + system)."""
         requests = [BenchRequest(output_len=output_len, ignore_eos=True, token_ids=tuple(p)) for p in prompts]
+        gateway_cpu, client_cpu = process_cpu_seconds(self.gateway_pid), time.process_time()
         outcome = self.loop.run_until_complete(
             run_load(requests, self.clients[front].send, LoadPlan(max_concurrency=concurrency)))
+        gateway_cpu, client_cpu = process_cpu_seconds(self.gateway_pid) - gateway_cpu, time.process_time() - client_cpu
         failed = [r.error for r in outcome.records if not r.success]
         if failed:
             raise RuntimeError(f"{len(failed)} {front} requests failed, first: {failed[0]}")
         metrics = compute_metrics(outcome.records, outcome.duration_s)
+        tokens = metrics.total_output_tokens
         return {"tok_s": metrics.output_throughput, "ttft_ms": metrics.ttft_ms.median or float("nan"),
-                "tpot_ms": metrics.tpot_ms.median or float("nan"), "load": os.getloadavg()[0]}
+                "tpot_ms": metrics.tpot_ms.median or float("nan"), "load": os.getloadavg()[0],
+                "cpu_gateway": 1e3 * gateway_cpu / tokens, "cpu_client": 1e3 * client_cpu / tokens}
 
     def close(self) -> None:
         self.loop.run_until_complete(self.session.close())
@@ -84,7 +91,7 @@ def main() -> None:
     parser.add_argument("--kv-memory-mb", type=int, default=512)
     args = parser.parse_args()
     if args.quick:
-        args.repeats, args.output_len = 2, 16
+        args.repeats, args.output_len = min(args.repeats, 2), 16
     print_header("bench_http: OpenAI HTTP (SSE) vs gRPC streaming through the same gateway", args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-http-"))
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", http_listen="127.0.0.1:0",
@@ -96,7 +103,8 @@ def main() -> None:
           f"torch attention, {args.threads} threads each, speculation off), logs in {log_dir}\n", flush=True)
     goals = []
     try:
-        fronts = Fronts(address, cluster.http_address)
+        gateway_pid = next(child.process.pid for child in cluster.children if child.role == "gateway")
+        fronts = Fronts(address, cluster.http_address, gateway_pid)
         try:
             from engine.config import ModelConfig
 
@@ -108,6 +116,8 @@ def main() -> None:
                           ["concurrency", "requests", "gRPC tok/s", "HTTP tok/s", "HTTP / gRPC", "gRPC TTFT p50 ms",
                            "HTTP TTFT p50 ms", "added TTFT ms", "gRPC tok/s spread", "HTTP tok/s spread",
                            "load avg (1 min)"])
+            cpu = Table("CPU milliseconds per output token in the runs above (user + system; medians)",
+                        ["concurrency", "gateway, gRPC", "gateway, HTTP", "client, gRPC", "client, HTTP"])
             for concurrency in args.concurrency:
                 batch = prompts[: request_count(concurrency)]
                 runs = interleave({front: (lambda front=front: fronts.run(front, batch, args.output_len, concurrency))
@@ -119,11 +129,14 @@ def main() -> None:
                           median(runs["grpc"], "ttft_ms"), median(runs["http"], "ttft_ms"), added,
                           spread(runs["grpc"], "tok_s"), spread(runs["http"], "tok_s"),
                           f"{min(loads):.1f}..{max(loads):.1f}")
+                cpu.add(concurrency, *(median(runs[front], f"cpu_{role}") for role in ("gateway", "client")
+                                       for front in ("grpc", "http")))
                 goals.append(goal_line(f"HTTP / gRPC throughput at concurrency {concurrency}",
                                        100 * ratio(http_rate, grpc_rate), 90.0, unit="%"))
                 goals.append(goal_line(f"added TTFT p50 at concurrency {concurrency}", added, 3.0, unit=" ms",
                                        higher_is_better=False))
             table.print()
+            cpu.print()
         finally:
             fronts.close()
     finally:
