@@ -251,9 +251,10 @@ class DecodeService:
                 update = merge_outputs(items, skip_first)
                 skip_first = skip_first and not any(output.new_token_ids for output in items)
                 entry.done = update.finished
+                if update.finished:  # logged before the last chunk leaves, so the line precedes the reply
+                    logger.info("decode finished (%s)", update.finish_reason)
                 yield update
                 if update.finished:
-                    logger.info("decode finished (%s)", update.finish_reason)
                     return
         finally:
             self._entries.pop(request_id, None)

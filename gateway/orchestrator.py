@@ -212,6 +212,8 @@ class RequestRun:
                 self.events.put_nowait(TokensEvent([], text))
         self.finished = True
         self._observe_end()
+        logger.info("finished (%s): %d prompt + %d generated tokens, TTFT %.1f ms", reason, len(self.job.prompt_ids),
+                    self._completion_tokens, self._ttft_ms)
         self.events.put_nowait(FinishEvent(
             reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
             self._decode_tokens, stop))

@@ -128,7 +128,7 @@ def test_request_id_reaches_every_service_log(cluster, client, model):
             return [response.request_id async for response in call][-1]
 
     assert asyncio.run(over_grpc()) == "grpc-trace-2"
-    for name in ("prefill-0", "decode-0"):
+    for name in ("gateway", "prefill-0", "decode-0"):  # each logs a line per request before it answers
         text = (cluster.log_dir / f"{name}.log").read_text()
         assert "request=http-trace-1" in text and "request=grpc-trace-2" in text, name
 
