@@ -16,6 +16,7 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
 
     engine: EngineConfig
     listen: str = "127.0.0.1:0"
+    metrics_listen: str = ""  # Prometheus GET /metrics ("": none; port 0 picks one)
     lease_ttl_s: float = 60.0
     lease_grace_s: float = 1.0
     lease_sweep_interval_s: float = 0.25
@@ -23,8 +24,7 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
     advertise_address: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.listen or ":" not in self.listen:
-            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        self.check_addresses()
         for name in ("lease_ttl_s", "lease_sweep_interval_s", "admit_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -34,11 +34,11 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
             raise ValueError("a decode worker's pages live in a shared pool (engine kv_pool 'shm')")
 
     @classmethod
-    def build(cls, *, listen: str = "127.0.0.1:0", lease_ttl_s: float = 60.0, lease_grace_s: float = 1.0,
-              lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
+    def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", lease_ttl_s: float = 60.0,
+              lease_grace_s: float = 1.0, lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
               advertise_address: str | None = None, **engine: Any) -> DecodeWorkerConfig:
         """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
         write into (ShmPoolFactory); it shares weights per node unless told not to."""
         engine = {"share_weights": True, **engine}
-        return cls(EngineConfig(**engine, kv_pool="shm", page_pools=ShmPoolFactory()), listen, lease_ttl_s,
-                   lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address)
+        return cls(EngineConfig(**engine, kv_pool="shm", page_pools=ShmPoolFactory()), listen, metrics_listen,
+                   lease_ttl_s, lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address)

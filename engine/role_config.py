@@ -19,3 +19,11 @@ class EmbedsEngineConfig:
 
     def engine_config(self) -> EngineConfig:
         return self.engine
+
+    def check_addresses(self) -> None:
+        """listen must be host:port; metrics_listen too when set ("" = no metrics endpoint)."""
+        listen, metrics = getattr(self, "listen", ""), getattr(self, "metrics_listen", "")
+        if not listen or ":" not in listen:
+            raise ValueError(f"listen must be host:port, got {listen!r}")
+        if metrics and ":" not in metrics:
+            raise ValueError(f"metrics_listen must be host:port, got {metrics!r}")

@@ -13,9 +13,10 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
-from rpc.status import ResourceExhausted, Unavailable
-from rpc.server import CHANNEL_OPTIONS
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.logging_setup import request_metadata
+from rpc.server import CHANNEL_OPTIONS
+from rpc.status import ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
 TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}
@@ -136,7 +137,8 @@ class WorkerPool:
         except (grpc.aio.AioRpcError, asyncio.TimeoutError):
             return  # nothing reserved, or unknown: the lease (if any) expires on the worker
         try:
-            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s)
+            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s,
+                                      metadata=request_metadata(request_id))
         except grpc.aio.AioRpcError as error:
             logger.warning("could not release the reservation of cancelled request %s: %s", request_id, error.code().name)
 
@@ -156,7 +158,8 @@ class WorkerPool:
                 raise Unavailable("no reachable decode worker")
             for index in order:
                 worker = self.decode[index]
-                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline)))
+                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
+                                                                  metadata=request_metadata(request_id)))
                 try:
                     destination = (await asyncio.shield(call)).destination
                 except asyncio.CancelledError:

@@ -18,17 +18,19 @@ class PrefillWorkerConfig(EmbedsEngineConfig):
 
     engine: EngineConfig
     listen: str = "127.0.0.1:0"
+    metrics_listen: str = ""  # Prometheus GET /metrics ("": none; port 0 picks one)
     batch_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        if not self.listen or ":" not in self.listen:
-            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        self.check_addresses()
         if self.batch_tokens <= 0:
             raise ValueError(f"batch_tokens must be positive, got {self.batch_tokens}")
 
     @classmethod
-    def build(cls, *, listen: str = "127.0.0.1:0", batch_tokens: int = 2048, **engine: Any) -> PrefillWorkerConfig:
+    def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", batch_tokens: int = 2048,
+              **engine: Any) -> PrefillWorkerConfig:
         """engine: EngineConfig fields. The prefill role computes into private pages and attaches decode
         workers' shared pools (ShmPoolFactory); it shares weights per node unless told not to."""
         engine = {"kv_memory_bytes": DEFAULT_KV_MEMORY_BYTES, "share_weights": True, **engine}
-        return cls(EngineConfig(**engine, kv_pool="local", page_pools=ShmPoolFactory()), listen, batch_tokens)
+        return cls(EngineConfig(**engine, kv_pool="local", page_pools=ShmPoolFactory()), listen, metrics_listen,
+                   batch_tokens)

@@ -8,6 +8,7 @@ from engine.paths import DEFAULT_MODEL_DIR as ENGINE_DEFAULT_MODEL_DIR
 
 DEFAULT_MODEL_DIR = str(ENGINE_DEFAULT_MODEL_DIR)
 DEFAULT_GATEWAY = "127.0.0.1:50051"
+DEFAULT_HTTP = "127.0.0.1:8000"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk size (tokens per forward)")
     parser.add_argument("--spec-block-size", type=int, default=8, help="largest speculative block size")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
+                        help="serve Prometheus GET /metrics here (port 0: any free port; default: none)")
     parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
                         help="load a private copy of the weights instead of mapping the node's shared copy")
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)  # written with the bound address

@@ -21,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
     from prefill_worker.server import serve
 
     try:
-        config = PrefillWorkerConfig.build(listen=args.listen, batch_tokens=args.batch_tokens, **engine_kwargs(args))
+        config = PrefillWorkerConfig.build(listen=args.listen, metrics_listen=args.metrics_listen,
+                                           batch_tokens=args.batch_tokens, **engine_kwargs(args))
     except ValueError as error:
         return fail("prefill", error)
     run_event_loop(lambda: serve(config, ready_file=args.ready_file))

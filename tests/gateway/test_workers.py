@@ -23,7 +23,7 @@ class _FakeDecode:
         self.script = list(script)
         self.calls = 0
 
-    async def Reserve(self, request, timeout=None):  # noqa: N802 - gRPC method name
+    async def Reserve(self, request, timeout=None, metadata=()):  # noqa: N802 - gRPC method name
         self.calls += 1
         outcome = self.script.pop(0) if self.script else None
         if outcome is not None:
@@ -93,12 +93,12 @@ class _SlowDecode(_FakeDecode):
         self.entered = asyncio.Event()
         self.released: list[str] = []
 
-    async def Reserve(self, request, timeout=None):  # noqa: N802
+    async def Reserve(self, request, timeout=None, metadata=()):  # noqa: N802
         self.entered.set()
         await self.gate.wait()
         return await super().Reserve(request, timeout)
 
-    async def Release(self, request, timeout=None):  # noqa: N802
+    async def Release(self, request, timeout=None, metadata=()):  # noqa: N802
         self.released.append(request.request_id)
 
 
