@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Fixtures that start a deployment of worker processes: every test using one is `slow` (not in the fast loop).
-PROCESS_CLUSTER_FIXTURES = frozenset({"cluster", "tp2_cluster", "mixed_tp_cluster"})
+PROCESS_CLUSTER_FIXTURES = frozenset({"cluster", "tp2_cluster", "mixed_tp_cluster", "live_gateway"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

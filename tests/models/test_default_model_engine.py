@@ -8,10 +8,11 @@ import torch
 from tokenizers import Tokenizer
 
 from engine import LLM, SamplingParams
+from engine.paths import DEFAULT_MODEL_DIR
 from training.corpus import load_corpus
 from training.tokenizer import encode_documents
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny"
+MODEL_DIR = DEFAULT_MODEL_DIR
 
 
 @pytest.fixture(scope="module")

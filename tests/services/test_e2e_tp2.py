@@ -32,6 +32,7 @@ async def test_tp2_greedy_outputs_match_in_process(tp2_cluster, reference, specu
     assert [r.token_ids for r in results] == reference[speculative]
 
 
+@pytest.mark.slow  # its own TP=2 deployment
 def test_tp2_stop_leaves_no_process_and_no_segment(service_model, tmp_path):
     """After stop(): every process of every worker's group (leaders and TP followers) is gone, and so are
     the per-rank KV pool segments they had mapped. (Its own deployment: the module's stays up for others.)"""
