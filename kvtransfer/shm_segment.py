@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvtransfer.completion import SLOT_BYTES
 from kvtransfer.errors import SegmentError
-from rpc.processes import start_time_ms
+from rpc.processes import start_ticks
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ HEADER = struct.Struct("<8sIQQQQQIII16s32s256s")
 @dataclass(frozen=True)
 class PoolHeader:
     owner_pid: int
-    owner_start_ms: int
+    owner_start_ticks: int
     num_pages: int
     data_offset: int
     data_bytes: int
@@ -36,7 +36,7 @@ class PoolHeader:
 
     def pack(self) -> bytes:
         return HEADER.pack(
-            MAGIC, 1, self.owner_pid, self.owner_start_ms, self.num_pages, self.data_offset, self.data_bytes,
+            MAGIC, 1, self.owner_pid, self.owner_start_ticks, self.num_pages, self.data_offset, self.data_bytes,
             self.num_slots, SLOT_BYTES, self.rank, self.layout_hash.encode("ascii"),
             self.owner_tag.encode("utf-8")[:32], self.layout_canonical.encode("ascii")[:256],
         )
@@ -60,10 +60,10 @@ class PoolHeader:
             return False
         except PermissionError:
             return True
-        started = start_time_ms(self.owner_pid)
-        if started is None or not self.owner_start_ms:  # cannot tell: trust kill()
+        started = start_ticks(self.owner_pid)
+        if started is None or not self.owner_start_ticks:  # cannot tell: trust kill()
             return True
-        return started == self.owner_start_ms  # 0 (zombie) or another start time (pid reused): gone
+        return started == self.owner_start_ticks  # 0 (zombie) or another start time (pid reused): gone
 
 
 def unlink_segment(name: str) -> None:

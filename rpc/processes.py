@@ -11,6 +11,7 @@ import psutil
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:
@@ -22,14 +23,15 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
         return False
 
 
-def start_time_ms(pid: int) -> int | None:
-    """When a live process started (ms since the epoch; with its pid it names one incarnation); 0 for a
-    process that is gone or a zombie; None if it cannot be told (no permission)."""
+def start_ticks(pid: int) -> int | None:
+    """When a live process started, in clock ticks since boot (with its pid it names one incarnation; the
+    value /proc/<pid>/stat field 22 holds, which shm pool headers record); 0 for a process that is gone or a
+    zombie; None if it cannot be told (no permission)."""
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
             return 0
-        return round(process.create_time() * 1000)
+        return round((process.create_time() - psutil.boot_time()) * _CLOCK_TICKS)
     except psutil.NoSuchProcess:
         return 0
     except psutil.AccessDenied:

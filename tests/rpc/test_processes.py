@@ -7,26 +7,27 @@ import subprocess
 import sys
 import time
 
-from rpc.processes import alive, cpu_seconds, descendants, group_members, start_time_ms
+from rpc.processes import alive, cpu_seconds, descendants, group_members, start_ticks
 
 SLEEPER = [sys.executable, "-c", "import sys; sys.stdin.read()"]
 
 
 def test_start_time_alive_and_group_follow_a_child() -> None:
-    """A live child: a start time near now, alive, a member of its own new group and our descendant;
+    """A live child: its start time in ticks since boot as the kernel records it, alive, a member of its own new group and our descendant;
     after it is reaped, start time 0 and not alive."""
     child = subprocess.Popen(SLEEPER, stdin=subprocess.PIPE, start_new_session=True)
     try:
-        started = start_time_ms(child.pid)
-        assert started is not None and abs(started - time.time() * 1000) < 120_000
-        assert start_time_ms(child.pid) == started  # stable: names this incarnation
+        started = start_ticks(child.pid)
+        with open(f"/proc/{child.pid}/stat") as stat:  # the kernel's own record of it
+            assert started == int(stat.read().rsplit(")", 1)[1].split()[19])
+        assert start_ticks(child.pid) == started  # stable: names this incarnation
         assert alive({child.pid}) == {child.pid}
         assert group_members(child.pid) == {child.pid}
         assert child.pid in descendants(os.getpid())
     finally:
         child.stdin.close()
         child.wait(timeout=30)
-    assert start_time_ms(child.pid) == 0 and alive({child.pid}) == set() and group_members(child.pid) == set()
+    assert start_ticks(child.pid) == 0 and alive({child.pid}) == set() and group_members(child.pid) == set()
 
 
 def test_cpu_seconds_grows_with_work() -> None:
