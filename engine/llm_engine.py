@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from engine import spec_decode
-from engine.config import ModelConfig
+from engine.models.registry import load_config
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model_dir)
+        self.model_config = load_config(config.model_dir)
         self.model_config.validate_tp(config.tp_size)
         draft_dir = config.resolved_draft_dir
         self.draft_config = None

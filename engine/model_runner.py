@@ -46,7 +46,7 @@ class RunnerConfig:
 
 def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, dtype: torch.dtype) -> CacheShape:
     return CacheShape(
-        num_layers=model_config.num_hidden_layers,
+        num_layers=model_config.num_cache_layers,
         num_pages=num_pages,
         page_size=page_size,
         latent_dim=model_config.kv_lora_rank,
@@ -60,15 +60,14 @@ def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, 
 class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPGroup) -> None:
         from engine.attention.registry import get_attention_backend
-        from engine.config import ModelConfig
-        from engine.models.deepseek_v3 import load_model
+        from engine.models.registry import load_config, load_model
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.tp = tp
         dtype = config.torch_dtype
-        model_config = ModelConfig.from_pretrained(config.model_dir)
+        model_config = load_config(config.model_dir)
         heads_per_rank = model_config.num_attention_heads // tp.size
         attention = get_attention_backend(config.attention_backend, num_heads=heads_per_rank, device="cpu")
         self.model_config, self.model = load_model(config.model_dir, tp, attention, dtype)
