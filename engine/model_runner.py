@@ -30,6 +30,7 @@ class RunnerConfig:
     kv_pool: str  # "local" | "shm"
     pool_tag: str = "engine"
     num_threads: int | None = None
+    num_state_slots: int = 0  # per-sequence state slots (models with linear attention)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -93,9 +94,14 @@ class ModelRunner:
             self.cache = self.pool.cache
         else:
             self.cache = PagedLatentCache(self.cache_shape)
+        if self.model_config.has_linear_attention:
+            from engine.state_pool import StatePool
+
+            self.cache.state = StatePool(self.model_config.state_shape(tp.size, config.num_state_slots, dtype))
         logger.info(
-            "rank %d/%d ready: %d pages x %d tokens (%s), draft=%s",
-            tp.rank, tp.size, config.num_pages, config.page_size, config.kv_pool, bool(self.draft),
+            "rank %d/%d ready: %d pages x %d tokens (%s), %d state slots, draft=%s",
+            tp.rank, tp.size, config.num_pages, config.page_size, config.kv_pool, config.num_state_slots,
+            bool(self.draft),
         )
 
     @property
@@ -137,11 +143,14 @@ class ModelRunner:
         """-> logits [len(plan.logit_rows), vocab] float32 (identical on every rank)."""
         cache = self._cache_for(plan.pool_names)
         attn = build_attention_metadata(plan.q_lens, plan.kv_lens, plan.page_tables, self.config.page_size)
+        for slot in plan.reset_slots:
+            cache.state.reset(slot)
         batch = ForwardBatch(
             mode=plan.mode,
             input_ids=torch.tensor(plan.input_ids, dtype=torch.int64),
             positions=torch.tensor(plan.positions, dtype=torch.int64),
             attn=attn,
+            state_slots=None if plan.state_slots is None else torch.tensor(plan.state_slots, dtype=torch.int64),
         )
         capture = self.capture_layers if plan.write_draft_context and self.draft is not None else ()
         out = self.model(batch, cache, capture_layers=capture)

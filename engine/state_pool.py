@@ -123,3 +123,22 @@ class StatePool:
         """Overwrites one slot (e.g. with a state received from a prefill worker)."""
         self.conv[:, slot].copy_(conv)
         self.recurrent[:, slot].copy_(recurrent)
+
+
+def split_memory_budget(budget_bytes: int, bytes_per_page: int, bytes_per_slot: int, max_running: int) -> tuple[int, int]:
+    """(num_pages, num_slots) for a cache budget shared by latent pages and state slots.
+
+    Every running sequence needs a slot, so slots = max_running (+1 spare for a sequence being set up),
+    capped at half the budget; the pages take the rest. bytes_per_slot 0 (no linear attention): no slots."""
+    if budget_bytes <= 0 or bytes_per_page <= 0 or max_running <= 0 or bytes_per_slot < 0:
+        raise ValueError("memory budget, page size and max_running must be positive")
+    if bytes_per_slot == 0:
+        return max(1, budget_bytes // bytes_per_page), 0
+    slots = min(max_running + 1, (budget_bytes // 2) // bytes_per_slot)
+    if slots < 1:
+        raise ValueError(f"kv_memory_bytes={budget_bytes} cannot hold one state slot of {bytes_per_slot} B "
+                         "in half the budget")
+    pages = (budget_bytes - slots * bytes_per_slot) // bytes_per_page
+    if pages < 1:
+        raise ValueError(f"kv_memory_bytes={budget_bytes} leaves no room for a KV page after {slots} state slots")
+    return pages, slots
