@@ -70,3 +70,38 @@ def test_slot_round_trip():
     pool.write_slot(slot, conv, recurrent)
     got_conv, got_rec = pool.read_slot(slot)
     assert torch.equal(got_conv, conv) and torch.equal(got_rec, recurrent)
+
+
+def test_split_memory_budget():
+    """Slots = max_running + 1 within half the budget, pages take the rest; no slots without linear attention."""
+    from engine.state_pool import split_memory_budget
+
+    assert split_memory_budget(10_000, 100, 0, 4) == (100, 0)
+    assert split_memory_budget(10_000, 100, 1000, 4) == (50, 5)
+    assert split_memory_budget(10_000, 100, 2000, 4) == (60, 2)  # capped at half the budget
+    with pytest.raises(ValueError, match="kv_memory_bytes"):
+        split_memory_budget(1000, 100, 600, 4)
+
+
+def test_scheduler_waits_for_a_free_slot_and_frees_on_preemption():
+    """A waiting sequence gets no prefill chunk while every slot is taken; dropping a sequence's cache
+    (preemption) returns its slot, and the next sequence then takes it."""
+    from engine.kv_cache import PageAllocator, PageTable
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler, SchedulerConfig
+    from engine.sequence import Sequence
+
+    pool = StatePool(_shape(num_slots=1))
+    allocator = PageAllocator(16)
+    scheduler = Scheduler(SchedulerConfig(max_running=4, max_batched_tokens=64), allocator, pool)
+    seqs = [Sequence(f"r{i}", 5, [1, 2, 3, 4, 5], SamplingParams(), PageTable(allocator, 4), arrival_order=i)
+            for i in range(2)]
+    for seq in seqs:
+        scheduler.add(seq)
+    step = scheduler.schedule()
+    assert [chunk.seq for chunk in step.prefill] == [seqs[0]] and seqs[0].state_slot == 0 and pool.num_free == 0
+    scheduler.drop_cache(seqs[0])
+    assert seqs[0].state_slot is None and pool.num_free == 1 and seqs[0].num_cached == 0
+    scheduler.remove(seqs[0])
+    step = scheduler.schedule()
+    assert [chunk.seq for chunk in step.prefill] == [seqs[1]] and seqs[1].state_slot == 0
