@@ -7,6 +7,7 @@ beta = sigmoid(b_proj(x)) -> per-head RMSNorm(o_norm) * sigmoid(output gate) -> 
 State (engine/state_pool.py): cache.state.conv[kda_index] [slots, W-1, 3*P_local] (q|k|v blocks) and
 cache.state.recurrent[kda_index] [slots, H_local, K, V], at batch.state_slots. EXTEND runs the chunked
 form per sequence, DECODE the recurrent form over all sequences at once; both continue from the slot.
+On CUDA with fla importable (and agreeing with the reference), prefill uses fla's chunk_kda instead.
 Parameter names are the on-disk ones (q_conv1d, f_a_proj, A_log, ...). Conv weights stay float32.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from engine.distributed import TPGroup
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.kda_fla import fla_chunked_kda
 from engine.layers.kda_ops import causal_conv, kda_chunked, kda_gate, kda_recurrent, l2_normalize
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.model_configs.kimi_linear import KimiLinearConfig
@@ -140,6 +142,7 @@ class KimiDeltaAttention(nn.Module):
             ssm_pool.index_copy_(0, slots, state.to(ssm_pool.dtype))
             return out.view(n * t, *out.shape[2:])
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        chunked = fla_chunked_kda(v.device) or (lambda *args: kda_chunked(*args, CHUNK_SIZE))
         for i, slot in enumerate(slots.tolist()):
             rows = slice(bounds[i], bounds[i + 1])
             if mode == ForwardMode.DECODE:
@@ -147,7 +150,7 @@ class KimiDeltaAttention(nn.Module):
                                          beta[None, rows], ssm_pool[slot][None])
                 o, state = o[0], state[0]
             else:
-                o, state = kda_chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_pool[slot], CHUNK_SIZE)
+                o, state = chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_pool[slot])
             out[rows] = o
             ssm_pool[slot] = state.to(ssm_pool.dtype)
         return out

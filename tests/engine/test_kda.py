@@ -91,3 +91,27 @@ def test_causal_conv_matches_conv1d_and_carries_window():
     first, mid = causal_conv(x[:2], zero, weight)
     second, _ = causal_conv(x[2:], mid, weight)
     torch.testing.assert_close(torch.cat([first, second]), out)
+
+
+def test_fla_self_check_accepts_agreeing_and_rejects_wrong_kernels():
+    """The optional fla kernel is used only when it agrees with the torch reference: an agreeing kernel
+    passes the check, a wrong one or one with another signature is rejected; on CPU fla is never used."""
+    from engine.layers import kda_fla
+
+    def agreeing(q, k, v, g, beta, scale, initial_state, output_final_state):
+        assert scale == 1.0 and output_final_state
+        out, state = kda_chunked(q[0], k[0], v[0], g[0], beta[0], initial_state[0])
+        return out[None], state[None]
+
+    def wrong(q, k, v, g, beta, scale, initial_state, output_final_state):
+        out, state = agreeing(q, k, v, g, beta, scale, initial_state, output_final_state)
+        return out + 0.1, state
+
+    def other_signature(q, k, v, g, beta):
+        return q, k
+
+    cpu = torch.device("cpu")
+    assert kda_fla._self_check(agreeing, cpu)
+    assert not kda_fla._self_check(wrong, cpu)
+    assert not kda_fla._self_check(other_signature, cpu)
+    assert kda_fla.fla_chunked_kda(cpu) is None
