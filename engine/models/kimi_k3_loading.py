@@ -57,6 +57,21 @@ def shard_for_module(module: nn.Module, tensor: torch.Tensor, tp: TPGroup) -> to
     return tensor.narrow(dim, start, end - start)
 
 
+def _kda_tensor(model: Any, name: str) -> tuple[Any, str] | None:
+    """(the KDA module, its local name) when `name` is a KDA layer's tensor."""
+    match = _LAYER.fullmatch(name)
+    if match is None or not match.group(2).startswith("self_attn."):
+        return None
+    layer = model.model.layers[int(match.group(1))]
+    return (layer.self_attn, match.group(2)[len("self_attn."):]) if layer.is_kda else None
+
+
+def _shape_ok(model: Any, name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Exact shape, except where a KDA layer accepts other stored layouts (A_log zero-padded to [128])."""
+    kda = _kda_tensor(model, name)
+    return kda[0].accepts_shape(kda[1], shape) if kda is not None else shape == expected
+
+
 def _copy(model: Any, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
     layers = model.model.layers
     expert = _EXPERT.fullmatch(name)
@@ -65,9 +80,9 @@ def _copy(model: Any, params: dict[str, nn.Parameter], name: str, tensor: torch.
         moe = layers[int(layer)].mlp
         moe.experts.target(int(index) - moe.expert_start, projection, part).copy_(tensor)
         return
-    match = _LAYER.fullmatch(name)
-    if match is not None and match.group(2).startswith("self_attn.") and layers[int(match.group(1))].is_kda:
-        layers[int(match.group(1))].self_attn.load_weight(match.group(2)[len("self_attn."):], tensor)
+    kda = _kda_tensor(model, name)
+    if kda is not None:
+        kda[0].load_weight(kda[1], tensor)
         return
     owner = model.get_submodule(name.rsplit(".", 1)[0])
     params[name].data.copy_(shard_for_module(owner, tensor, model.tp))
@@ -93,7 +108,7 @@ def load_k3_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
             continue
         seen.add(name)
         shape, dtype = spec
-        if tuple(tensor.shape) != shape:
+        if not _shape_ok(model, name, tuple(tensor.shape), shape):
             misshaped.append(f"{stored_name} {tuple(tensor.shape)} (expected {shape})")
             continue
         if tensor.device.type == "meta":

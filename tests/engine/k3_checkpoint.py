@@ -78,14 +78,18 @@ def k3_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tens
     def rand(*shape: int, std: float = 0.15) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
+    def linear(out: int, inp: int, gain: float = 0.8) -> torch.Tensor:
+        """A linear weight [out, in] scaled by fan-in, so activations keep their size layer after layer."""
+        return torch.randn(out, inp, generator=gen) * (gain / inp ** 0.5)
+
     def norm(dim: int) -> torch.Tensor:
         return 1.0 + rand(dim, std=0.1)
 
     hidden, vocab = text["hidden_size"], text["vocab_size"]
     sd: dict[str, torch.Tensor] = {
         PREFIX + "embed_tokens.weight": rand(vocab, hidden, std=1.0), PREFIX + "norm.weight": norm(hidden),
-        PREFIX + "output_attn_res_norm.weight": norm(hidden), PREFIX + "output_attn_res_proj.weight": rand(1, hidden, std=0.5),
-        "language_model.lm_head.weight": rand(vocab, hidden),
+        PREFIX + "output_attn_res_norm.weight": norm(hidden), PREFIX + "output_attn_res_proj.weight": rand(1, hidden, std=0.15),
+        "language_model.lm_head.weight": linear(vocab, hidden, gain=0.5),
         "vision_tower.patch_embed.proj.weight": rand(16, 3, 2, 2),
     }
     lin = text["linear_attn_config"]
@@ -96,56 +100,56 @@ def k3_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tens
         for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
             sd[p + name + ".weight"] = norm(hidden)
         for name in ("self_attention_res_proj", "mlp_res_proj"):
-            sd[p + name + ".weight"] = rand(1, hidden, std=0.5)
+            sd[p + name + ".weight"] = rand(1, hidden, std=0.15)
         a = p + "self_attn."
         if _is_mla(text, layer):
             h, qk = text["num_attention_heads"], text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
-            sd[a + "q_a_proj.weight"] = rand(text["q_lora_rank"], hidden)
+            sd[a + "q_a_proj.weight"] = linear(text["q_lora_rank"], hidden)
             sd[a + "q_a_layernorm.weight"] = norm(text["q_lora_rank"])
-            sd[a + "q_b_proj.weight"] = rand(h * qk, text["q_lora_rank"])
-            sd[a + "kv_a_proj_with_mqa.weight"] = rand(text["kv_lora_rank"] + text["qk_rope_head_dim"], hidden)
+            sd[a + "q_b_proj.weight"] = linear(h * qk, text["q_lora_rank"])
+            sd[a + "kv_a_proj_with_mqa.weight"] = linear(text["kv_lora_rank"] + text["qk_rope_head_dim"], hidden)
             sd[a + "kv_a_layernorm.weight"] = norm(text["kv_lora_rank"])
-            sd[a + "kv_b_proj.weight"] = rand(h * (text["qk_nope_head_dim"] + text["v_head_dim"]), text["kv_lora_rank"])
-            sd[a + "g_proj.weight"] = rand(h * text["v_head_dim"], hidden)
-            sd[a + "o_proj.weight"] = rand(hidden, h * text["v_head_dim"])
+            sd[a + "kv_b_proj.weight"] = linear(h * (text["qk_nope_head_dim"] + text["v_head_dim"]), text["kv_lora_rank"])
+            sd[a + "g_proj.weight"] = linear(h * text["v_head_dim"], hidden)
+            sd[a + "o_proj.weight"] = linear(hidden, h * text["v_head_dim"], gain=0.4)
         else:
             for name in ("q", "k", "v"):
-                sd[a + f"{name}_proj.weight"] = rand(proj, hidden)
+                sd[a + f"{name}_proj.weight"] = linear(proj, hidden)
                 sd[a + f"{name}_conv1d.weight"] = rand(proj, 1, lin["short_conv_kernel_size"], std=0.4)
-            sd[a + "f_a_proj.weight"] = rand(head_dim, hidden)
-            sd[a + "f_b_proj.weight"] = rand(proj, head_dim, std=0.4)
+            sd[a + "f_a_proj.weight"] = linear(head_dim, hidden)
+            sd[a + "f_b_proj.weight"] = linear(proj, head_dim)
             sd[a + "dt_bias"] = rand(proj, std=0.5)
             a_log = torch.zeros(max(A_LOG_PADDED, heads))
             a_log[:heads] = rand(heads, std=0.7)
             sd[a + "A_log"] = a_log
-            sd[a + "b_proj.weight"] = rand(heads, hidden, std=0.3)
+            sd[a + "b_proj.weight"] = linear(heads, hidden)
             if lin.get("use_full_rank_gate"):
-                sd[a + "g_proj.weight"] = rand(proj, hidden)
+                sd[a + "g_proj.weight"] = linear(proj, hidden)
             else:
-                sd[a + "g_a_proj.weight"] = rand(head_dim, hidden)
-                sd[a + "g_b_proj.weight"] = rand(proj, head_dim)
+                sd[a + "g_a_proj.weight"] = linear(head_dim, hidden)
+                sd[a + "g_b_proj.weight"] = linear(proj, head_dim)
             sd[a + "o_norm.weight"] = norm(head_dim)
-            sd[a + "o_proj.weight"] = rand(hidden, proj)
+            sd[a + "o_proj.weight"] = linear(hidden, proj, gain=0.4)
         m = p + ("mlp." if layer < text["first_k_dense_replace"] else "block_sparse_moe.")
         if layer < text["first_k_dense_replace"]:
             inter = text["intermediate_size"]
-            sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"] = rand(inter, hidden), rand(inter, hidden)
-            sd[m + "down_proj.weight"] = rand(hidden, inter)
+            sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"] = linear(inter, hidden), linear(inter, hidden)
+            sd[m + "down_proj.weight"] = linear(hidden, inter)
             continue
         experts, latent, inter = text["num_experts"], text["routed_expert_hidden_size"], text["moe_intermediate_size"]
-        sd[m + "gate.weight"] = rand(experts, hidden, std=0.3)
+        sd[m + "gate.weight"] = linear(experts, hidden, gain=1.5)
         sd[m + "gate.e_score_correction_bias"] = rand(experts, std=0.05)
-        sd[m + "routed_expert_down_proj.weight"] = rand(latent, hidden)
+        sd[m + "routed_expert_down_proj.weight"] = linear(latent, hidden)
         if text.get("latent_moe_use_norm"):
             sd[m + "routed_expert_norm.weight"] = norm(latent)
-        sd[m + "routed_expert_up_proj.weight"] = rand(hidden, latent)
+        sd[m + "routed_expert_up_proj.weight"] = linear(hidden, latent)
         shared = inter * text["num_shared_experts"]
-        sd[m + "shared_experts.gate_proj.weight"] = rand(shared, hidden)
-        sd[m + "shared_experts.up_proj.weight"] = rand(shared, hidden)
-        sd[m + "shared_experts.down_proj.weight"] = rand(hidden, shared)
+        sd[m + "shared_experts.gate_proj.weight"] = linear(shared, hidden)
+        sd[m + "shared_experts.up_proj.weight"] = linear(shared, hidden)
+        sd[m + "shared_experts.down_proj.weight"] = linear(hidden, shared)
         for expert in range(experts):
             for name, shape in (("w1", (inter, latent)), ("w3", (inter, latent)), ("w2", (latent, inter))):
-                packed, scale = quantize_mxfp4(rand(*shape, std=0.3))
+                packed, scale = quantize_mxfp4(linear(*shape))
                 sd[f"{m}experts.{expert}.{name}.weight_packed"] = packed
                 sd[f"{m}experts.{expert}.{name}.weight_scale"] = scale
     return sd

@@ -37,18 +37,19 @@ def situ(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.T
 class K3Reference:
     """feed(token) -> logits [vocab] float64 of that position, keeping every layer's state."""
 
-    def __init__(self, config: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: dict[str, Any], state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> None:
         self.c = config["text_config"]
-        self.w = {k: v.double() if v.is_floating_point() else v for k, v in state_dict.items()}
+        self.dtype = dtype
+        self.w = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         c = self.c
         self.lin = c["linear_attn_config"]
         self.eps = c["rms_norm_eps"]
         self.is_mla = [(i + 1) in self.lin["full_attn_layers"] for i in range(c["num_hidden_layers"])]
         heads, dim = self.lin["num_heads"], self.lin["head_dim"]
         width = self.lin["short_conv_kernel_size"]
-        self.conv = {i: torch.zeros(width - 1, 3 * heads * dim, dtype=torch.float64)
+        self.conv = {i: torch.zeros(width - 1, 3 * heads * dim, dtype=dtype)
                      for i in range(c["num_hidden_layers"]) if not self.is_mla[i]}
-        self.state = {i: torch.zeros(heads, dim, dim, dtype=torch.float64) for i in self.conv}
+        self.state = {i: torch.zeros(heads, dim, dim, dtype=dtype) for i in self.conv}
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i, m in enumerate(self.is_mla) if m}
         self.experts: dict[tuple[str, int, str], torch.Tensor] = {}
 
@@ -118,7 +119,7 @@ class K3Reference:
         key = (m, e, name)
         if key not in self.experts:
             self.experts[key] = decode_mxfp4(self.w[f"{m}experts.{e}.{name}.weight_packed"],
-                                             self.w[f"{m}experts.{e}.{name}.weight_scale"])
+                                             self.w[f"{m}experts.{e}.{name}.weight_scale"]).to(self.dtype)
         return self.experts[key]
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
