@@ -51,6 +51,19 @@ TEXT_CONFIG: dict[str, Any] = {
 }
 
 
+# Kimi K3 as published (K3_SPEC section 1), as text_config overrides of k3_config() (no tensors: for shape and
+# size checks only).
+K3_REAL_TEXT = dict(
+    vocab_size=163840, hidden_size=7168, num_hidden_layers=93, num_attention_heads=96, num_key_value_heads=96,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    intermediate_size=33792, num_experts=896, num_experts_per_token=16, num_shared_experts=2,
+    moe_intermediate_size=3072, routed_expert_hidden_size=3584, attn_res_block_size=12, rms_norm_eps=1e-5,
+    max_position_embeddings=1048576,
+    linear_attn_config={"kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
+                        "full_attn_layers": [*range(4, 93, 4), 93], "num_heads": 96, "head_dim": 128},
+)
+
+
 def k3_config(**text_overrides: Any) -> dict[str, Any]:
     """The whole config.json (top level + text_config with overrides + vision_config)."""
     text = copy.deepcopy(TEXT_CONFIG)
