@@ -138,3 +138,16 @@ def test_registry_picks_config_class_and_rejects_unknown(tmp_path):
     with pytest.raises(ValueError, match="model_type 'llama'"):
         registry.load_config(tmp_path)
     assert registry.entry("deepseek_v3").config_class == ModelConfig.__name__
+
+
+def test_registry_builds_the_model_class(tmp_path):
+    """build_model returns the registered class for the checkpoint's model_type (no weights loaded)."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.distributed import TPGroup
+    from engine.models.kimi_linear import KimiLinearForCausalLM
+    from tests.engine.kimi_linear_models import make_kimi_checkpoint
+
+    model_dir = make_kimi_checkpoint(tmp_path, "base")
+    config = registry.load_config(model_dir)
+    model = registry.build_model(model_dir, config, TPGroup(), TorchAttentionBackend(), torch.float32)
+    assert type(model) is KimiLinearForCausalLM and model.config is config
