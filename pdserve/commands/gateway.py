@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from pdserve.commands.common import DEFAULT_GATEWAY, add_model_arguments, fail
-from pdserve.logging_setup import configure_logging
+from rpc.logging_setup import configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("gateway", 0, args.log_level)
     from gateway.config import GatewayConfig
     from gateway.server import serve
-    from pdserve import serving
+    from rpc.server import run as run_event_loop
 
     if not Path(args.model, "config.json").is_file():
         return fail("gateway", f"model directory {args.model!r} has no config.json")
@@ -35,5 +35,5 @@ def run(args: argparse.Namespace) -> int:
                                admission_timeout_s=args.admission_timeout)
     except ValueError as error:
         return fail("gateway", error)
-    serving.run(lambda: serve(config, ready_file=args.ready_file))
+    run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

@@ -9,7 +9,7 @@ import sys
 import threading
 
 from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_MODEL_DIR, fail
-from pdserve.logging_setup import configure_logging
+from rpc.logging_setup import configure_logging
 
 logger = logging.getLogger("pdserve.up")
 
@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, help="draft directory ('' disables speculative decoding)")
     parser.add_argument("--kv-memory-mb", type=int, default=None, help="KV pool per decode rank (MiB)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker rank")
+    parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
+                        help="every worker rank loads a private copy of the weights (default: one copy per node)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for everything to be healthy")
 
 
@@ -36,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     worker_args: tuple[str, ...] = ()
     if args.num_threads is not None:
         worker_args += ("--num-threads", str(args.num_threads))
+    if not args.share_weights:
+        worker_args += ("--no-shared-weights",)
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
     try:
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,

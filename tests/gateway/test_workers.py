@@ -8,8 +8,8 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.workers import WorkerPool
-from pdserve.grpc_errors import ResourceExhausted, Unavailable
-from pdserve.v1 import kv_pb2
+from rpc.status import ResourceExhausted, Unavailable
+from rpc.internal.v1 import kv_pb2, worker_pb2
 
 
 def _error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -28,7 +28,7 @@ class _FakeDecode:
         outcome = self.script.pop(0) if self.script else None
         if outcome is not None:
             raise _error(outcome)
-        return kv_pb2.KVDestination(request_id=request.request_id, page_ids=[1, 2])
+        return worker_pb2.ReserveResponse(destination=kv_pb2.KVDestination(request_id=request.request_id, page_ids=[1, 2]))
 
 
 async def _pool(scripts, admission_timeout_s=5.0) -> tuple[WorkerPool, list[_FakeDecode]]:
