@@ -14,10 +14,13 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.kernels.fp8_quant import FP8_DTYPES, dequantize_fp8_block, quantize_fp8_block
+
+__all__ = ["FP8_DTYPES", "checkpoint_files", "dequantize_fp8_block", "expected_weight_shapes",
+           "format_weight_errors", "is_mtp_weight", "iter_checkpoint", "quantize_fp8_block"]
 
 logger = logging.getLogger(__name__)
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
@@ -26,30 +29,6 @@ def is_mtp_weight(name: str, num_hidden_layers: int) -> bool:
     """Multi-token-prediction layers are stored as layers num_hidden_layers and up; the engine skips them."""
     match = _LAYER_INDEX.match(name)
     return match is not None and int(match.group(1)) >= num_hidden_layers
-
-
-def dequantize_fp8_block(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """weight: [rows, cols] fp8, scale_inv: [ceil(rows/bn), ceil(cols/bk)] -> weight * scale per block, in dtype."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
-    return (weight.float() * scale).to(dtype)
-
-
-def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight: [rows, cols] -> (e4m3 weight [rows, cols], float32 scale_inv [ceil(rows/bn), ceil(cols/bk)])
-    with each block scaled so its largest magnitude maps to the e4m3 maximum."""
-    rows, cols = weight.shape
-    bn, bk = block
-    grid = (-(-rows // bn), -(-cols // bk))
-    padded = torch.zeros(grid[0] * bn, grid[1] * bk, dtype=torch.float32)
-    padded[:rows, :cols] = weight.float()
-    blocks = padded.view(grid[0], bn, grid[1], bk)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
-    quantised = (blocks / scale_inv[:, None, :, None]).view_as(padded)[:rows, :cols]
-    return quantised.to(torch.float8_e4m3fn), scale_inv
 
 
 def _split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,49 @@
+"""FP8 (e4m3) block quantisation maths in plain torch: 128x128 weight blocks (DeepSeek-V3's checkpoint
+format) and 1 x group activation groups per token. Pure functions, device-agnostic."""
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """weight: [rows, cols] fp8, scale_inv: [ceil(rows/bn), ceil(cols/bk)] -> weight * scale per block, in dtype."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return (weight.float() * scale).to(dtype)
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight: [rows, cols] -> (e4m3 weight [rows, cols], float32 scale_inv [ceil(rows/bn), ceil(cols/bk)])
+    with each block scaled so its largest magnitude maps to the e4m3 maximum."""
+    rows, cols = weight.shape
+    bn, bk = block
+    grid = (-(-rows // bn), -(-cols // bk))
+    padded = torch.zeros(grid[0] * bn, grid[1] * bk, dtype=torch.float32, device=weight.device)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(grid[0], bn, grid[1], bk)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / E4M3_MAX
+    quantised = (blocks / scale_inv[:, None, :, None]).view_as(padded)[:rows, :cols]
+    return quantised.to(torch.float8_e4m3fn), scale_inv
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] -> (e4m3 [M, K], float32 scale [M, ceil(K/group)]), each token's group of `group` values
+    scaled so its largest magnitude maps to the e4m3 maximum (x ~= quantised * scale)."""
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=x.device)
+    padded[:, :cols] = x.float()
+    scale = padded.view(rows, groups, group).abs().amax(dim=2).clamp(min=1e-12) / E4M3_MAX
+    quantised = (padded.view(rows, groups, group) / scale[:, :, None]).view(rows, -1)[:, :cols]
+    return quantised.to(torch.float8_e4m3fn).contiguous(), scale
+
+
+def dequantize_per_token_group(quantised: torch.Tensor, scale: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """[M, K] fp8 and [M, ceil(K/group)] scales -> [M, K] float32."""
+    return quantised.float() * scale.repeat_interleave(group, dim=1)[:, : quantised.shape[1]]
