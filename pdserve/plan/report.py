@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from pdserve.plan.gpus import GB
+from pdserve.plan.heads import HeadPlan
 from pdserve.plan.result import CapacityPlan
 
 
@@ -13,6 +14,15 @@ def _gb(value: float) -> str:
 
 def _params(count: int) -> str:
     return f"{count / 1e12:.2f}T" if count >= 1e12 else f"{count / 1e9:.1f}B"
+
+
+def _padding_note(heads: HeadPlan) -> str:
+    if heads.padded_heads is None:
+        return ", more than AITER MLA decode runs (triton / torch backend decodes it)"
+    if heads.padding_applies:
+        return (f" -> padded to {heads.padded_heads} for AITER MLA decode "
+                f"(+{heads.padding_overhead:.0%} attention compute)")
+    return ", no padding needed"
 
 
 def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
@@ -41,10 +51,7 @@ def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
                          f"{model['kv_lora_rank'] + model['rope_dim']} latent values)"),
         ("KV tokens", f"{kv['tokens_per_gpu']:,} per GPU (= per replica: every TP rank holds the whole latent)"),
         ("sequences", f"{kv['concurrent_sequences']:,} concurrent at {kv['context_len']:,} tokens of context"),
-        ("heads / rank", f"{heads.heads_per_rank} ({heads.heads} / TP{heads.tp_size})"
-                         + (f" -> padded to {heads.padded_heads} for AITER MLA decode "
-                            f"(+{heads.padding_overhead:.0%} attention compute)" if heads.padding_applies
-                            else ", no padding needed")),
+        ("heads / rank", f"{heads.heads_per_rank} ({heads.heads} / TP{heads.tp_size})" + _padding_note(heads)),
     ]
     for kernel in heads.kernels:
         runs = "unsupported" if kernel.runs_heads is None else (
