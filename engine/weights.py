@@ -78,9 +78,11 @@ def iter_checkpoint(
     num_hidden_layers: int | None = None,
     dequant_dtype: torch.dtype = torch.float32,
     skip: Callable[[str], bool] | None = None,
+    keep_fp8: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, full tensor) in file order. FP8 weights come out dequantised (their
-    weight_scale_inv is consumed); layers >= num_hidden_layers (MTP) are dropped when it is given.
+    weight_scale_inv is consumed), or with keep_fp8 as stored, each followed by its `<name>_scale_inv`
+    (for engine.layers.fp8_linear on a GPU); layers >= num_hidden_layers (MTP) are dropped when it is given.
     Names for which skip(name) is true are not read: they come out as "meta" tensors of the stored
     shape (e.g. experts another rank owns), so shape checks still see them."""
     model_dir = Path(model_dir)
@@ -111,6 +113,10 @@ def iter_checkpoint(
                 scale_name = name + "_scale_inv"
                 if scale_name not in files:
                     raise ValueError(f"FP8 tensor {name} has no {scale_name}")
+                if keep_fp8:
+                    yield name, tensor
+                    yield scale_name, read(scale_name)
+                    continue
                 tensor = dequantize_fp8_block(tensor, read(scale_name), block, dequant_dtype)
             yield from _split_fused_experts(name, tensor)
 
