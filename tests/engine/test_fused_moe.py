@@ -96,6 +96,33 @@ def test_fused_kernel_matches_the_loop_in_the_interpreter(case):
     torch.testing.assert_close(out, moe_loop(*args), rtol=1e-4, atol=1e-5)
 
 
+def _fp8_experts(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, rows, cols] -> (e4m3 [E, rows, cols], scale_inv [E, ceil(rows/bn), ceil(cols/bk)], dequantised)."""
+    from engine.kernels.fp8_quant import dequantize_fp8_block, quantize_fp8_block
+
+    pairs = [quantize_fp8_block(expert, block) for expert in weight]
+    quantised = torch.stack([q for q, _ in pairs])
+    scales = torch.stack([s for _, s in pairs])
+    return quantised, scales, torch.stack([dequantize_fp8_block(q, s, block) for q, s in pairs])
+
+
+def test_fused_kernel_with_fp8_experts_matches_the_dequantised_loop():
+    """FP8 expert weights with block scales, dequantised tile by tile inside the K loop, give the loop's
+    output over the dequantised experts (hidden 40: ragged K blocks; gate and up in separate scale rows)."""
+    from engine.kernels.fused_moe import fused_moe
+
+    x, gate_up, down, weights, ids = _case(7, 40, 32, 4, 2, seed=11, foreign=True)
+    block = (16, 16)
+    gate_up_q, gate_up_s, gate_up_d = _fp8_experts(gate_up, block)
+    down_q, down_s, down_d = _fp8_experts(down, block)
+    out = fused_moe(x, gate_up_q, down_q, weights, ids, block_m=16, block_n=16, block_k=16,
+                    gate_up_scale=gate_up_s, down_scale=down_s, quant_block=block)
+    torch.testing.assert_close(out, moe_loop(x, gate_up_d, down_d, weights, ids), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="scale"):
+        fused_moe(x, gate_up_q, down_q, weights, ids, gate_up_scale=gate_up_s[:, :1], down_scale=down_s,
+                  quant_block=block)
+
+
 def test_fused_kernel_rejects_mismatched_shapes():
     """Disagreeing expert shapes are a ValueError naming them, not a kernel fault."""
     from engine.kernels.fused_moe import fused_moe
