@@ -16,7 +16,7 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.kernels.fp8_quant import FP8_DTYPES, dequantize_fp8_block, quantize_fp8_block
 
-__all__ = ["FP8_DTYPES", "checkpoint_files", "dequantize_fp8_block", "expected_weight_shapes",
+__all__ = ["FP8_DTYPES", "checkpoint_block_size", "checkpoint_files", "stored_fp8_names", "dequantize_fp8_block", "expected_weight_shapes",
            "format_weight_errors", "is_mtp_weight", "iter_checkpoint", "quantize_fp8_block"]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,20 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
         with safe_open(str(file), framework="pt") as f:
             out.update({name: file for name in f.keys()})
     return out
+
+
+def stored_fp8_names(model_dir: str | Path) -> set[str]:
+    """Names of the tensors a checkpoint stores in FP8 (from the safetensors headers; nothing is read)."""
+    names: set[str] = set()
+    for file in sorted(set(checkpoint_files(model_dir).values())):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(name for name in f.keys() if f.get_slice(name).get_dtype().startswith("F8"))
+    return names
+
+
+def checkpoint_block_size(model_dir: str | Path) -> tuple[int, int]:
+    """quantization_config.weight_block_size of config.json (DeepSeek's 128x128 when absent)."""
+    return _block_size(Path(model_dir))
 
 
 def _block_size(model_dir: Path) -> tuple[int, int]:

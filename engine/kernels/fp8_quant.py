@@ -11,9 +11,11 @@ E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 def dequantize_fp8_block(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """weight: [rows, cols] fp8, scale_inv: [ceil(rows/bn), ceil(cols/bk)] -> weight * scale per block, in dtype."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    """weight: [..., rows, cols] fp8, scale_inv: [..., ceil(rows/bn), ceil(cols/bk)] -> weight * scale per
+    block, in dtype (leading dims: stacked experts)."""
+    rows, cols = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
     return (weight.float() * scale).to(dtype)
 
 

@@ -92,6 +92,10 @@ class Fp8Linear(nn.Module):
         """Copies this rank's shard of the full checkpoint weight [out, in] (fp8) and its scale_inv."""
         if tuple(weight.shape) != self.full_shape:
             raise ValueError(f"FP8 weight {tuple(weight.shape)} does not match the layer's {self.full_shape}")
+        blocks = (-(-weight.shape[0] // self.block[0]), -(-weight.shape[1] // self.block[1]))
+        if tuple(scale_inv.shape) != blocks:
+            raise ValueError(f"FP8 weight_scale_inv {tuple(scale_inv.shape)} does not tile {tuple(weight.shape)} "
+                             f"in {self.block} blocks (expected {blocks})")
         (r0, r1), (c0, c1) = self.out_range, self.in_range
         scale = shard_block_scale(shard_block_scale(scale_inv, r0, r1, 0, self.block[0]), c0, c1, 1, self.block[1])
         self.weight.data.copy_(weight[r0:r1, c0:c1])

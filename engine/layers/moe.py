@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
+from engine.kernels.fp8_quant import dequantize_fp8_block
 from engine.kernels.moe_paths import fused_moe_available, moe_function
 from engine.kernels.moe_torch import use_dense_moe
 from engine.layers.mlp import DenseMLP
@@ -102,12 +103,39 @@ class RoutedExperts(nn.Module):
         hidden = self.gate_up_proj.shape[2]
         return "dense" if use_dense_moe(num_tokens, self.num_local, hidden, self.intermediate_size) else "grouped"
 
+    fp8_block: tuple[int, int] | None = None  # set by keep_fp8
+
+    def keep_fp8(self, block: tuple[int, int]) -> None:
+        """Holds the experts as FP8 (e4m3) with block scales gate_up_scale_inv [E, 2I/bn, H/bk] and
+        down_scale_inv [E, H/bn, I/bk] (the checkpoint's format) instead of dequantising them."""
+        if self.intermediate_size % block[0]:
+            raise ValueError(f"FP8 experts: intermediate size {self.intermediate_size} must be a multiple of the "
+                             f"{block[0]}-row quantisation block (gate and up halves keep separate scales)")
+        device = self.gate_up_proj.device
+        for name in ("gate_up_proj", "down_proj"):
+            shape = getattr(self, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
+                                             requires_grad=False))
+            scale_shape = (shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1]))
+            setattr(self, name.replace("_proj", "_scale_inv"), nn.Parameter(
+                torch.empty(scale_shape, dtype=torch.float32, device=device), requires_grad=False))
+        self.fp8_block = block
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, path: str | None = None) -> torch.Tensor:
         """x: [T, hidden], weights/ids: [T, k] -> [T, hidden] float32, the sum over this rank's experts only.
 
         path: force "fused", "dense", "grouped" or "loop" (tests, benchmarks); None chooses."""
         path = path or self.choose_path(x.shape[0], x.device)
-        return moe_function(path)(x, self.gate_up_proj, self.down_proj, weights, ids - self.expert_start)
+        local_ids = ids - self.expert_start
+        if self.fp8_block is None:
+            return moe_function(path)(x, self.gate_up_proj, self.down_proj, weights, local_ids)
+        if path == "fused":
+            return moe_function(path)(x, self.gate_up_proj, self.down_proj, weights, local_ids,
+                                      gate_up_scale=self.gate_up_scale_inv, down_scale=self.down_scale_inv,
+                                      quant_block=self.fp8_block)
+        gate_up = dequantize_fp8_block(self.gate_up_proj, self.gate_up_scale_inv, self.fp8_block, x.dtype)
+        down = dequantize_fp8_block(self.down_proj, self.down_scale_inv, self.fp8_block, x.dtype)
+        return moe_function(path)(x, gate_up, down, weights, local_ids)
 
 
 class MoE(nn.Module):

@@ -80,3 +80,47 @@ def test_block_splitting_shards_and_bad_shapes_are_refused():
         _layer("replicated").load_full(quantised[:32], scale_inv[:2])
     with pytest.raises(ValueError, match="parallel"):
         Fp8Linear(IN, OUT, TPGroup(), "diagonal")
+
+
+def test_fp8_checkpoint_kept_fp8_runs_like_the_dequantised_model(tiny_checkpoint, tmp_path: Path):
+    """load_model(keep_fp8=True) on an FP8 checkpoint holds its linears as Fp8Linear and its routed experts
+    as e4m3 + block scales (kv_b_proj dequantised: MLA absorbs it), and gives the logits of the same
+    checkpoint dequantised on load (the CPU path)."""
+    import shutil
+
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.config import ModelConfig
+    from engine.forward_batch import ForwardMode
+    from engine.layers.linear import ColumnParallelLinear
+    from engine.models.deepseek_v3 import load_model
+    from tests.engine.tiny_models import PagedRunner
+
+    source = tiny_checkpoint("yarn")
+    config = ModelConfig.from_pretrained(source)
+    tensors = dict(iter_checkpoint(source, config.num_hidden_layers))
+    stored = {}
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2 and not any(part in name for part in ("embed_tokens", "lm_head", ".gate.")):
+            stored[name], stored[name + "_scale_inv"] = quantize_fp8_block(tensor, BLOCK)
+        else:
+            stored[name] = tensor
+    checkpoint = tmp_path / "fp8"
+    checkpoint.mkdir()
+    save_file({name: tensor.contiguous() for name, tensor in stored.items()}, str(checkpoint / "model.safetensors"))
+    hf_config = json.loads((source / "config.json").read_text())
+    hf_config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
+    (checkpoint / "config.json").write_text(json.dumps(hf_config))
+    for extra in source.glob("tokenizer*"):
+        shutil.copy(extra, checkpoint / extra.name)
+
+    _, kept = load_model(checkpoint, TPGroup(), TorchAttentionBackend(), torch.float32, keep_fp8=True)
+    _, dequantised = load_model(checkpoint, TPGroup(), TorchAttentionBackend(), torch.float32)
+    layer = kept.model.layers[config.num_hidden_layers - 1]
+    assert isinstance(layer.self_attn.o_proj, Fp8Linear) and isinstance(layer.mlp.shared_experts.gate_proj, Fp8Linear)
+    assert type(layer.self_attn.kv_b_proj) is ColumnParallelLinear
+    assert layer.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert not any(isinstance(module, Fp8Linear) for module in dequantised.modules())
+    tokens = [(5 * i) % config.vocab_size for i in range(19)]
+    logits_kept, _ = PagedRunner(kept, config).step(ForwardMode.EXTEND, [(0, tokens)])
+    logits_plain, _ = PagedRunner(dequantised, config).step(ForwardMode.EXTEND, [(0, tokens)])
+    torch.testing.assert_close(logits_kept, logits_plain, rtol=1e-4, atol=1e-4)
