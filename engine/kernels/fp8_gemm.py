@@ -7,8 +7,8 @@ per token and 128-wide K group (x_scale [M, ceil(K/128)]), in which case the FP8
 tile is scaled by x_scale[m] * w_scale[n] before it is added to the fp32 accumulator. BLOCK_K divides the
 quantisation block, so one K tile never straddles two scales.
 
-fp8_gemm_reference is the torch oracle (dequantise, then an fp32 matmul); fp8_block_gemm is the Triton
-kernel (GPU, or CPU under TRITON_INTERPRET=1); engine.layers.fp8_linear picks between them and
+engine.kernels.fp8_quant.fp8_gemm_reference is the torch oracle (dequantise, then an fp32 matmul);
+fp8_block_gemm here is the Triton kernel (GPU, or CPU under TRITON_INTERPRET=1); engine.layers.fp8_linear picks between them and
 torch._scaled_mm.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.fp8_quant import dequantize_fp8_block, dequantize_per_token_group, quantize_per_token_group
+from engine.kernels.fp8_quant import check_fp8_gemm_shapes, quantize_per_token_group
 
 
 @triton.jit
@@ -56,34 +56,11 @@ def fp8_block_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
-    rows, cols = weight.shape
-    if x.shape[-1] != cols:
-        raise ValueError(f"fp8 GEMM: x has {x.shape[-1]} input features, weight {tuple(weight.shape)} wants {cols}")
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale_inv.shape) != grid:
-        raise ValueError(f"fp8 GEMM: weight_scale_inv {tuple(scale_inv.shape)} should be {grid} for weight "
-                         f"{tuple(weight.shape)} in {block[0]}x{block[1]} blocks")
-
-
-def fp8_gemm_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                       block: tuple[int, int] = (128, 128), act_fp8: bool = False) -> torch.Tensor:
-    """x [..., K], weight [N, K] fp8, scale_inv [ceil(N/bn), ceil(K/bk)] -> [..., N] in x.dtype (fp32 maths).
-    act_fp8: x goes through per-token-group FP8 quantisation first (group = bk), as the kernel's FP8 mode."""
-    _check(x, weight, scale_inv, block)
-    flat = x.reshape(-1, x.shape[-1])
-    if act_fp8:
-        quantised, scale = quantize_per_token_group(flat, block[1])
-        flat = dequantize_per_token_group(quantised, scale, block[1])
-    out = flat.float() @ dequantize_fp8_block(weight, scale_inv, block).T
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-
-
 def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                    block: tuple[int, int] = (128, 128), act_fp8: bool = False, block_m: int = 32,
                    block_n: int = 64, block_k: int | None = None) -> torch.Tensor:
     """The Triton kernel with fp8_gemm_reference's contract. block_k (default min(bk, 128)) must divide bk."""
-    _check(x, weight, scale_inv, block)
+    check_fp8_gemm_shapes(x, weight, scale_inv, block)
     block_k = block_k or min(block[1], 128)
     if block[1] % block_k or block_k < 16:
         raise ValueError(f"fp8 GEMM: BLOCK_K {block_k} must be >= 16 and divide the quantisation block {block[1]}")

@@ -1,5 +1,6 @@
-"""FP8 (e4m3) block quantisation maths in plain torch: 128x128 weight blocks (DeepSeek-V3's checkpoint
-format) and 1 x group activation groups per token. Pure functions, device-agnostic."""
+"""FP8 (e4m3) maths in plain torch: 128x128 weight blocks (DeepSeek-V3's checkpoint format), 1 x group
+activation groups per token, and the block-scaled GEMM reference that the Triton kernel
+(engine.kernels.fp8_gemm) is tested against. Pure functions, device-agnostic, no triton."""
 from __future__ import annotations
 
 import torch
@@ -49,3 +50,27 @@ def quantize_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.T
 def dequantize_per_token_group(quantised: torch.Tensor, scale: torch.Tensor, group: int = 128) -> torch.Tensor:
     """[M, K] fp8 and [M, ceil(K/group)] scales -> [M, K] float32."""
     return quantised.float() * scale.repeat_interleave(group, dim=1)[:, : quantised.shape[1]]
+
+
+def check_fp8_gemm_shapes(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    """ValueError unless x [..., K] meets weight [N, K] and scale_inv tiles the weight in `block` blocks."""
+    rows, cols = weight.shape
+    if x.shape[-1] != cols:
+        raise ValueError(f"fp8 GEMM: x has {x.shape[-1]} input features, weight {tuple(weight.shape)} wants {cols}")
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"fp8 GEMM: weight_scale_inv {tuple(scale_inv.shape)} should be {grid} for weight "
+                         f"{tuple(weight.shape)} in {block[0]}x{block[1]} blocks")
+
+
+def fp8_gemm_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                       block: tuple[int, int] = (128, 128), act_fp8: bool = False) -> torch.Tensor:
+    """x [..., K], weight [N, K] fp8, scale_inv [ceil(N/bn), ceil(K/bk)] -> [..., N] in x.dtype (fp32 maths).
+    act_fp8: x goes through per-token-group FP8 quantisation first (group = bk), as the kernel's FP8 mode."""
+    check_fp8_gemm_shapes(x, weight, scale_inv, block)
+    flat = x.reshape(-1, x.shape[-1])
+    if act_fp8:
+        quantised, scale = quantize_per_token_group(flat, block[1])
+        flat = dequantize_per_token_group(quantised, scale, block[1])
+    out = flat.float() @ dequantize_fp8_block(weight, scale_inv, block).T
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])

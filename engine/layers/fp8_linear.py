@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from engine.distributed import TPGroup
-from engine.kernels.fp8_gemm import fp8_gemm_reference
-from engine.kernels.fp8_quant import quantize_per_token_group
+from engine.kernels.fp8_quant import fp8_gemm_reference, quantize_per_token_group
 
 logger = logging.getLogger(__name__)
 

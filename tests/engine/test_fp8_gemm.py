@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.fp8_gemm import fp8_block_gemm, fp8_gemm_reference
+from engine.kernels.fp8_gemm import fp8_block_gemm
 from engine.kernels.fp8_quant import (
     dequantize_fp8_block,
     dequantize_per_token_group,
+    fp8_gemm_reference,
     quantize_fp8_block,
     quantize_per_token_group,
 )
