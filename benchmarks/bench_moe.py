@@ -12,7 +12,7 @@ time (with --threads 1 that is the work a path costs, whatever the neighbours on
 wall time is shown beside it. Every path's output is checked against the loop
 first. GPU goal (issue 12): fused >= 3x the per-expert loop at 64 experts, top-6, batch 64.
 
-Run: .venv/bin/python benchmarks/bench_moe.py [--device cpu|cuda] [--shapes tiny,85m,e64] [--json out.json]
+Run: .venv/bin/python benchmarks/bench_moe.py [--device cpu|cuda] [--shapes tiny,85m,e64] [--fp8] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import Table, goal_line, interleave, machine_description
+from engine.kernels.fp8_quant import dequantize_fp8_block, quantize_fp8_block
 from engine.kernels.moe_torch import moe_dense, moe_grouped, moe_loop, use_dense_moe
 
 SHAPES = {"tiny": (192, 128, 8, 2), "85m": (1024, 512, 8, 2), "e64": (2048, 256, 64, 6)}
@@ -43,12 +44,30 @@ def make_case(shape: str, tokens: int, device: torch.device, dtype: torch.dtype,
     return x, gate_up, down, weights.to(device), ids.to(device)
 
 
-def paths(device: torch.device) -> dict[str, Callable]:
+def fp8_experts(case: tuple) -> tuple[tuple, dict[str, torch.Tensor]]:
+    """The case with its experts rounded to 128x128-block FP8 (so every path sees the same weights) and
+    the FP8 tensors + scales the fused FP8 path reads."""
+    x, gate_up, down, weights, ids = case
+    stored: dict[str, torch.Tensor] = {}
+    rounded = []
+    for name, tensor in (("gate_up", gate_up), ("down", down)):
+        pairs = [quantize_fp8_block(expert) for expert in tensor]
+        stored[name] = torch.stack([q for q, _ in pairs])
+        stored[name + "_scale"] = torch.stack([scale for _, scale in pairs])
+        rounded.append(dequantize_fp8_block(stored[name], stored[name + "_scale"], dtype=tensor.dtype))
+    return (x, rounded[0], rounded[1], weights, ids), stored
+
+
+def paths(device: torch.device, fp8: dict[str, torch.Tensor] | None) -> dict[str, Callable]:
     found: dict[str, Callable] = {"loop": moe_loop, "grouped": moe_grouped, "dense": moe_dense}
     if device.type == "cuda":
         from engine.kernels.fused_moe import fused_moe
 
         found["fused"] = fused_moe
+        if fp8 is not None:
+            found["fused-fp8"] = lambda x, gate_up, down, weights, ids: fused_moe(
+                x, fp8["gate_up"], fp8["down"], weights, ids, gate_up_scale=fp8["gate_up_scale"],
+                down_scale=fp8["down_scale"])
     return found
 
 
@@ -73,8 +92,10 @@ def bench_shape(args, shape: str, device: torch.device, dtype: torch.dtype) -> l
                   ["tokens", "path", "wall ms", "cpu ms", f"{key} spread", "vs loop", "vs grouped", "dense?"])
     rows = []
     for tokens in args.tokens:
-        case = make_case(shape, tokens, device, dtype, args.seed)
-        chosen = {name: fn for name, fn in paths(device).items()
+        case, fp8 = make_case(shape, tokens, device, dtype, args.seed), None
+        if args.fp8 and device.type == "cuda":
+            case, fp8 = fp8_experts(case)
+        chosen = {name: fn for name, fn in paths(device, fp8).items()
                   if name != "dense" or tokens * experts * 3 * hidden * inter <= DENSE_LIMIT_MACS}
         reference = moe_loop(*case)
         for name, function in chosen.items():
@@ -115,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="what the ratios compare: wall time (GPU default) or this process's CPU time (CPU "
                              "default: on a shared machine it is what the path costs, not what the neighbours do)")
     parser.add_argument("--tolerance", type=float, default=None)
+    parser.add_argument("--fp8", action="store_true", help="GPU: also time the fused path on FP8 experts (128x128 "
+                                                            "block scales; every path then uses FP8-rounded weights)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
