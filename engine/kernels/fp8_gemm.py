@@ -8,8 +8,8 @@ tile is scaled by x_scale[m] * w_scale[n] before it is added to the fp32 accumul
 quantisation block, so one K tile never straddles two scales.
 
 engine.kernels.fp8_quant.fp8_gemm_reference is the torch oracle (dequantise, then an fp32 matmul);
-fp8_block_gemm here is the Triton kernel (GPU, or CPU under TRITON_INTERPRET=1); engine.layers.fp8_linear picks between them and
-torch._scaled_mm.
+fp8_block_gemm here is the Triton kernel (GPU, or CPU under TRITON_INTERPRET=1); engine.layers.fp8_linear
+picks between them and torch._scaled_mm.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dot_precision
 from engine.kernels.fp8_quant import check_fp8_gemm_shapes, quantize_per_token_group
 
 
@@ -25,7 +26,7 @@ def fp8_block_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk,
     stride_cm, stride_cn,
-    QUANT_N: tl.constexpr, QUANT_K: tl.constexpr, ACT_FP8: tl.constexpr,
+    QUANT_N: tl.constexpr, QUANT_K: tl.constexpr, ACT_FP8: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c[m, n] = sum_k a[m, k] * b[n, k] * b_scale[n // QUANT_N, k // QUANT_K] (* a_scale[m, k // QUANT_K])."""
@@ -49,7 +50,7 @@ def fp8_block_gemm_kernel(
             acc += tl.dot(a, b, out_dtype=tl.float32) * a_scale[:, None] * b_scale[None, :]
         else:
             b_dequant = (b.to(tl.float32) * b_scale[None, :]).to(a.dtype)
-            acc += tl.dot(a, b_dequant, out_dtype=tl.float32)
+            acc += tl.dot(a, b_dequant, out_dtype=tl.float32, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
@@ -76,6 +77,7 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
         a, a_scale, weight, scale_inv, out, rows, cols, flat.shape[1],
         a.stride(0), a.stride(1), a_scale.stride(0), a_scale.stride(1), weight.stride(0), weight.stride(1),
         scale_inv.stride(0), scale_inv.stride(1), out.stride(0), out.stride(1),
-        QUANT_N=block[0], QUANT_K=block[1], ACT_FP8=act_fp8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        QUANT_N=block[0], QUANT_K=block[1], ACT_FP8=act_fp8, PRECISION=dot_precision(a.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return out.view(*x.shape[:-1], cols)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dot_precision
 from engine.kernels.moe_align import AlignedRouting, align_by_expert
 
 
@@ -27,7 +28,8 @@ def grouped_gemm_kernel(
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, gate_offset,
     stride_se, stride_sn, stride_sk,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr, QUANT_N: tl.constexpr,
-    QUANT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c[slot, n] = (a[slot // a_row_divisor] @ b[expert].T)[n] for the BLOCK_M slots of one row block.
 
@@ -59,13 +61,13 @@ def grouped_gemm_kernel(
         if B_SCALED:
             scale = tl.load(scale_ptrs + (k_start // QUANT_K) * stride_sk, mask=n_ok, other=0.0)
             b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
-        acc += tl.dot(a, b, out_dtype=tl.float32)
+        acc += tl.dot(a, b, out_dtype=tl.float32, input_precision=PRECISION)
         if GATED:
             b_up = tl.load(b_ptrs + gate_offset * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if B_SCALED:
                 up_scale = tl.load(up_scale_ptrs + (k_start // QUANT_K) * stride_sk, mask=n_ok, other=0.0)
                 b_up = (b_up.to(tl.float32) * up_scale[None, :]).to(a.dtype)
-            acc_up += tl.dot(a, b_up, out_dtype=tl.float32)
+            acc_up += tl.dot(a, b_up, out_dtype=tl.float32, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
@@ -93,7 +95,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, routing: AlignedR
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1), n,
         scales.stride(0), scales.stride(1), scales.stride(-1),
         GATED=gated, MUL_WEIGHT=weights is not None, B_SCALED=scale is not None, QUANT_N=quant_block[0],
-        QUANT_K=quant_block[1], BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        QUANT_K=quant_block[1], PRECISION=dot_precision(a.dtype), BLOCK_M=routing.block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
 
 
@@ -124,7 +127,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     _check_scales("down", down, down_scale, quant_block)
     if gate_up_scale is not None or down_scale is not None:
         if (two_inter // 2) % quant_block[0]:
-            raise ValueError(f"fused_moe: FP8 gate/up halves of {two_inter // 2} rows straddle a {quant_block[0]}-row scale block")
+            raise ValueError(f"fused_moe: FP8 gate/up halves of {two_inter // 2} rows straddle a "
+                             f"{quant_block[0]}-row scale block")
         block_k = min(block_k, quant_block[1])
         if quant_block[1] % block_k:
             raise ValueError(f"fused_moe: BLOCK_K {block_k} must divide the quantisation block {quant_block[1]}")
