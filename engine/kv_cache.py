@@ -60,10 +60,12 @@ class CacheShape:
 class PagedLatentCache:
     """Views over one flat buffer (local memory or a shared-memory segment): target then draft pages."""
 
-    def __init__(self, shape: CacheShape, buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, shape: CacheShape, buffer: torch.Tensor | None = None, device: torch.device | str = "cpu"
+    ) -> None:
         total = shape.target_numel + shape.draft_numel
         if buffer is None:
-            buffer = torch.zeros(total, dtype=shape.dtype)
+            buffer = torch.zeros(total, dtype=shape.dtype, device=device)
         if buffer.numel() < total or buffer.dtype != shape.dtype:
             raise ValueError(f"cache buffer of {buffer.numel()} {buffer.dtype} cannot hold {total} {shape.dtype}")
         self.shape = shape

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.devices import serving_device
 from engine.llm_engine import EngineConfig
 
 
@@ -17,13 +18,16 @@ class PrefillWorkerConfig:
     tp_size: int = 1
     draft_model_dir: str | None = None
     attention_backend: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"
     page_size: int = 16
     kv_memory_bytes: int = 256 * 2**20
     max_batched_tokens: int = 2048
     batch_tokens: int = 2048
     spec_block_size: int = 8
     num_threads: int | None = None
+    device: str = "auto"
+    gpus: tuple[int, ...] | None = None
+    use_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not self.listen or ":" not in self.listen:
@@ -37,4 +41,5 @@ class PrefillWorkerConfig:
             draft_model_dir=self.draft_model_dir, spec_block_size=self.spec_block_size, page_size=self.page_size,
             kv_memory_bytes=self.kv_memory_bytes, max_batched_tokens=self.max_batched_tokens, kv_pool="local",
             num_threads=self.num_threads,
+            device=serving_device(self.device), gpus=self.gpus, use_graphs=self.use_graphs,
         )

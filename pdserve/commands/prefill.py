@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = PrefillWorkerConfig(listen=args.listen, batch_tokens=args.batch_tokens, **engine_kwargs(args))
-        config.engine_config()
+        config.engine_config()  # device checks included: --device cuda without a GPU is an error here
     except ValueError as error:
         return fail("prefill", error)
     serving.run(lambda: serve(config, ready_file=args.ready_file))
