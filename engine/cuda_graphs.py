@@ -52,10 +52,12 @@ class CudaGraphRunner:
         self.scratch_page = runner.config.num_pages - 1
         self.steps: dict[tuple[int, int], CapturedStep] = {}
         self.pool = None
+        self.write_draft = False
 
     def capture(self, write_draft: bool) -> None:
         """Captures every (bucket, query length), largest first so smaller graphs reuse its memory pool.
         A bucket whose capture fails (an op that syncs with the host) is logged and left eager."""
+        self.write_draft = write_draft
         free_before = torch.cuda.mem_get_info(self.runner.device)[0]
         started = time.perf_counter()
         failed = []
@@ -104,12 +106,13 @@ class CudaGraphRunner:
         q_len = uniform_query_len(plan)
         bucket = bucket_for(len(plan.q_lens), self.buckets) if q_len is not None else None
         captured = self.steps.get((bucket, q_len)) if bucket is not None else None
-        if captured is None or any(len(p) > self.max_pages for p in plan.page_tables):
+        if captured is None or plan.write_draft_context != self.write_draft or \
+                any(len(p) > self.max_pages for p in plan.page_tables):
             return None
         padded = pad_target_plan(plan, bucket, self.scratch_page, self.runner.config.page_size)
         values, _ = pack_step_inputs(padded.input_ids, padded.positions, padded.q_lens, padded.kv_lens,
                                      padded.page_tables, self.runner.config.page_size, padded.logit_rows, self.max_pages)
-        captured.packed.copy_(host_to_device(values, torch.int64, self.runner.device), non_blocking=True)
+        captured.packed.copy_(torch.tensor(values, dtype=torch.int64).pin_memory(), non_blocking=True)  # one H2D copy
         captured.graph.replay()
         return captured.logits[: len(plan.logit_rows)]
 

@@ -159,6 +159,7 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     args.work_dir = tempfile.mkdtemp(prefix="pdserve-gpu-check-")
     stages = Stages(args.out_dir, time.monotonic() + args.budget_s)
+    passed = True
     for name, function in [("gpu-marked tests: MoE / FP8 kernels vs torch (pytest -m gpu)", stage_pytest_gpu_marked),
                            ("Triton attention vs torch on the device (pytest)", stage_attention_kernels),
                            ("engine vs transformers, fp32 tiny configs", stage_parity),
@@ -166,6 +167,13 @@ def main() -> int:
                            ("decode benchmark, ~1B random checkpoint", stage_decode_bench),
                            ("fused MoE benchmark", stage_moe_bench)]:
         stages.run(name, lambda function=function: function(args, stages))
+        passed = write_reports(args, stages)  # after every stage: a kill still leaves the results so far
+    print(f"[gpu_check] wrote {args.out_dir / 'gpu_check.json'} and gpu_check.md; passed={passed}")
+    return 0 if passed else 1
+
+
+def write_reports(args, stages: Stages) -> bool:
+    """OUT/gpu_check.json and OUT/gpu_check.md for the stages run so far; returns whether none failed."""
     summary = {"environment": environment(args), "stages": stages.records,
                "passed": all(r["status"] != "failed" for r in stages.records)}
     (args.out_dir / "gpu_check.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -173,9 +181,7 @@ def main() -> int:
              "|---|---|--:|", *(f"| {r['stage']} | {r['status']} | {r['seconds']} |" for r in stages.records), "",
              *stages.markdown]
     (args.out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
-    print(f"[gpu_check] wrote {args.out_dir / 'gpu_check.json'} and gpu_check.md; passed={summary['passed']}")
-    return 0 if summary["passed"] else 1
-
+    return summary["passed"]
 
 if __name__ == "__main__":
     sys.exit(main())
