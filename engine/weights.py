@@ -16,8 +16,8 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.kernels.fp8_quant import FP8_DTYPES, dequantize_fp8_block, quantize_fp8_block
 
-__all__ = ["FP8_DTYPES", "checkpoint_block_size", "checkpoint_files", "stored_fp8_names", "dequantize_fp8_block", "expected_weight_shapes",
-           "format_weight_errors", "is_mtp_weight", "iter_checkpoint", "quantize_fp8_block"]
+__all__ = ["FP8_DTYPES", "checkpoint_block_size", "checkpoint_files", "dequantize_fp8_block", "expected_weight_shapes",
+           "format_weight_errors", "is_mtp_weight", "iter_checkpoint", "quantize_fp8_block", "stored_fp8_names"]
 
 logger = logging.getLogger(__name__)
 

@@ -175,7 +175,9 @@ def load_model(
     def skip(name: str) -> bool:
         return owned_elsewhere(name, tp, config.n_routed_experts)
 
-    fp8_names = stored_fp8_names(model_dir) if (torch.device(device).type == "cuda" if keep_fp8 is None else keep_fp8) else set()
+    if keep_fp8 is None:
+        keep_fp8 = torch.device(device).type == "cuda"
+    fp8_names = stored_fp8_names(model_dir) if keep_fp8 else set()
     fp8 = Fp8Loader(model, fp8_names, checkpoint_block_size(model_dir), tp, config) if fp8_names else None
     model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip, keep_fp8=fp8 is not None), fp8)
     model.eval().requires_grad_(False)
