@@ -53,7 +53,8 @@ class HeadKernel:
         return "{" + ",".join(str(count) for count in self.allowed) + "}"
 
 
-MLA_DECODE = HeadKernel("aiter.mla_decode_fwd", "decode + spec verify (absorbed)", allowed=(8, 16, 32, 64, 128))
+MLA_DECODE = HeadKernel("aiter.mla_decode_fwd", "decode + spec verify (absorbed), power-of-two page sizes",
+                        allowed=(8, 16, 32, 64, 128))
 MLA_PREFILL = HeadKernel("aiter.mla_prefill_fwd", "absorbed prefill", allowed=(16, 128))
 FP8_MHA_PREFILL = HeadKernel("aiter.mla_prefill_ps_fwd", "fp8 persistent MHA prefill",
                              allowed=(1, 2, 4, 8, 10, 16, 32, 40, 48, 64, 96, 128),

@@ -14,6 +14,7 @@ class KernelHeads:
     supported: str
     runs_heads: int | None  # None: this head count cannot run on the kernel
     padded: bool
+    dtypes: tuple[str, ...] = ()  # the torch dtypes it takes (AITER: never float32)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,6 @@ def plan_heads(heads: int, tp_size: int) -> HeadPlan:
     for kernel in KERNELS:
         runs = kernel.padded(per_rank)
         kernels.append(KernelHeads(kernel.name, kernel.role, kernel.supported(), runs,
-                                   runs is not None and runs != per_rank))
+                                   runs is not None and runs != per_rank, kernel.dtypes))
     padded = MLA_DECODE.padded(per_rank)
     return HeadPlan(heads, tp_size, per_rank, padded, padded is not None and padded != per_rank, tuple(kernels))

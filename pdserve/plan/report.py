@@ -16,6 +16,10 @@ def _params(count: int) -> str:
     return f"{count / 1e12:.2f}T" if count >= 1e12 else f"{count / 1e9:.1f}B"
 
 
+_SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8",
+                 "float8_e4m3fnuz": "fp8 (fnuz)"}
+
+
 def _padding_note(heads: HeadPlan) -> str:
     if heads.padded_heads is None:
         return ", more than AITER MLA decode runs (triton / torch backend decodes it)"
@@ -56,7 +60,8 @@ def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
     for kernel in heads.kernels:
         runs = "unsupported" if kernel.runs_heads is None else (
             f"runs {kernel.runs_heads} heads" + (" (zero-padded)" if kernel.padded else " (native)"))
-        rows.append(("", f"{kernel.name} [{kernel.role}; heads {kernel.supported}]: {runs}"))
+        dtypes = "/".join(_SHORT_DTYPES.get(dtype, dtype) for dtype in kernel.dtypes)
+        rows.append(("", f"{kernel.name} [{kernel.role}; heads {kernel.supported}; {dtypes}]: {runs}"))
     if scale["min_gpus"] is None:
         rows.append(("smallest fit", "does not fit at any TP size the model can be split over"))
     else:
