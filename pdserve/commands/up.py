@@ -37,19 +37,22 @@ def _check_device(args: argparse.Namespace) -> None:
     from engine.devices import check_gpus, gpu_count, resolve_device
 
     options = device_kwargs(args)
-    if resolve_device(args.device) == "cuda":
+    if args.device == "cuda" and resolve_device(args.device) == "cuda":
         for tp in {args.prefill_tp, args.decode_tp}:
             check_gpus(tp, options["gpus"], gpu_count())
+        raise ValueError("--device cuda: the decode worker's KV pool is CPU shared memory; a GPU pool (IPC) "
+                         "does not exist yet, so `pdserve up` runs on CPU (use LLM(device='cuda') offline)")
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("up", 0, args.log_level)
     from pdserve.launcher import Cluster, ClusterSpec
 
-    try:
-        _check_device(args)
-    except ValueError as error:
-        return fail("up", error)
+    if args.device != "auto" or args.gpus:  # auto: the workers run on CPU (serving_device); no torch import here
+        try:
+            _check_device(args)
+        except ValueError as error:
+            return fail("up", error)
     worker_args: tuple[str, ...] = device_flags(args) if args.device != "auto" or args.gpus or args.no_graphs else ()
     if args.num_threads is not None:
         worker_args += ("--num-threads", str(args.num_threads))
