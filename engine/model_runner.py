@@ -83,7 +83,9 @@ class ModelRunner:
         dtype = config.torch_dtype
         model_config = ModelConfig.from_pretrained(config.model_dir)
         heads_per_rank = model_config.num_attention_heads // tp.size
-        self.attention = get_attention_backend(config.attention_backend, num_heads=heads_per_rank, device=str(self.device))
+        self.attention = get_attention_backend(
+            config.attention_backend, num_heads=heads_per_rank, device=str(self.device), dtype=config.dtype
+        )
         self.model_config, self.model = load_model(config.model_dir, tp, self.attention, dtype, device=self.device)
         self.draft = None
         if config.draft_dir:

@@ -68,3 +68,13 @@ def test_cli_cuda_without_gpu_is_one_line_exit_2(command):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "no GPU is visible" in lines[0], result.stderr
+
+
+def test_aiter_refuses_fp32_at_start_up(monkeypatch):
+    """On ROCm, asking AITER for an fp32 model fails when the backend is chosen, naming the dtype (auto
+    then falls back to triton) - not at the first decode step."""
+    from engine.attention import registry
+
+    monkeypatch.setattr(registry, "_on_rocm", lambda: True)
+    with pytest.raises(ValueError, match="float32"):
+        registry._make_aiter(torch.device("cuda"), "float32")
