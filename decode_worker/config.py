@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from engine.devices import serving_device
 from engine.llm_engine import EngineConfig
+from kvtransfer.shm_pool import ShmPoolFactory
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,7 @@ class DecodeWorkerConfig:
 
     model_dir: str
     listen: str = "127.0.0.1:0"
+    metrics_listen: str = ""  # Prometheus GET /metrics ("": none; port 0 picks one)
     tp_size: int = 1
     draft_model_dir: str | None = None
     attention_backend: str = "auto"
@@ -27,6 +29,7 @@ class DecodeWorkerConfig:
     device: str = "auto"
     gpus: tuple[int, ...] | None = None
     use_graphs: bool = True
+    share_weights: bool = True
     lease_ttl_s: float = 60.0
     lease_grace_s: float = 1.0
     lease_sweep_interval_s: float = 0.25
@@ -36,6 +39,8 @@ class DecodeWorkerConfig:
     def __post_init__(self) -> None:
         if not self.listen or ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        if self.metrics_listen and ":" not in self.metrics_listen:
+            raise ValueError(f"metrics_listen must be host:port, got {self.metrics_listen!r}")
         for name in ("lease_ttl_s", "lease_sweep_interval_s", "admit_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -49,4 +54,6 @@ class DecodeWorkerConfig:
             kv_memory_bytes=self.kv_memory_bytes, max_running=self.max_running,
             max_batched_tokens=self.max_batched_tokens, kv_pool="shm", num_threads=self.num_threads,
             device=serving_device(self.device), gpus=self.gpus, use_graphs=self.use_graphs,
+            share_weights=self.share_weights,
+            page_pools=ShmPoolFactory(),
         )

@@ -11,6 +11,7 @@ from engine.devices import host_to_device, rank_device
 from engine.distributed import TPGroup
 from engine.forward_batch import build_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
+from engine.page_pool import PagePool, PagePoolFactory
 from engine.step_plan import AttachPoolsPlan, DraftPlan, TargetPlan
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class RunnerConfig:
     use_graphs: bool = False  # capture decode / verify steps as CUDA graphs (GPU only; page num_pages-1 is scratch)
     graph_max_batch: int = 64
     graph_query_lens: tuple[int, ...] = (1,)  # decode, plus the verify block size with a draft
+    share_weights: bool = False  # map the node's one shared copy of this rank's weights (engine/weight_store.py)
+    page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -46,6 +49,8 @@ class RunnerConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_pool not in ("local", "shm"):
             raise ValueError(f"kv_pool must be 'local' or 'shm', got {self.kv_pool!r}")
+        if self.kv_pool == "shm" and self.page_pools is None:
+            raise ValueError("kv_pool 'shm' needs a page_pools factory")
         if self.page_size <= 0 or self.num_pages <= 0:
             raise ValueError("page_size and num_pages must be positive")
 
@@ -71,7 +76,7 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPGroup) -> None:
         from engine.attention.registry import get_attention_backend
         from engine.config import ModelConfig
-        from engine.models.deepseek_v3 import load_model
+        from engine.models.deepseek_v3 import DeepseekV3ForCausalLM, load_model
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -86,26 +91,31 @@ class ModelRunner:
         self.attention = get_attention_backend(
             config.attention_backend, num_heads=heads_per_rank, device=str(self.device), dtype=config.dtype
         )
-        self.model_config, self.model = load_model(config.model_dir, tp, self.attention, dtype, device=self.device)
+        attention = self.attention
+        self._shared_weights: list[object] = []
+        self.model_config = model_config
+        self.model = self._load(
+            "target", config.model_dir,
+            lambda: load_model(config.model_dir, tp, attention, dtype, device=self.device)[1],
+            lambda: DeepseekV3ForCausalLM(model_config, tp, attention, dtype),
+        )
         self.draft = None
         if config.draft_dir:
-            from engine.models.dflash import load_draft
+            from engine.models.dflash import DFlashDraft, load_draft, read_draft_config
 
-            self.draft = load_draft(config.draft_dir, dtype=dtype, device=self.device)
+            self.draft = self._load(
+                "draft", config.draft_dir, lambda: load_draft(config.draft_dir, dtype=dtype, device=self.device),
+                lambda: DFlashDraft(read_draft_config(config.draft_dir)).to(dtype),
+            )
             self.draft.eval()
         self.capture_layers: tuple[int, ...] = tuple(self.draft.config.target_layer_ids) if self.draft else ()
         self.cache_shape = cache_shape_for(
             self.model_config, self.draft.config if self.draft else None, config.num_pages, config.page_size, dtype
         )
-        self.pool = None
-        self._attached: dict[str, object] = {}
-        if config.kv_pool == "shm":
-            from kvtransfer.layout import KVLayout
-            from kvtransfer.shm_pool import SharedPagePool
-
-            self.pool = SharedPagePool.create(
-                KVLayout.from_cache_shape(self.cache_shape), config.num_pages, tp.rank, config.pool_tag
-            )
+        self.pool: PagePool | None = None
+        self._attached: dict[str, PagePool] = {}
+        if config.kv_pool == "shm" and config.page_pools is not None:
+            self.pool = config.page_pools.create(self.cache_shape, config.num_pages, tp.rank, config.pool_tag)
             self.cache = self.pool.cache
         else:
             self.cache = PagedLatentCache(self.cache_shape, device=self.device)
@@ -128,6 +138,18 @@ class ModelRunner:
         graphs = CudaGraphRunner(self, self.config.graph_max_batch, self.config.graph_query_lens, max_pages)
         graphs.capture(write_draft=self.draft is not None)
         return graphs
+    def _load(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
+        """load() normally, or, with share_weights, through the node's shared weight store (the first
+        worker of the node loads and publishes; the others build the model without loading and map it)."""
+        if not self.config.share_weights or self.device.type != "cpu":  # the store is CPU shared memory
+            return load()
+        from engine.weight_store import WeightKey, load_shared
+
+        key = WeightKey(model_dir, self.config.dtype, "cpu", self.tp.size, self.tp.rank, role)
+
+        model, shared = load_shared(key, load, build_empty)
+        self._shared_weights.append(shared)
+        return model.eval().requires_grad_(False)
 
     @property
     def pool_name(self) -> str | None:
@@ -141,10 +163,9 @@ class ModelRunner:
         if self.pool is not None and name == self.pool.name:
             return self.cache
         if name not in self._attached:
-            from kvtransfer.layout import KVLayout
-            from kvtransfer.shm_pool import SharedPagePool
-
-            self._attached[name] = SharedPagePool.attach(name, KVLayout.from_cache_shape(self.cache_shape))
+            if self.config.page_pools is None:
+                raise ValueError(f"cannot attach page pool {name!r}: this engine was given no page_pools factory")
+            self._attached[name] = self.config.page_pools.attach(name, self.cache_shape)
         return self._attached[name].cache
 
     def detach(self, pool_names: tuple[str, ...]) -> None:
@@ -234,6 +255,8 @@ class ModelRunner:
         return target, draft
 
     def close(self) -> None:
+        for shared in self._shared_weights:
+            shared.close()
         for pool in self._attached.values():
             pool.close()
         self._attached.clear()

@@ -233,12 +233,16 @@ def save_draft(draft: DFlashDraft, draft_dir: str | Path, dtype: torch.dtype = t
     save_file(tensors, str(path / "model.safetensors"))
 
 
+def read_draft_config(draft_dir: str | Path) -> DFlashConfig:
+    return DFlashConfig.from_dict(json.loads((Path(draft_dir) / "config.json").read_text()))
+
+
 def load_draft(
     draft_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> DFlashDraft:
     """Load a draft directory onto `device`; missing or unexpected tensors raise one ValueError listing them."""
     path = Path(draft_dir)
-    config = DFlashConfig.from_dict(json.loads((path / "config.json").read_text()))
+    config = read_draft_config(path)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in place in `dtype` on `device` (no conversion pass afterwards)
     try:
