@@ -65,10 +65,13 @@ class PagedLatentCache:
     state: the per-sequence state pool of the model's linear-attention layers (None for pure-MLA models).
     """
 
-    def __init__(self, shape: CacheShape, buffer: torch.Tensor | None = None, state: StatePool | None = None) -> None:
+    def __init__(
+        self, shape: CacheShape, buffer: torch.Tensor | None = None, state: StatePool | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         total = shape.target_numel + shape.draft_numel
         if buffer is None:
-            buffer = torch.zeros(total, dtype=shape.dtype)
+            buffer = torch.zeros(total, dtype=shape.dtype, device=device)
         if buffer.numel() < total or buffer.dtype != shape.dtype:
             raise ValueError(f"cache buffer of {buffer.numel()} {buffer.dtype} cannot hold {total} {shape.dtype}")
         self.shape = shape
