@@ -209,7 +209,6 @@ class ModelRunner:
         if plan.state_slots is not None:
             slots = torch.tensor(plan.state_slots, dtype=torch.int64).to(self.device, non_blocking=True)
             batch = dataclasses.replace(batch, state_slots=slots)
-        )
         return self.forward_target(batch, rows, cache, plan.write_draft_context)
 
     def forward_target(self, batch, rows: torch.Tensor, cache: PagedLatentCache, write_draft_context: bool) -> torch.Tensor:
