@@ -128,10 +128,13 @@ stop_pidfile() {
     rm -f "$file"
 }
 
-prepare_podman() {
-    install_podman
-    configure_podman
-    start_socket
+release_podman_lock() {
+    # podman keeps its locks in /dev/shm/libpod_lock; with no container, pod or volume left it holds
+    # nothing, and podman makes a new one when it next runs.
+    if [ -z "$(podman ps -aq)$(podman pod ps -q)$(podman volume ls -q)" ] \
+        && ! pgrep -x podman >/dev/null && ! pgrep -x conmon >/dev/null; then
+        rm -f /dev/shm/libpod_lock
+    fi
 }
 
 # ------------------------------------------------------------------ base image and wheelhouse (podman)
@@ -190,10 +193,12 @@ prepare_wheelhouse() {
     echo "$wheelhouse"
 }
 
-build_podman() {
+build_image() {
+    # podman: every package from the wheelhouse (no index needed); Docker Engine: the Dockerfile's sources.
     local target=$1 tag=$2 dockerfile=$3 wheelhouse=$4 source="--no-index --find-links /wheels"
     shift 4
     [ -z "$target" ] || set -- --target "$target" "$@"
+    if [ "$ENGINE" = docker ]; then docker build -f "$dockerfile" -t "$tag" "$@" .; return; fi
     podman build --layers --network host -f "$dockerfile" -t "$tag" \
         --volume "$wheelhouse:/wheels:ro" --build-arg "PIP_SOURCE=$source" --build-arg "TORCH_SOURCE=$source" \
         "$@" .
@@ -208,16 +213,16 @@ cmd_build() {
     base=$(resolve_base_image)
     wheelhouse=$(prepare_wheelhouse)
     log "building pdserve:cpu on $base"
-    build_podman cpu pdserve:cpu docker/Dockerfile.cpu "$wheelhouse" --build-arg "BASE_IMAGE=$base"
+    build_image cpu pdserve:cpu docker/Dockerfile.cpu "$wheelhouse" --build-arg "BASE_IMAGE=$base"
 }
 
 cmd_build_rocm_standin() {
-    [ "$ENGINE" = podman ] || die "build-rocm-standin builds with podman (PDSERVE_ENGINE=podman)"
-    local base wheelhouse
-    base=$(resolve_base_image)
-    wheelhouse=$(prepare_wheelhouse)
-    build_podman torch "$STANDIN_BASE" docker/Dockerfile.cpu "$wheelhouse" --build-arg "BASE_IMAGE=$base"
-    build_podman "" pdserve:rocm-standin docker/Dockerfile.rocm "$wheelhouse" --build-arg "BASE_IMAGE=$STANDIN_BASE" \
+    # The ROCm Dockerfile on a stand-in base (the CPU image's `torch` stage: Python 3.11 + CPU torch), with
+    # no AITER and no ROCm torch check: proves the Python layer, not the GPU one.
+    local base=${BASE_IMAGE:-$DEFAULT_BASE} wheelhouse=""
+    if [ "$ENGINE" = podman ]; then base=$(resolve_base_image); wheelhouse=$(prepare_wheelhouse); fi
+    build_image torch "$STANDIN_BASE" docker/Dockerfile.cpu "$wheelhouse" --build-arg "BASE_IMAGE=$base"
+    build_image "" pdserve:rocm-standin docker/Dockerfile.rocm "$wheelhouse" --build-arg "BASE_IMAGE=$STANDIN_BASE" \
         --build-arg INSTALL_AITER=0 --build-arg REQUIRE_ROCM_TORCH=0
 }
 
@@ -255,6 +260,7 @@ cmd_down() {
         stop_pidfile "$RUN_DIR/health.pid"
         stop_pidfile "$RUN_DIR/service.pid"
         rm -f "$SOCKET"
+        release_podman_lock
     fi
     log "down: project $COMPOSE_PROJECT_NAME removed"
 }
@@ -276,7 +282,11 @@ main() {
     esac
     detect_engine
     mkdir -p "$CACHE" "$CACHE/base"
-    if [ "$ENGINE" = podman ]; then prepare_podman; fi
+    if [ "$ENGINE" = podman ]; then
+        install_podman
+        configure_podman
+        case "$command" in up|down|compose) start_socket ;; esac
+    fi
     case "$command" in
         build) cmd_build ;;
         up) cmd_up ;;
