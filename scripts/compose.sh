@@ -287,14 +287,17 @@ main() {
         configure_podman
         case "$command" in up|down|compose) start_socket ;; esac
     fi
+    local status=0
     case "$command" in
         build) cmd_build ;;
         up) cmd_up ;;
         down) cmd_down ;;
         build-rocm-standin) cmd_build_rocm_standin ;;
-        compose) "${COMPOSE[@]}" "$@" ;;
-        engine) "${ENGINE_CLI[@]}" "$@" ;;
+        compose) "${COMPOSE[@]}" "$@" || status=$? ;;
+        engine) "${ENGINE_CLI[@]}" "$@" || status=$? ;;
     esac
+    case "$ENGINE:$command" in podman:build|podman:build-rocm-standin|podman:engine) release_podman_lock ;; esac
+    return $status
 }
 
 main "$@"

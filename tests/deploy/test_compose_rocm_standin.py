@@ -4,19 +4,20 @@ inside it. The ROCm base, AITER and the GPU flags are checked only as text (test
 from __future__ import annotations
 
 import os
-import subprocess
+from subprocess import CompletedProcess
 
 import pytest
 
-from tests.deploy.compose_helpers import compose_skip_reason, engine_cli, run_script
+from tests.deploy.compose_helpers import compose_skip_reason, run_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.compose]
 IMAGE = "pdserve:rocm-standin"
 
 
-def run_in_image(*command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*engine_cli(), "run", "--rm", "--network", "none", IMAGE, *command],
-                          capture_output=True, text=True, timeout=600)
+def run_in_image(*command: str) -> CompletedProcess[str]:
+    """`docker/podman run --rm` through the script (which then releases podman's /dev/shm lock file)."""
+    return run_script(dict(os.environ), "engine", "run", "--rm", "--network", "none", IMAGE, *command,
+                      timeout=600, check=False)
 
 
 def test_rocm_image_python_layer_on_a_stand_in_base():
@@ -37,4 +38,4 @@ def test_rocm_image_python_layer_on_a_stand_in_base():
         aiter = run_in_image("python3", "-c", "import importlib.util as u; print(u.find_spec('aiter'))")
         assert aiter.stdout.strip() == "None", aiter.stdout + aiter.stderr
     finally:
-        subprocess.run([*engine_cli(), "rmi", IMAGE], capture_output=True, timeout=300)
+        run_script(dict(os.environ), "engine", "rmi", IMAGE, timeout=300, check=False)
