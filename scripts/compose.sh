@@ -122,7 +122,7 @@ stop_pidfile() {
     [ -f "$file" ] || return 0
     pid=$(cat "$file")
     if kill -0 "$pid" 2>/dev/null; then
-        kill "$pid"
+        kill -- "-$pid" 2>/dev/null || kill "$pid"  # started with setsid: its process group, children too
         for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     fi
     rm -f "$file"
@@ -131,10 +131,15 @@ stop_pidfile() {
 release_podman_lock() {
     # podman keeps its locks in /dev/shm/libpod_lock; with no container, pod or volume left it holds
     # nothing, and podman makes a new one when it next runs.
-    if [ -z "$(podman ps -aq)$(podman pod ps -q)$(podman volume ls -q)" ] \
-        && ! pgrep -x podman >/dev/null && ! pgrep -x conmon >/dev/null; then
-        rm -f /dev/shm/libpod_lock
-    fi
+    [ -z "$(podman ps -aq)$(podman pod ps -q)$(podman volume ls -q)" ] || return 0
+    for _ in $(seq 60); do  # podman and conmon processes still exiting hold it open
+        if ! pgrep -x podman >/dev/null && ! pgrep -x conmon >/dev/null; then
+            rm -f /dev/shm/libpod_lock
+            return 0
+        fi
+        sleep 0.5
+    done
+    log "podman is still running: /dev/shm/libpod_lock kept"
 }
 
 # ------------------------------------------------------------------ base image and wheelhouse (podman)
@@ -204,6 +209,7 @@ build_image() {
         "$@" .
     # docker-compose asks podman's API for the short name, which podman reads as docker.io/library/...
     podman tag "$tag" "docker.io/library/${tag#localhost/}"
+    podman image prune -f >/dev/null  # earlier builds of the same tags
 }
 
 # ------------------------------------------------------------------ commands

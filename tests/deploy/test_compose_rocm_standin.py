@@ -38,4 +38,4 @@ def test_rocm_image_python_layer_on_a_stand_in_base():
         aiter = run_in_image("python3", "-c", "import importlib.util as u; print(u.find_spec('aiter'))")
         assert aiter.stdout.strip() == "None", aiter.stdout + aiter.stderr
     finally:
-        run_script(dict(os.environ), "engine", "rmi", IMAGE, timeout=300, check=False)
+        run_script(dict(os.environ), "engine", "rmi", IMAGE, f"docker.io/library/{IMAGE}", timeout=300, check=False)
