@@ -107,8 +107,8 @@ start_health_ticker() {
 }
 
 health_ticker() {
-    # What systemd's timers would do: run each running container's health check every few seconds.
-    local interval=${PDSERVE_HEALTH_INTERVAL:-5}
+    # What systemd's timers would do: run each running container's health check every interval.
+    local interval=${PDSERVE_HEALTH_INTERVAL:-10}  # compose.yaml's health interval
     while [ -S "$SOCKET" ]; do
         for id in $(podman ps -q --filter "label=com.docker.compose.project" 2>/dev/null); do
             podman healthcheck run "$id" >/dev/null 2>&1 || true
@@ -187,6 +187,9 @@ prepare_wheelhouse() {
     if [ ! -f "$wheelhouse/.complete" ]; then
         log "preparing the wheelhouse $wheelhouse (pip download on the host)"
         mkdir -p "$wheelhouse"
+        local previous  # the last complete wheelhouse: pip downloads only what it lacks
+        previous=$(ls -dt "$CACHE"/wheelhouse-*/.complete 2>/dev/null | head -1)
+        [ -z "$previous" ] || cp -l "$(dirname "$previous")"/*.whl "$wheelhouse"/ 2>/dev/null || true
         # shellcheck disable=SC2086
         python3 -m pip download --quiet --disable-pip-version-check -d "$wheelhouse" --only-binary=:all: \
             --python-version 3.11 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
@@ -194,6 +197,7 @@ prepare_wheelhouse() {
         python3 -c "import sys, pathlib; sys.exit(not any('+cpu' in p.name for p in pathlib.Path(sys.argv[1]).glob('torch-*.whl')))" \
             "$wheelhouse" || die "the wheelhouse's torch is not the CPU build: configure pip (find-links) with it"
         touch "$wheelhouse/.complete"
+        find "$CACHE" -maxdepth 1 -name 'wheelhouse-*' ! -path "$wheelhouse" -exec rm -rf {} +
     fi
     echo "$wheelhouse"
 }
