@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.llm_engine import EngineConfig
+from kvtransfer.shm_pool import ShmPoolFactory
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,7 @@ class DecodeWorkerConfig:
 
     model_dir: str
     listen: str = "127.0.0.1:0"
+    metrics_listen: str = ""  # Prometheus GET /metrics ("": none; port 0 picks one)
     tp_size: int = 1
     draft_model_dir: str | None = None
     attention_backend: str = "auto"
@@ -23,6 +25,7 @@ class DecodeWorkerConfig:
     max_batched_tokens: int = 2048
     spec_block_size: int = 8
     num_threads: int | None = None
+    share_weights: bool = True
     lease_ttl_s: float = 60.0
     lease_grace_s: float = 1.0
     lease_sweep_interval_s: float = 0.25
@@ -32,6 +35,8 @@ class DecodeWorkerConfig:
     def __post_init__(self) -> None:
         if not self.listen or ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        if self.metrics_listen and ":" not in self.metrics_listen:
+            raise ValueError(f"metrics_listen must be host:port, got {self.metrics_listen!r}")
         for name in ("lease_ttl_s", "lease_sweep_interval_s", "admit_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -44,4 +49,6 @@ class DecodeWorkerConfig:
             draft_model_dir=self.draft_model_dir, spec_block_size=self.spec_block_size, page_size=self.page_size,
             kv_memory_bytes=self.kv_memory_bytes, max_running=self.max_running,
             max_batched_tokens=self.max_batched_tokens, kv_pool="shm", num_threads=self.num_threads,
+            share_weights=self.share_weights,
+            page_pools=ShmPoolFactory(),
         )

@@ -10,6 +10,7 @@ import torch
 from engine.distributed import TPGroup
 from engine.forward_batch import ForwardBatch, ForwardMode, build_attention_metadata
 from engine.kv_cache import CacheShape, PagedLatentCache
+from engine.page_pool import PagePool, PagePoolFactory
 from engine.step_plan import AttachPoolsPlan, DraftPlan, TargetPlan
 
 logger = logging.getLogger(__name__)
@@ -30,12 +31,16 @@ class RunnerConfig:
     kv_pool: str  # "local" | "shm"
     pool_tag: str = "engine"
     num_threads: int | None = None
+    share_weights: bool = False  # map the node's one shared copy of this rank's weights (engine/weight_store.py)
+    page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_pool not in ("local", "shm"):
             raise ValueError(f"kv_pool must be 'local' or 'shm', got {self.kv_pool!r}")
+        if self.kv_pool == "shm" and self.page_pools is None:
+            raise ValueError("kv_pool 'shm' needs a page_pools factory")
         if self.page_size <= 0 or self.num_pages <= 0:
             raise ValueError("page_size and num_pages must be positive")
 
@@ -61,7 +66,7 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPGroup) -> None:
         from engine.attention.registry import get_attention_backend
         from engine.config import ModelConfig
-        from engine.models.deepseek_v3 import load_model
+        from engine.models.deepseek_v3 import DeepseekV3ForCausalLM, load_model
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -71,26 +76,29 @@ class ModelRunner:
         model_config = ModelConfig.from_pretrained(config.model_dir)
         heads_per_rank = model_config.num_attention_heads // tp.size
         attention = get_attention_backend(config.attention_backend, num_heads=heads_per_rank, device="cpu")
-        self.model_config, self.model = load_model(config.model_dir, tp, attention, dtype)
+        self._shared_weights: list[object] = []
+        self.model_config = model_config
+        self.model = self._load(
+            "target", config.model_dir, lambda: load_model(config.model_dir, tp, attention, dtype)[1],
+            lambda: DeepseekV3ForCausalLM(model_config, tp, attention, dtype),
+        )
         self.draft = None
         if config.draft_dir:
-            from engine.models.dflash import load_draft
+            from engine.models.dflash import DFlashDraft, load_draft, read_draft_config
 
-            self.draft = load_draft(config.draft_dir, dtype=dtype)
+            self.draft = self._load(
+                "draft", config.draft_dir, lambda: load_draft(config.draft_dir, dtype=dtype),
+                lambda: DFlashDraft(read_draft_config(config.draft_dir)).to(dtype),
+            )
             self.draft.eval()
         self.capture_layers: tuple[int, ...] = tuple(self.draft.config.target_layer_ids) if self.draft else ()
         self.cache_shape = cache_shape_for(
             self.model_config, self.draft.config if self.draft else None, config.num_pages, config.page_size, dtype
         )
-        self.pool = None
-        self._attached: dict[str, object] = {}
-        if config.kv_pool == "shm":
-            from kvtransfer.layout import KVLayout
-            from kvtransfer.shm_pool import SharedPagePool
-
-            self.pool = SharedPagePool.create(
-                KVLayout.from_cache_shape(self.cache_shape), config.num_pages, tp.rank, config.pool_tag
-            )
+        self.pool: PagePool | None = None
+        self._attached: dict[str, PagePool] = {}
+        if config.kv_pool == "shm" and config.page_pools is not None:
+            self.pool = config.page_pools.create(self.cache_shape, config.num_pages, tp.rank, config.pool_tag)
             self.cache = self.pool.cache
         else:
             self.cache = PagedLatentCache(self.cache_shape)
@@ -98,6 +106,19 @@ class ModelRunner:
             "rank %d/%d ready: %d pages x %d tokens (%s), draft=%s",
             tp.rank, tp.size, config.num_pages, config.page_size, config.kv_pool, bool(self.draft),
         )
+
+    def _load(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
+        """load() normally, or, with share_weights, through the node's shared weight store (the first
+        worker of the node loads and publishes; the others build the model without loading and map it)."""
+        if not self.config.share_weights:
+            return load()
+        from engine.weight_store import WeightKey, load_shared
+
+        key = WeightKey(model_dir, self.config.dtype, "cpu", self.tp.size, self.tp.rank, role)
+
+        model, shared = load_shared(key, load, build_empty)
+        self._shared_weights.append(shared)
+        return model.eval().requires_grad_(False)
 
     @property
     def pool_name(self) -> str | None:
@@ -111,10 +132,9 @@ class ModelRunner:
         if self.pool is not None and name == self.pool.name:
             return self.cache
         if name not in self._attached:
-            from kvtransfer.layout import KVLayout
-            from kvtransfer.shm_pool import SharedPagePool
-
-            self._attached[name] = SharedPagePool.attach(name, KVLayout.from_cache_shape(self.cache_shape))
+            if self.config.page_pools is None:
+                raise ValueError(f"cannot attach page pool {name!r}: this engine was given no page_pools factory")
+            self._attached[name] = self.config.page_pools.attach(name, self.cache_shape)
         return self._attached[name].cache
 
     def detach(self, pool_names: tuple[str, ...]) -> None:
@@ -185,6 +205,8 @@ class ModelRunner:
         return target, draft
 
     def close(self) -> None:
+        for shared in self._shared_weights:
+            shared.close()
         for pool in self._attached.values():
             pool.close()
         self._attached.clear()

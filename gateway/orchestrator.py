@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -20,9 +20,11 @@ from gateway.requests import GenerateJob
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
-from pdserve.convert import sampling_to_proto
-from pdserve.grpc_errors import Unavailable, status_for
-from pdserve.v1 import worker_pb2
+from rpc.convert import sampling_to_proto
+from rpc.internal.v1 import worker_pb2
+from rpc.logging_setup import bind_request_id, request_metadata
+from rpc.status import Unavailable, status_of
+from rpc.v1 import logprobs_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ logger = logging.getLogger(__name__)
 class TokensEvent:
     token_ids: list[int]
     text: str
-    logprobs: list[Any] = field(default_factory=list)  # gateway_pb2.TokenLogprob, one per token when asked
+    logprobs: list[Any] = field(default_factory=list)  # logprobs_pb2.TokenLogprob, one per token when asked
 
 
 @dataclass(frozen=True)
@@ -47,16 +49,31 @@ class FinishEvent:
 
 @dataclass(frozen=True)
 class ErrorEvent:
-    code: grpc.StatusCode
-    message: str
+    """The request failed: the full status (code, message, google.rpc details) the RPC ends with."""
+
+    status: grpc.Status
+
+
+class RunObserver(Protocol):
+    """What a run reports as it goes (gateway.metrics.GatewayMetrics); times in seconds."""
+
+    def admitted(self, queue_s: float, prompt_tokens: int) -> None: ...
+    def first_token(self, ttft_s: float) -> None: ...
+    def tokens(self, count: int, gap_s: float | None) -> None: ...
+    def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None: ...
 
 
 class RequestRun:
     """Runs one GenerateJob. events: an asyncio.Queue the servicer drains until a Finish/Error event."""
 
     def __init__(self, job: GenerateJob, pool: WorkerPool, tokenizer: TextTokenizer | None,
-                 arrival: float, deadline: float | None, cleanup_timeout_s: float) -> None:
+                 arrival: float, deadline: float | None, cleanup_timeout_s: float,
+                 observer: RunObserver | None = None) -> None:
         self.job = job
+        self._metadata = request_metadata(job.request_id)  # x-request-id on every call to the workers
+        self._observer = observer
+        self._last_token_at: float | None = None
+        self.admitted = False  # a decode worker reserved its pages
         self._pool = pool
         self._arrival = arrival
         self._deadline = deadline
@@ -91,16 +108,18 @@ class RequestRun:
 
     # --- the request path ---------------------------------------------------------------------------
     async def _produce(self) -> None:
+        bind_request_id(self.job.request_id)  # this task's log lines name the request
         try:
             await self._run()
         except asyncio.CancelledError:
             self._finish("abort")
         except Exception as error:  # noqa: BLE001 - every failure becomes an ErrorEvent
-            code, message = status_for(error)
-            if code == grpc.StatusCode.INTERNAL:
+            status = status_of(error)
+            if status.code == grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed", self.job.request_id)
             self.finished = True
-            self.events.put_nowait(ErrorEvent(code, message))
+            self._observe_end()
+            self.events.put_nowait(ErrorEvent(status))
         finally:
             try:
                 await asyncio.wait_for(self._cleanup(), self._cleanup_timeout)
@@ -114,6 +133,9 @@ class RequestRun:
         self._decode, destination = await self._pool.reserve(
             job.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline)
         self._decode_state = "reserved"
+        self.admitted = True
+        if self._observer is not None:
+            self._observer.admitted(time.perf_counter() - self._arrival, len(job.prompt_ids))
         sampling = sampling_to_proto(params)
         response = await self._run_prefill(destination, sampling)
         self._ttft_ms = (time.perf_counter() - self._arrival) * 1000
@@ -126,7 +148,7 @@ class RequestRun:
             return
         request = worker_pb2.DecodeRequest(request_id=job.request_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling)
-        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline))
+        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
         self._decode_state = "streaming"
         async for chunk in self._decode_call:
             self._decode_steps += chunk.decode_steps
@@ -149,7 +171,7 @@ class RequestRun:
             self._prefill_call = worker.stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=self.job.request_id, token_ids=self.job.prompt_ids,
                                           sampling=sampling, destination=destination),
-                timeout=remaining(self._deadline))
+                timeout=remaining(self._deadline), metadata=self._metadata)
             response = await self._prefill_call
         except grpc.aio.AioRpcError as error:
             self._prefill_state = "failed"
@@ -166,6 +188,12 @@ class RequestRun:
     def _emit(self, token_ids: list[int], logprobs: list[Any]) -> bool:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
+        if self._observer is not None:
+            now = time.perf_counter()
+            if self._last_token_at is None:
+                self._observer.first_token(now - self._arrival)
+            self._observer.tokens(len(token_ids), None if self._last_token_at is None else now - self._last_token_at)
+            self._last_token_at = now
         text = self._detok.add(token_ids) if self._detok is not None else ""
         check = self._stops.feed(text)
         self.events.put_nowait(TokensEvent(token_ids, check.text, logprobs))
@@ -183,9 +211,16 @@ class RequestRun:
             if text:
                 self.events.put_nowait(TokensEvent([], text))
         self.finished = True
+        self._observe_end()
+        logger.info("finished (%s): %d prompt + %d generated tokens, TTFT %.1f ms", reason, len(self.job.prompt_ids),
+                    self._completion_tokens, self._ttft_ms)
         self.events.put_nowait(FinishEvent(
             reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
             self._decode_tokens, stop))
+
+    def _observe_end(self) -> None:
+        if self._observer is not None:
+            self._observer.finished(time.perf_counter() - self._arrival, self._decode_steps, self._decode_tokens)
 
     # --- cleanup ------------------------------------------------------------------------------------
     async def _cleanup(self) -> None:
@@ -196,7 +231,7 @@ class RequestRun:
                 self._prefill_call.cancel()
             try:
                 await self._prefill.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                                timeout=self._cleanup_timeout)
+                                                timeout=self._cleanup_timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as error:
                 logger.warning("could not confirm prefill of %s stopped (%s); its lease will expire",
                                request_id, error.code().name)
@@ -206,5 +241,5 @@ class RequestRun:
             self._decode_call.cancel()
         if self._decode_state in ("reserved", "streaming") and self._decode is not None:
             await self._decode.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id),
-                                            timeout=self._cleanup_timeout)
+                                            timeout=self._cleanup_timeout, metadata=self._metadata)
             self._decode_state = "finished"

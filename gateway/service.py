@@ -5,24 +5,29 @@ import asyncio
 import logging
 
 from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
 from gateway.model_info import ModelFacts
 from gateway.orchestrator import RequestRun
 from gateway.requests import parse_generate_request
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import WorkerPool
-from pdserve.grpc_errors import AlreadyExists
-from pdserve.v1 import gateway_pb2
+from rpc.status import AlreadyExists
+from rpc.v1 import gateway_pb2
 
 logger = logging.getLogger(__name__)
 
 
 class GatewayService:
-    def __init__(self, config: GatewayConfig, facts: ModelFacts, tokenizer: TextTokenizer | None, pool: WorkerPool) -> None:
+    def __init__(self, config: GatewayConfig, facts: ModelFacts, tokenizer: TextTokenizer | None, pool: WorkerPool,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.facts = facts
         self.tokenizer = tokenizer
         self.pool = pool
         self._runs: dict[str, RequestRun] = {}
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
+        self.metrics.track(running=lambda: sum(run.admitted and not run.finished for run in self._runs.values()),
+                           waiting=lambda: sum(not (run.admitted or run.finished) for run in self._runs.values()))
 
     def submit(self, request: gateway_pb2.GenerateRequest, both_inputs: bool, arrival: float,
                deadline: float | None) -> RequestRun:
@@ -30,7 +35,7 @@ class GatewayService:
         job = parse_generate_request(request, self.facts, self.tokenizer, self.config.default_max_tokens, both_inputs)
         if job.request_id in self._runs:
             raise AlreadyExists(f"request_id: {job.request_id!r} is already running")
-        run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s)
+        run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s, self.metrics)
         self._runs[job.request_id] = run
         run.start()
         assert run.task is not None
@@ -62,9 +67,9 @@ class GatewayService:
     def num_running(self) -> int:
         return len(self._runs)
 
-    def model_info(self) -> gateway_pb2.ModelInfo:
+    def model_info(self) -> gateway_pb2.GetModelInfoResponse:
         facts = self.facts
-        return gateway_pb2.ModelInfo(
+        return gateway_pb2.GetModelInfoResponse(
             model=facts.name, vocab_size=facts.vocab_size, max_context=facts.max_context,
             eos_token_ids=list(facts.eos_token_ids), default_max_tokens=self.config.default_max_tokens,
             num_prefill_workers=len(self.config.prefill), num_decode_workers=len(self.config.decode),

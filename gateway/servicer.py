@@ -12,12 +12,13 @@ import grpc
 from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
-from pdserve.grpc_errors import streaming, unary
-from pdserve.v1 import gateway_pb2
+from rpc.logging_setup import REQUEST_ID_KEY
+from rpc.status import abort, status_for, streaming, unary
+from rpc.v1 import gateway_pb2
 
-SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-FINISH_REASONS = {"stop": gateway_pb2.Complete.STOP, "length": gateway_pb2.Complete.LENGTH,
-                  "abort": gateway_pb2.Complete.ABORT}
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+FINISH_REASONS = {"stop": gateway_pb2.Complete.FINISH_REASON_STOP, "length": gateway_pb2.Complete.FINISH_REASON_LENGTH,
+                  "abort": gateway_pb2.Complete.FINISH_REASON_ABORT}
 
 
 def complete_message(event: FinishEvent) -> gateway_pb2.Complete:
@@ -39,7 +40,15 @@ class GatewayServicer:
         arrival = time.perf_counter()
         left = context.time_remaining()
         deadline = None if left is None else time.monotonic() + left
-        run = self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
+        outcome = ["error", grpc.StatusCode.CANCELLED.name]  # (final status, code) for the metrics
+        if not wire.message.request_id:  # x-request-id metadata names the request when the message does not
+            wire.message.request_id = next((value for key, value in context.invocation_metadata() or ()
+                                            if key == REQUEST_ID_KEY), "")
+        try:
+            run = self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
+        except Exception as error:
+            self._service.metrics.count("grpc", "error", status_for(error)[0].name)
+            raise
         context.add_done_callback(lambda _: run.cancel())  # client gone: abort on every worker
         request_id = run.job.request_id
         try:
@@ -49,13 +58,19 @@ class GatewayServicer:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(
                         token_ids=event.token_ids, text=event.text, logprobs=event.logprobs))
                 elif isinstance(event, FinishEvent):
+                    outcome = [event.reason, grpc.StatusCode.OK.name]
                     yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete_message(event))
                     return
                 elif isinstance(event, ErrorEvent):
+                    status = event.status
+                    outcome = ["error", status.code.name]
                     yield gateway_pb2.GenerateResponse(request_id=request_id, error=gateway_pb2.Error(
-                        code=event.code.value[0], message=event.message))
-                    await context.abort(event.code, event.message)
+                        code=status.code.value[0], message=status.details))
+                    await abort(context, status)
         finally:
+            if outcome[1] == grpc.StatusCode.CANCELLED.name:
+                outcome[0] = "abort"
+            self._service.metrics.count("grpc", *outcome)
             run.cancel()
 
     @unary
@@ -63,7 +78,7 @@ class GatewayServicer:
         return gateway_pb2.AbortResponse(found=self._service.abort(request.request_id))
 
     @unary
-    async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ModelInfo:
+    async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GetModelInfoResponse:
         return self._service.model_info()
 
 
@@ -77,6 +92,6 @@ def add_gateway_to_server(servicer: GatewayServicer, server: grpc.aio.Server) ->
             response_serializer=gateway_pb2.AbortResponse.SerializeToString),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, request_deserializer=gateway_pb2.GetModelInfoRequest.FromString,
-            response_serializer=gateway_pb2.ModelInfo.SerializeToString),
+            response_serializer=gateway_pb2.GetModelInfoResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -13,9 +13,10 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
-from pdserve.grpc_errors import ResourceExhausted, Unavailable
-from pdserve.serving import CHANNEL_OPTIONS
-from pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.logging_setup import request_metadata
+from rpc.server import CHANNEL_OPTIONS
+from rpc.status import ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
 TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}
@@ -25,14 +26,14 @@ TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}
 class PrefillWorker:
     state: PrefillState
     channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.PrefillStub
+    stub: worker_pb2_grpc.PrefillServiceStub
 
 
 @dataclass
 class DecodeWorker:
     state: DecodeState
     channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.DecodeStub
+    stub: worker_pb2_grpc.DecodeServiceStub
 
 
 def remaining(deadline: float | None, floor: float = 0.001) -> float | None:
@@ -55,12 +56,12 @@ class WorkerPool:
     @staticmethod
     def _prefill(address: str) -> PrefillWorker:
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return PrefillWorker(PrefillState(address, healthy=False), channel, worker_pb2_grpc.PrefillStub(channel))
+        return PrefillWorker(PrefillState(address, healthy=False), channel, worker_pb2_grpc.PrefillServiceStub(channel))
 
     @staticmethod
     def _decode(address: str) -> DecodeWorker:
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return DecodeWorker(DecodeState(address, healthy=False), channel, worker_pb2_grpc.DecodeStub(channel))
+        return DecodeWorker(DecodeState(address, healthy=False), channel, worker_pb2_grpc.DecodeServiceStub(channel))
 
     # --- polling and health -------------------------------------------------------------------------
     def start(self) -> None:
@@ -78,19 +79,18 @@ class WorkerPool:
             await asyncio.sleep(self.config.load_poll_interval_s)
 
     async def poll_once(self) -> None:
-        request = worker_pb2.GetLoadRequest()
         timeout = self.config.worker_timeout_s
 
         async def prefill(worker: PrefillWorker) -> None:
             try:
-                await worker.stub.GetLoad(request, timeout=timeout)
+                await worker.stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=timeout)
                 self._mark(worker.state, True)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
 
         async def decode(worker: DecodeWorker) -> None:
             try:
-                load = await worker.stub.GetLoad(request, timeout=timeout)
+                load = await worker.stub.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
                 return
@@ -137,7 +137,8 @@ class WorkerPool:
         except (grpc.aio.AioRpcError, asyncio.TimeoutError):
             return  # nothing reserved, or unknown: the lease (if any) expires on the worker
         try:
-            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s)
+            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s,
+                                      metadata=request_metadata(request_id))
         except grpc.aio.AioRpcError as error:
             logger.warning("could not release the reservation of cancelled request %s: %s", request_id, error.code().name)
 
@@ -157,9 +158,10 @@ class WorkerPool:
                 raise Unavailable("no reachable decode worker")
             for index in order:
                 worker = self.decode[index]
-                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline)))
+                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
+                                                                  metadata=request_metadata(request_id)))
                 try:
-                    destination = await asyncio.shield(call)
+                    destination = (await asyncio.shield(call)).destination
                 except asyncio.CancelledError:
                     await self._undo_reserve(worker, call, request_id)
                     raise

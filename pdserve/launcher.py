@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from rpc.server import read_ready_file
+
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
@@ -32,6 +34,8 @@ class ClusterSpec:
     prefill_tp: int = 1
     decode_tp: int = 1
     listen: str = "127.0.0.1:50051"
+    http_listen: str = "127.0.0.1:0"  # the gateway's HTTP front (OpenAI API, /health, /metrics); "": none
+    worker_metrics: bool = True        # workers serve /metrics on a port of their own (port 0)
     attention_backend: str = "auto"
     transport: str = "shm"
     draft_model: str | None = None  # None: the model's draft/ folder if present; "": none
@@ -57,6 +61,7 @@ class Child:
     process: subprocess.Popen[bytes]
     ready_file: Path
     address: str = ""
+    endpoints: dict[str, str] = field(default_factory=dict)  # other served addresses: http, metrics
 
     @property
     def alive(self) -> bool:
@@ -101,6 +106,8 @@ class Cluster:
     def _worker_args(self, tp: int, extra: tuple[str, ...]) -> list[str]:
         args = ["--listen", "127.0.0.1:0", "--model", self.spec.model_dir, "--tp-size", str(tp),
                 "--attention-backend", self.spec.attention_backend, *self.spec.worker_args, *extra]
+        if self.spec.worker_metrics:
+            args += ["--metrics-listen", "127.0.0.1:0"]
         if self.spec.draft_model is not None:
             args += ["--draft-model", self.spec.draft_model]
         return args
@@ -115,7 +122,7 @@ class Cluster:
             self._check_interrupted()
             for child in list(pending):
                 if child.ready_file.exists():
-                    child.address = child.ready_file.read_text().strip()
+                    child.address, child.endpoints = read_ready_file(str(child.ready_file))
                     pending.remove(child)
                 elif not child.alive:
                     raise RuntimeError(f"{child.role} exited with code {child.process.returncode} before it was ready")
@@ -134,7 +141,8 @@ class Cluster:
             prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(self.spec.prefill_tp, self.spec.prefill_args))
                        for i in range(self.spec.num_prefill)]
             self._wait_ready(decode + prefill, deadline)
-            args = ["--listen", self.spec.listen, "--model", self.spec.model_dir, "--transport", self.spec.transport]
+            args = ["--listen", self.spec.listen, "--model", self.spec.model_dir, "--transport", self.spec.transport,
+                    "--http-listen", self.spec.http_listen]
             for child in prefill:
                 args += ["--prefill", child.address]
             for child in decode:
@@ -163,6 +171,18 @@ class Cluster:
             time.sleep(0.1)
         raise TimeoutError(f"gateway at {self.gateway_address} not SERVING in time ({status})")
 
+    @property
+    def http_address(self) -> str:
+        """The gateway's HTTP host:port ("" when it serves none)."""
+        return next((c.endpoints.get("http", "") for c in self.children if c.role == "gateway"), "")
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """role (gateway, prefill-0, decode-0, ...) -> host:port serving GET /metrics."""
+        found = {c.role: c.endpoints["metrics"] for c in self.children if "metrics" in c.endpoints}
+        if self.http_address:
+            found["gateway"] = self.http_address
+        return found
+
     def dead_children(self) -> list[Child]:
         return [child for child in self.children if not child.alive]
 
@@ -184,6 +204,9 @@ class Cluster:
         from kvtransfer.shm_pool import cleanup_stale_segments
 
         cleanup_stale_segments()
+        from engine.weight_store import remove_stale_segments
+
+        remove_stale_segments()
         for path in self._run_dir.glob("*"):
             path.unlink(missing_ok=True)
         if self._run_dir.exists():

@@ -19,11 +19,13 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.grpc_transport import GrpcWriter
+from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter
-from pdserve.engine_thread import EngineThread
-from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from rpc.engine_thread import EngineThread
+from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages
+from prefill_worker.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +74,11 @@ class PrefillLoadSnapshot:
 
 
 class PrefillService:
-    def __init__(self, config: PrefillWorkerConfig, engine_factory: Callable[[], Any] | None = None) -> None:
+    def __init__(self, config: PrefillWorkerConfig, engine_factory: Callable[[], Any] | None = None,
+                 metrics: PrefillMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics if metrics is not None else PrefillMetrics()
+        self.metrics.track(lambda: self.load)
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._jobs: dict[str, _Job] = {}
@@ -88,8 +93,9 @@ class PrefillService:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(self._engine.start)
-        self._shm = ShmWriter(self.engine.layout)
-        self._grpc = GrpcWriter(self.engine.layout)
+        self.layout = KVLayout.from_cache_shape(self.engine.cache_shape)
+        self._shm = ShmWriter(self.layout)
+        self._grpc = GrpcWriter(self.layout)
 
     async def stop(self) -> None:
         with self._lock:
@@ -120,7 +126,7 @@ class PrefillService:
             raise FailedPrecondition(f"transport {destination.transport.name} is not supported by this prefill worker")
         if destination.num_tokens != len(prompt_ids):
             raise InvalidArgument("destination.num_tokens", f"{destination.num_tokens} != prompt length {len(prompt_ids)}")
-        destination.check_against(self.engine.layout, f"prefill of request {request_id}")
+        destination.check_against(self.layout, f"prefill of request {request_id}")
         destination.check_lease()
         self.engine.validate_prompt(prompt_ids)
 
@@ -150,14 +156,25 @@ class PrefillService:
             if job.cancelled:
                 raise asyncio.CancelledError()
             if job.destination.transport == TransportKind.SHM:
-                await asyncio.to_thread(finish_shm, self._shm, job.destination, self.config.tp_size)
+                num_bytes = await asyncio.to_thread(finish_shm, self._shm, job.destination, self.config.tp_size)
             else:
                 target, draft = computed.pages
-                await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft)
-            transfer_ms = (time.perf_counter() - started) * 1000
+                num_bytes = await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft)
+            transfer_s = time.perf_counter() - started
             result = computed.result
+            logger.info("prefilled %d tokens: queue %.1f ms, prefill %.1f ms, %s handoff of %d bytes in %.1f ms",
+                        len(job.prompt_ids), (job.started - job.arrival) * 1000, computed.prefill_ms,
+                        job.destination.transport.name.lower(), num_bytes, transfer_s * 1000)
+            self.metrics.prefilled(job.started - job.arrival, computed.prefill_ms / 1000,
+                                   job.destination.transport.name.lower(), num_bytes, transfer_s)
             return PrefillOutcome(result.first_token, result.first_logprobs, result.num_prompt_tokens,
-                                  (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_ms)
+                                  (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_s * 1000)
+        except asyncio.CancelledError:
+            self.metrics.prompts.labels("cancelled").inc()
+            raise
+        except Exception:
+            self.metrics.prompts.labels("error").inc()
+            raise
         finally:
             self._jobs.pop(job.request_id, None)
             job.finished.set()

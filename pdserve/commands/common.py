@@ -7,6 +7,7 @@ from pathlib import Path
 
 DEFAULT_MODEL_DIR = str(Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny")
 DEFAULT_GATEWAY = "127.0.0.1:50051"
+DEFAULT_HTTP = "127.0.0.1:8000"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk size (tokens per forward)")
     parser.add_argument("--spec-block-size", type=int, default=8, help="largest speculative block size")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
+                        help="serve Prometheus GET /metrics here (port 0: any free port; default: none)")
+    parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
+                        help="load a private copy of the weights instead of mapping the node's shared copy")
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)  # written with the bound address
 
 
@@ -35,7 +40,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         model_dir=args.model, tp_size=args.tp_size, attention_backend=args.attention_backend,
         draft_model_dir=args.draft_model, dtype=args.dtype, page_size=args.page_size,
         kv_memory_bytes=args.kv_memory_mb * 2**20, max_batched_tokens=args.max_batched_tokens,
-        spec_block_size=args.spec_block_size, num_threads=args.num_threads,
+        spec_block_size=args.spec_block_size, num_threads=args.num_threads, share_weights=args.share_weights,
     )
 
 

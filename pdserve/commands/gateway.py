@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.commands.common import DEFAULT_GATEWAY, add_model_arguments, fail
-from pdserve.logging_setup import configure_logging
+from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_HTTP, add_model_arguments, fail
+from rpc.logging_setup import configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=DEFAULT_GATEWAY, help=f"host:port to serve on (default {DEFAULT_GATEWAY})")
+    parser.add_argument("--http-listen", default=DEFAULT_HTTP, metavar="HOST:PORT",
+                        help=f"OpenAI-compatible HTTP API, /health and /metrics (default {DEFAULT_HTTP}; '' for none)")
     parser.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT", help="a prefill worker (repeat for more)")
     parser.add_argument("--decode", action="append", required=True, metavar="HOST:PORT", help="a decode worker (repeat for more)")
     add_model_arguments(parser)
@@ -25,15 +27,15 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("gateway", 0, args.log_level)
     from gateway.config import GatewayConfig
     from gateway.server import serve
-    from pdserve import serving
+    from rpc.server import run as run_event_loop
 
     if not Path(args.model, "config.json").is_file():
         return fail("gateway", f"model directory {args.model!r} has no config.json")
     try:
         config = GatewayConfig(model_dir=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
-                               listen=args.listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
+                               listen=args.listen, http_listen=args.http_listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
                                admission_timeout_s=args.admission_timeout)
     except ValueError as error:
         return fail("gateway", error)
-    serving.run(lambda: serve(config, ready_file=args.ready_file))
+    run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

@@ -1,0 +1,183 @@
+from rpc.internal.v1 import kv_pb2 as _kv_pb2
+from rpc.v1 import logprobs_pb2 as _logprobs_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerSampling(_message.Message):
+    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids", "ignore_eos", "logprobs", "speculative", "block_size")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    speculative: bool
+    block_size: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: WorkerSampling
+    destination: _kv_pb2.KVDestination
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., destination: _Optional[_Union[_kv_pb2.KVDestination, _Mapping]] = ...) -> None: ...
+
+class PrefillTiming(_message.Message):
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "first_logprob", "num_prompt_tokens", "timing")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    first_logprob: _logprobs_pb2.TokenLogprob
+    num_prompt_tokens: int
+    timing: PrefillTiming
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_logprobs_pb2.TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
+
+class GetPrefillLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPrefillLoadResponse(_message.Message):
+    __slots__ = ("queued_requests", "queued_tokens", "tp_size", "requests_total")
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    queued_requests: int
+    queued_tokens: int
+    tp_size: int
+    requests_total: int
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "transport")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_prompt_tokens: int
+    max_new_tokens: int
+    transport: _kv_pb2.Transport
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., transport: _Optional[_Union[_kv_pb2.Transport, str]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("destination",)
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    destination: _kv_pb2.KVDestination
+    def __init__(self, destination: _Optional[_Union[_kv_pb2.KVDestination, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "lease_id", "token_ids", "first_token", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token: int
+    sampling: WorkerSampling
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "decode_steps")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprob]
+    finished: bool
+    finish_reason: str
+    decode_steps: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetDecodeLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetDecodeLoadResponse(_message.Message):
+    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "tp_size", "headroom_pages", "requests_total")
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    LEASED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    free_pages: int
+    total_pages: int
+    running: int
+    waiting: int
+    leases: int
+    leased_pages: int
+    page_size: int
+    tp_size: int
+    headroom_pages: int
+    requests_total: int
+    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
