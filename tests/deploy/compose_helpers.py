@@ -1,4 +1,4 @@
-"""Shared by the compose bring-up tests: running scripts/compose.sh, finding the container engine, and
+"""Shared by the compose bring-up tests: running scripts/compose.sh, whether containers can run here, and
 looking for what a setup could leave behind (the podman API socket process, /dev/shm segments)."""
 from __future__ import annotations
 
@@ -28,10 +28,6 @@ def compose_skip_reason() -> str | None:
         return None
     return ("no Docker engine, no podman, and podman cannot be installed here "
             "(scripts/compose.sh installs it from Debian's packages as root with apt-get)")
-
-
-def engine_cli() -> list[str]:
-    return ["docker"] if "DOCKER_HOST" not in os.environ and docker_engine_running() else ["podman"]
 
 
 def run_script(env: dict[str, str], *args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -10,13 +10,12 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from pdserve.healthcheck import check
-from tests.deploy.compose_helpers import (ROOT, SCRIPT, compose_skip_reason, engine_cli, new_shm_segments,
-                                          podman_service_running, run_script)
+from tests.deploy.compose_helpers import (ROOT, SCRIPT, compose_skip_reason, new_shm_segments, podman_service_running,
+                                          run_script)
 
 pytestmark = [pytest.mark.slow, pytest.mark.compose]
 DEFAULT_MODEL = ROOT / "models" / "pdserve-tiny"
@@ -90,11 +89,11 @@ def test_cpu_profile_serves_benches_and_goes_down_cleanly(compose_env, tmp_path)
     finally:
         down = run_script(compose_env, "down", timeout=600, check=False)
     assert down.returncode == 0, down.stderr
-    cli = engine_cli()
+    # Through the script: a bare `podman` would leave its lock file in /dev/shm, which the script releases.
     label = f"label=com.docker.compose.project={project}"
-    assert subprocess.run([*cli, "ps", "-aq", "--filter", label], capture_output=True, text=True).stdout == ""
-    assert subprocess.run([*cli, "volume", "ls", "-q", "--filter", label], capture_output=True, text=True).stdout == ""
-    networks = subprocess.run([*cli, "network", "ls", "--format", "{{.Name}}"], capture_output=True, text=True).stdout
+    assert run_script(compose_env, "engine", "ps", "-aq", "--filter", label, timeout=120).stdout == ""
+    assert run_script(compose_env, "engine", "volume", "ls", "-q", "--filter", label, timeout=120).stdout == ""
+    networks = run_script(compose_env, "engine", "network", "ls", "--format", "{{.Name}}", timeout=120).stdout
     assert f"{project}_default" not in networks.split()
     assert not podman_service_running()
     assert new_shm_segments(shm_before) == set()
