@@ -65,12 +65,15 @@ class ForwardBatch:
 
     input_ids: [num_tokens] int64
     positions: [num_tokens] int64 (absolute positions, used by RoPE)
+    state_slots: [num_seqs] int64, the state-pool slot each sequence owns (models with linear-attention
+        layers only; None otherwise). Sequence i's tokens continue from the slot's content.
     """
 
     mode: ForwardMode
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionMetadata
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

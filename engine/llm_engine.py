@@ -1,6 +1,7 @@
 """The engine: continuous batching, chunked prefill, speculative decoding, over a TP group of ranks."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import torch
 
 from engine import spec_decode
-from engine.config import ModelConfig
+from engine.models.registry import load_config
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
@@ -18,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
 from engine.spec_verify import AcceptanceStats
+from engine.state_pool import split_memory_budget
 from engine.step_plan import TargetPlan
 from engine.tp_launcher import TPLeader, default_threads
 
@@ -26,18 +28,25 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model_dir)
+        self.model_config = load_config(config.model_dir)
         self.model_config.validate_tp(config.tp_size)
         draft_dir = config.resolved_draft_dir
         self.draft_config = None
+        if draft_dir and self.model_config.has_linear_attention:
+            raise ValueError(f"draft model {draft_dir!r}: speculative decoding is not supported yet for models with "
+                             "KDA (linear attention) layers; run without a draft (draft_model='')")
         if draft_dir:
             import json
 
             from engine.models.dflash import DFlashConfig
 
             self.draft_config = DFlashConfig.from_dict(json.loads(Path(draft_dir, "config.json").read_text()))
-        probe = cache_shape_for(self.model_config, self.draft_config, 1, config.page_size, DTYPES[config.dtype])
-        num_pages = max(1, config.kv_memory_bytes // probe.bytes_per_page)
+        dtype = DTYPES[config.dtype]
+        probe = cache_shape_for(self.model_config, self.draft_config, 1, config.page_size, dtype)
+        state_probe = self.model_config.state_shape(config.tp_size, 1, dtype)
+        slot_bytes = state_probe.bytes_per_slot if state_probe is not None else 0
+        num_pages, num_slots = split_memory_budget(config.kv_memory_bytes, probe.bytes_per_page, slot_bytes,
+                                                   config.max_running)
         runner_config = RunnerConfig(
             model_dir=config.model_dir,
             draft_dir=draft_dir,
@@ -49,18 +58,22 @@ class LLMEngine:
             page_pools=config.page_pools,
             num_threads=config.num_threads or (default_threads(config.tp_size) if config.tp_size > 1 else None),
             share_weights=config.share_weights,
+            num_state_slots=num_slots,
         )
         self.leader = TPLeader(runner_config, config.tp_size)
         self.runner = self.leader.runner
         self.cache_shape = self.runner.cache_shape
         self.allocator = PageAllocator(num_pages)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator)
+        self.state_pool = self.runner.cache.state  # the leader's pool also keeps the slot free list
+        self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
+                                   self.state_pool)
         self.acceptance_stats = AcceptanceStats()
         self.num_preemptions = 0  # running sequences preempted for lack of pages, since start
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self.eos_ids = set(self.model_config.eos_token_id)
-        logger.info("engine ready: %d pages, draft=%s, tp=%d", num_pages, bool(draft_dir), config.tp_size)
+        logger.info("engine ready: %d pages (%d B), %d state slots (%d B), draft=%s, tp=%d", num_pages,
+                    num_pages * probe.bytes_per_page, num_slots, num_slots * slot_bytes, bool(draft_dir), config.tp_size)
 
     # --- properties the services read -------------------------------------------------------------
     @property
@@ -144,10 +157,16 @@ class LLMEngine:
     def free_pages(self, page_ids: list[int]) -> None:
         self.allocator.free(page_ids)
 
+    def _refuse_state_handoff(self) -> None:
+        if self.state_pool is not None:
+            raise ValueError("prefill/decode handoff is not supported yet for models with KDA (linear attention) "
+                             "layers: their per-sequence state is not transferred")
+
     def add_prefilled(
         self, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int], params: SamplingParams
     ) -> None:
         """A request whose prompt KV (and draft context) another worker wrote into page_ids."""
+        self._refuse_state_handoff()
         self.validate_prompt(prompt_ids, params)
         if len(page_ids) * self.config.page_size < len(prompt_ids):
             raise ValueError(f"{len(page_ids)} pages cannot hold a prompt of {len(prompt_ids)} tokens")
@@ -215,6 +234,7 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.page_table.release()
+        self.scheduler.free_state(seq)
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> int:
         """Appends generated tokens up to a stop condition; returns how many were kept."""
@@ -251,7 +271,7 @@ class LLMEngine:
             [(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages, c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0) for c in chunks],
             pool_names=None,
         )
-        logits = self.leader.execute(plan)
+        logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
         sampled = [c.seq for c, needs in zip(chunks, completing) if needs]
         tokens = self._sample([s.params for s in sampled], [s.generator for s in sampled], logits) if sampled else []
         row = 0
@@ -290,6 +310,13 @@ class LLMEngine:
         )
         return plan, rows, needs
 
+    def _with_state(self, plan: TargetPlan, seqs: list[Sequence]) -> TargetPlan:
+        """Adds each sequence's state slot; slots of sequences starting at token 0 are zeroed first."""
+        if self.state_pool is None:
+            return plan
+        fresh = tuple(seq.state_slot for seq in seqs if seq.num_cached == 0)
+        return dataclasses.replace(plan, state_slots=[seq.state_slot for seq in seqs], reset_slots=fresh)
+
     def _sample(self, params: list[SamplingParams], generators, logits: torch.Tensor) -> list[int]:
         return SamplingBatch.from_params(params, generators).sample(logits).tolist()
 
@@ -321,7 +348,7 @@ class LLMEngine:
             logit_rows=list(range(len(input_ids))),
             write_draft_context=self.has_draft,
         )
-        logits = self.leader.execute(plan)
+        logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
         offsets = list(itertools.accumulate([0] + q_lens))
         if plain:
@@ -352,6 +379,7 @@ class LLMEngine:
         returns each prompt's first token; the engine keeps no state for them (engine/prefill_jobs.py)."""
         from engine.prefill_jobs import run_prefill_jobs
 
+        self._refuse_state_handoff()
         return run_prefill_jobs(self, jobs)
 
     def read_pages(self, page_ids: list[int]):
@@ -363,12 +391,17 @@ class LLMEngine:
         """[len, vocab] logits of every prompt position (one EXTEND pass on temporary pages)."""
         self.validate_prompt(token_ids)
         pages = self.allocate_pages(len(token_ids))
+        slot = self.state_pool.alloc() if self.state_pool is not None else None
         try:
             rows = list(range(len(token_ids)))
             plan = TargetPlan(ForwardMode.EXTEND, list(token_ids), rows, [len(token_ids)], [len(token_ids)], [pages], rows)
+            if slot is not None:
+                plan = dataclasses.replace(plan, state_slots=[slot], reset_slots=(slot,))
             return self.leader.execute(plan)
         finally:
             self.free_pages(pages)
+            if slot is not None:
+                self.state_pool.free(slot)
 
     def close(self) -> None:
         leader, self.leader = getattr(self, "leader", None), None

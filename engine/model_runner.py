@@ -33,6 +33,7 @@ class RunnerConfig:
     num_threads: int | None = None
     share_weights: bool = False  # map the node's one shared copy of this rank's weights (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
+    num_state_slots: int = 0  # per-sequence state slots (models with linear attention)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,7 +52,7 @@ class RunnerConfig:
 
 def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, dtype: torch.dtype) -> CacheShape:
     return CacheShape(
-        num_layers=model_config.num_hidden_layers,
+        num_layers=model_config.num_cache_layers,
         num_pages=num_pages,
         page_size=page_size,
         latent_dim=model_config.kv_lora_rank,
@@ -65,22 +66,21 @@ def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, 
 class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPGroup) -> None:
         from engine.attention.registry import get_attention_backend
-        from engine.config import ModelConfig
-        from engine.models.deepseek_v3 import DeepseekV3ForCausalLM, load_model
+        from engine.models.registry import build_model, load_config, load_model
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.tp = tp
         dtype = config.torch_dtype
-        model_config = ModelConfig.from_pretrained(config.model_dir)
+        model_config = load_config(config.model_dir)
         heads_per_rank = model_config.num_attention_heads // tp.size
         attention = get_attention_backend(config.attention_backend, num_heads=heads_per_rank, device="cpu")
         self._shared_weights: list[object] = []
         self.model_config = model_config
         self.model = self._load(
             "target", config.model_dir, lambda: load_model(config.model_dir, tp, attention, dtype)[1],
-            lambda: DeepseekV3ForCausalLM(model_config, tp, attention, dtype),
+            lambda: build_model(config.model_dir, model_config, tp, attention, dtype),
         )
         self.draft = None
         if config.draft_dir:
@@ -102,9 +102,14 @@ class ModelRunner:
             self.cache = self.pool.cache
         else:
             self.cache = PagedLatentCache(self.cache_shape)
+        if self.model_config.has_linear_attention:
+            from engine.state_pool import StatePool
+
+            self.cache.state = StatePool(self.model_config.state_shape(tp.size, config.num_state_slots, dtype))
         logger.info(
-            "rank %d/%d ready: %d pages x %d tokens (%s), draft=%s",
-            tp.rank, tp.size, config.num_pages, config.page_size, config.kv_pool, bool(self.draft),
+            "rank %d/%d ready: %d pages x %d tokens (%s), %d state slots, draft=%s",
+            tp.rank, tp.size, config.num_pages, config.page_size, config.kv_pool, config.num_state_slots,
+            bool(self.draft),
         )
 
     def _load(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
@@ -158,11 +163,14 @@ class ModelRunner:
         """-> logits [len(plan.logit_rows), vocab] float32 (identical on every rank)."""
         cache = self._cache_for(plan.pool_names)
         attn = build_attention_metadata(plan.q_lens, plan.kv_lens, plan.page_tables, self.config.page_size)
+        for slot in plan.reset_slots:
+            cache.state.reset(slot)
         batch = ForwardBatch(
             mode=plan.mode,
             input_ids=torch.tensor(plan.input_ids, dtype=torch.int64),
             positions=torch.tensor(plan.positions, dtype=torch.int64),
             attn=attn,
+            state_slots=None if plan.state_slots is None else torch.tensor(plan.state_slots, dtype=torch.int64),
         )
         capture = self.capture_layers if plan.write_draft_context and self.draft is not None else ()
         out = self.model(batch, cache, capture_layers=capture)

@@ -37,9 +37,11 @@ def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
         ("reserve", f"{_gb(weights['reserve_bytes_per_gpu'])} per GPU (activations, draft, fragmentation)"),
         ("KV budget", f"{_gb(kv['budget_bytes_per_gpu'])} per GPU"
                       + ("" if weights["fit_per_gpu"] else "  <- weights + reserve exceed the GPU")),
-        ("KV per token", f"{kv['bytes_per_token']:,} bytes ({kv['dtype']}: {model['layers']} layers x "
+        ("KV per token", f"{kv['bytes_per_token']:,} bytes ({kv['dtype']}: {kv['mla_layers']} MLA layers x "
                          f"{model['kv_lora_rank'] + model['rope_dim']} latent values)"),
         ("KV tokens", f"{kv['tokens_per_gpu']:,} per GPU (= per replica: every TP rank holds the whole latent)"),
+        ("state / sequence", f"{kv['state_bytes_per_request']:,} bytes per GPU ({kv['state_bytes_per_request'] / 2**20:.1f} MiB"
+                             ", KDA conv + recurrent state)" if kv["state_bytes_per_request"] else "none (no linear-attention layers)"),
         ("sequences", f"{kv['concurrent_sequences']:,} concurrent at {kv['context_len']:,} tokens of context"),
         ("heads / rank", f"{heads.heads_per_rank} ({heads.heads} / TP{heads.tp_size})"
                          + (f" -> padded to {heads.padded_heads} for AITER MLA decode "

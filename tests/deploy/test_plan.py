@@ -138,11 +138,13 @@ def test_params_override_scales_weights_proportionally(capsys):
 
 
 def test_reserve_comes_out_of_the_kv_budget(capsys):
-    """Every GB reserved is a GB less for KV; sequences = tokens // context length."""
+    """Every GB reserved is a GB less for KV; sequences = budget // (context length x KV per token + the
+    per-request state of linear-attention layers, zero for pure-MLA models)."""
     base = plan_json(capsys, "--reserve-gb", "0")
     reserved = plan_json(capsys, "--reserve-gb", "10", "--context-len", "4096")
     assert base["kv"]["budget_bytes_per_gpu"] - reserved["kv"]["budget_bytes_per_gpu"] == 10 * GB
-    assert reserved["kv"]["sequences_per_replica"] == reserved["kv"]["tokens_per_gpu"] // 4096
+    kv = reserved["kv"]
+    assert kv["sequences_per_replica"] == kv["budget_bytes_per_gpu"] // (kv["bytes_per_token"] * 4096 + kv["state_bytes_per_request"])
 
 
 def test_mixed_dtypes_and_group_size(capsys):

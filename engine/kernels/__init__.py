@@ -1,0 +1,1 @@
+"""Our own Triton kernels outside attention (MXFP4 expert GEMM). Import lazily: triton is optional on CPU."""
