@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_types import EngineConfig
-from engine.role_config import EmbedsEngineConfig
+from engine.role_config import EmbedsEngineConfig, worker_engine_config
 from kvtransfer.shm_pool import ShmPoolFactory
 
 
@@ -38,7 +38,6 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
               lease_grace_s: float = 1.0, lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
               advertise_address: str | None = None, **engine: Any) -> DecodeWorkerConfig:
         """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
-        write into (ShmPoolFactory); it shares weights per node unless told not to."""
-        engine = {"share_weights": True, **engine}
-        return cls(EngineConfig(**engine, kv_pool="shm", page_pools=ShmPoolFactory()), listen, metrics_listen,
+        write into (ShmPoolFactory)."""
+        return cls(worker_engine_config(engine, kv_pool="shm", page_pools=ShmPoolFactory()), listen, metrics_listen,
                    lease_ttl_s, lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address)

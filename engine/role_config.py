@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.devices import serving_device
 from engine.engine_types import EngineConfig
 
 
@@ -27,3 +28,12 @@ class EmbedsEngineConfig:
             raise ValueError(f"listen must be host:port, got {listen!r}")
         if metrics and ":" not in metrics:
             raise ValueError(f"metrics_listen must be host:port, got {metrics!r}")
+
+
+def worker_engine_config(fields: dict[str, Any], **role: Any) -> EngineConfig:
+    """The EngineConfig of a worker from its engine flags (`fields`) and what its role fixes (`role`: kv_pool,
+    page_pools). Workers share weights per node unless told not to; device "auto" means the serving
+    device (engine.devices.serving_device)."""
+    merged = {"share_weights": True, **fields, **role}
+    merged["device"] = serving_device(merged.get("device", "auto"))
+    return EngineConfig(**merged)

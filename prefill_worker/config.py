@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_types import EngineConfig
-from engine.role_config import EmbedsEngineConfig
+from engine.role_config import EmbedsEngineConfig, worker_engine_config
 from kvtransfer.shm_pool import ShmPoolFactory
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 2**20  # the local pool: used only by the grpc transport (compute, then push)
@@ -30,7 +30,7 @@ class PrefillWorkerConfig(EmbedsEngineConfig):
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", batch_tokens: int = 2048,
               **engine: Any) -> PrefillWorkerConfig:
         """engine: EngineConfig fields. The prefill role computes into private pages and attaches decode
-        workers' shared pools (ShmPoolFactory); it shares weights per node unless told not to."""
-        engine = {"kv_memory_bytes": DEFAULT_KV_MEMORY_BYTES, "share_weights": True, **engine}
-        return cls(EngineConfig(**engine, kv_pool="local", page_pools=ShmPoolFactory()), listen, metrics_listen,
-                   batch_tokens)
+        workers' shared pools (ShmPoolFactory)."""
+        engine = worker_engine_config({"kv_memory_bytes": DEFAULT_KV_MEMORY_BYTES, **engine}, kv_pool="local",
+                                      page_pools=ShmPoolFactory())
+        return cls(engine, listen, metrics_listen, batch_tokens)

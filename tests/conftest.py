@@ -12,8 +12,24 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 PROCESS_CLUSTER_FIXTURES = frozenset({"cluster", "tp2_cluster", "mixed_tp_cluster", "live_gateway"})
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks tests that start process clusters `slow`, so `pytest -m "not slow"` stays the fast loop."""
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `compose` (a real container bring-up, ~15 min: scripts/compose.sh test, .ci/run) run only
+    when the -m expression names them; the default run and `-m slow` leave them out. Tests that start process
+    clusters are marked `slow`, so `pytest -m "not slow"` stays the fast loop. Tests marked `gpu` need a
+    CUDA / ROCm device: skipped (not passed) on machines without one."""
+    import torch
+
     for item in items:
         if PROCESS_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    if "compose" not in (config.option.markexpr or ""):
+        deselected = [item for item in items if item.get_closest_marker("compose") is not None]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item.get_closest_marker("compose") is None]
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
