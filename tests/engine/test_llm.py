@@ -43,6 +43,7 @@ def test_logits_and_greedy_match_transformers(checkpoints, variant):
         assert llm.generate(PROMPTS, GREEDY) == expected
 
 
+@pytest.mark.slow  # TP: two ranks, gloo
 def test_tp2_equals_tp1(checkpoints):
     """TP=2 (two processes, gloo) gives the TP=1 logits within 1e-4 and identical greedy generations."""
     model_dir = str(checkpoints["heads24"])

@@ -16,6 +16,8 @@ from training import evaluate
 from training.corpus import load_corpus
 from training.tokenizer import encode_documents
 
+pytestmark = pytest.mark.slow  # evaluates the trained model: held-out loss and draft acceptance
+
 MODEL_DIR = DEFAULT_MODEL_DIR
 
 
