@@ -3,8 +3,9 @@ produces events (tokens with their text, then a finish or an error) for the serv
 
 Cleanup on every exit (finish, stop string, client cancel, Abort, error) keeps one rule: the pages of an
 unclaimed lease are released only once the prefill worker has confirmed it no longer writes them
-(its Prefill returned, or Cancel returned); if that confirmation cannot be had, the lease is left to
-expire on the decode worker, which frees it then."""
+(its Prefill returned, or Cancel returned: a running prefill stops between two chunks); cleanup waits
+for that as long as the lease lasts; if the confirmation cannot be had, the lease is left to expire on
+the decode worker, which frees it then."""
 from __future__ import annotations
 
 import asyncio
@@ -76,6 +77,7 @@ class RequestRun:
         self._prefill_call: Any = None
         self._decode_call: Any = None
         self._cancelling = False
+        self._lease_deadline = 0.0  # time.time() when the decode lease lapses (its pages freed there)
         self.finished = False  # the final event is queued (cleanup may still be running)
         self.task: asyncio.Task[None] | None = None
 
@@ -103,7 +105,7 @@ class RequestRun:
             self.events.put_nowait(ErrorEvent(code, message))
         finally:
             try:
-                await asyncio.wait_for(self._cleanup(), self._cleanup_timeout)
+                await asyncio.wait_for(self._cleanup(), self._cleanup_budget())
             except (asyncio.TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError) as error:
                 logger.warning("cleanup of request %s incomplete: %r", self.job.request_id, error)
 
@@ -114,6 +116,7 @@ class RequestRun:
         self._decode, destination = await self._pool.reserve(
             job.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline)
         self._decode_state = "reserved"
+        self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         sampling = sampling_to_proto(params)
         response = await self._run_prefill(destination, sampling)
         self._ttft_ms = (time.perf_counter() - self._arrival) * 1000
@@ -188,6 +191,11 @@ class RequestRun:
             self._decode_tokens, stop))
 
     # --- cleanup ------------------------------------------------------------------------------------
+    def _cleanup_budget(self) -> float:
+        """How long cleanup may wait for the prefill worker to confirm it stopped: as long as it takes,
+        until the decode lease lapses (then the decode worker frees the pages itself)."""
+        return max(self._cleanup_timeout, self._lease_deadline - time.time() + self._cleanup_timeout)
+
     async def _cleanup(self) -> None:
         request_id = self.job.request_id
         if self._prefill_state in ("inflight", "failed"):
@@ -196,7 +204,7 @@ class RequestRun:
                 self._prefill_call.cancel()
             try:
                 await self._prefill.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                                timeout=self._cleanup_timeout)
+                                                timeout=self._cleanup_budget())
             except grpc.aio.AioRpcError as error:
                 logger.warning("could not confirm prefill of %s stopped (%s); its lease will expire",
                                request_id, error.code().name)

@@ -19,6 +19,8 @@ from pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}
+# Reserve failures after which the worker may still hold a reservation for the request.
+_UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 
 @dataclass
@@ -134,12 +136,20 @@ class WorkerPool:
         before it lands would miss it), then release what it reserved."""
         try:
             await asyncio.wait_for(call, self.config.cleanup_timeout_s)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
-            return  # nothing reserved, or unknown: the lease (if any) expires on the worker
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in _UNKNOWN_OUTCOME:
+                return  # refused: nothing reserved
+        except asyncio.TimeoutError:
+            pass
+        await self._release(worker, request_id)
+
+    async def _release(self, worker: DecodeWorker, request_id: str) -> None:
+        """Release of a reservation whose outcome is unknown to us (the worker also frees a Reserve it
+        is still allocating, and one whose answer it could not deliver)."""
         try:
             await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s)
         except grpc.aio.AioRpcError as error:
-            logger.warning("could not release the reservation of cancelled request %s: %s", request_id, error.code().name)
+            logger.warning("could not release the reservation of request %s: %s", request_id, error.code().name)
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       deadline: float | None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
@@ -171,6 +181,8 @@ class WorkerPool:
                     if error.code() == grpc.StatusCode.UNAVAILABLE:
                         self.mark_unreachable(worker.state, error)
                         continue
+                    if error.code() in _UNKNOWN_OUTCOME:  # it may have reserved just as the deadline fired
+                        await self._release(worker, request_id)
                     raise
                 worker.state.free_pages = max(0, worker.state.free_pages - len(destination.page_ids))
                 worker.state.running += 1

@@ -3,8 +3,9 @@
 prefill() queues a job; the engine thread takes queued jobs in arrival order up to `batch_tokens` prompt
 tokens and runs them in one engine.prefill call (chunked inside the engine), writing KV straight into the
 decode pools (shm) or into local pages (grpc). The KV export (completion records / push) then runs off
-the engine thread, so the next batch can start. cancel() drops a queued job, or waits until a running
-one has stopped touching its destination pages."""
+the engine thread, so the next batch can start. cancel() drops a queued job, or stops a running one
+between two chunks (the engine asks before each chunk) and waits until it no longer touches its
+destination pages."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,8 @@ from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.shm_transport import ShmWriter
 from pdserve.engine_thread import EngineThread
-from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from kvtransfer.errors import LeaseExpired
+from pdserve.grpc_errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages
 
@@ -217,8 +219,9 @@ class PrefillService:
         if not runnable:
             return True
         started = time.perf_counter()
+        by_id = {job.request_id: job for job in runnable}
         try:
-            results = engine.prefill(engine_jobs)
+            results = engine.prefill(engine_jobs, should_stop=lambda request_id: _should_stop(by_id[request_id]))
         except Exception as error:  # noqa: BLE001
             logger.exception("prefill of %d prompts failed", len(runnable))
             for job in runnable:
@@ -227,6 +230,12 @@ class PrefillService:
             return True
         prefill_ms = (time.perf_counter() - started) * 1000
         for job, result in zip(runnable, results):
+            if result is None:  # cancelled (or its lease ran out) between chunks: nothing more was written
+                logger.info("prefill of %s stopped between chunks (%s)", job.request_id,
+                            "cancelled" if job.cancelled else "lease expired")
+                self._free_local(engine, job)
+                self._fail(job, PrefillStopped(f"prefill of {job.request_id} stopped before it finished"))
+                continue
             pages = None
             if job.local_pages:
                 pages = engine.read_pages(job.local_pages)
@@ -244,6 +253,21 @@ class PrefillService:
     def _fail(self, job: _Job, error: BaseException) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(_resolve, job.future, error)
+
+
+class PrefillStopped(Aborted):
+    """A running prefill was stopped between chunks (cancelled, or its lease expired)."""
+
+
+def _should_stop(job: _Job) -> bool:
+    """Asked by the engine thread between chunks: the RPC was cancelled or the lease ran out."""
+    if job.cancelled:
+        return True
+    try:
+        job.destination.check_lease()
+    except LeaseExpired:
+        return True
+    return False
 
 
 def _resolve(future: asyncio.Future[Any], value: Any) -> None:
