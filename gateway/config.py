@@ -10,7 +10,10 @@ TRANSPORTS = ("shm", "grpc")
 class GatewayConfig:
     """prefill / decode: worker addresses (host:port). transport: how prefill hands KV to decode
     ("shm" needs both on one host). admission_timeout_s: how long a request waits for a decode worker
-    with room (Reserve answers RESOURCE_EXHAUSTED) before it fails with RESOURCE_EXHAUSTED."""
+    with room (Reserve answers RESOURCE_EXHAUSTED) before it fails with RESOURCE_EXHAUSTED.
+    max_request_bytes: the largest request message (and prompt text) accepted, checked before parsing /
+    tokenising; tokenize_inline_chars / tokenize_processes: texts longer than this are tokenised in that
+    many spawned processes, off the event loop (0 processes: inline)."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -22,6 +25,9 @@ class GatewayConfig:
     worker_timeout_s: float = 2.0
     admission_timeout_s: float = 30.0
     cleanup_timeout_s: float = 10.0
+    max_request_bytes: int = 4 * 2**20
+    tokenize_inline_chars: int = 4096
+    tokenize_processes: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
@@ -35,6 +41,10 @@ class GatewayConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.default_max_tokens <= 0:
             raise ValueError("default_max_tokens must be positive")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        if self.tokenize_inline_chars < 0 or self.tokenize_processes < 0:
+            raise ValueError("tokenize_inline_chars and tokenize_processes must be non-negative")
         for name in ("load_poll_interval_s", "worker_timeout_s", "admission_timeout_s", "cleanup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")

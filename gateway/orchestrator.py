@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,9 @@ class RequestRun:
     def __init__(self, job: GenerateJob, pool: WorkerPool, tokenizer: TextTokenizer | None,
                  arrival: float, deadline: float | None, cleanup_timeout_s: float) -> None:
         self.job = job
+        # The id the workers know this run by: unique per run, so a client may reuse its request_id as
+        # soon as the Complete is sent while this run's cleanup still talks to the workers.
+        self.worker_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
         self._pool = pool
         self._arrival = arrival
         self._deadline = deadline
@@ -114,7 +118,7 @@ class RequestRun:
         if not self._pool.polled.is_set():
             await asyncio.wait_for(self._pool.polled.wait(), remaining(self._deadline))
         self._decode, destination = await self._pool.reserve(
-            job.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline)
+            self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline)
         self._decode_state = "reserved"
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         sampling = sampling_to_proto(params)
@@ -127,7 +131,7 @@ class RequestRun:
         if job.ends_on(first) or params.max_new_tokens == 1:
             self._finish("stop" if job.ends_on(first) else "length")
             return
-        request = worker_pb2.DecodeRequest(request_id=job.request_id, lease_id=destination.lease_id,
+        request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling)
         self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline))
         self._decode_state = "streaming"
@@ -150,7 +154,7 @@ class RequestRun:
         self._prefill_state = "inflight"
         try:
             self._prefill_call = worker.stub.Prefill(
-                worker_pb2.PrefillRequest(request_id=self.job.request_id, token_ids=self.job.prompt_ids,
+                worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
                                           sampling=sampling, destination=destination),
                 timeout=remaining(self._deadline))
             response = await self._prefill_call
@@ -197,7 +201,7 @@ class RequestRun:
         return max(self._cleanup_timeout, self._lease_deadline - time.time() + self._cleanup_timeout)
 
     async def _cleanup(self) -> None:
-        request_id = self.job.request_id
+        request_id = self.worker_id
         if self._prefill_state in ("inflight", "failed"):
             assert self._prefill is not None
             if self._prefill_call is not None:

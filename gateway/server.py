@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import grpc
 
@@ -10,6 +11,7 @@ from gateway.config import GatewayConfig
 from gateway.model_info import ModelFacts
 from gateway.service import GatewayService
 from gateway.servicer import SERVICE_NAME, GatewayServicer, add_gateway_to_server
+from gateway.tokenize_pool import TokenizePool, TokenizePoolConfig
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import WorkerPool
 from pdserve import serving
@@ -23,7 +25,14 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
     tokenizer = TextTokenizer.from_model_dir(config.model_dir)
     if tokenizer is None:
         logger.warning("%s has no tokenizer.json: only token-id requests will be accepted", config.model_dir)
-    server = grpc.aio.server(options=serving.SERVER_OPTIONS)
+    tokenize = None
+    if tokenizer is not None:
+        tokenize = TokenizePool(tokenizer, Path(config.model_dir, "tokenizer.json"),
+                                TokenizePoolConfig(config.tokenize_inline_chars, config.tokenize_processes))
+        await tokenize.warm_up()
+    options = [option for option in serving.SERVER_OPTIONS if option[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", config.max_request_bytes))  # refused before parsing
+    server = grpc.aio.server(options=options)
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     await serving.set_serving(health, [SERVICE_NAME], False)  # until the first poll finds every worker
     tasks: set[asyncio.Task[None]] = set()
@@ -36,7 +45,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
         task.add_done_callback(tasks.discard)
 
     pool = WorkerPool(config, on_health)
-    service = GatewayService(config, facts, tokenizer, pool)
+    service = GatewayService(config, facts, tokenizer, pool, tokenize)
     add_gateway_to_server(GatewayServicer(service), server)
     port = server.add_insecure_port(config.listen)
     address = serving.bound_address(config.listen, port)
@@ -53,4 +62,6 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
         await server.stop(grace=2.0)
         await service.shutdown(config.cleanup_timeout_s)
         await pool.close()
+        if tokenize is not None:
+            tokenize.close()
         logger.info("gateway stopped")

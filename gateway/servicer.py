@@ -39,7 +39,7 @@ class GatewayServicer:
         arrival = time.perf_counter()
         left = context.time_remaining()
         deadline = None if left is None else time.monotonic() + left
-        run = self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
+        run = await self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
         context.add_done_callback(lambda _: run.cancel())  # client gone: abort on every worker
         request_id = run.job.request_id
         try:

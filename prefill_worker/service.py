@@ -23,7 +23,7 @@ from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.shm_transport import ShmWriter
 from pdserve.engine_thread import EngineThread
 from kvtransfer.errors import LeaseExpired
-from pdserve.grpc_errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages
 
@@ -111,7 +111,7 @@ class PrefillService:
                                        self.config.tp_size, self._accepted)
 
     # --- requests -----------------------------------------------------------------------------------
-    def _check(self, request_id: str, prompt_ids: list[int], destination: Destination) -> None:
+    def _check(self, request_id: str, prompt_ids: list[int], params: SamplingParams, destination: Destination) -> None:
         if not request_id:
             raise InvalidArgument("request_id", "is empty")
         if request_id in self._jobs:
@@ -125,10 +125,13 @@ class PrefillService:
         destination.check_against(self.engine.layout, f"prefill of request {request_id}")
         destination.check_lease()
         self.engine.validate_prompt(prompt_ids)
+        limit = self.config.spec_block_size  # decode checks it too, but only after the first token
+        if params.block_size is not None and params.block_size > limit:
+            raise InvalidArgument("block_size", f"{params.block_size} exceeds the server maximum {limit}")
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       destination: Destination) -> PrefillOutcome:
-        self._check(request_id, prompt_ids, destination)
+        self._check(request_id, prompt_ids, params, destination)
         assert self._loop is not None
         job = _Job(request_id, list(prompt_ids), params, destination, self._loop.create_future())
         self._jobs[request_id] = job
@@ -234,7 +237,8 @@ class PrefillService:
                 logger.info("prefill of %s stopped between chunks (%s)", job.request_id,
                             "cancelled" if job.cancelled else "lease expired")
                 self._free_local(engine, job)
-                self._fail(job, PrefillStopped(f"prefill of {job.request_id} stopped before it finished"))
+                self._fail(job, asyncio.CancelledError() if job.cancelled else
+                           LeaseExpired(f"lease of request {job.request_id} expired during its prefill"))
                 continue
             pages = None
             if job.local_pages:
@@ -255,10 +259,6 @@ class PrefillService:
         self._loop.call_soon_threadsafe(_resolve, job.future, error)
 
 
-class PrefillStopped(Aborted):
-    """A running prefill was stopped between chunks (cancelled, or its lease expired)."""
-
-
 def _should_stop(job: _Job) -> bool:
     """Asked by the engine thread between chunks: the RPC was cancelled or the lease ran out."""
     if job.cancelled:
@@ -273,7 +273,9 @@ def _should_stop(job: _Job) -> bool:
 def _resolve(future: asyncio.Future[Any], value: Any) -> None:
     if future.done():
         return
-    if isinstance(value, BaseException):
+    if isinstance(value, asyncio.CancelledError):
+        future.cancel()
+    elif isinstance(value, BaseException):
         future.set_exception(value)
     else:
         future.set_result(value)

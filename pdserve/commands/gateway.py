@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request leaves it unset")
     parser.add_argument("--admission-timeout", type=float, default=30.0,
                         help="seconds a request waits for decode room before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                        help="largest request (and prompt text) accepted, refused before tokenising (default 4 MiB)")
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
 
 
@@ -32,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = GatewayConfig(model_dir=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
                                listen=args.listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
-                               admission_timeout_s=args.admission_timeout)
+                               admission_timeout_s=args.admission_timeout,
+                               max_request_bytes=args.max_request_bytes)
     except ValueError as error:
         return fail("gateway", error)
     serving.run(lambda: serve(config, ready_file=args.ready_file))
