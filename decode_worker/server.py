@@ -16,6 +16,7 @@ from kvtransfer.grpc_servicer import KVTransferAioServicer
 from kvtransfer.shm_pool import SharedPagePool, cleanup_stale_segments
 from kvtransfer.shm_receiver import ShmReceiver
 from pdserve import serving
+from pdserve.interceptors import server_interceptors
 from pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     receivers = _Receivers()
     service = DecodeService(config, receivers)
     await service.start()
-    server = grpc.aio.server(options=serving.SERVER_OPTIONS)
+    server = grpc.aio.server(options=serving.SERVER_OPTIONS, interceptors=server_interceptors())
     worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(service), server)
     assert receivers.push is not None
     kv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferAioServicer(receivers.push), server)

@@ -15,6 +15,7 @@ from gateway.tokenize_pool import TokenizePool, TokenizePoolConfig
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import WorkerPool
 from pdserve import serving
+from pdserve.interceptors import server_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
         await tokenize.warm_up()
     options = [option for option in serving.SERVER_OPTIONS if option[0] != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", config.max_request_bytes))  # refused before parsing
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=server_interceptors())
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     await serving.set_serving(health, [SERVICE_NAME], False)  # until the first poll finds every worker
     tasks: set[asyncio.Task[None]] = set()

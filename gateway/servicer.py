@@ -12,7 +12,7 @@ import grpc
 from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
-from pdserve.grpc_errors import streaming, unary
+from pdserve.grpc_errors import InvalidArgument, streaming, unary
 from pdserve.v1 import gateway_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -60,6 +60,8 @@ class GatewayServicer:
 
     @unary
     async def Abort(self, request: gateway_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.AbortResponse:
+        if not request.request_id:
+            raise InvalidArgument("request_id", "is empty")
         return gateway_pb2.AbortResponse(found=self._service.abort(request.request_id))
 
     @unary

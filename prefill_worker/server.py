@@ -7,6 +7,7 @@ import logging
 import grpc
 
 from pdserve import serving
+from pdserve.interceptors import server_interceptors
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillService
@@ -20,7 +21,7 @@ async def serve(config: PrefillWorkerConfig, stop: asyncio.Event | None = None, 
     """Runs until SIGTERM / SIGINT (or `stop`); queued prompts are refused on the way out."""
     service = PrefillService(config)
     await service.start()
-    server = grpc.aio.server(options=serving.SERVER_OPTIONS)
+    server = grpc.aio.server(options=serving.SERVER_OPTIONS, interceptors=server_interceptors())
     worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(service), server)
     health = serving.add_health_and_reflection(server, SERVICE_NAMES)
     port = server.add_insecure_port(config.listen)
