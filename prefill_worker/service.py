@@ -22,7 +22,7 @@ from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.shm_transport import ShmWriter
 from pdserve.engine_thread import EngineThread
-from kvtransfer.errors import LeaseExpired
+from kvtransfer.errors import KVTransferError, LeaseExpired
 from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages
@@ -124,6 +124,7 @@ class PrefillService:
             raise InvalidArgument("destination.num_tokens", f"{destination.num_tokens} != prompt length {len(prompt_ids)}")
         destination.check_against(self.engine.layout, f"prefill of request {request_id}")
         destination.check_lease()
+        self._confirm(destination)
         self.engine.validate_prompt(prompt_ids)
         limit = self.config.spec_block_size  # decode checks it too, but only after the first token
         if params.block_size is not None and params.block_size > limit:
@@ -209,6 +210,7 @@ class PrefillService:
         for job in batch:
             try:
                 job.destination.check_lease()
+                self._confirm(job.destination)  # again: the lease may have been released while queued
                 if job.destination.transport == TransportKind.SHM:
                     pages, pools = list(job.destination.page_ids), prefill_pool_names(job.destination, engine.config.tp_size)
                 else:
@@ -224,7 +226,7 @@ class PrefillService:
         started = time.perf_counter()
         by_id = {job.request_id: job for job in runnable}
         try:
-            results = engine.prefill(engine_jobs, should_stop=lambda request_id: _should_stop(by_id[request_id]))
+            results = engine.prefill(engine_jobs, should_stop=lambda request_id: self._should_stop(by_id[request_id]))
         except Exception as error:  # noqa: BLE001
             logger.exception("prefill of %d prompts failed", len(runnable))
             for job in runnable:
@@ -235,10 +237,10 @@ class PrefillService:
         for job, result in zip(runnable, results):
             if result is None:  # cancelled (or its lease ran out) between chunks: nothing more was written
                 logger.info("prefill of %s stopped between chunks (%s)", job.request_id,
-                            "cancelled" if job.cancelled else "lease expired")
+                            "cancelled" if job.cancelled else "lease ended")
                 self._free_local(engine, job)
                 self._fail(job, asyncio.CancelledError() if job.cancelled else
-                           LeaseExpired(f"lease of request {job.request_id} expired during its prefill"))
+                           LeaseExpired(f"the lease of request {job.request_id} ended during its prefill"))
                 continue
             pages = None
             if job.local_pages:
@@ -247,6 +249,26 @@ class PrefillService:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(_resolve, job.future, _Computed(result, prefill_ms, pages))
         return True
+
+    def _confirm(self, destination: Destination) -> None:
+        """shm writes land straight in the decode pool: only into pages the decode worker reserved for
+        this request under this lease (its completion slot says so), checked before the first byte.
+        grpc pushes are checked by the decode worker itself, chunk by chunk, before it writes."""
+        if destination.transport == TransportKind.SHM:
+            assert self._shm is not None
+            self._shm.confirm(destination)
+
+    def _should_stop(self, job: _Job) -> bool:
+        """Asked by the engine thread between chunks: the RPC was cancelled, or the lease ran out or is no
+        longer reserved for this request (released by the decode worker)."""
+        if job.cancelled:
+            return True
+        try:
+            job.destination.check_lease()
+            self._confirm(job.destination)
+        except KVTransferError:
+            return True
+        return False
 
     @staticmethod
     def _free_local(engine: Any, job: _Job) -> None:
@@ -257,17 +279,6 @@ class PrefillService:
     def _fail(self, job: _Job, error: BaseException) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(_resolve, job.future, error)
-
-
-def _should_stop(job: _Job) -> bool:
-    """Asked by the engine thread between chunks: the RPC was cancelled or the lease ran out."""
-    if job.cancelled:
-        return True
-    try:
-        job.destination.check_lease()
-    except LeaseExpired:
-        return True
-    return False
 
 
 def _resolve(future: asyncio.Future[Any], value: Any) -> None:

@@ -56,6 +56,7 @@ async def prefill():
     engine = _BlockingEngine()
     service = PrefillService(PrefillWorkerConfig(model_dir="unused", batch_tokens=10), engine_factory=lambda: engine)
     await service.start()
+    service._confirm = lambda destination: None  # no decode pool here (ShmWriter.confirm: tests/kvtransfer)
     yield service, engine
     engine.release.set()
     await service.stop()
