@@ -1,7 +1,7 @@
 """Decode worker settings, built once from the command line."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.llm_engine import EngineConfig
 
@@ -28,6 +28,7 @@ class DecodeWorkerConfig:
     lease_sweep_interval_s: float = 0.25
     admit_timeout_s: float = 10.0
     advertise_address: str | None = None
+    internal_token: str | None = field(default=None, repr=False)  # calls must carry it (TCP deployments)
 
     def __post_init__(self) -> None:
         if not self.listen or ":" not in self.listen:

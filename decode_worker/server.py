@@ -51,7 +51,7 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     receivers = _Receivers()
     service = DecodeService(config, receivers)
     await service.start()
-    server = grpc.aio.server(options=serving.SERVER_OPTIONS, interceptors=server_interceptors())
+    server = grpc.aio.server(options=serving.SERVER_OPTIONS, interceptors=server_interceptors(config.internal_token))
     worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(service), server)
     assert receivers.push is not None
     kv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferAioServicer(receivers.push), server)

@@ -133,7 +133,8 @@ class RequestRun:
             return
         request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling)
-        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline))
+        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline),
+                                                     metadata=self._pool.metadata)
         self._decode_state = "streaming"
         async for chunk in self._decode_call:
             self._decode_steps += chunk.decode_steps
@@ -156,7 +157,7 @@ class RequestRun:
             self._prefill_call = worker.stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
                                           sampling=sampling, destination=destination),
-                timeout=remaining(self._deadline))
+                timeout=remaining(self._deadline), metadata=self._pool.metadata)
             response = await self._prefill_call
         except grpc.aio.AioRpcError as error:
             self._prefill_state = "failed"
@@ -208,7 +209,7 @@ class RequestRun:
                 self._prefill_call.cancel()
             try:
                 await self._prefill.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                                timeout=self._cleanup_budget())
+                                                timeout=self._cleanup_budget(), metadata=self._pool.metadata)
             except grpc.aio.AioRpcError as error:
                 logger.warning("could not confirm prefill of %s stopped (%s); its lease will expire",
                                request_id, error.code().name)
@@ -218,5 +219,5 @@ class RequestRun:
             self._decode_call.cancel()
         if self._decode_state in ("reserved", "streaming") and self._decode is not None:
             await self._decode.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id),
-                                            timeout=self._cleanup_timeout)
+                                            timeout=self._cleanup_timeout, metadata=self._pool.metadata)
             self._decode_state = "finished"

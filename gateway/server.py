@@ -18,6 +18,15 @@ from pdserve import serving
 from pdserve.interceptors import server_interceptors
 
 logger = logging.getLogger(__name__)
+HEALTH_EXEMPT = ("/grpc.health.v1.Health/",)  # probes need no API key; everything else does when keys are set
+
+
+def _add_port(server: grpc.aio.Server, config: GatewayConfig) -> int:
+    """TLS when a certificate and key are configured, plaintext otherwise."""
+    if config.tls_cert is None or config.tls_key is None:
+        return server.add_insecure_port(config.listen)
+    credentials = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+    return server.add_secure_port(config.listen, credentials)
 
 
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_file: str | None = None) -> None:
@@ -33,7 +42,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
         await tokenize.warm_up()
     options = [option for option in serving.SERVER_OPTIONS if option[0] != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", config.max_request_bytes))  # refused before parsing
-    server = grpc.aio.server(options=options, interceptors=server_interceptors())
+    server = grpc.aio.server(options=options, interceptors=server_interceptors(*config.api_keys, exempt=HEALTH_EXEMPT))
     health = serving.add_health_and_reflection(server, [SERVICE_NAME])
     await serving.set_serving(health, [SERVICE_NAME], False)  # until the first poll finds every worker
     tasks: set[asyncio.Task[None]] = set()
@@ -48,12 +57,13 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
     pool = WorkerPool(config, on_health)
     service = GatewayService(config, facts, tokenizer, pool, tokenize)
     add_gateway_to_server(GatewayServicer(service), server)
-    port = server.add_insecure_port(config.listen)
+    port = _add_port(server, config)
     address = serving.bound_address(config.listen, port)
     await server.start()
     pool.start()
-    logger.info("gateway serving on %s: model %s, %d prefill, %d decode worker(s), %s transport",
-                address, facts.name, len(config.prefill), len(config.decode), config.transport)
+    logger.info("gateway serving on %s (%s, %s): model %s, %d prefill, %d decode worker(s), %s transport",
+                address, "TLS" if config.tls_cert else "plaintext", "API keys" if config.api_keys else "no auth",
+                facts.name, len(config.prefill), len(config.decode), config.transport)
     serving.write_ready_file(ready_file, address)
     try:
         await serving.wait_for_stop_signal(stop)

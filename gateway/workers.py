@@ -14,6 +14,7 @@ import grpc
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
 from pdserve.grpc_errors import ResourceExhausted, Unavailable
+from pdserve.interceptors import token_metadata
 from pdserve.serving import CHANNEL_OPTIONS
 from pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -45,6 +46,7 @@ def remaining(deadline: float | None, floor: float = 0.001) -> float | None:
 class WorkerPool:
     def __init__(self, config: GatewayConfig, on_health: Callable[[bool], None] | None = None) -> None:
         self.config = config
+        self.metadata = token_metadata(config.internal_token)  # sent with every call to a worker
         self.prefill = [self._prefill(address) for address in config.prefill]
         self.decode = [self._decode(address) for address in config.decode]
         self._prefill_router = PrefillRouter()
@@ -85,14 +87,14 @@ class WorkerPool:
 
         async def prefill(worker: PrefillWorker) -> None:
             try:
-                await worker.stub.GetLoad(request, timeout=timeout)
+                await worker.stub.GetLoad(request, timeout=timeout, metadata=self.metadata)
                 self._mark(worker.state, True)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
 
         async def decode(worker: DecodeWorker) -> None:
             try:
-                load = await worker.stub.GetLoad(request, timeout=timeout)
+                load = await worker.stub.GetLoad(request, timeout=timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
                 return
@@ -147,7 +149,8 @@ class WorkerPool:
         """Release of a reservation whose outcome is unknown to us (the worker also frees a Reserve it
         is still allocating, and one whose answer it could not deliver)."""
         try:
-            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s)
+            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s,
+                                     metadata=self.metadata)
         except grpc.aio.AioRpcError as error:
             logger.warning("could not release the reservation of request %s: %s", request_id, error.code().name)
 
@@ -167,7 +170,7 @@ class WorkerPool:
                 raise Unavailable("no reachable decode worker")
             for index in order:
                 worker = self.decode[index]
-                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline)))
+                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline), metadata=self.metadata))
                 try:
                     destination = await asyncio.shield(call)
                 except asyncio.CancelledError:

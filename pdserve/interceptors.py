@@ -107,23 +107,52 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return cached[1]
 
 
-def server_interceptors(token: str | None = None) -> Sequence[grpc.aio.ServerInterceptor]:
-    """What every pdserve server installs; token: calls must carry it (see TokenAuthInterceptor)."""
+def server_interceptors(*tokens: str | None, exempt: tuple[str, ...] = ()) -> Sequence[grpc.aio.ServerInterceptor]:
+    """What every pdserve server installs. tokens: calls must carry one of them (none given, or all
+    None: no authentication); exempt: method-name prefixes served without a token."""
     chain: list[grpc.aio.ServerInterceptor] = []
-    if token:
-        chain.append(TokenAuthInterceptor(token))
+    given = tuple(token for token in tokens if token)
+    if given:
+        chain.append(TokenAuthInterceptor(*given, exempt=exempt))
     chain.append(MalformedRequestInterceptor())
     return chain
 
 
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries token (empty without one)."""
+    return ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
+
+
+def read_token_file(path: str | None) -> str | None:
+    """The token kept in a file (first line, stripped); None without a path. An empty file is an error."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as handle:
+        token = handle.readline().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+def read_key_file(path: str) -> tuple[str, ...]:
+    """API keys, one per line (blank lines and # comments ignored)."""
+    with open(path, encoding="utf-8") as handle:
+        keys = tuple(line.strip() for line in handle if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise ValueError(f"key file {path} holds no key")
+    return keys
+
+
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Every call must carry `authorization: Bearer <token>` (one of `tokens`), compared in constant
-    time; others end UNAUTHENTICATED before their request is read."""
+    time; others end UNAUTHENTICATED before their request is read. exempt: method-name prefixes that
+    need no token (e.g. "/grpc.health.v1.Health/" for load-balancer probes)."""
 
-    def __init__(self, *tokens: str) -> None:
+    def __init__(self, *tokens: str, exempt: tuple[str, ...] = ()) -> None:
         if not tokens or not all(tokens):
             raise ValueError("TokenAuthInterceptor needs at least one non-empty token")
         self._expected = [f"Bearer {token}".encode() for token in tokens]
+        self._exempt = tuple(exempt)
 
     def _allowed(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
         for key, value in metadata or ():
@@ -136,6 +165,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        if handler_call_details.method.startswith(self._exempt) and self._exempt:
+            return await continuation(handler_call_details)
         if self._allowed(handler_call_details.invocation_metadata):
             return await continuation(handler_call_details)
         logger.info("%s: call without a valid token refused", handler_call_details.method)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import IO
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+INTERNAL_MODES = ("uds", "tcp")
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,19 @@ class ClusterSpec:
     decode_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     log_level: str = "INFO"
+    internal: str = "uds"  # how the workers listen: "uds" (Unix sockets in a 0700 directory) or "tcp" (+ token)
+    tls_cert: str | None = None  # the gateway's TLS certificate and key (PEM files)
+    tls_key: str | None = None
+    api_key_file: str | None = None  # keys clients must send to the gateway
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.internal not in INTERNAL_MODES:
+            raise ValueError(f"internal must be one of {INTERNAL_MODES}, got {self.internal!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
         if self.transport not in ("shm", "grpc"):
             raise ValueError(f"transport must be shm or grpc, got {self.transport!r}")
         if not Path(self.model_dir, "config.json").is_file():
@@ -79,9 +89,22 @@ class Cluster:
     gateway_address: str = ""
 
     def __post_init__(self) -> None:
-        self._run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self._run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))  # 0700: the workers' sockets live here
         self._logs: list[IO[bytes]] = []
         self._interrupt: threading.Event | None = None
+        self.internal_token: str | None = None
+        self._token_file = self._run_dir / "internal.token"
+        if self.spec.internal == "tcp":
+            self.internal_token = secrets.token_urlsafe(32)
+            descriptor = os.open(self._token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(self.internal_token + "\n")
+
+    def _security_args(self) -> list[str]:
+        return ["--internal-token-file", str(self._token_file)] if self.internal_token else []
+
+    def _listen(self, name: str) -> str:
+        return f"unix:{self._run_dir / name}.sock" if self.spec.internal == "uds" else "127.0.0.1:0"
 
     def _spawn(self, role: str, name: str, args: list[str]) -> Child:
         ready = self._run_dir / f"{name}.addr"
@@ -98,8 +121,8 @@ class Cluster:
         logger.info("started %s (pid %d)", name, process.pid)
         return child
 
-    def _worker_args(self, tp: int, extra: tuple[str, ...]) -> list[str]:
-        args = ["--listen", "127.0.0.1:0", "--model", self.spec.model_dir, "--tp-size", str(tp),
+    def _worker_args(self, name: str, tp: int, extra: tuple[str, ...]) -> list[str]:
+        args = ["--listen", self._listen(name), *self._security_args(), "--model", self.spec.model_dir, "--tp-size", str(tp),
                 "--attention-backend", self.spec.attention_backend, *self.spec.worker_args, *extra]
         if self.spec.draft_model is not None:
             args += ["--draft-model", self.spec.draft_model]
@@ -129,12 +152,13 @@ class Cluster:
         self._interrupt = interrupt
         deadline = time.monotonic() + timeout_s
         try:
-            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(self.spec.decode_tp, self.spec.decode_args))
+            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(f"decode-{i}", self.spec.decode_tp, self.spec.decode_args))
                       for i in range(self.spec.num_decode)]
-            prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(self.spec.prefill_tp, self.spec.prefill_args))
+            prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(f"prefill-{i}", self.spec.prefill_tp, self.spec.prefill_args))
                        for i in range(self.spec.num_prefill)]
             self._wait_ready(decode + prefill, deadline)
-            args = ["--listen", self.spec.listen, "--model", self.spec.model_dir, "--transport", self.spec.transport]
+            args = ["--listen", self.spec.listen, "--model", self.spec.model_dir, "--transport", self.spec.transport,
+                    *self._security_args(), *self._gateway_security_args()]
             for child in prefill:
                 args += ["--prefill", child.address]
             for child in decode:
@@ -148,13 +172,22 @@ class Cluster:
             raise
         return self.gateway_address
 
+    def _gateway_security_args(self) -> list[str]:
+        args: list[str] = []
+        if self.spec.tls_cert and self.spec.tls_key:
+            args += ["--tls-cert", self.spec.tls_cert, "--tls-key", self.spec.tls_key]
+        if self.spec.api_key_file:
+            args += ["--api-key-file", self.spec.api_key_file]
+        return args
+
     def _wait_serving(self, deadline: float) -> None:
         from pdserve.healthcheck import check
 
         status = ""
+        root = Path(self.spec.tls_cert).read_bytes() if self.spec.tls_cert else None
         while time.monotonic() < deadline:
             self._check_interrupted()
-            serving, status = check(self.gateway_address, timeout=2.0)
+            serving, status = check(self.gateway_address, timeout=2.0, tls_root=root)
             if serving:
                 return
             dead = self.dead_children()

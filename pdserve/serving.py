@@ -67,7 +67,10 @@ async def set_serving(health: HealthServicer, service_names: Iterable[str], serv
 
 
 def bound_address(listen: str, port: int) -> str:
-    """host:port actually served (listen may say port 0); 0.0.0.0 / [::] advertise as 127.0.0.1."""
+    """host:port actually served (listen may say port 0); 0.0.0.0 / [::] advertise as 127.0.0.1.
+    A Unix socket (unix:/path) is its own address."""
+    if listen.startswith("unix:"):
+        return listen
     host = listen.rsplit(":", 1)[0]
     if host in ("0.0.0.0", "[::]", "::", ""):
         host = "127.0.0.1"

@@ -1,7 +1,7 @@
 """Prefill worker settings, built once from the command line."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.llm_engine import EngineConfig
 
@@ -24,6 +24,7 @@ class PrefillWorkerConfig:
     batch_tokens: int = 2048
     spec_block_size: int = 8
     num_threads: int | None = None
+    internal_token: str | None = field(default=None, repr=False)  # required on calls, sent with KV pushes
 
     def __post_init__(self) -> None:
         if not self.listen or ":" not in self.listen:

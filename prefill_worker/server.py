@@ -21,7 +21,7 @@ async def serve(config: PrefillWorkerConfig, stop: asyncio.Event | None = None, 
     """Runs until SIGTERM / SIGINT (or `stop`); queued prompts are refused on the way out."""
     service = PrefillService(config)
     await service.start()
-    server = grpc.aio.server(options=serving.SERVER_OPTIONS, interceptors=server_interceptors())
+    server = grpc.aio.server(options=serving.SERVER_OPTIONS, interceptors=server_interceptors(config.internal_token))
     worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(service), server)
     health = serving.add_health_and_reflection(server, SERVICE_NAMES)
     port = server.add_insecure_port(config.listen)

@@ -22,6 +22,7 @@ from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.shm_transport import ShmWriter
 from pdserve.engine_thread import EngineThread
+from pdserve.interceptors import token_metadata
 from kvtransfer.errors import KVTransferError, LeaseExpired
 from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from prefill_worker.config import PrefillWorkerConfig
@@ -91,7 +92,7 @@ class PrefillService:
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(self._engine.start)
         self._shm = ShmWriter(self.engine.layout)
-        self._grpc = GrpcWriter(self.engine.layout)
+        self._grpc = GrpcWriter(self.engine.layout, metadata=token_metadata(self.config.internal_token))
 
     async def stop(self) -> None:
         with self._lock:

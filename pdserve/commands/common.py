@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdserve.interceptors import read_token_file
+
 DEFAULT_MODEL_DIR = str(Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny")
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 
@@ -27,6 +29,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--spec-block-size", type=int, default=8, help="largest speculative block size")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)  # written with the bound address
+    add_internal_token_argument(parser)
+
+
+def add_internal_token_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--internal-token-file", default=None,
+                        help="file holding the token internal calls must carry (TCP deployments; "
+                             "`pdserve up` generates one); none: no token checked")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -36,6 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         draft_model_dir=args.draft_model, dtype=args.dtype, page_size=args.page_size,
         kv_memory_bytes=args.kv_memory_mb * 2**20, max_batched_tokens=args.max_batched_tokens,
         spec_block_size=args.spec_block_size, num_threads=args.num_threads,
+        internal_token=read_token_file(args.internal_token_file),
     )
 
 

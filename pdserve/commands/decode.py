@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         config = DecodeWorkerConfig(listen=args.listen, max_running=args.max_running, lease_ttl_s=args.lease_ttl,
                                     advertise_address=args.advertise, **engine_kwargs(args))
         config.engine_config()
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         return fail("decode", error)
     serving.run(lambda: serve(config, ready_file=args.ready_file))
     return 0

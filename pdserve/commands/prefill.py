@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = PrefillWorkerConfig(listen=args.listen, batch_tokens=args.batch_tokens, **engine_kwargs(args))
         config.engine_config()
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         return fail("prefill", error)
     serving.run(lambda: serve(config, ready_file=args.ready_file))
     return 0

@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, help="draft directory ('' disables speculative decoding)")
     parser.add_argument("--kv-memory-mb", type=int, default=None, help="KV pool per decode rank (MiB)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker rank")
+    parser.add_argument("--internal", choices=("uds", "tcp"), default="uds",
+                        help="how the workers listen: Unix sockets in a private 0700 directory (default), or TCP on "
+                             "127.0.0.1 with a generated token every internal call must carry")
+    parser.add_argument("--tls-cert", default=None, help="the gateway's PEM certificate chain (serve TLS, with --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--api-key-file", default=None, help="API keys clients must send to the gateway, one per line")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for everything to be healthy")
 
 
@@ -42,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen,
                            attention_backend=args.attention_backend, transport=args.transport,
                            draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args,
-                           log_level=args.log_level)
+                           log_level=args.log_level, internal=args.internal, tls_cert=args.tls_cert,
+                           tls_key=args.tls_key, api_key_file=args.api_key_file)
     except ValueError as error:
         return fail("up", error)
     stop = threading.Event()
