@@ -10,7 +10,8 @@ import grpc
 from bench.config import SamplingOptions
 from bench.record import RequestRecord, spread_chunk_gaps
 from bench.workload import BenchRequest
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from rpc.convert import finish_reason_name
+from rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 class GatewayUnreachable(RuntimeError):
@@ -46,7 +47,7 @@ class GatewayClient:
     """Wraps one shared grpc.aio channel; `send` never raises for RPC failures (they become record.error)."""
 
     def __init__(self, channel: grpc.aio.Channel, options: SamplingOptions = SamplingOptions()) -> None:
-        self._stub = gateway_pb2_grpc.GatewayStub(channel)
+        self._stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         self._channel = channel
         self.options = options
 
@@ -96,8 +97,8 @@ class GatewayClient:
 
 def _fill_complete(record: RequestRecord, complete: gateway_pb2.Complete, now: float) -> None:
     record.e2e_s = now
-    record.finish_reason = gateway_pb2.Complete.FinishReason.Name(complete.finish_reason)
-    if complete.finish_reason == gateway_pb2.Complete.ABORT:
+    record.finish_reason = finish_reason_name(complete.finish_reason)
+    if complete.finish_reason == gateway_pb2.Complete.FINISH_REASON_ABORT:
         record.error = "aborted by the server"
     if complete.usage.prompt_tokens > 0:
         record.prompt_tokens = complete.usage.prompt_tokens

@@ -6,7 +6,7 @@ Rows (best of --repeat runs each; compared rows take turns):
   shm in-place  prefill ran its forward into the pool pages: only finish() (checksum + record)
   shm verify    decode's admit(): reading the record and re-hashing the pages
   raw grpc      1 MiB bytes messages, client-streamed over loopback; no protobuf, no pool, no checksum
-  grpc push     GrpcWriter.push -> KVTransfer.Push into the decode process's shm pool (chunks, checksums,
+  grpc push     GrpcWriter.push -> KVTransferService.Push into the decode process's shm pool (chunks, checksums,
                 coverage), then admit
 The gRPC server runs in a child process (the decode worker), as in deployment: sender and receiver do
 not share a GIL. Goals: shm write >= 70% of plain copy; grpc push >= 80% of raw grpc.
@@ -37,7 +37,7 @@ from kvtransfer.page_spans import byte_view
 from kvtransfer.shm_pool import SharedPagePool
 from kvtransfer.shm_receiver import ShmReceiver
 from kvtransfer.shm_transport import ShmWriter
-from pdserve.v1 import kv_pb2
+from rpc.internal.v1 import kv_pb2
 
 LAYOUT = KVLayout(num_layers=61, latent_dim=512, rope_dim=64, page_size=64, dtype="bfloat16")
 FIRST_PAGE = 16  # the request's pages in the decode pool start here (not at 0)

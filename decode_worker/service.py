@@ -25,8 +25,8 @@ from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import KVTransferError, LeaseExpired, UnknownTransfer
 from kvtransfer.leases import Lease, LeaseTable
 from kvtransfer.transport import KVReceiver
-from pdserve.engine_thread import EngineThread
-from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rpc.engine_thread import EngineThread
+from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 

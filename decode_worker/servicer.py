@@ -8,9 +8,10 @@ import grpc
 
 from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
-from pdserve.convert import logprob_to_proto, sampling_from_proto
-from pdserve.grpc_errors import InvalidArgument, streaming, unary
-from pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from engine.sampling_params import SamplingParams
+from rpc.convert import logprob_to_proto, sampling_fields
+from rpc.status import InvalidArgument, streaming, unary
+from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
 
 def transport_from_proto(value: int) -> TransportKind:
@@ -23,12 +24,12 @@ def transport_from_proto(value: int) -> TransportKind:
         raise InvalidArgument("transport", f"unknown transport {value}") from error
 
 
-class DecodeServicer(worker_pb2_grpc.DecodeServicer):
+class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     def __init__(self, service: DecodeService) -> None:
         self._service = service
 
     @unary
-    async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> kv_pb2.KVDestination:
+    async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
         destination = await self._service.reserve(
             request.request_id, request.num_prompt_tokens, request.max_new_tokens,
             transport_from_proto(request.transport), ttl_s=context.time_remaining(),
@@ -39,12 +40,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 self._service.abandon(destination.request_id, destination.lease_id)
 
         context.add_done_callback(on_done)
-        return destination.to_proto()
+        return worker_pb2.ReserveResponse(destination=destination.to_proto())
 
     @streaming
-    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeChunk]:
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
         try:
-            params = sampling_from_proto(request.sampling)
+            params = SamplingParams(**sampling_fields(request.sampling))
         except ValueError as error:
             raise InvalidArgument("sampling", str(error)) from error
         finished = False
@@ -58,7 +59,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         async with contextlib.aclosing(updates) as stream:
             async for update in stream:
                 finished = update.finished
-                yield worker_pb2.DecodeChunk(
+                yield worker_pb2.DecodeResponse(
                     token_ids=update.token_ids, logprobs=[logprob_to_proto(lp) for lp in update.logprobs],
                     finished=update.finished, finish_reason=update.finish_reason or "", decode_steps=update.steps,
                 )
@@ -68,9 +69,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         return worker_pb2.ReleaseResponse(found=await self._service.release(request.request_id))
 
     @unary
-    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.Load:
+    async def GetDecodeLoad(self, request: worker_pb2.GetDecodeLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetDecodeLoadResponse:
         load = self._service.load
-        return worker_pb2.Load(
+        return worker_pb2.GetDecodeLoadResponse(
             free_pages=load.free_pages, total_pages=load.total_pages, running=load.running, waiting=load.waiting,
             leases=load.leases, leased_pages=load.leased_pages, page_size=load.page_size, tp_size=load.tp_size,
             headroom_pages=load.headroom_pages, requests_total=load.requests_total,

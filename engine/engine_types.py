@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.model_runner import DTYPES
+from engine.page_pool import PagePoolFactory
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 
@@ -14,7 +15,9 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pdserve
 @dataclass(frozen=True)
 class EngineConfig:
     """Built once from the CLI or LLM(...) arguments. draft_model_dir None = the model's draft/ folder if
-    present, "" = no draft. spec_block_size is the server's maximum speculative block size."""
+    present, "" = no draft. spec_block_size is the server's maximum speculative block size. kv_pool "shm"
+    puts this engine's pages in a pool made by page_pools; page_pools also attaches other engines' pools
+    (a prefill engine writing into a decode worker's pages). None: private pages only."""
 
     model_dir: str = str(DEFAULT_MODEL_DIR)
     tp_size: int = 1
@@ -28,6 +31,7 @@ class EngineConfig:
     max_batched_tokens: int = 2048
     kv_pool: str = "local"
     num_threads: int | None = None
+    page_pools: PagePoolFactory | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir, "config.json").is_file():
@@ -42,6 +46,8 @@ class EngineConfig:
             raise ValueError("page_size and kv_memory_bytes must be positive")
         if self.kv_pool not in ("local", "shm"):
             raise ValueError(f"kv_pool must be 'local' or 'shm', got {self.kv_pool!r}")
+        if self.kv_pool == "shm" and self.page_pools is None:
+            raise ValueError("kv_pool 'shm' needs page_pools (e.g. kvtransfer.shm_pool.ShmPoolFactory())")
         if self.draft_model_dir and not Path(self.draft_model_dir, "config.json").is_file():
             raise ValueError(f"draft_model_dir {self.draft_model_dir!r} has no config.json")
 

@@ -88,7 +88,9 @@ class PagedLatentCache:
 
 
 class OutOfPages(RuntimeError):
-    """The pool has fewer free pages than a request needs."""
+    """The pool has fewer free pages than a request needs (rpc.status reports the grpc_status name)."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
 
 
 class PageAllocator:

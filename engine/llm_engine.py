@@ -46,6 +46,7 @@ class LLMEngine:
             page_size=config.page_size,
             num_pages=num_pages,
             kv_pool=config.kv_pool,
+            page_pools=config.page_pools,
             num_threads=config.num_threads or (default_threads(config.tp_size) if config.tp_size > 1 else None),
         )
         self.leader = TPLeader(runner_config, config.tp_size)
@@ -63,12 +64,6 @@ class LLMEngine:
     @property
     def pool_names(self) -> tuple[str, ...]:
         return self.leader.pool_names
-
-    @property
-    def layout(self):
-        from kvtransfer.layout import KVLayout
-
-        return KVLayout.from_cache_shape(self.cache_shape)
 
     @property
     def has_draft(self) -> bool:

@@ -10,6 +10,7 @@ import torch
 from engine.distributed import TPGroup
 from engine.forward_batch import ForwardBatch, ForwardMode, build_attention_metadata
 from engine.kv_cache import CacheShape, PagedLatentCache
+from engine.page_pool import PagePool, PagePoolFactory
 from engine.step_plan import AttachPoolsPlan, DraftPlan, TargetPlan
 
 logger = logging.getLogger(__name__)
@@ -30,12 +31,15 @@ class RunnerConfig:
     kv_pool: str  # "local" | "shm"
     pool_tag: str = "engine"
     num_threads: int | None = None
+    page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_pool not in ("local", "shm"):
             raise ValueError(f"kv_pool must be 'local' or 'shm', got {self.kv_pool!r}")
+        if self.kv_pool == "shm" and self.page_pools is None:
+            raise ValueError("kv_pool 'shm' needs a page_pools factory")
         if self.page_size <= 0 or self.num_pages <= 0:
             raise ValueError("page_size and num_pages must be positive")
 
@@ -82,15 +86,10 @@ class ModelRunner:
         self.cache_shape = cache_shape_for(
             self.model_config, self.draft.config if self.draft else None, config.num_pages, config.page_size, dtype
         )
-        self.pool = None
-        self._attached: dict[str, object] = {}
-        if config.kv_pool == "shm":
-            from kvtransfer.layout import KVLayout
-            from kvtransfer.shm_pool import SharedPagePool
-
-            self.pool = SharedPagePool.create(
-                KVLayout.from_cache_shape(self.cache_shape), config.num_pages, tp.rank, config.pool_tag
-            )
+        self.pool: PagePool | None = None
+        self._attached: dict[str, PagePool] = {}
+        if config.kv_pool == "shm" and config.page_pools is not None:
+            self.pool = config.page_pools.create(self.cache_shape, config.num_pages, tp.rank, config.pool_tag)
             self.cache = self.pool.cache
         else:
             self.cache = PagedLatentCache(self.cache_shape)
@@ -111,10 +110,9 @@ class ModelRunner:
         if self.pool is not None and name == self.pool.name:
             return self.cache
         if name not in self._attached:
-            from kvtransfer.layout import KVLayout
-            from kvtransfer.shm_pool import SharedPagePool
-
-            self._attached[name] = SharedPagePool.attach(name, KVLayout.from_cache_shape(self.cache_shape))
+            if self.config.page_pools is None:
+                raise ValueError(f"cannot attach page pool {name!r}: this engine was given no page_pools factory")
+            self._attached[name] = self.config.page_pools.attach(name, self.cache_shape)
         return self._attached[name].cache
 
     def detach(self, pool_names: tuple[str, ...]) -> None:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from rpc.convert import finish_reason_name
+from rpc.v1 import gateway_pb2, gateway_pb2_grpc, logprobs_pb2
 
 
 def build_request(prompt: str | Sequence[int], *, max_tokens: int | None = None, temperature: float | None = None,
@@ -39,7 +40,7 @@ class Completion:
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     deltas: list[str] = field(default_factory=list)
-    logprobs: list[gateway_pb2.TokenLogprob] = field(default_factory=list)
+    logprobs: list[logprobs_pb2.TokenLogprob] = field(default_factory=list)
     complete: gateway_pb2.Complete | None = None
     error: gateway_pb2.Error | None = None
 
@@ -49,10 +50,10 @@ class Completion:
 
     @property
     def finish_reason(self) -> str:
-        return gateway_pb2.Complete.FinishReason.Name(self.complete.finish_reason) if self.complete else ""
+        return finish_reason_name(self.complete.finish_reason) if self.complete else ""
 
 
-async def stream(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
+async def stream(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_pb2.GenerateRequest,
                  timeout: float | None = None, metadata: Sequence[tuple[str, str]] | None = None,
                  ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
     """The raw responses; raises grpc.aio.AioRpcError on a non-OK status. metadata: e.g. an API key
@@ -61,7 +62,7 @@ async def stream(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.Genera
         yield response
 
 
-async def generate(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
+async def generate(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_pb2.GenerateRequest,
                    timeout: float | None = None, metadata: Sequence[tuple[str, str]] | None = None) -> Completion:
     """Collects a whole stream. An Error message is kept in .error (the status error is swallowed then)."""
     result = Completion()

@@ -22,9 +22,10 @@ from gateway.requests import GenerateJob
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
-from pdserve.convert import sampling_to_proto
-from pdserve.grpc_errors import Unavailable, status_for
-from pdserve.v1 import worker_pb2
+from rpc.convert import sampling_to_proto
+from rpc.status import Unavailable, status_of
+from rpc.internal.v1 import worker_pb2
+from rpc.v1 import logprobs_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 class TokensEvent:
     token_ids: list[int]
     text: str
-    logprobs: list[Any] = field(default_factory=list)  # gateway_pb2.TokenLogprob, one per token when asked
+    logprobs: list[Any] = field(default_factory=list)  # logprobs_pb2.TokenLogprob, one per token when asked
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,9 @@ class FinishEvent:
 
 @dataclass(frozen=True)
 class ErrorEvent:
-    code: grpc.StatusCode
-    message: str
+    """The request failed: the full status (code, message, google.rpc details) the RPC ends with."""
+
+    status: grpc.Status
 
 
 class RequestRun:
@@ -102,11 +104,11 @@ class RequestRun:
         except asyncio.CancelledError:
             self._finish("abort")
         except Exception as error:  # noqa: BLE001 - every failure becomes an ErrorEvent
-            code, message = status_for(error)
-            if code == grpc.StatusCode.INTERNAL:
+            status = status_of(error)
+            if status.code == grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed", self.job.request_id)
             self.finished = True
-            self.events.put_nowait(ErrorEvent(code, message))
+            self.events.put_nowait(ErrorEvent(status))
         finally:
             try:
                 await asyncio.wait_for(self._cleanup(), self._cleanup_budget())

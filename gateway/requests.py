@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 from gateway.model_info import ModelFacts
 from gateway.tokenizer import TextTokenizer
-from pdserve.grpc_errors import InvalidArgument
-from pdserve.v1 import gateway_pb2
+from rpc.status import InvalidArgument
+from rpc.v1 import gateway_pb2
 
 MAX_REQUEST_ID_LENGTH = 256
 # SamplingParams' field names (they start its ValueError messages) -> the request field to name.

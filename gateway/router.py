@@ -3,7 +3,7 @@
 prefill: the healthy worker with the fewest outstanding prompt tokens (tracked by the gateway:
          added when a Prefill is sent, removed when it returns).
 decode:  the healthy worker with the most uncommitted pages, then the fewest running requests
-         (last GetLoad, adjusted by the gateway's own reservations since)."""
+         (last GetDecodeLoad, adjusted by the gateway's own reservations since)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -11,8 +11,8 @@ from gateway.requests import parse_generate_request, text_to_tokenize
 from gateway.tokenize_pool import TokenizePool
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import WorkerPool
-from pdserve.grpc_errors import AlreadyExists
-from pdserve.v1 import gateway_pb2
+from rpc.status import AlreadyExists
+from rpc.v1 import gateway_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +74,9 @@ class GatewayService:
     def num_running(self) -> int:
         return len(self._runs)
 
-    def model_info(self) -> gateway_pb2.ModelInfo:
+    def model_info(self) -> gateway_pb2.GetModelInfoResponse:
         facts = self.facts
-        return gateway_pb2.ModelInfo(
+        return gateway_pb2.GetModelInfoResponse(
             model=facts.name, vocab_size=facts.vocab_size, max_context=facts.max_context,
             eos_token_ids=list(facts.eos_token_ids), default_max_tokens=self.config.default_max_tokens,
             num_prefill_workers=len(self.config.prefill), num_decode_workers=len(self.config.decode),

@@ -12,12 +12,12 @@ import grpc
 from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
-from pdserve.grpc_errors import InvalidArgument, streaming, unary
-from pdserve.v1 import gateway_pb2
+from rpc.status import InvalidArgument, abort, streaming, unary
+from rpc.v1 import gateway_pb2
 
-SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-FINISH_REASONS = {"stop": gateway_pb2.Complete.STOP, "length": gateway_pb2.Complete.LENGTH,
-                  "abort": gateway_pb2.Complete.ABORT}
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+FINISH_REASONS = {"stop": gateway_pb2.Complete.FINISH_REASON_STOP, "length": gateway_pb2.Complete.FINISH_REASON_LENGTH,
+                  "abort": gateway_pb2.Complete.FINISH_REASON_ABORT}
 
 
 def complete_message(event: FinishEvent) -> gateway_pb2.Complete:
@@ -52,9 +52,10 @@ class GatewayServicer:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete_message(event))
                     return
                 elif isinstance(event, ErrorEvent):
+                    status = event.status
                     yield gateway_pb2.GenerateResponse(request_id=request_id, error=gateway_pb2.Error(
-                        code=event.code.value[0], message=event.message))
-                    await context.abort(event.code, event.message)
+                        code=status.code.value[0], message=status.details))
+                    await abort(context, status)
         finally:
             run.cancel()
 
@@ -65,7 +66,7 @@ class GatewayServicer:
         return gateway_pb2.AbortResponse(found=self._service.abort(request.request_id))
 
     @unary
-    async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ModelInfo:
+    async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GetModelInfoResponse:
         return self._service.model_info()
 
 
@@ -79,6 +80,6 @@ def add_gateway_to_server(servicer: GatewayServicer, server: grpc.aio.Server) ->
             response_serializer=gateway_pb2.AbortResponse.SerializeToString),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, request_deserializer=gateway_pb2.GetModelInfoRequest.FromString,
-            response_serializer=gateway_pb2.ModelInfo.SerializeToString),
+            response_serializer=gateway_pb2.GetModelInfoResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pdserve.v1 import gateway_pb2
+from rpc.v1 import gateway_pb2
 
 _INPUT_FIELDS = frozenset({
     gateway_pb2.GenerateRequest.TEXT_FIELD_NUMBER, gateway_pb2.GenerateRequest.TOKEN_IDS_FIELD_NUMBER,

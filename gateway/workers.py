@@ -13,10 +13,10 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
-from pdserve.grpc_errors import ResourceExhausted, Unavailable
-from pdserve.interceptors import token_metadata
-from pdserve.serving import CHANNEL_OPTIONS
-from pdserve.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.status import ResourceExhausted, Unavailable
+from rpc.server import CHANNEL_OPTIONS
+from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.interceptors import token_metadata
 
 logger = logging.getLogger(__name__)
 TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}
@@ -28,14 +28,14 @@ _UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode
 class PrefillWorker:
     state: PrefillState
     channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.PrefillStub
+    stub: worker_pb2_grpc.PrefillServiceStub
 
 
 @dataclass
 class DecodeWorker:
     state: DecodeState
     channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.DecodeStub
+    stub: worker_pb2_grpc.DecodeServiceStub
 
 
 def remaining(deadline: float | None, floor: float = 0.001) -> float | None:
@@ -59,12 +59,12 @@ class WorkerPool:
     @staticmethod
     def _prefill(address: str) -> PrefillWorker:
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return PrefillWorker(PrefillState(address, healthy=False), channel, worker_pb2_grpc.PrefillStub(channel))
+        return PrefillWorker(PrefillState(address, healthy=False), channel, worker_pb2_grpc.PrefillServiceStub(channel))
 
     @staticmethod
     def _decode(address: str) -> DecodeWorker:
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return DecodeWorker(DecodeState(address, healthy=False), channel, worker_pb2_grpc.DecodeStub(channel))
+        return DecodeWorker(DecodeState(address, healthy=False), channel, worker_pb2_grpc.DecodeServiceStub(channel))
 
     # --- polling and health -------------------------------------------------------------------------
     def start(self) -> None:
@@ -82,19 +82,18 @@ class WorkerPool:
             await asyncio.sleep(self.config.load_poll_interval_s)
 
     async def poll_once(self) -> None:
-        request = worker_pb2.GetLoadRequest()
         timeout = self.config.worker_timeout_s
 
         async def prefill(worker: PrefillWorker) -> None:
             try:
-                await worker.stub.GetLoad(request, timeout=timeout, metadata=self.metadata)
+                await worker.stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=timeout, metadata=self.metadata)
                 self._mark(worker.state, True)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
 
         async def decode(worker: DecodeWorker) -> None:
             try:
-                load = await worker.stub.GetLoad(request, timeout=timeout, metadata=self.metadata)
+                load = await worker.stub.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
                 return
@@ -172,7 +171,7 @@ class WorkerPool:
                 worker = self.decode[index]
                 call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline), metadata=self.metadata))
                 try:
-                    destination = await asyncio.shield(call)
+                    destination = (await asyncio.shield(call)).destination
                 except asyncio.CancelledError:
                     await self._undo_reserve(worker, call, request_id)
                     raise

@@ -2,6 +2,6 @@
 
 layout.KVLayout (geometry + stable hash), destination.Destination (the KVDestination message), shm_pool
 (decode's pool in POSIX shared memory), shm_transport / shm_receiver (write in place + completion
-records), grpc_transport / grpc_receiver / grpc_servicer (KVTransfer.Push), leases.LeaseTable,
+records), grpc_transport / grpc_receiver / grpc_servicer (KVTransferService.Push), leases.LeaseTable,
 mooncake_transport (optional RDMA), gpu_ipc (device pools, GPU only).
 """

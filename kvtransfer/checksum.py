@@ -27,7 +27,7 @@ except ImportError:  # optional dependency: fall back to the stdlib
 
 
 class Algorithm(enum.IntEnum):
-    """Values match the KVChecksumAlgorithm enum of kv.proto."""
+    """Values match the KVChecksumAlgorithm enum of protos/pdserve/internal/v1/kv.proto."""
 
     XXH3_64 = 1
     CRC32 = 2

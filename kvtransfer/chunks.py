@@ -1,10 +1,10 @@
-"""KVChunk framing for the gRPC transport: cutting a request's pages into <= 1 MiB chunks, and a wire codec
+"""PushRequest framing for the gRPC transport: cutting a request's pages into <= 1 MiB chunks, and a wire codec
 that keeps the payload out of protobuf (no copies into / out of message objects).
 
-On the wire a chunk is an ordinary serialized KVChunk: the small header fields, then field 10 (payload)
+On the wire a chunk is an ordinary serialized PushRequest: the small header fields, then field 10 (payload)
 appended by hand. encode_chunk joins header and payload pieces (views of the pages) in one copy;
 decode_chunk parses the header with protobuf and returns the payload as a view of the received bytes.
-Any standard KVChunk encoding decodes, so the generated stub works as a client too.
+Any standard PushRequest encoding decodes, so the generated stub works as a client too.
 """
 from __future__ import annotations
 
@@ -14,17 +14,31 @@ from typing import NamedTuple
 from kvtransfer.checksum import DEFAULT_ALGORITHM, Algorithm, Hasher, digest
 from kvtransfer.destination import Destination
 from kvtransfer.layout import KVLayout, SegmentKind
-from pdserve.v1 import kv_pb2
+from rpc.internal.v1 import kv_pb2
 
 MAX_CHUNK_BYTES = 1 << 20  # well under gRPC's 4 MiB default message limit, whatever the prompt length
-PAYLOAD_FIELD = kv_pb2.KVChunk.DESCRIPTOR.fields_by_name["payload"].number
+PAYLOAD_FIELD = kv_pb2.PushRequest.DESCRIPTOR.fields_by_name["payload"].number
 _PAYLOAD_KEY = bytes([PAYLOAD_FIELD << 3 | 2])  # field number, wire type 2 (length-delimited)
 
 
-class WireChunk(NamedTuple):
-    """header: a KVChunk without payload; payload: the bytes, as one buffer or a list of pieces."""
+# SegmentKind <-> KVSegmentKind on the wire (the proto's zero value is KV_SEGMENT_KIND_UNSPECIFIED).
+_KIND_TO_WIRE = {SegmentKind.TARGET: kv_pb2.KV_SEGMENT_KIND_TARGET, SegmentKind.DRAFT: kv_pb2.KV_SEGMENT_KIND_DRAFT}
+_KIND_FROM_WIRE = {wire: kind for kind, wire in _KIND_TO_WIRE.items()}
 
-    header: kv_pb2.KVChunk
+
+def kind_to_wire(kind: SegmentKind) -> int:
+    return _KIND_TO_WIRE[kind]
+
+
+def kind_from_wire(value: int) -> SegmentKind | None:
+    """None for KV_SEGMENT_KIND_UNSPECIFIED or an unknown value."""
+    return _KIND_FROM_WIRE.get(value)
+
+
+class WireChunk(NamedTuple):
+    """header: a PushRequest without payload; payload: the bytes, as one buffer or a list of pieces."""
+
+    header: kv_pb2.PushRequest
     payload: object
 
     @property
@@ -51,7 +65,7 @@ def _read_varint(buffer: memoryview, position: int) -> tuple[int, int]:
             return result, position
         shift += 7
         if shift > 63:
-            raise ValueError("malformed varint in KVChunk")
+            raise ValueError("malformed varint in PushRequest")
 
 
 def encode_chunk(chunk: WireChunk) -> bytes:
@@ -62,11 +76,11 @@ def encode_chunk(chunk: WireChunk) -> bytes:
 
 
 def decode_chunk(raw: bytes) -> WireChunk:
-    """Splits a serialized KVChunk into its header (parsed) and its payload (a view of raw, no copy)."""
+    """Splits a serialized PushRequest into its header (parsed) and its payload (a view of raw, no copy)."""
     view = memoryview(raw)
     if raw[:1] == _PAYLOAD_KEY:  # our own encoding: payload first, no other payload field after it
         size, start = _read_varint(view, 1)
-        header = kv_pb2.KVChunk.FromString(view[start + size :].tobytes())
+        header = kv_pb2.PushRequest.FromString(view[start + size :].tobytes())
         if not header.payload:  # (a second payload field would win: then take the general path)
             return WireChunk(header, view[start : start + size])
     header_parts, payload, position = [], view[:0], 0
@@ -87,11 +101,11 @@ def decode_chunk(raw: bytes) -> WireChunk:
                 continue
             position += length
         else:
-            raise ValueError(f"unsupported wire type {wire_type} in KVChunk")
+            raise ValueError(f"unsupported wire type {wire_type} in PushRequest")
         header_parts.append(view[start:position])
     if position != len(view):
-        raise ValueError("truncated KVChunk")
-    return WireChunk(kv_pb2.KVChunk.FromString(b"".join(header_parts)), payload)
+        raise ValueError("truncated PushRequest")
+    return WireChunk(kv_pb2.PushRequest.FromString(b"".join(header_parts)), payload)
 
 
 def chunk_plan(page_bytes: int, num_pages: int, max_chunk: int) -> Iterator[tuple[int, int, int, int]]:
@@ -157,8 +171,8 @@ class ChunkEncoder:
                 for piece in pieces:
                     hasher.update(piece)
                 checksum = hasher.intdigest()
-            header = kv_pb2.KVChunk(
-                rank=self.rank, sequence=self.sequence, kind=int(kind), layer=layer,
+            header = kv_pb2.PushRequest(
+                rank=self.rank, sequence=self.sequence, kind=kind_to_wire(kind), layer=layer,
                 page_ids=dest.page_ids[first_index + first : first_index + first + count],
                 first_page_offset=offset, checksum=checksum, checksum_algorithm=int(self.algorithm),
             )

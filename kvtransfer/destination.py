@@ -10,7 +10,7 @@ from kvtransfer.layout import KVLayout, check_layout
 
 
 class TransportKind(enum.IntEnum):
-    """Values match the Transport enum of kv.proto."""
+    """Values match the Transport enum of protos/pdserve/internal/v1/kv.proto."""
 
     SHM = 1
     GRPC = 2
@@ -96,7 +96,7 @@ class Destination:
 
     # --- protobuf ---------------------------------------------------------------------------------------
     def to_proto(self):
-        from pdserve.v1 import kv_pb2
+        from rpc.internal.v1 import kv_pb2
 
         return kv_pb2.KVDestination(
             transport=int(self.transport), layout_hash=self.layout_hash, page_ids=self.page_ids,

@@ -1,4 +1,4 @@
-"""One KVTransfer.Push stream on the decode side: checks each chunk and writes it into the pool pages.
+"""One KVTransferService.Push stream on the decode side: checks each chunk and writes it into the pool pages.
 
 The first chunk's layout hash is checked before any byte is written, then request and lease; every chunk's
 sequence number, pages (all in the lease), offset, size and checksum are checked, then its payload is
@@ -11,14 +11,14 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvtransfer.checksum import Algorithm, digest
-from kvtransfer.chunks import MAX_CHUNK_BYTES, WireChunk
+from kvtransfer.chunks import MAX_CHUNK_BYTES, WireChunk, kind_from_wire
 from kvtransfer.destination import Destination
 from kvtransfer.errors import (
     BadChunk, ChecksumMismatch, IncompleteTransfer, KVTransferError, LayoutMismatch, TransferAborted, UnknownTransfer,
 )
 from kvtransfer.layout import SegmentKind, check_layout
 from kvtransfer.page_spans import segment_offset
-from pdserve.v1 import kv_pb2
+from rpc.internal.v1 import kv_pb2
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_receiver import PushReceiver
@@ -58,8 +58,8 @@ class PushSession:
         self._coverage: list[list[int]] = []  # bytes received per segment, per page index
         self._segments = {segment: i for i, segment in enumerate(receiver.layout.segments())}
 
-    def apply(self, chunk: WireChunk | kv_pb2.KVChunk) -> None:
-        """Checks and writes one chunk (a decoded WireChunk, or a plain KVChunk message)."""
+    def apply(self, chunk: WireChunk | kv_pb2.PushRequest) -> None:
+        """Checks and writes one chunk (a decoded WireChunk, or a plain PushRequest message)."""
         header, payload = chunk if isinstance(chunk, WireChunk) else (chunk, chunk.payload)
         try:
             if self.request is None:
@@ -87,16 +87,16 @@ class PushSession:
         self.rank = chunk.rank
         self._coverage = [[0] * len(request.page_index) for _ in self._segments]
 
-    def _write(self, chunk: kv_pb2.KVChunk, payload) -> None:
+    def _write(self, chunk: kv_pb2.PushRequest, payload) -> None:
         request, layout = self.request, self.receiver.layout
         dest = request.destination
         if (chunk.request_id and chunk.request_id != dest.request_id) or (chunk.lease_id and chunk.lease_id != dest.lease_id):
             raise BadChunk("a Push stream carries one request under one lease")
         if chunk.rank != self.rank or chunk.sequence != self.sequence:
             raise BadChunk(f"chunk rank {chunk.rank} sequence {chunk.sequence}, expected {self.rank} / {self.sequence}")
-        if chunk.kind not in SegmentKind._value2member_map_ or (SegmentKind(chunk.kind), chunk.layer) not in self._segments:
+        kind = kind_from_wire(chunk.kind)
+        if kind is None or (kind, chunk.layer) not in self._segments:
             raise BadChunk(f"no segment kind {chunk.kind} layer {chunk.layer} in this layout")
-        kind = SegmentKind(chunk.kind)
         page_bytes = layout.page_bytes(kind)
         indices = [request.page_index.get(page, -1) for page in chunk.page_ids]
         if not indices or min(indices) < 0:

@@ -1,4 +1,4 @@
-"""gRPC transport, prefill side: stream a request's pages layer-major into KVTransfer.Push of decode rank r.
+"""gRPC transport, prefill side: stream a request's pages layer-major into KVTransferService.Push of decode rank r.
 
 Memory stays bounded: push() builds each <= 1 MiB chunk only when gRPC asks for the next one; a
 write handle hands chunks to the call through a queue of queue_depth chunks (write_pages blocks when full).
@@ -26,7 +26,7 @@ from kvtransfer.page_spans import byte_view, cache_view, segment_offset
 from kvtransfer.transport import KVWriteHandle, KVWriter, TransferResult
 
 logger = logging.getLogger(__name__)
-PUSH_METHOD = "/pdserve.v1.KVTransfer/Push"
+PUSH_METHOD = "/pdserve.internal.v1.KVTransferService/Push"
 
 _ERROR_FOR_CODE = {
     grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatch,
@@ -124,13 +124,13 @@ class GrpcWriter(KVWriter):
 
     def stub(self, address: str) -> _PushStub:
         """Push with the chunk codec of kvtransfer.chunks (the payload never enters a protobuf object)."""
-        from pdserve.v1 import kv_pb2
+        from rpc.internal.v1 import kv_pb2
 
         with self._lock:
             if address not in self._channels:
                 channel = grpc.insecure_channel(address)
                 push = channel.stream_unary(
-                    PUSH_METHOD, request_serializer=encode_chunk, response_deserializer=kv_pb2.KVPushResult.FromString
+                    PUSH_METHOD, request_serializer=encode_chunk, response_deserializer=kv_pb2.PushResponse.FromString
                 )
                 self._channels[address] = (channel, _PushStub(push, self.metadata))
             return self._channels[address][1]

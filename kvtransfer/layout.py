@@ -89,7 +89,7 @@ class KVLayout:
         )
 
     def to_proto(self):
-        from pdserve.v1 import kv_pb2
+        from rpc.internal.v1 import kv_pb2
 
         return kv_pb2.KVLayout(
             num_layers=self.num_layers, latent_dim=self.latent_dim, rope_dim=self.rope_dim,

@@ -15,10 +15,11 @@ import mmap
 import os
 import secrets
 import stat
+from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import PagedLatentCache
+from engine.kv_cache import CacheShape, PagedLatentCache
 from kvtransfer.completion import SLOT_BYTES, CompletionTable
 from kvtransfer.errors import LayoutMismatch, SegmentError
 from kvtransfer.layout import KVLayout
@@ -181,3 +182,14 @@ def _unlink_owned_at_exit() -> None:
     for name, pid in list(_OWNED.items()):
         if pid == os.getpid():  # a forked child must not remove its parent's segments
             _unlink(name)
+
+
+@dataclass(frozen=True)
+class ShmPoolFactory:
+    """engine.page_pool.PagePoolFactory over shared memory: what the workers hand their engine (picklable)."""
+
+    def create(self, cache_shape: CacheShape, num_pages: int, rank: int, tag: str) -> SharedPagePool:
+        return SharedPagePool.create(KVLayout.from_cache_shape(cache_shape), num_pages, rank, tag)
+
+    def attach(self, name: str, cache_shape: CacheShape) -> SharedPagePool:
+        return SharedPagePool.attach(name, KVLayout.from_cache_shape(cache_shape))

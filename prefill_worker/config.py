@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.llm_engine import EngineConfig
+from kvtransfer.shm_pool import ShmPoolFactory
 
 
 @dataclass(frozen=True)
@@ -37,5 +38,5 @@ class PrefillWorkerConfig:
             model_dir=self.model_dir, tp_size=self.tp_size, dtype=self.dtype, attention_backend=self.attention_backend,
             draft_model_dir=self.draft_model_dir, spec_block_size=self.spec_block_size, page_size=self.page_size,
             kv_memory_bytes=self.kv_memory_bytes, max_batched_tokens=self.max_batched_tokens, kv_pool="local",
-            num_threads=self.num_threads,
+            num_threads=self.num_threads, page_pools=ShmPoolFactory(),  # attaches decode workers' pools
         )

@@ -20,11 +20,12 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.grpc_transport import GrpcWriter
+from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter
-from pdserve.engine_thread import EngineThread
-from pdserve.interceptors import token_metadata
 from kvtransfer.errors import KVTransferError, LeaseExpired
-from pdserve.grpc_errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from rpc.engine_thread import EngineThread
+from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from rpc.interceptors import token_metadata
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages
 
@@ -91,8 +92,9 @@ class PrefillService:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(self._engine.start)
-        self._shm = ShmWriter(self.engine.layout)
-        self._grpc = GrpcWriter(self.engine.layout, metadata=token_metadata(self.config.internal_token))
+        self.layout = KVLayout.from_cache_shape(self.engine.cache_shape)
+        self._shm = ShmWriter(self.layout)
+        self._grpc = GrpcWriter(self.layout, metadata=token_metadata(self.config.internal_token))
 
     async def stop(self) -> None:
         with self._lock:
@@ -123,7 +125,7 @@ class PrefillService:
             raise FailedPrecondition(f"transport {destination.transport.name} is not supported by this prefill worker")
         if destination.num_tokens != len(prompt_ids):
             raise InvalidArgument("destination.num_tokens", f"{destination.num_tokens} != prompt length {len(prompt_ids)}")
-        destination.check_against(self.engine.layout, f"prefill of request {request_id}")
+        destination.check_against(self.layout, f"prefill of request {request_id}")
         destination.check_lease()
         self._confirm(destination)
         self.engine.validate_prompt(prompt_ids)

@@ -4,20 +4,21 @@ from __future__ import annotations
 import grpc
 
 from kvtransfer.destination import Destination
-from pdserve.convert import logprob_to_proto, sampling_from_proto
-from pdserve.grpc_errors import InvalidArgument, unary
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from engine.sampling_params import SamplingParams
+from rpc.convert import logprob_to_proto, sampling_fields
+from rpc.status import InvalidArgument, unary
+from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.service import PrefillService
 
 
-class PrefillServicer(worker_pb2_grpc.PrefillServicer):
+class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     def __init__(self, service: PrefillService) -> None:
         self._service = service
 
     @unary
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         try:
-            params = sampling_from_proto(request.sampling)
+            params = SamplingParams(**sampling_fields(request.sampling))
         except ValueError as error:
             raise InvalidArgument("sampling", str(error)) from error
         if not request.HasField("destination"):
@@ -41,7 +42,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         return worker_pb2.CancelResponse(dropped=await self._service.cancel(request.request_id))
 
     @unary
-    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillLoad:
+    async def GetPrefillLoad(self, request: worker_pb2.GetPrefillLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetPrefillLoadResponse:
         load = self._service.load
-        return worker_pb2.PrefillLoad(queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
+        return worker_pb2.GetPrefillLoadResponse(queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
                                       tp_size=load.tp_size, requests_total=load.requests_total)

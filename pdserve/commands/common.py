@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pdserve.interceptors import read_token_file
+from rpc.interceptors import read_token_file
 
 DEFAULT_MODEL_DIR = str(Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny")
 DEFAULT_GATEWAY = "127.0.0.1:50051"

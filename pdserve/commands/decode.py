@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.commands.common import add_engine_arguments, engine_kwargs, fail
-from pdserve.logging_setup import configure_logging
+from rpc.logging_setup import configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("decode", 0, args.log_level)
     from decode_worker.config import DecodeWorkerConfig
     from decode_worker.server import serve
-    from pdserve import serving
+    from rpc.server import run as run_event_loop
 
     try:
         config = DecodeWorkerConfig(listen=args.listen, max_running=args.max_running, lease_ttl_s=args.lease_ttl,
@@ -27,5 +27,5 @@ def run(args: argparse.Namespace) -> int:
         config.engine_config()
     except (ValueError, OSError) as error:
         return fail("decode", error)
-    serving.run(lambda: serve(config, ready_file=args.ready_file))
+    run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

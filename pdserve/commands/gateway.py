@@ -5,8 +5,8 @@ import argparse
 from pathlib import Path
 
 from pdserve.commands.common import DEFAULT_GATEWAY, add_internal_token_argument, add_model_arguments, fail
-from pdserve.interceptors import read_key_file, read_token_file
-from pdserve.logging_setup import configure_logging
+from rpc.interceptors import read_key_file, read_token_file
+from rpc.logging_setup import configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("gateway", 0, args.log_level)
     from gateway.config import GatewayConfig
     from gateway.server import serve
-    from pdserve import serving
+    from rpc.server import run as run_event_loop
 
     if not Path(args.model, "config.json").is_file():
         return fail("gateway", f"model directory {args.model!r} has no config.json")
@@ -46,5 +46,5 @@ def run(args: argparse.Namespace) -> int:
                                internal_token=read_token_file(args.internal_token_file))
     except (ValueError, OSError) as error:
         return fail("gateway", error)
-    serving.run(lambda: serve(config, ready_file=args.ready_file))
+    run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

@@ -30,7 +30,8 @@ async def _main(args: argparse.Namespace) -> int:
     import grpc
 
     from gateway.client import build_request
-    from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+    from rpc.convert import finish_reason_name
+    from rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
     prompt: str | list[int]
     if args.token_ids:
@@ -48,7 +49,7 @@ async def _main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     tokens = 0
     async with grpc.aio.insecure_channel(args.gateway) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         try:
             async for response in stub.Generate(request, timeout=args.timeout):
                 kind = response.WhichOneof("kind")
@@ -61,7 +62,7 @@ async def _main(args: argparse.Namespace) -> int:
                     elapsed = time.perf_counter() - start
                     sys.stdout.write("\n")
                     sys.stderr.write(
-                        f"[{gateway_pb2.Complete.FinishReason.Name(done.finish_reason).lower()}] {tokens} tokens in "
+                        f"[{finish_reason_name(done.finish_reason).lower()}] {tokens} tokens in "
                         f"{elapsed:.2f} s ({tokens / max(elapsed, 1e-9):.1f} tok/s), TTFT {done.ttft_ms:.1f} ms, "
                         f"{done.acceptance.mean_accepted_tokens:.2f} tokens/step\n")
                 elif kind == "complete":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.commands.common import add_engine_arguments, engine_kwargs, fail
-from pdserve.logging_setup import configure_logging
+from rpc.logging_setup import configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("prefill", 0, args.log_level)
-    from pdserve import serving
+    from rpc.server import run as run_event_loop
     from prefill_worker.config import PrefillWorkerConfig
     from prefill_worker.server import serve
 
@@ -25,5 +25,5 @@ def run(args: argparse.Namespace) -> int:
         config.engine_config()
     except (ValueError, OSError) as error:
         return fail("prefill", error)
-    serving.run(lambda: serve(config, ready_file=args.ready_file))
+    run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

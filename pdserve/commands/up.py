@@ -9,7 +9,7 @@ import sys
 import threading
 
 from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_MODEL_DIR, fail
-from pdserve.logging_setup import configure_logging
+from rpc.logging_setup import configure_logging
 
 logger = logging.getLogger("pdserve.up")
 

@@ -1,4 +1,4 @@
-"""A fake pdserve.v1.Gateway for bench tests: streams known tokens on a known schedule, in-process, port 0."""
+"""A fake pdserve.v1.GatewayService for bench tests: streams known tokens on a known schedule, in-process, port 0."""
 from __future__ import annotations
 
 import time
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class FakeTiming:
     eos_token_id: int = 0
 
 
-class FakeGateway(gateway_pb2_grpc.GatewayServicer):
+class FakeGateway(gateway_pb2_grpc.GatewayServiceServicer):
     """Token ids must be in the vocabulary; a text prompt "fail" gets an in-stream Error.
     Every accepted request emits exactly max_tokens tokens (ignore_eos or not)."""
 
@@ -32,7 +32,7 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
 
     def GetModelInfo(self, request, context):
         t = self.timing
-        return gateway_pb2.ModelInfo(model="fake-model", vocab_size=t.vocab_size, max_context=t.max_context,
+        return gateway_pb2.GetModelInfoResponse(model="fake-model", vocab_size=t.vocab_size, max_context=t.max_context,
                                      eos_token_ids=[t.eos_token_id], default_max_tokens=16, has_tokenizer=True)
 
     def Generate(self, request, context):
@@ -56,7 +56,7 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
             steps += 1
         prompt_tokens = len(ids) or len(request.text.split())
         yield gateway_pb2.GenerateResponse(complete=gateway_pb2.Complete(
-            finish_reason=gateway_pb2.Complete.LENGTH,
+            finish_reason=gateway_pb2.Complete.FINISH_REASON_LENGTH,
             usage=gateway_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=sent),
             ttft_ms=t.first_token_s * 1000,
             acceptance=gateway_pb2.AcceptanceStats(mean_accepted_tokens=sent / steps, verify_steps=steps),
@@ -72,7 +72,7 @@ class RunningFake:
     def __init__(self, timing: FakeTiming = FakeTiming(), workers: int = 16) -> None:
         self.servicer = FakeGateway(timing)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
-        gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self.server)
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(self.servicer, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
 
     @property

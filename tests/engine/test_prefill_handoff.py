@@ -7,6 +7,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.llm_engine import EngineConfig, LLMEngine, PrefillJob
+from kvtransfer.shm_pool import ShmPoolFactory
 from tests.engine.spec_fixtures import add_random_draft, make_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7, 8] * 3, list(range(10, 60)), [9]]
@@ -31,7 +32,8 @@ def test_prefill_into_shared_pool_then_decode_equals_one_engine(tmp_path, params
     (greedy and seeded sampling, with speculative decoding), and every page returns to the pool."""
     model_dir = make_tiny_checkpoint(tmp_path / "m", "heads24")
     add_random_draft(model_dir, block_size=4)
-    common = dict(model_dir=str(model_dir), attention_backend="torch", spec_block_size=4, max_batched_tokens=16)
+    common = dict(model_dir=str(model_dir), attention_backend="torch", spec_block_size=4, max_batched_tokens=16,
+                  page_pools=ShmPoolFactory())
     with LLMEngine(EngineConfig(**common, kv_pool="shm")) as decode, LLMEngine(EngineConfig(**common)) as prefill:
         expected = _run_alone(decode, PROMPTS, params)
         baseline = decode.num_free_pages

@@ -7,8 +7,8 @@ from gateway.model_info import ModelFacts, SamplingDefaults
 from gateway.requests import parse_generate_request
 from gateway.tokenizer import TextTokenizer
 from gateway.wire import parse_generate_request_bytes, top_level_fields
-from pdserve.grpc_errors import InvalidArgument
-from pdserve.v1 import gateway_pb2 as pb
+from rpc.status import InvalidArgument
+from rpc.v1 import gateway_pb2 as pb
 from tests.gateway.text_tokenizer import make_tokenizer
 
 FACTS = ModelFacts(name="m", vocab_size=320, max_context=64, eos_token_ids=(1,),

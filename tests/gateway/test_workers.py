@@ -8,8 +8,8 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.workers import WorkerPool
-from pdserve.grpc_errors import ResourceExhausted, Unavailable
-from pdserve.v1 import kv_pb2
+from rpc.status import ResourceExhausted, Unavailable
+from rpc.internal.v1 import kv_pb2, worker_pb2
 
 
 def _error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -23,12 +23,12 @@ class _FakeDecode:
         self.script = list(script)
         self.calls = 0
 
-    async def Reserve(self, request, timeout=None):  # noqa: N802 - gRPC method name
+    async def Reserve(self, request, timeout=None, metadata=()):  # noqa: N802 - gRPC method name
         self.calls += 1
         outcome = self.script.pop(0) if self.script else None
         if outcome is not None:
             raise _error(outcome)
-        return kv_pb2.KVDestination(request_id=request.request_id, page_ids=[1, 2])
+        return worker_pb2.ReserveResponse(destination=kv_pb2.KVDestination(request_id=request.request_id, page_ids=[1, 2]))
 
 
 async def _pool(scripts, admission_timeout_s=5.0) -> tuple[WorkerPool, list[_FakeDecode]]:
@@ -92,11 +92,11 @@ class _SlowDecode(_FakeDecode):
         self.gate = asyncio.Event()
         self.released: list[str] = []
 
-    async def Reserve(self, request, timeout=None):  # noqa: N802
+    async def Reserve(self, request, timeout=None, metadata=()):  # noqa: N802
         await self.gate.wait()
         return await super().Reserve(request, timeout)
 
-    async def Release(self, request, timeout=None):  # noqa: N802
+    async def Release(self, request, timeout=None, metadata=()):  # noqa: N802
         self.released.append(request.request_id)
 
 
@@ -115,4 +115,19 @@ async def test_cancel_during_reserve_releases_what_it_reserved():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert slow.released == ["r"]
+    await pool.close()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED])
+async def test_reserve_with_unknown_outcome_is_released(code):
+    """A Reserve that fails with DEADLINE_EXCEEDED / CANCELLED may still have reserved on the worker (its
+    answer was lost): the gateway sends Release for it before giving up; RESOURCE_EXHAUSTED does not."""
+    pool, _ = await _pool([[]])
+    fake = _SlowDecode()
+    fake.script = [code]
+    fake.gate.set()
+    pool.decode[0].stub = fake
+    with pytest.raises(grpc.aio.AioRpcError):
+        await pool.reserve("r", 10, 5, deadline=None)
+    assert fake.released == ["r"]
     await pool.close()

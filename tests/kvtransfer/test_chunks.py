@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransfer.chunks import MAX_CHUNK_BYTES, WireChunk, chunk_plan, decode_chunk, encode_chunk, gather
-from pdserve.v1 import kv_pb2
+from rpc.internal.v1 import kv_pb2
 
 
 @settings(max_examples=200, deadline=None)
@@ -33,15 +33,15 @@ def test_gather_joins_contiguous_pages():
 
 
 def test_codec_is_plain_protobuf_both_ways():
-    """encode_chunk output parses with KVChunk.FromString; decode_chunk reads a SerializeToString'd message
+    """encode_chunk output parses with PushRequest.FromString; decode_chunk reads a SerializeToString'd message
     (payload in the middle of the fields, as any encoder may place it)."""
-    header = kv_pb2.KVChunk(request_id="r", lease_id="l", layout_hash="h", rank=1, sequence=300, kind=1, layer=7,
+    header = kv_pb2.PushRequest(request_id="r", lease_id="l", layout_hash="h", rank=1, sequence=300, kind=1, layer=7,
                             page_ids=[5, 900, 70000], first_page_offset=12, checksum=2**63 + 5, checksum_algorithm=1)
     payload = bytes(range(256)) * 600
     wire = encode_chunk(WireChunk(header, [memoryview(payload)[:1000], memoryview(payload)[1000:]]))
-    message = kv_pb2.KVChunk.FromString(wire)
+    message = kv_pb2.PushRequest.FromString(wire)
     assert message.payload == payload and message.page_ids == [5, 900, 70000] and message.checksum == 2**63 + 5
-    full = kv_pb2.KVChunk()
+    full = kv_pb2.PushRequest()
     full.CopyFrom(header)
     full.payload = payload
     decoded = decode_chunk(full.SerializeToString())
@@ -52,7 +52,7 @@ def test_codec_is_plain_protobuf_both_ways():
 
 def test_max_chunk_is_under_grpc_message_limit():
     """A full chunk plus its header stays far below gRPC's 4 MiB default."""
-    header = kv_pb2.KVChunk(request_id="x" * 200, lease_id="y" * 64, layout_hash="z" * 16,
+    header = kv_pb2.PushRequest(request_id="x" * 200, lease_id="y" * 64, layout_hash="z" * 16,
                             page_ids=list(range(1 << 14)), checksum=1)
     assert len(encode_chunk(WireChunk(header, bytes(MAX_CHUNK_BYTES)))) < 2 * MAX_CHUNK_BYTES
 
@@ -60,11 +60,11 @@ def test_max_chunk_is_under_grpc_message_limit():
 def test_own_encoding_round_trips_and_last_payload_wins():
     """decode_chunk(encode_chunk(c)) gives c back; a message carrying a second payload field later decodes to
     that one, as protobuf's last-one-wins rule says."""
-    header = kv_pb2.KVChunk(request_id="r", sequence=9, page_ids=[1, 2], checksum=77)
+    header = kv_pb2.PushRequest(request_id="r", sequence=9, page_ids=[1, 2], checksum=77)
     payload = bytes(range(200)) * 10
     decoded = decode_chunk(encode_chunk(WireChunk(header, [payload[:7], payload[7:]])))
     assert decoded.header == header and bytes(decoded.payload) == payload
-    second = kv_pb2.KVChunk(payload=b"later").SerializeToString()
+    second = kv_pb2.PushRequest(payload=b"later").SerializeToString()
     decoded = decode_chunk(encode_chunk(WireChunk(header, payload)) + second)
     assert bytes(decoded.payload) == b"later"
-    assert kv_pb2.KVChunk.FromString(encode_chunk(WireChunk(header, payload)) + second).payload == b"later"
+    assert kv_pb2.PushRequest.FromString(encode_chunk(WireChunk(header, payload)) + second).payload == b"later"

@@ -8,7 +8,7 @@ import pytest
 
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import BadChunk, LayoutMismatch, LeaseExpired
-from pdserve.v1 import kv_pb2
+from rpc.internal.v1 import kv_pb2
 
 from .conftest import DEEPSEEK_V3, SMALL_WITH_DRAFT
 
@@ -33,7 +33,7 @@ def test_proto_round_trip_keeps_every_field():
 
 
 def test_transport_values_match_the_proto_enum():
-    """TransportKind and the Transport enum of kv.proto agree value for value."""
+    """TransportKind and the Transport enum of protos/pdserve/internal/v1/kv.proto agree value for value."""
     for kind in TransportKind:
         assert kv_pb2.Transport.Value(f"TRANSPORT_{kind.name}") == kind.value
 

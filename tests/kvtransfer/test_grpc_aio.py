@@ -1,5 +1,5 @@
 """The asyncio servicer, as the decode worker runs it, registered through the generated helper (plain
-KVChunk messages) or through add_to_server (the zero-copy chunk codec): a push lands exact either way."""
+PushRequest messages) or through add_to_server (the zero-copy chunk codec): a push lands exact either way."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import KVLayout
 from kvtransfer.leases import LeaseTable
 from kvtransfer.shm_pool import SharedPagePool
-from pdserve.v1 import kv_pb2_grpc
+from rpc.internal.v1 import kv_pb2_grpc
 
 from .conftest import random_cache
 
@@ -27,7 +27,7 @@ async def test_aio_server(registration):
         receiver = PushReceiver([pool.cache])
         server = grpc.aio.server()
         if registration == "generated":
-            kv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferAioServicer(receiver), server)
+            kv_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferAioServicer(receiver), server)
         else:
             add_to_server(receiver, server)
         port = server.add_insecure_port("127.0.0.1:0")

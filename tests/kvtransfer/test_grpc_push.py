@@ -1,4 +1,4 @@
-"""KVTransfer.Push refuses bad streams with the right status before (or instead of) writing, fails only that
+"""KVTransferService.Push refuses bad streams with the right status before (or instead of) writing, fails only that
 request, and hands its pages back through on_failed; the aio servicer behaves the same."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kvtransfer.layout import SegmentKind
 from kvtransfer.leases import LeaseTable
 from kvtransfer.page_spans import cache_view, segment_offset
 from kvtransfer.shm_pool import SharedPagePool
-from pdserve.v1 import kv_pb2, kv_pb2_grpc
+from rpc.internal.v1 import kv_pb2, kv_pb2_grpc
 
 from .conftest import SMALL_WITH_DRAFT, random_cache
 
@@ -154,8 +154,8 @@ def test_bad_streams_get_their_status(decode, mutate, code):
         assert failed == ["r"] and allocator.num_free == 12
 
 
-def _with(header: kv_pb2.KVChunk, **fields) -> kv_pb2.KVChunk:
-    copy = kv_pb2.KVChunk()
+def _with(header: kv_pb2.PushRequest, **fields) -> kv_pb2.PushRequest:
+    copy = kv_pb2.PushRequest()
     copy.CopyFrom(header)
     for name, value in fields.items():
         if name == "page_ids":
@@ -190,18 +190,18 @@ def test_expired_lease_stops_the_push(decode):
 
 
 def test_standard_protobuf_client_and_write_handle(decode):
-    """Plain KVChunk messages from the generated stub are accepted; a write handle streams pages as they
+    """Plain PushRequest messages from the generated stub are accepted; a write handle streams pages as they
     are written (pages split over 1000-byte chunks)."""
     pools, receiver, allocator, reserve, failed, writer = decode
     source = random_cache(LAYOUT, 3, seed=10)
     destination = reserve("r", 40)
     messages = []
     for chunk in encode_all(destination, source, [2, 0, 1]):
-        message = kv_pb2.KVChunk()
+        message = kv_pb2.PushRequest()
         message.CopyFrom(chunk.header)
         message.payload = b"".join(chunk.pieces)
         messages.append(message)
-    stub = kv_pb2_grpc.KVTransferStub(grpc.insecure_channel(destination.targets[0]))
+    stub = kv_pb2_grpc.KVTransferServiceStub(grpc.insecure_channel(destination.targets[0]))
     result = stub.Push(iter(messages), timeout=10)
     assert result.ok and result.bytes == 3 * LAYOUT.bytes_per_page
     with GrpcWriter(LAYOUT, max_chunk=1000).open(destination, rank=1) as handle:

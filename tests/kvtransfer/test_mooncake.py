@@ -14,7 +14,7 @@ from kvtransfer.layout import SegmentKind
 from kvtransfer.leases import LeaseTable
 from kvtransfer.mooncake_transport import MooncakeConfig, MooncakeReceiver, MooncakeWriter, start_engine
 from kvtransfer.shm_pool import SharedPagePool
-from pdserve.v1 import kv_pb2
+from rpc.internal.v1 import kv_pb2
 
 from .conftest import SMALL_WITH_DRAFT, random_cache
 

@@ -16,7 +16,7 @@ from kvtransfer.page_spans import cache_view, page_offset
 from kvtransfer.shm_pool import SharedPagePool
 from kvtransfer.shm_receiver import ShmReceiver
 from kvtransfer.shm_transport import ShmWriter
-from pdserve.v1 import kv_pb2
+from rpc.internal.v1 import kv_pb2
 
 from .conftest import DEEPSEEK_V3, SMALL_WITH_DRAFT, random_cache
 

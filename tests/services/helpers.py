@@ -10,7 +10,8 @@ from contextlib import asynccontextmanager
 import grpc
 
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.v1 import gateway_pb2_grpc
+from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 
 PROMPT_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 100, 128, 255, 300, 512, 777, 1024, 1500, 2048)
 FIRST_ORDINARY_TOKEN = 4  # ids 0..3 are the special tokens
@@ -27,14 +28,14 @@ def greedy(max_tokens: int, speculative: bool | None = None) -> SamplingParams:
 
 
 @asynccontextmanager
-async def gateway_stub(address: str) -> AsyncIterator[gateway_pb2_grpc.GatewayStub]:
+async def gateway_stub(address: str) -> AsyncIterator[gateway_pb2_grpc.GatewayServiceStub]:
     async with grpc.aio.insecure_channel(address) as channel:
-        yield gateway_pb2_grpc.GatewayStub(channel)
+        yield gateway_pb2_grpc.GatewayServiceStub(channel)
 
 
-async def decode_load(address: str) -> worker_pb2.Load:
+async def decode_load(address: str) -> worker_pb2.GetDecodeLoadResponse:
     async with grpc.aio.insecure_channel(address) as channel:
-        return await worker_pb2_grpc.DecodeStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        return await worker_pb2_grpc.DecodeServiceStub(channel).GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=5)
 
 
 async def idle_free_pages(address: str, timeout: float = 30.0) -> int:
@@ -49,8 +50,8 @@ async def idle_free_pages(address: str, timeout: float = 30.0) -> int:
         await asyncio.sleep(0.05)
 
 
-async def wait_for_free_pages(address: str, expected: int, timeout: float = 15.0) -> worker_pb2.Load:
-    """Polls GetLoad until free_pages == expected; returns the last Load either way."""
+async def wait_for_free_pages(address: str, expected: int, timeout: float = 15.0) -> worker_pb2.GetDecodeLoadResponse:
+    """Polls GetDecodeLoad until free_pages == expected; returns the last Load either way."""
     deadline = time.monotonic() + timeout
     load = await decode_load(address)
     while load.free_pages != expected and time.monotonic() < deadline:

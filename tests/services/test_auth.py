@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.client import build_request, generate
 from pdserve.launcher import Cluster
-from pdserve.v1 import gateway_pb2_grpc, kv_pb2, worker_pb2, worker_pb2_grpc
+from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from rpc.v1 import gateway_pb2_grpc
 from tests.services.conftest import launch, worker_address
 
 pytestmark = pytest.mark.slow
@@ -47,14 +48,14 @@ def secured(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 async def test_workers_refuse_calls_without_the_token(secured):
-    """Reserve, Release and Prefill (and GetLoad) sent to the TCP workers without the token, or with a
+    """Reserve, Release and Prefill (and GetDecodeLoad) sent to the TCP workers without the token, or with a
     wrong one, end UNAUTHENTICATED; with the generated token they are served."""
     cluster, _ = secured
     assert cluster.internal_token
     decode, prefill = worker_address(cluster, "decode-0"), worker_address(cluster, "prefill-0")
     assert not decode.startswith("unix:")
     async with grpc.aio.insecure_channel(decode) as decode_channel, grpc.aio.insecure_channel(prefill) as prefill_channel:
-        decode_stub, prefill_stub = worker_pb2_grpc.DecodeStub(decode_channel), worker_pb2_grpc.PrefillStub(prefill_channel)
+        decode_stub, prefill_stub = worker_pb2_grpc.DecodeServiceStub(decode_channel), worker_pb2_grpc.PrefillServiceStub(prefill_channel)
         calls = {
             "Reserve": lambda md: decode_stub.Reserve(worker_pb2.ReserveRequest(
                 request_id="intruder", num_prompt_tokens=4, max_new_tokens=4, transport=kv_pb2.TRANSPORT_SHM),
@@ -63,7 +64,7 @@ async def test_workers_refuse_calls_without_the_token(secured):
                                                       timeout=30),
             "Prefill": lambda md: prefill_stub.Prefill(worker_pb2.PrefillRequest(request_id="intruder", token_ids=[5]),
                                                        metadata=md, timeout=30),
-            "GetLoad": lambda md: decode_stub.GetLoad(worker_pb2.GetLoadRequest(), metadata=md, timeout=30),
+            "GetLoad": lambda md: decode_stub.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), metadata=md, timeout=30),
         }
         for name, call in calls.items():
             for metadata in ((), (("authorization", "Bearer not-the-token"),)):
@@ -83,7 +84,7 @@ async def test_gateway_needs_tls_and_an_api_key(secured):
     cluster, cert = secured
     credentials = grpc.ssl_channel_credentials(root_certificates=cert)
     async with grpc.aio.secure_channel(cluster.gateway_address, credentials) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         for metadata in (None, (("authorization", "Bearer wrong"),)):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await generate(stub, GOOD, timeout=30, metadata=metadata)
@@ -94,7 +95,7 @@ async def test_gateway_needs_tls_and_an_api_key(secured):
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     async with grpc.aio.insecure_channel(cluster.gateway_address) as plain:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await generate(gateway_pb2_grpc.GatewayStub(plain), GOOD, timeout=10,
+            await generate(gateway_pb2_grpc.GatewayServiceStub(plain), GOOD, timeout=10,
                            metadata=(("authorization", f"Bearer {API_KEY}"),))
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 

@@ -9,7 +9,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
-from pdserve.grpc_errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rpc.status import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from tests.services.helpers import greedy
 
 PAGE_SIZE = 16

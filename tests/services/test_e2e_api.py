@@ -7,6 +7,8 @@ import socket
 import time
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,7 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from gateway.client import build_request, generate
 from gateway.config import GatewayConfig
 from gateway.server import serve as serve_gateway
-from pdserve.v1 import gateway_pb2
+from rpc.v1 import gateway_pb2
 from tests.services.conftest import worker_address
 from tests.services.helpers import gateway_stub, greedy, idle_free_pages, token_prompts, wait_for_free_pages
 
@@ -27,15 +29,15 @@ def test_client_built_only_from_reflection_calls_generate(cluster, llm):
     with grpc.insecure_channel(cluster.gateway_address) as channel:
         database = ProtoReflectionDescriptorDatabase(channel)
         services = set(database.get_services())
-        assert {"pdserve.v1.Gateway", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+        assert {"pdserve.v1.GatewayService", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
         pool = descriptor_pool.DescriptorPool(database)
-        method = pool.FindServiceByName("pdserve.v1.Gateway").methods_by_name["Generate"]
+        method = pool.FindServiceByName("pdserve.v1.GatewayService").methods_by_name["Generate"]
         request_type = message_factory.GetMessageClass(method.input_type)
         response_type = message_factory.GetMessageClass(method.output_type)
         request = request_type(max_tokens=5, ignore_eos=True)
         request.token_ids.ids.extend([9, 10, 11])
         request.sampling.temperature = 0.0
-        call = channel.unary_stream("/pdserve.v1.Gateway/Generate", request_serializer=request_type.SerializeToString,
+        call = channel.unary_stream("/pdserve.v1.GatewayService/Generate", request_serializer=request_type.SerializeToString,
                                     response_deserializer=response_type.FromString)
         responses = list(call(request, timeout=120))
     tokens = [t for r in responses if r.WhichOneof("kind") == "chunk" for t in r.chunk.token_ids]
@@ -63,12 +65,25 @@ BAD = [
 ]
 
 
+def _bad_request(error: grpc.aio.AioRpcError) -> error_details_pb2.BadRequest:
+    """The google.rpc.BadRequest packed in the status details (grpc-status-details-bin trailer)."""
+    status = rpc_status.from_call(error)
+    assert status is not None, "no google.rpc.Status in the trailing metadata"
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and status.message == error.details()
+    found = [detail for detail in status.details if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR)]
+    assert len(found) == 1, status.details
+    bad = error_details_pb2.BadRequest()
+    found[0].Unpack(bad)
+    return bad
+
+
 async def test_bad_requests_get_invalid_argument_naming_the_field(cluster):
-    """Each bad request fails with INVALID_ARGUMENT whose details start with the field; then a good one works."""
+    """Each bad request fails with INVALID_ARGUMENT whose details start with the field and whose
+    google.rpc.BadRequest detail names the same field; then a good one works."""
     async with grpc.aio.insecure_channel(cluster.gateway_address) as channel:
-        raw = channel.unary_stream("/pdserve.v1.Gateway/Generate", request_serializer=lambda data: data,
+        raw = channel.unary_stream("/pdserve.v1.GatewayService/Generate", request_serializer=lambda data: data,
                                    response_deserializer=gateway_pb2.GenerateResponse.FromString)
-        stub_generate = channel.unary_stream("/pdserve.v1.Gateway/Generate",
+        stub_generate = channel.unary_stream("/pdserve.v1.GatewayService/Generate",
                                              request_serializer=gateway_pb2.GenerateRequest.SerializeToString,
                                              response_deserializer=gateway_pb2.GenerateResponse.FromString)
         for request, field in BAD:
@@ -78,8 +93,9 @@ async def test_bad_requests_get_invalid_argument_naming_the_field(cluster):
                     pass
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, caught.value.details())
             assert caught.value.details().startswith(field + ":"), (field, caught.value.details())
+            assert [v.field for v in _bad_request(caught.value).field_violations] == [field], caught.value.details()
         responses = [r async for r in stub_generate(GOOD, timeout=60)]
-    assert responses[-1].complete.finish_reason == gateway_pb2.Complete.LENGTH
+    assert responses[-1].complete.finish_reason == gateway_pb2.Complete.FINISH_REASON_LENGTH
 
 
 async def test_client_cancel_mid_stream_frees_decode_pages(cluster):
@@ -117,7 +133,7 @@ async def test_abort_rpc_ends_the_stream_with_abort(cluster):
                 assert (await stub.Abort(gateway_pb2.AbortRequest(request_id="abort-me"), timeout=10)).found
             if kinds[-1] == "complete":
                 assert response.request_id == "abort-me"
-                assert response.complete.finish_reason == gateway_pb2.Complete.ABORT
+                assert response.complete.finish_reason == gateway_pb2.Complete.FINISH_REASON_ABORT
         assert kinds[-1] == "complete" and tokens < 2000
         assert not (await stub.Abort(gateway_pb2.AbortRequest(request_id="abort-me"), timeout=10)).found
     assert (await wait_for_free_pages(decode, baseline)).free_pages == baseline
@@ -188,9 +204,9 @@ async def test_gateway_health_follows_its_workers(cluster, service_model, tmp_pa
 
 
 def gateway_pb2_grpc_stub(channel: grpc.aio.Channel):
-    from pdserve.v1 import gateway_pb2_grpc
+    from rpc.v1 import gateway_pb2_grpc
 
-    return gateway_pb2_grpc.GatewayStub(channel)
+    return gateway_pb2_grpc.GatewayServiceStub(channel)
 
 
 async def test_top_logprobs_come_with_every_token(cluster):

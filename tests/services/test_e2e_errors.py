@@ -6,12 +6,12 @@ import grpc
 import pytest
 
 from gateway.client import build_request, generate
-from pdserve.v1 import gateway_pb2
+from rpc.v1 import gateway_pb2
 from tests.services.helpers import gateway_stub
 
 pytestmark = pytest.mark.slow
-GENERATE = "/pdserve.v1.Gateway/Generate"
-ABORT = "/pdserve.v1.Gateway/Abort"
+GENERATE = "/pdserve.v1.GatewayService/Generate"
+ABORT = "/pdserve.v1.GatewayService/Abort"
 
 
 @pytest.mark.parametrize("method,payload", [

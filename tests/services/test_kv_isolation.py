@@ -11,8 +11,8 @@ import pytest
 from engine.sampling_params import SamplingParams
 from gateway.client import build_request, generate
 from kvtransfer.destination import Destination
-from pdserve.convert import sampling_to_proto
-from pdserve.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from rpc.convert import sampling_to_proto
+from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from tests.services.conftest import worker_address
 from tests.services.helpers import gateway_stub, token_prompts
 
@@ -30,12 +30,12 @@ async def test_forged_prefill_into_another_requests_pages_writes_nothing(cluster
     decode_address, prefill_address = worker_address(cluster, "decode-0"), worker_address(cluster, "prefill-0")
     async with grpc.aio.insecure_channel(decode_address) as decode_channel, \
             grpc.aio.insecure_channel(prefill_address) as prefill_channel:
-        decode, prefill = worker_pb2_grpc.DecodeStub(decode_channel), worker_pb2_grpc.PrefillStub(prefill_channel)
+        decode, prefill = worker_pb2_grpc.DecodeServiceStub(decode_channel), worker_pb2_grpc.PrefillServiceStub(prefill_channel)
 
         async def reserve(request_id: str) -> kv_pb2.KVDestination:
-            return await decode.Reserve(worker_pb2.ReserveRequest(
+            return (await decode.Reserve(worker_pb2.ReserveRequest(
                 request_id=request_id, num_prompt_tokens=40, max_new_tokens=MAX_TOKENS,
-                transport=kv_pb2.TRANSPORT_SHM), timeout=30)
+                transport=kv_pb2.TRANSPORT_SHM), timeout=30)).destination
 
         async def prefill_into(request_id: str, prompt: list[int], destination: Destination):
             return await prefill.Prefill(worker_pb2.PrefillRequest(

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.client import build_request
 from pdserve.launcher import Cluster
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from tests.services.conftest import launch, worker_address
 from tests.services.helpers import decode_load, gateway_stub, idle_free_pages, token_prompts, wait_for_free_pages
 
@@ -30,7 +30,7 @@ def small_chunks(service_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     cluster.stop()
 
 
-async def _at_baseline(address: str, baseline: int) -> worker_pb2.Load:
+async def _at_baseline(address: str, baseline: int) -> worker_pb2.GetDecodeLoadResponse:
     load = await wait_for_free_pages(address, baseline, timeout=60)
     deadline = time.monotonic() + 60
     while (load.leases, load.running) != (0, 0) and time.monotonic() < deadline:
@@ -73,13 +73,13 @@ async def test_cancel_during_long_prefill_stops_it_and_frees_pages(small_chunks)
     baseline = await idle_free_pages(decode)
     prompt = token_prompts((3000,), seed=21)[0]
     async with gateway_stub(small_chunks.gateway_address) as stub, grpc.aio.insecure_channel(prefill) as channel:
-        prefill_stub = worker_pb2_grpc.PrefillStub(channel)
-        accepted = (await prefill_stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)).requests_total
+        prefill_stub = worker_pb2_grpc.PrefillServiceStub(channel)
+        accepted = (await prefill_stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=10)).requests_total
         call = stub.Generate(build_request(prompt, max_tokens=4, temperature=0.0, request_id="long-prefill"),
                              timeout=300)
         deadline = time.monotonic() + 120
         while True:  # accepted by the prefill worker and taken off its queue: it is running
-            load = await prefill_stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+            load = await prefill_stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=10)
             if load.requests_total > accepted and load.queued_requests == 0:
                 break
             assert time.monotonic() < deadline, "the prefill never started"

@@ -12,7 +12,7 @@ import pytest
 from engine.llm_engine import PrefillResult
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.layout import KVLayout
-from pdserve.grpc_errors import AlreadyExists
+from rpc.status import AlreadyExists
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillService
 from tests.services.helpers import greedy
@@ -23,7 +23,7 @@ LAYOUT = KVLayout(num_layers=2, latent_dim=16, rope_dim=4, page_size=16, dtype="
 class _BlockingEngine:
     def __init__(self) -> None:
         self.config = SimpleNamespace(tp_size=1, page_size=16)
-        self.layout = LAYOUT
+        self.cache_shape = LAYOUT.to_cache_shape(8)
         self.release = threading.Event()
         self.batches: list[list[str]] = []
         self.stopped: list[str] = []

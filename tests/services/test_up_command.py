@@ -15,7 +15,7 @@ import grpc
 
 from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from tests.services.helpers import gateway_stub, greedy, token_prompts
 from tests.services.processes import alive, descendants, existing_segments, mapped_kv_segments
 
@@ -51,8 +51,13 @@ def _requests_served(workers: dict[str, list[str]]) -> dict[str, list[int]]:
         for role, addresses in workers.items():
             for address in addresses:
                 async with grpc.aio.insecure_channel(address) as channel:
-                    stub = (worker_pb2_grpc.PrefillStub if role == "prefill" else worker_pb2_grpc.DecodeStub)(channel)
-                    served[role].append((await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)).requests_total)
+                    if role == "prefill":
+                        load = await worker_pb2_grpc.PrefillServiceStub(channel).GetPrefillLoad(
+                            worker_pb2.GetPrefillLoadRequest(), timeout=10)
+                    else:
+                        load = await worker_pb2_grpc.DecodeServiceStub(channel).GetDecodeLoad(
+                            worker_pb2.GetDecodeLoadRequest(), timeout=10)
+                    served[role].append(load.requests_total)
         return served
 
     return asyncio.run(ask())

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pdserve.engine_thread import EngineThread
+from rpc.engine_thread import EngineThread
 
 
 class _FakeEngine:

@@ -3,8 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
-from pdserve.v1 import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
+from rpc.internal.v1 import worker_pb2 as pdserve_dot_internal_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,16 +18,17 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdserve/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/internal/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class PrefillStub:
+class PrefillServiceStub:
     """---------------------------------------------------------------- prefill
 
+    Runs prompts and writes their KV into pages a decode worker reserved.
     """
 
     def __init__(self, channel):
@@ -38,30 +38,31 @@ class PrefillStub:
             channel: A grpc.Channel.
         """
         self.Prefill = channel.unary_unary(
-                '/pdserve.v1.Prefill/Prefill',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                '/pdserve.internal.v1.PrefillService/Prefill',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
-                '/pdserve.v1.Prefill/Cancel',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.CancelRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.CancelResponse.FromString,
+                '/pdserve.internal.v1.PrefillService/Cancel',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.CancelRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.CancelResponse.FromString,
                 _registered_method=True)
-        self.GetLoad = channel.unary_unary(
-                '/pdserve.v1.Prefill/GetLoad',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillLoad.FromString,
+        self.GetPrefillLoad = channel.unary_unary(
+                '/pdserve.internal.v1.PrefillService/GetPrefillLoad',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GetPrefillLoadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GetPrefillLoadResponse.FromString,
                 _registered_method=True)
 
 
-class PrefillServicer:
+class PrefillServiceServicer:
     """---------------------------------------------------------------- prefill
 
+    Runs prompts and writes their KV into pages a decode worker reserved.
     """
 
     def Prefill(self, request, context):
-        """Runs the prompt, writes its KV (and the draft's context) into the destination pages,
-        writes the kvtransfer completion record and returns the first generated token.
+        """Runs the prompt, writes its KV (and the draft's context) into the destination pages, writes the
+        kvtransfer completion record and returns the first generated token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,41 +76,43 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def GetPrefillLoad(self, request, context):
+        """The worker's queue, for the gateway's router.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_PrefillServicer_to_server(servicer, server):
+def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.CancelRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.CancelResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.CancelRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.CancelResponse.SerializeToString,
             ),
-            'GetLoad': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetLoad,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillLoad.SerializeToString,
+            'GetPrefillLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPrefillLoad,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GetPrefillLoadRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GetPrefillLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pdserve.v1.Prefill', rpc_method_handlers)
+            'pdserve.internal.v1.PrefillService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdserve.v1.Prefill', rpc_method_handlers)
+    server.add_registered_method_handlers('pdserve.internal.v1.PrefillService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Prefill:
+class PrefillService:
     """---------------------------------------------------------------- prefill
 
+    Runs prompts and writes their KV into pages a decode worker reserved.
     """
 
     @staticmethod
@@ -126,9 +129,9 @@ class Prefill:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Prefill/Prefill',
-            pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            '/pdserve.internal.v1.PrefillService/Prefill',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -153,9 +156,9 @@ class Prefill:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Prefill/Cancel',
-            pdserve_dot_v1_dot_worker__pb2.CancelRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.CancelResponse.FromString,
+            '/pdserve.internal.v1.PrefillService/Cancel',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.CancelRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -167,7 +170,7 @@ class Prefill:
             _registered_method=True)
 
     @staticmethod
-    def GetLoad(request,
+    def GetPrefillLoad(request,
             target,
             options=(),
             channel_credentials=None,
@@ -180,9 +183,9 @@ class Prefill:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Prefill/GetLoad',
-            pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.PrefillLoad.FromString,
+            '/pdserve.internal.v1.PrefillService/GetPrefillLoad',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.GetPrefillLoadRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.GetPrefillLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -194,9 +197,10 @@ class Prefill:
             _registered_method=True)
 
 
-class DecodeStub:
+class DecodeServiceStub:
     """---------------------------------------------------------------- decode
 
+    Holds KV pages under leases and streams the generated tokens.
     """
 
     def __init__(self, channel):
@@ -206,43 +210,44 @@ class DecodeStub:
             channel: A grpc.Channel.
         """
         self.Reserve = channel.unary_unary(
-                '/pdserve.v1.Decode/Reserve',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_kv__pb2.KVDestination.FromString,
+                '/pdserve.internal.v1.DecodeService/Reserve',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
-                '/pdserve.v1.Decode/Decode',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeChunk.FromString,
+                '/pdserve.internal.v1.DecodeService/Decode',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
-                '/pdserve.v1.Decode/Release',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+                '/pdserve.internal.v1.DecodeService/Release',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
-        self.GetLoad = channel.unary_unary(
-                '/pdserve.v1.Decode/GetLoad',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.Load.FromString,
+        self.GetDecodeLoad = channel.unary_unary(
+                '/pdserve.internal.v1.DecodeService/GetDecodeLoad',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GetDecodeLoadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GetDecodeLoadResponse.FromString,
                 _registered_method=True)
 
 
-class DecodeServicer:
+class DecodeServiceServicer:
     """---------------------------------------------------------------- decode
 
+    Holds KV pages under leases and streams the generated tokens.
     """
 
     def Reserve(self, request, context):
-        """Allocates pages for prompt + first token under a lease. RESOURCE_EXHAUSTED when that would
-        leave fewer free pages than the running requests' growth headroom (docs/services.md).
+        """Allocates pages for prompt + first token under a lease. RESOURCE_EXHAUSTED when that would leave
+        fewer free pages than the running requests' growth headroom (docs/services.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Claims the lease, verifies the KV completion record and streams the generated tokens
-        (after the first). Cancelling the call aborts the request and frees its pages.
+        """Claims the lease, verifies the KV completion record and streams the generated tokens (after the
+        first). Cancelling the call aborts the request and frees its pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -255,46 +260,48 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def GetDecodeLoad(self, request, context):
+        """The worker's pages and requests, for the gateway's router and admission.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_DecodeServicer_to_server(servicer, server):
+def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_kv__pb2.KVDestination.SerializeToString,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeChunk.SerializeToString,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
             ),
-            'GetLoad': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetLoad,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.Load.SerializeToString,
+            'GetDecodeLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDecodeLoad,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GetDecodeLoadRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GetDecodeLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pdserve.v1.Decode', rpc_method_handlers)
+            'pdserve.internal.v1.DecodeService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdserve.v1.Decode', rpc_method_handlers)
+    server.add_registered_method_handlers('pdserve.internal.v1.DecodeService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Decode:
+class DecodeService:
     """---------------------------------------------------------------- decode
 
+    Holds KV pages under leases and streams the generated tokens.
     """
 
     @staticmethod
@@ -311,9 +318,9 @@ class Decode:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Decode/Reserve',
-            pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-            pdserve_dot_v1_dot_kv__pb2.KVDestination.FromString,
+            '/pdserve.internal.v1.DecodeService/Reserve',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -338,9 +345,9 @@ class Decode:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdserve.v1.Decode/Decode',
-            pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.DecodeChunk.FromString,
+            '/pdserve.internal.v1.DecodeService/Decode',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -365,9 +372,9 @@ class Decode:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Decode/Release',
-            pdserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+            '/pdserve.internal.v1.DecodeService/Release',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -379,7 +386,7 @@ class Decode:
             _registered_method=True)
 
     @staticmethod
-    def GetLoad(request,
+    def GetDecodeLoad(request,
             target,
             options=(),
             channel_credentials=None,
@@ -392,9 +399,9 @@ class Decode:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Decode/GetLoad',
-            pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.Load.FromString,
+            '/pdserve.internal.v1.DecodeService/GetDecodeLoad',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.GetDecodeLoadRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.GetDecodeLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

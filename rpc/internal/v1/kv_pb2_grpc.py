@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
+from rpc.internal.v1 import kv_pb2 as pdserve_dot_internal_dot_v1_dot_kv__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,15 +18,16 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdserve/v1/kv_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/internal/v1/kv_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class KVTransferStub:
-    """Missing associated documentation comment in .proto file."""
+class KVTransferServiceStub:
+    """Receives KV pages over gRPC (served by the decode worker).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,40 +36,44 @@ class KVTransferStub:
             channel: A grpc.Channel.
         """
         self.Push = channel.stream_unary(
-                '/pdserve.v1.KVTransfer/Push',
-                request_serializer=pdserve_dot_v1_dot_kv__pb2.KVChunk.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_kv__pb2.KVPushResult.FromString,
+                '/pdserve.internal.v1.KVTransferService/Push',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_kv__pb2.PushRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_kv__pb2.PushResponse.FromString,
                 _registered_method=True)
 
 
-class KVTransferServicer:
-    """Missing associated documentation comment in .proto file."""
+class KVTransferServiceServicer:
+    """Receives KV pages over gRPC (served by the decode worker).
+    """
 
     def Push(self, request_iterator, context):
-        """Streams one request's pages for one rank into the decode pool; the result counts what landed.
+        """Streams one request's pages for one rank into the decode pool; the response counts what landed.
+        Refusals: FAILED_PRECONDITION (layout mismatch), NOT_FOUND (unknown transfer or expired lease),
+        INVALID_ARGUMENT (bad chunk), DATA_LOSS (checksum), ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_KVTransferServicer_to_server(servicer, server):
+def add_KVTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=pdserve_dot_v1_dot_kv__pb2.KVChunk.FromString,
-                    response_serializer=pdserve_dot_v1_dot_kv__pb2.KVPushResult.SerializeToString,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_kv__pb2.PushRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_kv__pb2.PushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pdserve.v1.KVTransfer', rpc_method_handlers)
+            'pdserve.internal.v1.KVTransferService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdserve.v1.KVTransfer', rpc_method_handlers)
+    server.add_registered_method_handlers('pdserve.internal.v1.KVTransferService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class KVTransfer:
-    """Missing associated documentation comment in .proto file."""
+class KVTransferService:
+    """Receives KV pages over gRPC (served by the decode worker).
+    """
 
     @staticmethod
     def Push(request_iterator,
@@ -84,9 +89,9 @@ class KVTransfer:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/pdserve.v1.KVTransfer/Push',
-            pdserve_dot_v1_dot_kv__pb2.KVChunk.SerializeToString,
-            pdserve_dot_v1_dot_kv__pb2.KVPushResult.FromString,
+            '/pdserve.internal.v1.KVTransferService/Push',
+            pdserve_dot_internal_dot_v1_dot_kv__pb2.PushRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_kv__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,

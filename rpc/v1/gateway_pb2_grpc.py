@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.v1 import gateway_pb2 as pdserve_dot_v1_dot_gateway__pb2
+from rpc.v1 import gateway_pb2 as pdserve_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -25,8 +25,12 @@ if _version_not_supported:
     )
 
 
-class GatewayStub:
-    """Missing associated documentation comment in .proto file."""
+class GatewayServiceStub:
+    """Text and token generation over one model, split internally between prefill and decode workers.
+    Errors are gRPC statuses: INVALID_ARGUMENT (with google.rpc.BadRequest details naming the field),
+    RESOURCE_EXHAUSTED / UNAVAILABLE (with google.rpc.RetryInfo when a retry can succeed), NOT_FOUND,
+    DEADLINE_EXCEEDED, CANCELLED, INTERNAL. See docs/client.md.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,49 +39,56 @@ class GatewayStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/pdserve.v1.Gateway/Generate',
+                '/pdserve.v1.GatewayService/Generate',
                 request_serializer=pdserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
-                '/pdserve.v1.Gateway/Abort',
+                '/pdserve.v1.GatewayService/Abort',
                 request_serializer=pdserve_dot_v1_dot_gateway__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_gateway__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
-                '/pdserve.v1.Gateway/GetModelInfo',
+                '/pdserve.v1.GatewayService/GetModelInfo',
                 request_serializer=pdserve_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_gateway__pb2.ModelInfo.FromString,
+                response_deserializer=pdserve_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
 
 
-class GatewayServicer:
-    """Missing associated documentation comment in .proto file."""
+class GatewayServiceServicer:
+    """Text and token generation over one model, split internally between prefill and decode workers.
+    Errors are gRPC statuses: INVALID_ARGUMENT (with google.rpc.BadRequest details naming the field),
+    RESOURCE_EXHAUSTED / UNAVAILABLE (with google.rpc.RetryInfo when a retry can succeed), NOT_FOUND,
+    DEADLINE_EXCEEDED, CANCELLED, INTERNAL. See docs/client.md.
+    """
 
     def Generate(self, request, context):
-        """Streams the completion of one prompt: zero or more Chunk messages, then exactly one
-        Complete (or one Error when the request failed after it was accepted).
-        Requests that are invalid fail with INVALID_ARGUMENT before anything is streamed.
+        """Streams the completion of one prompt: zero or more `chunk` responses, then exactly one `complete`
+        (or one `error` when the request failed after it was accepted; the RPC then ends with that status).
+        Invalid requests fail with INVALID_ARGUMENT before anything is streamed. Cancelling the call stops
+        the request and frees its resources. A deadline on the call bounds the whole request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Stops a running request by id (as cancelling its Generate call would).
+        """Stops a running request by id, as cancelling its Generate call would; its stream ends with
+        `complete.finish_reason = FINISH_REASON_ABORT`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Describes the served model and the gateway's limits and defaults.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_GatewayServicer_to_server(servicer, server):
+def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -92,18 +103,22 @@ def add_GatewayServicer_to_server(servicer, server):
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=pdserve_dot_v1_dot_gateway__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_gateway__pb2.ModelInfo.SerializeToString,
+                    response_serializer=pdserve_dot_v1_dot_gateway__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pdserve.v1.Gateway', rpc_method_handlers)
+            'pdserve.v1.GatewayService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdserve.v1.Gateway', rpc_method_handlers)
+    server.add_registered_method_handlers('pdserve.v1.GatewayService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Gateway:
-    """Missing associated documentation comment in .proto file."""
+class GatewayService:
+    """Text and token generation over one model, split internally between prefill and decode workers.
+    Errors are gRPC statuses: INVALID_ARGUMENT (with google.rpc.BadRequest details naming the field),
+    RESOURCE_EXHAUSTED / UNAVAILABLE (with google.rpc.RetryInfo when a retry can succeed), NOT_FOUND,
+    DEADLINE_EXCEEDED, CANCELLED, INTERNAL. See docs/client.md.
+    """
 
     @staticmethod
     def Generate(request,
@@ -119,7 +134,7 @@ class Gateway:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdserve.v1.Gateway/Generate',
+            '/pdserve.v1.GatewayService/Generate',
             pdserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
             options,
@@ -146,7 +161,7 @@ class Gateway:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Gateway/Abort',
+            '/pdserve.v1.GatewayService/Abort',
             pdserve_dot_v1_dot_gateway__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_gateway__pb2.AbortResponse.FromString,
             options,
@@ -173,9 +188,9 @@ class Gateway:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Gateway/GetModelInfo',
+            '/pdserve.v1.GatewayService/GetModelInfo',
             pdserve_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
-            pdserve_dot_v1_dot_gateway__pb2.ModelInfo.FromString,
+            pdserve_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve import serving
-from pdserve.interceptors import TokenAuthInterceptor, server_interceptors
+from rpc import server as serving
+from rpc.interceptors import TokenAuthInterceptor, server_interceptors
 
 CHECK = "/grpc.health.v1.Health/Check"
 WATCH = "/grpc.health.v1.Health/Watch"

@@ -1,5 +1,5 @@
-from pdserve.v1 import gateway_pb2 as _gateway_pb2
-from pdserve.v1 import kv_pb2 as _kv_pb2
+from rpc.internal.v1 import kv_pb2 as _kv_pb2
+from rpc.v1 import logprobs_pb2 as _logprobs_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -34,10 +34,6 @@ class WorkerSampling(_message.Message):
     block_size: int
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ...) -> None: ...
 
-class GetLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,10 +63,10 @@ class PrefillResponse(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     first_token: int
-    first_logprob: _gateway_pb2.TokenLogprob
+    first_logprob: _logprobs_pb2.TokenLogprob
     num_prompt_tokens: int
     timing: PrefillTiming
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_gateway_pb2.TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_logprobs_pb2.TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -84,7 +80,11 @@ class CancelResponse(_message.Message):
     dropped: bool
     def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
 
-class PrefillLoad(_message.Message):
+class GetPrefillLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPrefillLoadResponse(_message.Message):
     __slots__ = ("queued_requests", "queued_tokens", "tp_size", "requests_total")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,12 @@ class ReserveRequest(_message.Message):
     transport: _kv_pb2.Transport
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., transport: _Optional[_Union[_kv_pb2.Transport, str]] = ...) -> None: ...
 
+class ReserveResponse(_message.Message):
+    __slots__ = ("destination",)
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    destination: _kv_pb2.KVDestination
+    def __init__(self, destination: _Optional[_Union[_kv_pb2.KVDestination, _Mapping]] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "token_ids", "first_token", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -122,7 +128,7 @@ class DecodeRequest(_message.Message):
     sampling: WorkerSampling
     def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ...) -> None: ...
 
-class DecodeChunk(_message.Message):
+class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "decode_steps")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -130,11 +136,11 @@ class DecodeChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedCompositeFieldContainer[_gateway_pb2.TokenLogprob]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprob]
     finished: bool
     finish_reason: str
     decode_steps: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_gateway_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -148,7 +154,11 @@ class ReleaseResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
-class Load(_message.Message):
+class GetDecodeLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetDecodeLoadResponse(_message.Message):
     __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "tp_size", "headroom_pages", "requests_total")
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]

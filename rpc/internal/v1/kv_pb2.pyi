@@ -16,6 +16,7 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 
 class KVSegmentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
+    KV_SEGMENT_KIND_UNSPECIFIED: _ClassVar[KVSegmentKind]
     KV_SEGMENT_KIND_TARGET: _ClassVar[KVSegmentKind]
     KV_SEGMENT_KIND_DRAFT: _ClassVar[KVSegmentKind]
 
@@ -28,6 +29,7 @@ TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_GRPC: Transport
 TRANSPORT_MOONCAKE: Transport
+KV_SEGMENT_KIND_UNSPECIFIED: KVSegmentKind
 KV_SEGMENT_KIND_TARGET: KVSegmentKind
 KV_SEGMENT_KIND_DRAFT: KVSegmentKind
 KV_CHECKSUM_ALGORITHM_UNSPECIFIED: KVChecksumAlgorithm
@@ -84,7 +86,7 @@ class KVDestination(_message.Message):
     record_addresses: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., layout_hash: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., targets: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., pool_num_pages: _Optional[int] = ..., completion_slot: _Optional[int] = ..., completion_sequence: _Optional[int] = ..., data_addresses: _Optional[_Iterable[int]] = ..., record_addresses: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class KVChunk(_message.Message):
+class PushRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "layout_hash", "rank", "sequence", "kind", "layer", "page_ids", "first_page_offset", "payload", "checksum", "checksum_algorithm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -112,7 +114,7 @@ class KVChunk(_message.Message):
     checksum_algorithm: KVChecksumAlgorithm
     def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., rank: _Optional[int] = ..., sequence: _Optional[int] = ..., kind: _Optional[_Union[KVSegmentKind, str]] = ..., layer: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., first_page_offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[KVChecksumAlgorithm, str]] = ...) -> None: ...
 
-class KVPushResult(_message.Message):
+class PushResponse(_message.Message):
     __slots__ = ("ok", "bytes", "error", "chunks")
     OK_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]

@@ -1,5 +1,5 @@
-"""What every pdserve gRPC process shares: the event loop (uvloop), health + reflection registration,
-and waiting for SIGTERM / SIGINT so that serve() can stop gracefully."""
+"""What every pdserve gRPC process shares: the event loop (uvloop), health + reflection registration, and
+serve(): bind, start, publish health, wait for SIGTERM / SIGINT, then stop gracefully."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,6 +29,9 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 
+
+# Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled.
+STOP_GRACE_S = 2.0
 
 # A worker's engine thread holds the GIL between torch ops; with Python's default 5 ms switch interval
 # the event loop thread (gRPC streaming) waits up to that long for each token. 0.5 ms measured 1.8x
@@ -101,3 +104,53 @@ def write_ready_file(path: str | None, address: str) -> None:
         with open(path + ".tmp", "w") as handle:
             handle.write(address + "\n")
         os.replace(path + ".tmp", path)
+
+
+async def serve(
+    role: str,
+    listen: str,
+    service_names: Sequence[str],
+    register: Callable[[grpc.aio.Server], None],
+    on_stop: Callable[[], Awaitable[None]],
+    *,
+    stop: asyncio.Event | None = None,
+    ready_file: str | None = None,
+    on_bound: Callable[[str], None] | None = None,
+    on_started: Callable[[HealthServicer, str], Awaitable[None]] | None = None,
+    serving_when_started: bool = True,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, object]] = (),
+    credentials: grpc.ServerCredentials | None = None,
+) -> None:
+    """The body of every pdserve gRPC server: registers the services (`register`), health and reflection,
+    binds `listen` (port 0 allowed), calls on_bound(address) before and on_started(health, address) after the
+    server starts, publishes SERVING (unless serving_when_started is False: then on_started owns health),
+    writes ready_file, and runs until SIGTERM / SIGINT (or `stop`). Then health goes NOT_SERVING, in-flight
+    RPCs get STOP_GRACE_S to finish, and on_stop() releases what the caller built. interceptors: e.g.
+    rpc.interceptors.server_interceptors(token); options: channel arguments overriding SERVER_OPTIONS;
+    credentials: serve TLS (grpc.ssl_server_credentials) instead of plaintext."""
+    overridden = {name for name, _ in options}
+    merged = [option for option in SERVER_OPTIONS if option[0] not in overridden] + list(options)
+    server = grpc.aio.server(options=merged, interceptors=list(interceptors))
+    register(server)
+    health = add_health_and_reflection(server, service_names)
+    await set_serving(health, service_names, False)
+    port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
+    address = bound_address(listen, port)
+    if on_bound is not None:
+        on_bound(address)
+    await server.start()
+    try:
+        if serving_when_started:
+            await set_serving(health, service_names, True)
+        if on_started is not None:
+            await on_started(health, address)
+        logger.info("%s serving on %s", role, address)
+        write_ready_file(ready_file, address)
+        await wait_for_stop_signal(stop)
+    finally:
+        logger.info("%s stopping", role)
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=STOP_GRACE_S)
+        await on_stop()
+        logger.info("%s stopped", role)

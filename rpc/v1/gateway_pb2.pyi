@@ -1,3 +1,4 @@
+from rpc.v1 import logprobs_pb2 as _logprobs_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -55,24 +56,6 @@ class GenerateRequest(_message.Message):
     skip_special_tokens: bool
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
-class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
-
-class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "top")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOP_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
-
 class Chunk(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -80,8 +63,8 @@ class Chunk(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -104,13 +87,13 @@ class Complete(_message.Message):
     class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FINISH_REASON_UNSPECIFIED: _ClassVar[Complete.FinishReason]
-        STOP: _ClassVar[Complete.FinishReason]
-        LENGTH: _ClassVar[Complete.FinishReason]
-        ABORT: _ClassVar[Complete.FinishReason]
+        FINISH_REASON_STOP: _ClassVar[Complete.FinishReason]
+        FINISH_REASON_LENGTH: _ClassVar[Complete.FinishReason]
+        FINISH_REASON_ABORT: _ClassVar[Complete.FinishReason]
     FINISH_REASON_UNSPECIFIED: Complete.FinishReason
-    STOP: Complete.FinishReason
-    LENGTH: Complete.FinishReason
-    ABORT: Complete.FinishReason
+    FINISH_REASON_STOP: Complete.FinishReason
+    FINISH_REASON_LENGTH: Complete.FinishReason
+    FINISH_REASON_ABORT: Complete.FinishReason
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -159,7 +142,7 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ModelInfo(_message.Message):
+class GetModelInfoResponse(_message.Message):
     __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "default_max_tokens", "num_prefill_workers", "num_decode_workers", "has_tokenizer")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]

@@ -1,1 +1,0 @@
-"""Generated protobuf / gRPC code for the pdserve.v1 API (run scripts/gen_protos.sh; do not edit)."""

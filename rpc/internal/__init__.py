@@ -1,0 +1,1 @@
+"""Generated code for pdserve's internal services (package pdserve.internal.v1)."""
