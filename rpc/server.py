@@ -10,9 +10,10 @@ import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+
+from rpc import health_reflection
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +53,9 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> HealthServicer:
-    """Registers grpc.health.v1 and server reflection; call set_serving() to publish a status
-    (grpc's HealthServicer answers SERVING for "" until told otherwise)."""
-    names = list(service_names)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
-    return health
+    """Registers grpc.health.v1 (List included) and server reflection (v1 and v1alpha); call set_serving()
+    to publish a status (grpc's HealthServicer answers SERVING for "" until told otherwise)."""
+    return health_reflection.add_health_and_reflection(server, service_names)
 
 
 async def set_serving(health: HealthServicer, service_names: Iterable[str], serving: bool) -> None:
