@@ -150,7 +150,23 @@ class RequestRun:
         raise Unavailable(f"decode stream of {job.request_id} ended without finishing")
 
     async def _run_prefill(self, destination: Any, sampling: Any) -> Any:
-        self._prefill = worker = self._pool.pick_prefill()
+        """Prefill on the least loaded worker; if that worker becomes unreachable (UNAVAILABLE: it died)
+        the prompt is sent once more, to another reachable prefill worker, into the same destination."""
+        try:
+            return await self._prefill_on(self._pool.pick_prefill(), destination, sampling)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            try:
+                retry = self._pool.pick_prefill()  # the dead worker is marked unreachable by now
+            except Unavailable:
+                raise error from None
+            logger.warning("prefill worker lost during prefill of %s (%s); retrying once on %s",
+                           self.job.request_id, error.details(), retry.state.address)
+            return await self._prefill_on(retry, destination, sampling)
+
+    async def _prefill_on(self, worker: PrefillWorker, destination: Any, sampling: Any) -> Any:
+        self._prefill = worker
         tokens = len(self.job.prompt_ids)
         worker.state.outstanding_tokens += tokens
         worker.state.outstanding_requests += 1

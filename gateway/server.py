@@ -30,7 +30,7 @@ def _credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
 
 
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_file: str | None = None) -> None:
-    """Runs until SIGTERM / SIGINT (or `stop`). Health is SERVING only while every worker answers."""
+    """Runs until SIGTERM / SIGINT (or `stop`). Health is SERVING while at least one prefill and one decode worker answer."""
     facts = ModelFacts.from_dir(config.model_dir)
     tokenizer = TextTokenizer.from_model_dir(config.model_dir)
     if tokenizer is None:
@@ -43,8 +43,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
     healths: list[HealthServicer] = []
     tasks: set[asyncio.Task[None]] = set()
 
-    def on_health(healthy: bool) -> None:  # health follows the workers: NOT_SERVING until all answer
-        logger.info("workers %s: health %s", "all reachable" if healthy else "not all reachable",
+    def on_health(healthy: bool) -> None:  # SERVING while a prefill and a decode worker answer
+        logger.info("%s: health %s", "workers reachable" if healthy else "no prefill or no decode worker reachable",
                     "SERVING" if healthy else "NOT_SERVING")
         for health in healths:
             task = asyncio.get_running_loop().create_task(server.set_serving(health, [SERVICE_NAME], healthy))

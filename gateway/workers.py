@@ -119,7 +119,8 @@ class WorkerPool:
         self._update_health()
 
     def _update_health(self) -> None:
-        healthy = all(w.state.healthy for w in (*self.prefill, *self.decode))
+        """SERVING while at least one prefill and one decode worker answer (requests are routed to those)."""
+        healthy = any(w.state.healthy for w in self.prefill) and any(w.state.healthy for w in self.decode)
         if healthy != self.healthy:
             self.healthy = healthy
             if self._on_health is not None:

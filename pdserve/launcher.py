@@ -67,6 +67,8 @@ class Child:
     process: subprocess.Popen[bytes]
     ready_file: Path
     address: str = ""
+    command: list[str] = field(default_factory=list)  # how it was started (a restart runs it again)
+    output: IO[bytes] | None = None
 
     @property
     def alive(self) -> bool:
@@ -114,12 +116,28 @@ class Cluster:
         if self.log_dir is not None:
             output = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
             self._logs.append(output)
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
-        child = Child(name, process, ready)
+        child = Child(name, self._popen(command, output), ready, command=command, output=output)
         self.children.append(child)
-        logger.info("started %s (pid %d)", name, process.pid)
+        logger.info("started %s (pid %d)", name, child.process.pid)
         return child
+
+    @staticmethod
+    def _popen(command: list[str], output: IO[bytes] | None) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+
+    def respawn(self, child: Child) -> None:
+        """Starts a dead child again on the address it had (the gateway and the other workers keep
+        theirs): what is left of its process group is killed, its socket and ready file removed."""
+        self._kill_group(child)
+        command = list(child.command)
+        if child.address and "--listen" in command:
+            command[command.index("--listen") + 1] = child.address
+            if child.address.startswith("unix:"):
+                Path(child.address[len("unix:"):]).unlink(missing_ok=True)
+        child.ready_file.unlink(missing_ok=True)
+        child.process = self._popen(command, child.output)
+        logger.info("restarted %s (pid %d)", child.role, child.process.pid)
 
     def _worker_args(self, name: str, tp: int, extra: tuple[str, ...]) -> list[str]:
         args = ["--listen", self._listen(name), *self._security_args(), "--model", self.spec.model_dir, "--tp-size", str(tp),

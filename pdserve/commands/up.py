@@ -1,5 +1,6 @@
 """`pdserve up`: launch decode, prefill and gateway processes on this machine and keep them running
-until Ctrl-C / SIGTERM (then stop all of them: no orphan process, nothing left in /dev/shm)."""
+(a process that dies is restarted, within a restart budget) until Ctrl-C / SIGTERM (then stop all of
+them: no orphan process, nothing left in /dev/shm)."""
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", default=None, help="the gateway's PEM certificate chain (serve TLS, with --tls-key)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--api-key-file", default=None, help="API keys clients must send to the gateway, one per line")
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restarts allowed per process within --restart-window before giving up (default 5)")
+    parser.add_argument("--restart-window", type=float, default=600.0, help="seconds (default 600)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for everything to be healthy")
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("up", 0, args.log_level)
     from pdserve.launcher import Cluster, ClusterSpec
+    from pdserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
     worker_args: tuple[str, ...] = ()
     if args.num_threads is not None:
@@ -71,13 +76,13 @@ def run(args: argparse.Namespace) -> int:
         "Ctrl-C stops everything.\n")
     sys.stdout.flush()
     code = 0
+    supervisor = Supervisor(cluster, RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
     try:
         while not stop.wait(0.5):
-            dead = cluster.dead_children()
-            if dead:
-                logger.error("%s exited unexpectedly (code %s); stopping everything", dead[0].role, dead[0].process.returncode)
-                code = 1
-                break
+            supervisor.check()  # restarts what died, with backoff, within the restart budget
+    except GaveUp as error:
+        logger.error("%s; stopping everything", error)
+        code = 1
     finally:
         logger.info("stopping all services")
         cluster.stop()

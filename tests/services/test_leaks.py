@@ -26,7 +26,6 @@ PREFILL_CHUNK = 32
 def small_chunks(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     log_dir = tmp_path_factory.mktemp("leak_logs")
     cluster = launch(service_model, log_dir, prefill_args=("--max-batched-tokens", str(PREFILL_CHUNK)))
-    cluster.log_dir_path = log_dir  # type: ignore[attr-defined]
     yield cluster
     cluster.stop()
 
@@ -91,5 +90,5 @@ async def test_cancel_during_long_prefill_stops_it_and_frees_pages(small_chunks)
         after = [response async for response in stub.Generate(
             build_request([5, 6, 7], max_tokens=3, temperature=0.0, ignore_eos=True), timeout=120)]
         assert after[-1].WhichOneof("kind") == "complete"
-    log = Path(small_chunks.log_dir_path, "prefill-0.log").read_text()  # type: ignore[attr-defined]
+    log = Path(small_chunks.log_dir, "prefill-0.log").read_text()
     assert re.search(r"prefill of long-prefill\.\w+ stopped between chunks \(cancelled\)", log), log[-2000:]
