@@ -24,6 +24,7 @@ class DecodeWorkerConfig:
     max_batched_tokens: int = 2048
     spec_block_size: int = 8
     num_threads: int | None = None
+    share_weights: bool = True
     lease_ttl_s: float = 60.0
     lease_grace_s: float = 1.0
     lease_sweep_interval_s: float = 0.25
@@ -46,5 +47,6 @@ class DecodeWorkerConfig:
             draft_model_dir=self.draft_model_dir, spec_block_size=self.spec_block_size, page_size=self.page_size,
             kv_memory_bytes=self.kv_memory_bytes, max_running=self.max_running,
             max_batched_tokens=self.max_batched_tokens, kv_pool="shm", num_threads=self.num_threads,
+            share_weights=self.share_weights,
             page_pools=ShmPoolFactory(),
         )

@@ -31,6 +31,7 @@ class EngineConfig:
     max_batched_tokens: int = 2048
     kv_pool: str = "local"
     num_threads: int | None = None
+    share_weights: bool = False  # workers: map one copy of the weights per node (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None
 
     def __post_init__(self) -> None:

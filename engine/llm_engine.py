@@ -48,6 +48,7 @@ class LLMEngine:
             kv_pool=config.kv_pool,
             page_pools=config.page_pools,
             num_threads=config.num_threads or (default_threads(config.tp_size) if config.tp_size > 1 else None),
+            share_weights=config.share_weights,
         )
         self.leader = TPLeader(runner_config, config.tp_size)
         self.runner = self.leader.runner

@@ -31,6 +31,7 @@ class RunnerConfig:
     kv_pool: str  # "local" | "shm"
     pool_tag: str = "engine"
     num_threads: int | None = None
+    share_weights: bool = False  # map the node's one shared copy of this rank's weights (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
 
     def __post_init__(self) -> None:
@@ -65,7 +66,7 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPGroup) -> None:
         from engine.attention.registry import get_attention_backend
         from engine.config import ModelConfig
-        from engine.models.deepseek_v3 import load_model
+        from engine.models.deepseek_v3 import DeepseekV3ForCausalLM, load_model
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -75,12 +76,20 @@ class ModelRunner:
         model_config = ModelConfig.from_pretrained(config.model_dir)
         heads_per_rank = model_config.num_attention_heads // tp.size
         attention = get_attention_backend(config.attention_backend, num_heads=heads_per_rank, device="cpu")
-        self.model_config, self.model = load_model(config.model_dir, tp, attention, dtype)
+        self._shared_weights: list[object] = []
+        self.model_config = model_config
+        self.model = self._load(
+            "target", config.model_dir, lambda: load_model(config.model_dir, tp, attention, dtype)[1],
+            lambda: DeepseekV3ForCausalLM(model_config, tp, attention, dtype),
+        )
         self.draft = None
         if config.draft_dir:
-            from engine.models.dflash import load_draft
+            from engine.models.dflash import DFlashDraft, load_draft, read_draft_config
 
-            self.draft = load_draft(config.draft_dir, dtype=dtype)
+            self.draft = self._load(
+                "draft", config.draft_dir, lambda: load_draft(config.draft_dir, dtype=dtype),
+                lambda: DFlashDraft(read_draft_config(config.draft_dir)).to(dtype),
+            )
             self.draft.eval()
         self.capture_layers: tuple[int, ...] = tuple(self.draft.config.target_layer_ids) if self.draft else ()
         self.cache_shape = cache_shape_for(
@@ -97,6 +106,19 @@ class ModelRunner:
             "rank %d/%d ready: %d pages x %d tokens (%s), draft=%s",
             tp.rank, tp.size, config.num_pages, config.page_size, config.kv_pool, bool(self.draft),
         )
+
+    def _load(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
+        """load() normally, or, with share_weights, through the node's shared weight store (the first
+        worker of the node loads and publishes; the others build the model without loading and map it)."""
+        if not self.config.share_weights:
+            return load()
+        from engine.weight_store import WeightKey, load_shared
+
+        key = WeightKey(model_dir, self.config.dtype, "cpu", self.tp.size, self.tp.rank, role)
+
+        model, shared = load_shared(key, load, build_empty)
+        self._shared_weights.append(shared)
+        return model.eval().requires_grad_(False)
 
     @property
     def pool_name(self) -> str | None:
@@ -183,6 +205,8 @@ class ModelRunner:
         return target, draft
 
     def close(self) -> None:
+        for shared in self._shared_weights:
+            shared.close()
         for pool in self._attached.values():
             pool.close()
         self._attached.clear()

@@ -235,6 +235,9 @@ class Cluster:
         from kvtransfer.shm_pool import cleanup_stale_segments
 
         cleanup_stale_segments()
+        from engine.weight_store import remove_stale_segments
+
+        remove_stale_segments()
         for path in self._run_dir.glob("*"):
             path.unlink(missing_ok=True)
         if self._run_dir.exists():

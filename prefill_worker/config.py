@@ -25,6 +25,7 @@ class PrefillWorkerConfig:
     batch_tokens: int = 2048
     spec_block_size: int = 8
     num_threads: int | None = None
+    share_weights: bool = True
     internal_token: str | None = field(default=None, repr=False)  # required on calls, sent with KV pushes
 
     def __post_init__(self) -> None:
@@ -39,4 +40,5 @@ class PrefillWorkerConfig:
             draft_model_dir=self.draft_model_dir, spec_block_size=self.spec_block_size, page_size=self.page_size,
             kv_memory_bytes=self.kv_memory_bytes, max_batched_tokens=self.max_batched_tokens, kv_pool="local",
             num_threads=self.num_threads, page_pools=ShmPoolFactory(),  # attaches decode workers' pools
+            share_weights=self.share_weights,
         )

@@ -233,11 +233,14 @@ def save_draft(draft: DFlashDraft, draft_dir: str | Path, dtype: torch.dtype = t
     save_file(tensors, str(path / "model.safetensors"))
 
 
+def read_draft_config(draft_dir: str | Path) -> DFlashConfig:
+    return DFlashConfig.from_dict(json.loads((Path(draft_dir) / "config.json").read_text()))
+
+
 def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraft:
     """Load a draft directory; missing or unexpected tensors raise one ValueError listing them."""
     path = Path(draft_dir)
-    config = DFlashConfig.from_dict(json.loads((path / "config.json").read_text()))
-    draft = DFlashDraft(config)
+    draft = DFlashDraft(read_draft_config(path))
     tensors = load_file(str(path / "model.safetensors"))
     expected = set(draft.state_dict())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)

@@ -28,6 +28,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk size (tokens per forward)")
     parser.add_argument("--spec-block-size", type=int, default=8, help="largest speculative block size")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
+                        help="load a private copy of the weights instead of mapping the node's shared copy")
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)  # written with the bound address
     add_internal_token_argument(parser)
 
@@ -44,7 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         model_dir=args.model, tp_size=args.tp_size, attention_backend=args.attention_backend,
         draft_model_dir=args.draft_model, dtype=args.dtype, page_size=args.page_size,
         kv_memory_bytes=args.kv_memory_mb * 2**20, max_batched_tokens=args.max_batched_tokens,
-        spec_block_size=args.spec_block_size, num_threads=args.num_threads,
+        spec_block_size=args.spec_block_size, num_threads=args.num_threads, share_weights=args.share_weights,
         internal_token=read_token_file(args.internal_token_file),
     )
 

@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts allowed per process within --restart-window before giving up (default 5)")
     parser.add_argument("--restart-window", type=float, default=600.0, help="seconds (default 600)")
+    parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
+                        help="every worker rank loads a private copy of the weights (default: one copy per node)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for everything to be healthy")
 
 
@@ -47,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     worker_args: tuple[str, ...] = ()
     if args.num_threads is not None:
         worker_args += ("--num-threads", str(args.num_threads))
+    if not args.share_weights:
+        worker_args += ("--no-shared-weights",)
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
     try:
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,

@@ -131,5 +131,26 @@ def tok_s_per_dollar(throughput: float, gpus: int, price_per_hour: float) -> flo
     return throughput / (gpus * price_per_hour)
 
 
-__all__ = ["PlanRequest", "cost_per_hour", "group_bits", "heads", "kv_budget",
-           "kv_bytes_per_token", "smallest_tp", "tok_s_per_dollar", "valid_tp_sizes", "weight_bytes"]
+
+
+def node_weight_copies(request: PlanRequest) -> dict[str, object]:
+    """Whether one node holds the weights once (prefill and decode workers both TP over all its GPUs,
+    mapping one shared copy) or once per worker (each worker loads its own): per-GPU bytes and fits.
+    Without sharing, the alternative to two copies on every GPU is splitting the node in halves, each half
+    holding a whole copy over gpus/2 GPUs: reported too."""
+    gpus = request.gpus_per_node
+    free = request.gpu.memory_bytes - request.reserve_bytes
+    _, per_gpu = weight_bytes(request.params, request.quantization, gpus)
+    half = gpus // 2
+    split_per_gpu = weight_bytes(request.params, request.quantization, half)[1] if half >= 1 else None
+    split_ok = split_per_gpu is not None and half in valid_tp_sizes(request.model) and split_per_gpu <= free
+    return {
+        "gpus": gpus, "per_gpu_shared_bytes": per_gpu, "fits_shared": per_gpu <= free,
+        "kv_budget_shared_bytes": free - per_gpu,
+        "per_gpu_per_worker_bytes": 2 * per_gpu, "fits_per_worker": 2 * per_gpu <= free,
+        "split_gpus_per_worker": half, "split_per_gpu_bytes": split_per_gpu, "fits_split": split_ok,
+    }
+
+
+__all__ = ["PlanRequest", "cost_per_hour", "group_bits", "heads", "kv_budget", "kv_bytes_per_token",
+           "node_weight_copies", "smallest_tp", "tok_s_per_dollar", "valid_tp_sizes", "weight_bytes"]

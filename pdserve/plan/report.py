@@ -55,6 +55,17 @@ def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
     else:
         verdict = "one node suffices" if scale["one_node_suffices"] else f"needs {scale['min_nodes']} nodes"
         rows.append(("smallest fit", f"{scale['min_gpus']} GPUs (TP{scale['min_gpus']}): {verdict}"))
+    share = plan.sharing
+    rows.append(("one node", f"prefill + decode TP{share['gpus']} on the same {share['gpus']} GPUs, one shared "
+                             f"weight copy: {_gb(share['per_gpu_shared_bytes'])} per GPU, "
+                             f"{_gb(share['kv_budget_shared_bytes'])} left for KV -> "
+                             + ("fits" if share["fits_shared"] else "does NOT fit")))
+    split = ("fits" if share["fits_split"] else "does NOT fit") if share["split_per_gpu_bytes"] is not None else "n/a"
+    rows.append(("", f"a copy per worker: {_gb(share['per_gpu_per_worker_bytes'])} per GPU -> "
+                     + ("fits" if share["fits_per_worker"] else "does NOT fit")
+                     + f"; or split {share['split_gpus_per_worker']} + {share['split_gpus_per_worker']} GPUs "
+                     + (f"({_gb(share['split_per_gpu_bytes'])} per GPU) -> {split}"
+                        if share["split_per_gpu_bytes"] is not None else "-> n/a")))
     rows.append(("price", f"${cost['price_per_gpu_hour']:.2f}/GPU-hour ({cost['price_source']}) x "
                           f"{cost['gpus']} = ${cost['dollars_per_hour']:.2f}/hour"))
     if cost["throughput_tok_s"] is not None:

@@ -21,6 +21,7 @@ class CapacityPlan:
     scale: dict[str, Any]
     cost: dict[str, Any]
     fits: bool
+    sharing: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -82,4 +83,5 @@ def build_plan(request: PlanRequest, model_name: str, source: str, params_comput
         },
         cost=cost,
         fits=sequences_per_replica >= 1,
+        sharing=capacity.node_weight_copies(request),
     )

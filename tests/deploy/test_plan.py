@@ -224,3 +224,14 @@ def test_malformed_config_json_is_one_line_exit_2(capsys, tmp_path, content, wor
     line = _error_line(capsys, ["--model", str(path)])
     for word in words:
         assert word in line
+
+
+def test_k3_on_one_node_needs_the_shared_weight_copy(capsys):
+    """On 8x MI355X, K3 fits only with prefill and decode mapping one shared copy: a copy per worker (two
+    per GPU, or the node split 4 + 4) does not fit; the shared copy leaves the rest of each GPU for KV."""
+    plan = plan_json(capsys, "--model", "kimi-k3", "--gpu", "MI355X", "--gpus", "8")
+    sharing = plan["sharing"]
+    assert sharing["fits_shared"] and not sharing["fits_per_worker"] and not sharing["fits_split"]
+    assert sharing["per_gpu_per_worker_bytes"] == 2 * sharing["per_gpu_shared_bytes"]
+    assert sharing["per_gpu_shared_bytes"] == plan["weights"]["per_gpu_bytes"]
+    assert sharing["kv_budget_shared_bytes"] == plan["kv"]["budget_bytes_per_gpu"]

@@ -1,0 +1,108 @@
+"""The node's shared weight store: one copy mapped by every worker, nothing left behind in /dev/shm."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from engine import weight_store
+from engine.weight_store import PREFIX, SHM_DIR, WeightKey, load_shared, remove_stale_segments
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.empty(8), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(self.embed(ids)) * self.scale)
+
+
+def _loaded() -> Tiny:
+    torch.manual_seed(0)
+    model = Tiny()
+    model.scale.copy_(torch.linspace(0.5, 1.5, 8))
+    return model.eval().requires_grad_(False)
+
+
+def _empty() -> Tiny:
+    with torch.device("meta"):
+        return Tiny()
+
+
+@pytest.fixture
+def key(tmp_path) -> WeightKey:
+    (tmp_path / "config.json").write_text("{}")
+    yield WeightKey(str(tmp_path), "float32", "cpu", 1, 0)
+    weight_store._unlink(WeightKey(str(tmp_path), "float32", "cpu", 1, 0).segment_name)
+
+
+def _segment_exists(key: WeightKey) -> bool:
+    return os.path.exists(os.path.join(SHM_DIR, key.segment_name))
+
+
+def test_second_loader_maps_the_first_ones_bytes(key):
+    """The first load publishes; a second load of the same key builds without loading and maps the same memory:
+    outputs are identical and the parameters of both point into one mapping."""
+    reference = _loaded()
+    first, shared_first = load_shared(key, _loaded, _empty)
+    loads = []
+    second, shared_second = load_shared(key, lambda: loads.append(1) or _loaded(), _empty)
+    assert loads == [], "the second worker must not read the checkpoint"
+    assert shared_first.owner and not shared_second.owner
+    ids = torch.tensor([1, 5, 7])
+    assert torch.equal(first(ids), reference(ids)) and torch.equal(second(ids), reference(ids))
+    assert second.head.weight.data_ptr() == second.embed.weight.data_ptr(), "tied weights stay tied"
+    base = shared_first._bytes.data_ptr()
+    assert base <= first.proj.weight.data_ptr() < base + shared_first._bytes.numel()
+    shared_second.close()
+    assert _segment_exists(key), "a mapper that is not the owner leaves the name while the owner lives"
+    shared_first.close()
+    assert not _segment_exists(key)
+    assert torch.equal(second(ids), reference(ids)), "the mapping outlives the name"
+
+
+def test_a_segment_whose_loader_died_is_reclaimed(key):
+    """A segment left LOADING by a dead process is removed and loaded again by the next worker."""
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from engine import weight_store
+        fd = weight_store._claim({key.segment_name!r})
+        print(fd is not None)
+    """)], capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "True" and _segment_exists(key)
+    model, shared = load_shared(key, _loaded, _empty, timeout_s=60)
+    assert shared.owner
+    assert torch.equal(model.scale, _loaded().scale)
+    shared.close()
+
+
+def test_stale_segments_are_removed_and_live_ones_kept(key):
+    """remove_stale_segments drops segments of dead owners only."""
+    model, shared = load_shared(key, _loaded, _empty)
+    assert key.segment_name not in remove_stale_segments()
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os
+        from engine import weight_store
+        fd = weight_store._claim("{PREFIX}stale-test")
+        weight_store._write_header(fd, weight_store.READY)
+    """)], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    assert f"{PREFIX}stale-test" in remove_stale_segments()
+    assert _segment_exists(key)
+    shared.close()
+
+
+def test_a_model_that_does_not_match_the_segment_is_refused(key):
+    """Binding a segment to a model with other tensor names is a ValueError naming them."""
+    load_shared(key, _loaded, _empty)
+    with pytest.raises(ValueError, match="does not match"):
+        load_shared(key, _loaded, lambda: nn.Linear(2, 2, device="meta"))
