@@ -7,7 +7,6 @@ it shuts down gracefully, then SIGKILL to whatever is left in its group, then st
 segments of dead owners are removed."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
@@ -21,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from pdserve.process_groups import die_with_parent, kill_group
+
 logger = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 INTERNAL_MODES = ("uds", "tcp")
 
 
@@ -75,14 +75,6 @@ class Child:
         return self.process.poll() is None
 
 
-def _die_with_parent() -> None:
-    """preexec: the child gets SIGTERM if the launcher dies (Linux), so nothing is orphaned."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 @dataclass
 class Cluster:
     spec: ClusterSpec
@@ -124,12 +116,12 @@ class Cluster:
     @staticmethod
     def _popen(command: list[str], output: IO[bytes] | None) -> subprocess.Popen[bytes]:
         return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
 
     def respawn(self, child: Child) -> None:
         """Starts a dead child again on the address it had (the gateway and the other workers keep
         theirs): what is left of its process group is killed, its socket and ready file removed."""
-        self._kill_group(child)
+        kill_group(child.process, child.role)
         command = list(child.command)
         if child.address and "--listen" in command:
             command[command.index("--listen") + 1] = child.address
@@ -227,7 +219,7 @@ class Cluster:
                     child.process.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     logger.warning("%s did not stop within %.0f s; killing it", child.role, timeout_s)
-            self._kill_group(child)
+            kill_group(child.process, child.role)
         self.children.clear()
         for handle in self._logs:
             handle.close()
@@ -242,39 +234,3 @@ class Cluster:
             path.unlink(missing_ok=True)
         if self._run_dir.exists():
             self._run_dir.rmdir()
-
-    @staticmethod
-    def _kill_group(child: Child, timeout_s: float = 10.0) -> None:
-        """SIGKILL to the child's process group (the leader's pid is its group id), then wait until no
-        member is left running (killing is asynchronous; orphaned followers are reaped by init)."""
-        try:
-            os.killpg(child.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            child.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.error("%s (pid %d) survived SIGKILL", child.role, child.process.pid)
-        deadline = time.monotonic() + timeout_s
-        while _running_members(child.process.pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-
-def _running_members(pgid: int) -> list[int]:
-    """Pids of the group's processes that are not zombies (Linux /proc; empty elsewhere)."""
-    members = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return members
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry))
-    return members
