@@ -98,8 +98,11 @@ def main() -> None:
     try:
         credentials = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(cert.read_bytes()),
                                                          grpc.access_token_call_credentials(API_KEY))
-        plain = Runner(grpc.aio.insecure_channel(plain_address), loop)
-        secure = Runner(grpc.aio.secure_channel(tls_address, credentials), loop)
+        async def channels() -> tuple[grpc.aio.Channel, grpc.aio.Channel]:  # bound to this loop
+            return grpc.aio.insecure_channel(plain_address), grpc.aio.secure_channel(tls_address, credentials)
+
+        plain_channel, secure_channel = loop.run_until_complete(channels())
+        plain, secure = Runner(plain_channel, loop), Runner(secure_channel, loop)
         prompts, source = make_prompts(args.model, args.requests, args.input_len, args.seed, 320)
         print(f"gateways: plaintext {plain_address}, TLS + key {tls_address}; prompts: {source}, "
               f"{args.input_len} in / {args.output_len} out, {args.requests} requests at concurrency {args.concurrency}\n")
