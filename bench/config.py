@@ -7,6 +7,8 @@ from pathlib import Path
 
 from bench.slo import SLO
 
+BACKENDS = ("pdserve", "openai")
+
 
 @dataclass(frozen=True)
 class SamplingOptions:
@@ -50,6 +52,8 @@ class BenchConfig:
     request_rate). ignore_eos None = on for random prompts, off for a dataset."""
 
     gateway: str
+    backend: str = "pdserve"  # pdserve: the gRPC API at gateway; openai: the HTTP API at base_url
+    base_url: str = "http://127.0.0.1:8000/v1"
     num_prompts: int = 1000
     input_len: int = 1024
     output_len: int = 400
@@ -72,6 +76,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         checks = (
             (bool(self.gateway.strip()), "--gateway must be host:port"),
+            (self.backend in BACKENDS, f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"),
+            (self.base_url.startswith(("http://", "https://")), f"--base-url must be an http(s) URL, got {self.base_url!r}"),
             (self.num_prompts > 0, f"--num-prompts must be positive, got {self.num_prompts}"),
             (self.input_len > 0, f"--input-len must be positive, got {self.input_len}"),
             (self.output_len > 0, f"--output-len must be positive, got {self.output_len}"),

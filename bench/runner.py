@@ -5,14 +5,18 @@ import datetime
 import logging
 import sys
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, TextIO
 
+import aiohttp
 import grpc
 
 from bench.client import GatewayClient, ModelSummary, SamplingOptions
 from bench.config import BenchConfig
 from bench.load import LoadPlan, run_load
 from bench.metrics import compute_metrics
+from bench.openai_client import OpenAIClient
 from bench.plot import plot_sweep
 from bench.progress import ProgressBar
 from bench.report import append_jsonl, format_summary
@@ -28,6 +32,8 @@ class BenchError(RuntimeError):
 def build_workload(config: BenchConfig, info: ModelSummary) -> list[BenchRequest]:
     if config.dataset is not None:
         return dataset_requests(config.dataset, config.num_prompts, config.output_len, config.effective_ignore_eos)
+    if info.vocab_size <= 0:
+        raise WorkloadError("the server did not report its vocabulary size (needed for random token prompts); use --dataset")
     if info.max_context and config.input_len + config.output_len > info.max_context:
         raise WorkloadError(
             f"--input-len {config.input_len} + --output-len {config.output_len} exceeds the model's "
@@ -44,9 +50,9 @@ def run_settings(config: BenchConfig, sampling: SamplingOptions, info: ModelSumm
     """The JSON line's description of the run (sglang/vllm names where they have one)."""
     random = config.dataset is None
     return {
-        "backend": "pdserve",
+        "backend": config.backend,
         "model": info.model,
-        "gateway": config.gateway,
+        "gateway": config.base_url if config.backend == "openai" else config.gateway,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "dataset_name": config.dataset_name,
         "dataset_path": None if random else str(config.dataset),
@@ -68,7 +74,19 @@ def run_settings(config: BenchConfig, sampling: SamplingOptions, info: ModelSumm
     }
 
 
-async def warm_up(client: GatewayClient, requests: list[BenchRequest], count: int, concurrency: int | None) -> None:
+@asynccontextmanager
+async def open_client(config: BenchConfig, sampling: SamplingOptions) -> AsyncIterator[tuple[Any, str]]:
+    """(client, its address): GatewayClient over one gRPC channel, or OpenAIClient over one HTTP session
+    (no connection limit, so --max-concurrency is the only cap)."""
+    if config.backend == "openai":
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            yield OpenAIClient(session, config.base_url, sampling), config.base_url
+    else:
+        async with grpc.aio.insecure_channel(config.gateway) as channel:
+            yield GatewayClient(channel, sampling), config.gateway
+
+
+async def warm_up(client: GatewayClient | OpenAIClient, requests: list[BenchRequest], count: int, concurrency: int | None) -> None:
     if count == 0:
         return
     batch = [requests[index % len(requests)] for index in range(count)]
@@ -82,9 +100,8 @@ async def run_benchmark(config: BenchConfig, sampling: SamplingOptions, stdout: 
     """Returns one result dict per concurrency (the JSON lines). Raises GatewayUnreachable,
     WorkloadError or BenchError with one-line messages. The summaries go to stdout (default sys.stdout)."""
     stdout = stdout if stdout is not None else sys.stdout
-    async with grpc.aio.insecure_channel(config.gateway) as channel:
-        client = GatewayClient(channel, sampling)
-        info = await client.model_info(config.gateway, config.connect_timeout_s)
+    async with open_client(config, sampling) as (client, address):
+        info = await client.model_info(address, config.connect_timeout_s)
         requests = build_workload(config, info)
         settings = run_settings(config, sampling, info)
         await warm_up(client, requests, config.warmup_requests, config.concurrencies[0])

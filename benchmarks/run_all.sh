@@ -7,7 +7,7 @@
 #   --quick    fewer repetitions and shorter runs (a smoke check of the scripts, not numbers to publish)
 #   --model    model directory for the engine/spec/gateway benchmarks (default: models/pdserve-tiny)
 #   --threads  torch threads per process (default 2, this machine's core count)
-#   --only     a subset of: engine spec gateway attention kvtransfer
+#   --only     a subset of: engine spec gateway http attention kvtransfer
 # Environment: PYTHON (default .venv/bin/python), RESULTS_DIR (default benchmarks/results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ OUT=${RESULTS_DIR:-benchmarks/results}
 QUICK=()
 MODEL=()
 THREADS=2
-ONLY="engine spec gateway attention kvtransfer"
+ONLY="engine spec gateway http attention kvtransfer"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --quick) QUICK=(--quick); shift ;;
@@ -49,6 +49,7 @@ for name in $ONLY; do
     engine) run engine "$PY" -m benchmarks.bench_engine "${MODEL[@]}" --threads "$THREADS" "${QUICK[@]}" ;;
     spec) run spec "$PY" -m benchmarks.bench_spec "${MODEL[@]}" --threads "$THREADS" "${QUICK[@]}" ;;
     gateway) run gateway "$PY" -m benchmarks.bench_gateway "${MODEL[@]}" --threads "$THREADS" "${QUICK[@]}" ;;
+    http) run http "$PY" -m benchmarks.bench_http "${MODEL[@]}" --threads "$THREADS" "${QUICK[@]}" ;;
     attention)
       if [[ ${#QUICK[@]} -gt 0 ]]; then repeat=1; else repeat=3; fi
       run attention "$PY" benchmarks/bench_attention.py --threads "$THREADS" --repeat "$repeat"

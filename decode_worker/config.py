@@ -14,6 +14,7 @@ class DecodeWorkerConfig:
 
     model_dir: str
     listen: str = "127.0.0.1:0"
+    metrics_listen: str = ""  # Prometheus GET /metrics ("": none; port 0 picks one)
     tp_size: int = 1
     draft_model_dir: str | None = None
     attention_backend: str = "auto"
@@ -35,6 +36,8 @@ class DecodeWorkerConfig:
     def __post_init__(self) -> None:
         if not self.listen or ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        if self.metrics_listen and ":" not in self.metrics_listen:
+            raise ValueError(f"metrics_listen must be host:port, got {self.metrics_listen!r}")
         for name in ("lease_ttl_s", "lease_sweep_interval_s", "admit_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -16,8 +16,10 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.grpc_servicer import KVTransferAioServicer
 from kvtransfer.shm_pool import SharedPagePool, cleanup_stale_segments
 from kvtransfer.shm_receiver import ShmReceiver
+from decode_worker.metrics import decode_registry
 from rpc import server
 from rpc.interceptors import server_interceptors
+from rpc.metrics_http import serve_metrics
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -59,13 +61,17 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(service), grpc_server)
         kv_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferAioServicer(push), grpc_server)
 
+    endpoints, stop_metrics = serve_metrics(config.metrics_listen, decode_registry(service))
+
     async def on_stop() -> None:
+        stop_metrics()
         await service.stop()
         receivers.close()
 
     logger.info("decode worker: tp=%d, %d pages", config.tp_size, service.load.total_pages)
     await server.serve(
         "decode worker", config.listen, SERVICE_NAMES, register, on_stop, stop=stop, ready_file=ready_file,
+        endpoints=endpoints,
         on_bound=lambda address: push.advertise([config.advertise_address or address] * len(receivers.pools)),
         interceptors=server_interceptors(config.internal_token),
     )

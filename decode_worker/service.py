@@ -78,6 +78,7 @@ class DecodeService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reservations = 0
         self._reserving: dict[str, bool] = {}  # request id -> abandoned (cancelled / released meanwhile)
+        self.lease_expiries = 0
         self.engine: Any = None
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -289,12 +290,15 @@ class DecodeService:
                 update = merge_outputs(items, skip_first)
                 skip_first = skip_first and not any(output.new_token_ids for output in items)
                 entry.done = update.finished
+                if update.finished:  # logged before the last chunk leaves, so the line precedes the reply
+                    logger.info("decode finished (%s)", update.finish_reason)
                 yield update
                 if update.finished:
                     return
         finally:
             self._entries.pop(request_id, None)
             if not entry.done:  # the caller went away (cancel / release): stop generating, free the pages
+                logger.info("decode stream of %s ended early; aborting it", request_id)
                 self._engine.post(lambda engine: self._abort(engine, request_id))
 
     def _abort(self, engine: Any, request_id: str) -> None:
@@ -331,6 +335,7 @@ class DecodeService:
         while True:
             await asyncio.sleep(self.config.lease_sweep_interval_s)
             for lease in self._leases.expire():
+                self.lease_expiries += 1
                 entry = self._entries.get(lease.request_id)
                 logger.warning("lease of request %s expired unclaimed; freeing %d pages", lease.request_id, len(lease.page_ids))
                 if entry is not None and entry.lease.lease_id == lease.lease_id:

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_worker.service import DecodeService
-from kvtransfer.destination import TransportKind
 from engine.sampling_params import SamplingParams
+from kvtransfer.destination import TransportKind
 from rpc.convert import logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, streaming, unary
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc

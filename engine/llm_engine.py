@@ -56,6 +56,7 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator)
         self.acceptance_stats = AcceptanceStats()
+        self.num_preemptions = 0  # running sequences preempted for lack of pages, since start
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self.eos_ids = set(self.model_config.eos_token_id)
@@ -171,9 +172,12 @@ class LLMEngine:
     # --- the step ---------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         scheduled = self.scheduler.schedule()
+        preempted = list(scheduled.preempted)
         if scheduled.is_empty and scheduled.preempted:
             scheduled = self.scheduler.schedule()  # preemption freed pages: plan again
-        for seq in scheduled.preempted:
+            preempted += scheduled.preempted
+        self.num_preemptions += len(preempted)
+        for seq in preempted:
             logger.info("preempted %s (out of KV pages); it will be recomputed", seq.request_id)
         if scheduled.prefill:
             self._run_prefill(scheduled.prefill)

@@ -11,7 +11,8 @@ TRANSPORTS = ("shm", "grpc")
 class GatewayConfig:
     """prefill / decode: worker addresses (host:port). transport: how prefill hands KV to decode
     ("shm" needs both on one host). admission_timeout_s: how long a request waits for a decode worker
-    with room (Reserve answers RESOURCE_EXHAUSTED) before it fails with RESOURCE_EXHAUSTED.
+    with room (Reserve answers RESOURCE_EXHAUSTED) before it fails with RESOURCE_EXHAUSTED (HTTP 429).
+    http_listen: where the HTTP front (OpenAI API, /health, /metrics) listens; port 0 picks one.
     max_request_bytes: the largest request message (and prompt text) accepted, checked before parsing /
     tokenising; tokenize_inline_chars / tokenize_processes: texts longer than this are tokenised in that
     many spawned processes, off the event loop (0 processes: inline). internal_token: sent to the
@@ -22,6 +23,7 @@ class GatewayConfig:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     listen: str = "127.0.0.1:50051"
+    http_listen: str = ""  # OpenAI-compatible HTTP, /health and /metrics ("": none)
     transport: str = "shm"
     default_max_tokens: int = 256
     load_poll_interval_s: float = 0.2
@@ -41,7 +43,7 @@ class GatewayConfig:
         object.__setattr__(self, "decode", tuple(self.decode))
         if not self.prefill or not self.decode:
             raise ValueError("the gateway needs at least one prefill and one decode worker")
-        for address in (*self.prefill, *self.decode, self.listen):
+        for address in (*self.prefill, *self.decode, self.listen, *([self.http_listen] if self.http_listen else [])):
             if ":" not in address:
                 raise ValueError(f"worker and listen addresses must be host:port, got {address!r}")
         if self.transport not in TRANSPORTS:

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -23,8 +23,9 @@ from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
 from rpc.convert import sampling_to_proto
-from rpc.status import Unavailable, status_of
 from rpc.internal.v1 import worker_pb2
+from rpc.logging_setup import bind_request_id, request_metadata
+from rpc.status import Unavailable, status_of
 from rpc.v1 import logprobs_pb2
 
 logger = logging.getLogger(__name__)
@@ -55,15 +56,29 @@ class ErrorEvent:
     status: grpc.Status
 
 
+class RunObserver(Protocol):
+    """What a run reports as it goes (gateway.metrics.GatewayMetrics); times in seconds."""
+
+    def admitted(self, queue_s: float, prompt_tokens: int) -> None: ...
+    def first_token(self, ttft_s: float) -> None: ...
+    def tokens(self, count: int, gap_s: float | None) -> None: ...
+    def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None: ...
+
+
 class RequestRun:
     """Runs one GenerateJob. events: an asyncio.Queue the servicer drains until a Finish/Error event."""
 
     def __init__(self, job: GenerateJob, pool: WorkerPool, tokenizer: TextTokenizer | None,
-                 arrival: float, deadline: float | None, cleanup_timeout_s: float) -> None:
+                 arrival: float, deadline: float | None, cleanup_timeout_s: float,
+                 observer: RunObserver | None = None) -> None:
         self.job = job
         # The id the workers know this run by: unique per run, so a client may reuse its request_id as
         # soon as the Complete is sent while this run's cleanup still talks to the workers.
         self.worker_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
+        self._metadata = request_metadata(job.request_id) + pool.metadata  # x-request-id (+ internal token)
+        self._observer = observer
+        self._last_token_at: float | None = None
+        self.admitted = False  # a decode worker reserved its pages
         self._pool = pool
         self._arrival = arrival
         self._deadline = deadline
@@ -99,6 +114,7 @@ class RequestRun:
 
     # --- the request path ---------------------------------------------------------------------------
     async def _produce(self) -> None:
+        bind_request_id(self.job.request_id)  # this task's log lines name the request
         try:
             await self._run()
         except asyncio.CancelledError:
@@ -108,6 +124,7 @@ class RequestRun:
             if status.code == grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed", self.job.request_id)
             self.finished = True
+            self._observe_end()
             self.events.put_nowait(ErrorEvent(status))
         finally:
             try:
@@ -120,9 +137,12 @@ class RequestRun:
         if not self._pool.polled.is_set():
             await asyncio.wait_for(self._pool.polled.wait(), remaining(self._deadline))
         self._decode, destination = await self._pool.reserve(
-            self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline)
+            self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=job.request_id)
         self._decode_state = "reserved"
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
+        self.admitted = True
+        if self._observer is not None:
+            self._observer.admitted(time.perf_counter() - self._arrival, len(job.prompt_ids))
         sampling = sampling_to_proto(params)
         response = await self._run_prefill(destination, sampling)
         self._ttft_ms = (time.perf_counter() - self._arrival) * 1000
@@ -135,8 +155,7 @@ class RequestRun:
             return
         request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling)
-        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline),
-                                                     metadata=self._pool.metadata)
+        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
         self._decode_state = "streaming"
         async for chunk in self._decode_call:
             self._decode_steps += chunk.decode_steps
@@ -175,7 +194,7 @@ class RequestRun:
             self._prefill_call = worker.stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
                                           sampling=sampling, destination=destination),
-                timeout=remaining(self._deadline), metadata=self._pool.metadata)
+                timeout=remaining(self._deadline), metadata=self._metadata)
             response = await self._prefill_call
         except grpc.aio.AioRpcError as error:
             self._prefill_state = "failed"
@@ -192,6 +211,12 @@ class RequestRun:
     def _emit(self, token_ids: list[int], logprobs: list[Any]) -> bool:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
+        if self._observer is not None:
+            now = time.perf_counter()
+            if self._last_token_at is None:
+                self._observer.first_token(now - self._arrival)
+            self._observer.tokens(len(token_ids), None if self._last_token_at is None else now - self._last_token_at)
+            self._last_token_at = now
         text = self._detok.add(token_ids) if self._detok is not None else ""
         check = self._stops.feed(text)
         self.events.put_nowait(TokensEvent(token_ids, check.text, logprobs))
@@ -209,9 +234,16 @@ class RequestRun:
             if text:
                 self.events.put_nowait(TokensEvent([], text))
         self.finished = True
+        self._observe_end()
+        logger.info("finished (%s): %d prompt + %d generated tokens, TTFT %.1f ms", reason, len(self.job.prompt_ids),
+                    self._completion_tokens, self._ttft_ms)
         self.events.put_nowait(FinishEvent(
             reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
             self._decode_tokens, stop))
+
+    def _observe_end(self) -> None:
+        if self._observer is not None:
+            self._observer.finished(time.perf_counter() - self._arrival, self._decode_steps, self._decode_tokens)
 
     # --- cleanup ------------------------------------------------------------------------------------
     def _cleanup_budget(self) -> float:
@@ -227,7 +259,7 @@ class RequestRun:
                 self._prefill_call.cancel()
             try:
                 await self._prefill.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                                timeout=self._cleanup_budget(), metadata=self._pool.metadata)
+                                                timeout=self._cleanup_budget(), metadata=self._metadata)
             except grpc.aio.AioRpcError as error:
                 logger.warning("could not confirm prefill of %s stopped (%s); its lease will expire",
                                request_id, error.code().name)
@@ -237,5 +269,5 @@ class RequestRun:
             self._decode_call.cancel()
         if self._decode_state in ("reserved", "streaming") and self._decode is not None:
             await self._decode.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id),
-                                            timeout=self._cleanup_timeout, metadata=self._pool.metadata)
+                                            timeout=self._cleanup_timeout, metadata=self._metadata)
             self._decode_state = "finished"

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from pathlib import Path
 
 import grpc
+from aiohttp import web
 from grpc_health.v1._async import HealthServicer
 
 from gateway.config import GatewayConfig
+from gateway.http_server import HttpFront, start_http
 from gateway.model_info import ModelFacts
+from gateway.openai_api.chat_template import ChatTemplate
 from gateway.service import GatewayService
 from gateway.servicer import SERVICE_NAME, GatewayServicer, add_gateway_to_server
 from gateway.tokenize_pool import TokenizePool, TokenizePoolConfig
@@ -27,6 +31,15 @@ def _credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
     if config.tls_cert is None or config.tls_key is None:
         return None
     return grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+
+
+def _ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
+    """The HTTP front's TLS, from the same certificate and key as the gRPC port."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    return context
 
 
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_file: str | None = None) -> None:
@@ -57,14 +70,25 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
     def register(grpc_server: grpc.aio.Server) -> None:
         add_gateway_to_server(GatewayServicer(service), grpc_server)
 
+    endpoints: dict[str, str] = {}
+    runners: list[web.BaseRunner] = []
+
     async def on_started(health: HealthServicer, address: str) -> None:
         healths.append(health)
         pool.start()
         logger.info("gateway on %s (%s, %s): model %s, %d prefill, %d decode worker(s), %s transport",
                     address, "TLS" if config.tls_cert else "plaintext", "API keys" if config.api_keys else "no auth",
                     facts.name, len(config.prefill), len(config.decode), config.transport)
+        if config.http_listen:  # the OpenAI API, /health and /metrics, on this same event loop
+            front = HttpFront(service, ChatTemplate.from_model_dir(config.model_dir), lambda: pool.healthy,
+                              api_keys=config.api_keys)
+            runner, endpoints["http"] = await start_http(front, config.http_listen, config.max_request_bytes,
+                                                         _ssl_context(config))
+            runners.append(runner)
 
     async def on_stop() -> None:
+        for runner in runners:
+            await runner.cleanup()
         await service.shutdown(config.cleanup_timeout_s)
         await pool.close()
         if tokenize is not None:
@@ -74,4 +98,4 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None, ready_
                        ready_file=ready_file, on_started=on_started, serving_when_started=False,
                        interceptors=server_interceptors(*config.api_keys, exempt=HEALTH_EXEMPT),
                        options=[("grpc.max_receive_message_length", config.max_request_bytes)],  # refused before parsing
-                       credentials=_credentials(config))
+                       credentials=_credentials(config), endpoints=endpoints)

@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
 from gateway.model_info import ModelFacts
 from gateway.orchestrator import RequestRun
 from gateway.requests import parse_generate_request, text_to_tokenize
@@ -19,13 +20,16 @@ logger = logging.getLogger(__name__)
 
 class GatewayService:
     def __init__(self, config: GatewayConfig, facts: ModelFacts, tokenizer: TextTokenizer | None, pool: WorkerPool,
-                 tokenize: TokenizePool | None = None) -> None:
+                 tokenize: TokenizePool | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self._tokenize = tokenize
         self.facts = facts
         self.tokenizer = tokenizer
         self.pool = pool
         self._runs: dict[str, RequestRun] = {}
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
+        self.metrics.track(running=lambda: sum(run.admitted and not run.finished for run in self._runs.values()),
+                           waiting=lambda: sum(not (run.admitted or run.finished) for run in self._runs.values()))
 
     async def submit(self, request: gateway_pb2.GenerateRequest, both_inputs: bool, arrival: float,
                      deadline: float | None) -> RequestRun:
@@ -37,7 +41,7 @@ class GatewayService:
         job = parse_generate_request(request, self.facts, self.tokenizer, self.config.default_max_tokens, both_inputs,
                                      text_ids)
         self._check_free(job.request_id)
-        run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s)
+        run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s, self.metrics)
         self._runs[job.request_id] = run
         run.start()
         assert run.task is not None

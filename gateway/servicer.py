@@ -12,7 +12,8 @@ import grpc
 from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
-from rpc.status import InvalidArgument, abort, streaming, unary
+from rpc.logging_setup import REQUEST_ID_KEY
+from rpc.status import InvalidArgument, abort, status_for, streaming, unary
 from rpc.v1 import gateway_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -39,7 +40,15 @@ class GatewayServicer:
         arrival = time.perf_counter()
         left = context.time_remaining()
         deadline = None if left is None else time.monotonic() + left
-        run = await self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
+        outcome = ["error", grpc.StatusCode.CANCELLED.name]  # (final status, code) for the metrics
+        if not wire.message.request_id:  # x-request-id metadata names the request when the message does not
+            wire.message.request_id = next((value for key, value in context.invocation_metadata() or ()
+                                            if key == REQUEST_ID_KEY), "")
+        try:
+            run = await self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
+        except Exception as error:
+            self._service.metrics.count("grpc", "error", status_for(error)[0].name)
+            raise
         context.add_done_callback(lambda _: run.cancel())  # client gone: abort on every worker
         request_id = run.job.request_id
         try:
@@ -49,14 +58,19 @@ class GatewayServicer:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(
                         token_ids=event.token_ids, text=event.text, logprobs=event.logprobs))
                 elif isinstance(event, FinishEvent):
+                    outcome = [event.reason, grpc.StatusCode.OK.name]
                     yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete_message(event))
                     return
                 elif isinstance(event, ErrorEvent):
                     status = event.status
+                    outcome = ["error", status.code.name]
                     yield gateway_pb2.GenerateResponse(request_id=request_id, error=gateway_pb2.Error(
                         code=status.code.value[0], message=status.details))
                     await abort(context, status)
         finally:
+            if outcome[1] == grpc.StatusCode.CANCELLED.name:
+                outcome[0] = "abort"
+            self._service.metrics.count("grpc", *outcome)
             run.cancel()
 
     @unary

@@ -13,10 +13,11 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
-from rpc.status import ResourceExhausted, Unavailable
-from rpc.server import CHANNEL_OPTIONS
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from rpc.interceptors import token_metadata
+from rpc.logging_setup import request_metadata
+from rpc.server import CHANNEL_OPTIONS
+from rpc.status import ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
 TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}
@@ -133,7 +134,12 @@ class WorkerPool:
             raise Unavailable("no reachable prefill worker")
         return self.prefill[order[0]]
 
-    async def _undo_reserve(self, worker: DecodeWorker, call: asyncio.Future[Any], request_id: str) -> None:
+    def _metadata_for(self, trace_id: str) -> tuple[tuple[str, str], ...]:
+        """x-request-id (names the request in the worker's log) and the internal token, if any."""
+        return request_metadata(trace_id) + self.metadata
+
+    async def _undo_reserve(self, worker: DecodeWorker, call: asyncio.Future[Any], request_id: str,
+                            trace_id: str) -> None:
         """The request was cancelled while its Reserve was in flight: let the call finish (a Release sent
         before it lands would miss it), then release what it reserved."""
         try:
@@ -143,21 +149,23 @@ class WorkerPool:
                 return  # refused: nothing reserved
         except asyncio.TimeoutError:
             pass
-        await self._release(worker, request_id)
+        await self._release(worker, request_id, trace_id)
 
-    async def _release(self, worker: DecodeWorker, request_id: str) -> None:
+    async def _release(self, worker: DecodeWorker, request_id: str, trace_id: str) -> None:
         """Release of a reservation whose outcome is unknown to us (the worker also frees a Reserve it
         is still allocating, and one whose answer it could not deliver)."""
         try:
             await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s,
-                                     metadata=self.metadata)
+                                     metadata=self._metadata_for(trace_id))
         except grpc.aio.AioRpcError as error:
             logger.warning("could not release the reservation of request %s: %s", request_id, error.code().name)
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
-                      deadline: float | None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
+                      deadline: float | None, trace_id: str | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
         """Reserve on the best decode worker; on RESOURCE_EXHAUSTED tries the others, then waits and retries
-        until the admission timeout (or the request's deadline)."""
+        until the admission timeout (or the request's deadline). trace_id: the x-request-id to send
+        (default: request_id)."""
+        trace_id = trace_id or request_id
         request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
                                             max_new_tokens=max_new_tokens, transport=TRANSPORT_VALUES[self.config.transport])
         give_up = time.monotonic() + self.config.admission_timeout_s
@@ -170,11 +178,12 @@ class WorkerPool:
                 raise Unavailable("no reachable decode worker")
             for index in order:
                 worker = self.decode[index]
-                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline), metadata=self.metadata))
+                call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
+                                                                  metadata=self._metadata_for(trace_id)))
                 try:
                     destination = (await asyncio.shield(call)).destination
                 except asyncio.CancelledError:
-                    await self._undo_reserve(worker, call, request_id)
+                    await self._undo_reserve(worker, call, request_id, trace_id)
                     raise
                 except grpc.aio.AioRpcError as error:
                     if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -185,7 +194,7 @@ class WorkerPool:
                         self.mark_unreachable(worker.state, error)
                         continue
                     if error.code() in _UNKNOWN_OUTCOME:  # it may have reserved just as the deadline fired
-                        await self._release(worker, request_id)
+                        await self._release(worker, request_id, trace_id)
                     raise
                 worker.state.free_pages = max(0, worker.state.free_pages - len(destination.page_ids))
                 worker.state.running += 1

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from pdserve.process_groups import die_with_parent, kill_group
+from rpc.server import read_ready_file
 
 logger = logging.getLogger(__name__)
 INTERNAL_MODES = ("uds", "tcp")
@@ -34,6 +35,8 @@ class ClusterSpec:
     prefill_tp: int = 1
     decode_tp: int = 1
     listen: str = "127.0.0.1:50051"
+    http_listen: str = "127.0.0.1:0"  # the gateway's HTTP front (OpenAI API, /health, /metrics); "": none
+    worker_metrics: bool = True        # workers serve /metrics on a port of their own (port 0)
     attention_backend: str = "auto"
     transport: str = "shm"
     draft_model: str | None = None  # None: the model's draft/ folder if present; "": none
@@ -69,6 +72,7 @@ class Child:
     address: str = ""
     command: list[str] = field(default_factory=list)  # how it was started (a restart runs it again)
     output: IO[bytes] | None = None
+    endpoints: dict[str, str] = field(default_factory=dict)  # other served addresses: http, metrics
 
     @property
     def alive(self) -> bool:
@@ -123,10 +127,13 @@ class Cluster:
         theirs): what is left of its process group is killed, its socket and ready file removed."""
         kill_group(child.process, child.role)
         command = list(child.command)
-        if child.address and "--listen" in command:
-            command[command.index("--listen") + 1] = child.address
-            if child.address.startswith("unix:"):
-                Path(child.address[len("unix:"):]).unlink(missing_ok=True)
+        pinned = {"--listen": child.address, "--http-listen": child.endpoints.get("http"),
+                  "--metrics-listen": child.endpoints.get("metrics")}
+        for flag, address in pinned.items():  # port 0 picked these once: keep them
+            if address and flag in command:
+                command[command.index(flag) + 1] = address
+        if child.address.startswith("unix:"):
+            Path(child.address[len("unix:"):]).unlink(missing_ok=True)
         child.ready_file.unlink(missing_ok=True)
         child.process = self._popen(command, child.output)
         logger.info("restarted %s (pid %d)", child.role, child.process.pid)
@@ -134,6 +141,8 @@ class Cluster:
     def _worker_args(self, name: str, tp: int, extra: tuple[str, ...]) -> list[str]:
         args = ["--listen", self._listen(name), *self._security_args(), "--model", self.spec.model_dir, "--tp-size", str(tp),
                 "--attention-backend", self.spec.attention_backend, *self.spec.worker_args, *extra]
+        if self.spec.worker_metrics:
+            args += ["--metrics-listen", "127.0.0.1:0"]
         if self.spec.draft_model is not None:
             args += ["--draft-model", self.spec.draft_model]
         return args
@@ -148,7 +157,7 @@ class Cluster:
             self._check_interrupted()
             for child in list(pending):
                 if child.ready_file.exists():
-                    child.address = child.ready_file.read_text().strip()
+                    child.address, child.endpoints = read_ready_file(str(child.ready_file))
                     pending.remove(child)
                 elif not child.alive:
                     raise RuntimeError(f"{child.role} exited with code {child.process.returncode} before it was ready")
@@ -168,7 +177,7 @@ class Cluster:
                        for i in range(self.spec.num_prefill)]
             self._wait_ready(decode + prefill, deadline)
             args = ["--listen", self.spec.listen, "--model", self.spec.model_dir, "--transport", self.spec.transport,
-                    *self._security_args(), *self._gateway_security_args()]
+                    "--http-listen", self.spec.http_listen, *self._security_args(), *self._gateway_security_args()]
             for child in prefill:
                 args += ["--prefill", child.address]
             for child in decode:
@@ -205,6 +214,18 @@ class Cluster:
                 raise RuntimeError(f"{dead[0].role} exited with code {dead[0].process.returncode}")
             time.sleep(0.1)
         raise TimeoutError(f"gateway at {self.gateway_address} not SERVING in time ({status})")
+
+    @property
+    def http_address(self) -> str:
+        """The gateway's HTTP host:port ("" when it serves none)."""
+        return next((c.endpoints.get("http", "") for c in self.children if c.role == "gateway"), "")
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """role (gateway, prefill-0, decode-0, ...) -> host:port serving GET /metrics."""
+        found = {c.role: c.endpoints["metrics"] for c in self.children if "metrics" in c.endpoints}
+        if self.http_address:
+            found["gateway"] = self.http_address
+        return found
 
     def dead_children(self) -> list[Child]:
         return [child for child in self.children if not child.alive]

@@ -15,6 +15,7 @@ class PrefillWorkerConfig:
 
     model_dir: str
     listen: str = "127.0.0.1:0"
+    metrics_listen: str = ""  # Prometheus GET /metrics ("": none; port 0 picks one)
     tp_size: int = 1
     draft_model_dir: str | None = None
     attention_backend: str = "auto"
@@ -31,6 +32,8 @@ class PrefillWorkerConfig:
     def __post_init__(self) -> None:
         if not self.listen or ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        if self.metrics_listen and ":" not in self.metrics_listen:
+            raise ValueError(f"metrics_listen must be host:port, got {self.metrics_listen!r}")
         if self.batch_tokens <= 0 or self.max_batched_tokens <= 0:
             raise ValueError("batch_tokens and max_batched_tokens must be positive")
 

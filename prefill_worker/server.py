@@ -9,6 +9,7 @@ from prefill_worker.service import PrefillService
 from prefill_worker.servicer import PrefillServicer
 from rpc import server
 from rpc.interceptors import server_interceptors
+from rpc.metrics_http import serve_metrics
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -20,8 +21,15 @@ async def serve(config: PrefillWorkerConfig, stop: asyncio.Event | None = None, 
     service = PrefillService(config)
     await service.start()
     logger.info("prefill worker: tp=%d", config.tp_size)
+    endpoints, stop_metrics = serve_metrics(config.metrics_listen, service.metrics.registry)
+
+    async def on_stop() -> None:
+        stop_metrics()
+        await service.stop()
+
     await server.serve(
         "prefill worker", config.listen, SERVICE_NAMES,
         lambda grpc_server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(service), grpc_server),
-        service.stop, stop=stop, ready_file=ready_file, interceptors=server_interceptors(config.internal_token),
+        on_stop, stop=stop, ready_file=ready_file, endpoints=endpoints,
+        interceptors=server_interceptors(config.internal_token),
     )

@@ -28,6 +28,7 @@ from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unava
 from rpc.interceptors import token_metadata
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages
+from prefill_worker.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,11 @@ class PrefillLoadSnapshot:
 
 
 class PrefillService:
-    def __init__(self, config: PrefillWorkerConfig, engine_factory: Callable[[], Any] | None = None) -> None:
+    def __init__(self, config: PrefillWorkerConfig, engine_factory: Callable[[], Any] | None = None,
+                 metrics: PrefillMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics if metrics is not None else PrefillMetrics()
+        self.metrics.track(lambda: self.load)
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._jobs: dict[str, _Job] = {}
@@ -159,14 +163,25 @@ class PrefillService:
             if job.cancelled:
                 raise asyncio.CancelledError()
             if job.destination.transport == TransportKind.SHM:
-                await asyncio.to_thread(finish_shm, self._shm, job.destination, self.config.tp_size)
+                num_bytes = await asyncio.to_thread(finish_shm, self._shm, job.destination, self.config.tp_size)
             else:
                 target, draft = computed.pages
-                await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft)
-            transfer_ms = (time.perf_counter() - started) * 1000
+                num_bytes = await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft)
+            transfer_s = time.perf_counter() - started
             result = computed.result
+            logger.info("prefilled %d tokens: queue %.1f ms, prefill %.1f ms, %s handoff of %d bytes in %.1f ms",
+                        len(job.prompt_ids), (job.started - job.arrival) * 1000, computed.prefill_ms,
+                        job.destination.transport.name.lower(), num_bytes, transfer_s * 1000)
+            self.metrics.prefilled(job.started - job.arrival, computed.prefill_ms / 1000,
+                                   job.destination.transport.name.lower(), num_bytes, transfer_s)
             return PrefillOutcome(result.first_token, result.first_logprobs, result.num_prompt_tokens,
-                                  (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_ms)
+                                  (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_s * 1000)
+        except asyncio.CancelledError:
+            self.metrics.prompts.labels("cancelled").inc()
+            raise
+        except Exception:
+            self.metrics.prompts.labels("error").inc()
+            raise
         finally:
             self._jobs.pop(job.request_id, None)
             job.finished.set()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import grpc
 
-from kvtransfer.destination import Destination
 from engine.sampling_params import SamplingParams
+from kvtransfer.destination import Destination
 from rpc.convert import logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, unary
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc

@@ -96,12 +96,21 @@ async def wait_for_stop_signal(stop: asyncio.Event | None = None) -> None:
             loop.remove_signal_handler(signum)
 
 
-def write_ready_file(path: str | None, address: str) -> None:
-    """Writes the served address to path (how a launcher learns a port-0 server's port)."""
+def write_ready_file(path: str | None, address: str, **extra: str) -> None:
+    """Writes the served address to path (how a launcher learns a port-0 server's port), then one
+    `name=address` line per other endpoint (e.g. http=..., metrics=...); empty ones are left out."""
     if path:
+        lines = [address] + [f"{name}={value}" for name, value in extra.items() if value]
         with open(path + ".tmp", "w") as handle:
-            handle.write(address + "\n")
+            handle.write("\n".join(lines) + "\n")
         os.replace(path + ".tmp", path)
+
+
+def read_ready_file(path: str) -> tuple[str, dict[str, str]]:
+    """(the served address, {name: address} of the other endpoints) from a ready file."""
+    first, *rest = open(path).read().split("\n")
+    extra = dict(line.split("=", 1) for line in rest if "=" in line)
+    return first.strip(), {name.strip(): value.strip() for name, value in extra.items()}
 
 
 async def serve(
@@ -119,14 +128,16 @@ async def serve(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     options: Sequence[tuple[str, object]] = (),
     credentials: grpc.ServerCredentials | None = None,
+    endpoints: dict[str, str] | None = None,
 ) -> None:
     """The body of every pdserve gRPC server: registers the services (`register`), health and reflection,
     binds `listen` (port 0 allowed), calls on_bound(address) before and on_started(health, address) after the
     server starts, publishes SERVING (unless serving_when_started is False: then on_started owns health),
     writes ready_file, and runs until SIGTERM / SIGINT (or `stop`). Then health goes NOT_SERVING, in-flight
-    RPCs get STOP_GRACE_S to finish, and on_stop() releases what the caller built. interceptors: e.g.
-    rpc.interceptors.server_interceptors(token); options: channel arguments overriding SERVER_OPTIONS;
-    credentials: serve TLS (grpc.ssl_server_credentials) instead of plaintext."""
+    RPCs get STOP_GRACE_S to finish, and on_stop() releases what the caller built. endpoints: the process's
+    other served addresses (http, metrics), which on_started may fill in; written to the ready file too.
+    interceptors: e.g. rpc.interceptors.server_interceptors(token); options: channel arguments overriding
+    SERVER_OPTIONS; credentials: serve TLS (grpc.ssl_server_credentials) instead of plaintext."""
     overridden = {name for name, _ in options}
     merged = [option for option in SERVER_OPTIONS if option[0] not in overridden] + list(options)
     server = grpc.aio.server(options=merged, interceptors=list(interceptors))
@@ -144,7 +155,7 @@ async def serve(
         if on_started is not None:
             await on_started(health, address)
         logger.info("%s serving on %s", role, address)
-        write_ready_file(ready_file, address)
+        write_ready_file(ready_file, address, **(endpoints or {}))
         await wait_for_stop_signal(stop)
     finally:
         logger.info("%s stopping", role)

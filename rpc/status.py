@@ -19,6 +19,8 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from rpc.logging_setup import REQUEST_ID_KEY, bind_request_id
+
 logger = logging.getLogger(__name__)
 
 
@@ -155,6 +157,14 @@ def _log(method: str, error: BaseException, code: grpc.StatusCode) -> None:
         logger.info("%s -> %s: %s", method, code.name, error)
 
 
+def bind_request_id_of(request: Any, context: grpc.aio.ServicerContext) -> None:
+    """This RPC's log lines carry the request id: x-request-id metadata, else the message's request_id."""
+    request_id = next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY), "")
+    request_id = request_id or getattr(request, "request_id", "")
+    if isinstance(request_id, str) and request_id:
+        bind_request_id(request_id)
+
+
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
@@ -163,6 +173,7 @@ def unary(method: F) -> F:
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        bind_request_id_of(request, context)
         try:
             return await method(self, request, context)
         except grpc.aio.AbortError:
@@ -183,6 +194,7 @@ def streaming(method: G) -> G:
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        bind_request_id_of(request, context)
         try:
             async with contextlib.aclosing(method(self, request, context)) as items:
                 async for item in items:

@@ -25,7 +25,7 @@ const rpc = protobuf.parse(`
   message BadRequest { repeated FieldViolation field_violations = 1; }
   message Duration { int64 seconds = 1; int32 nanos = 2; }
   message RetryInfo { Duration retry_delay = 1; }
-`).root;
+`, { keepCase: true }).root;
 
 function errorDetails(error) {
   const raw = error.metadata && error.metadata.get("grpc-status-details-bin")[0];
@@ -50,8 +50,8 @@ function generate(request) {
     const call = client.Generate(request, { deadline: Date.now() + 120000 });
     call.on("data", (response) => {
       if (response.chunk) {
-        result.tokens.push(...response.chunk.token_ids);
-        result.text += response.chunk.text;
+        result.tokens.push(...(response.chunk.token_ids || []));
+        result.text += response.chunk.text || "";
       } else if (response.complete) {
         result.complete = response.complete;
       }

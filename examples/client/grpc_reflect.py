@@ -13,14 +13,15 @@ import json
 import sys
 
 import grpc
-from google.protobuf import descriptor_pool, json_format, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.rpc import error_details_pb2  # noqa: F401 - registers BadRequest / RetryInfo for json_format
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
 
 
 def describe(pool: descriptor_pool.DescriptorPool, symbol: str) -> str:
-    """The symbol (service, method or message) as .proto-like text with its comments stripped."""
+    """The symbol (a service or a message) as .proto-like text. Comments are not included: Python servers
+    publish descriptors without source info; read them in protos/ (every field is documented there)."""
     try:
         service = pool.FindServiceByName(symbol)
     except KeyError:
@@ -37,9 +38,11 @@ def describe(pool: descriptor_pool.DescriptorPool, symbol: str) -> str:
     lines = [f"message {message.name} {{"]
     for field in message.fields:
         kind = field.message_type.full_name if field.message_type else (
-            field.enum_type.full_name if field.enum_type else field.type)
-        label = "repeated " if field.is_repeated else ("optional " if field.has_presence and not field.containing_oneof
-                                                        and not field.message_type else "")
+            field.enum_type.full_name if field.enum_type else
+            descriptor_pb2.FieldDescriptorProto.Type.Name(field.type).removeprefix("TYPE_").lower())
+        synthetic = field.containing_oneof is None or field.containing_oneof.name == f"_{field.name}"  # proto3 optional
+        label = "repeated " if field.is_repeated else (
+            "optional " if field.has_presence and synthetic and not field.message_type else "")
         lines.append(f"  {label}{kind} {field.name} = {field.number};")
     return "\n".join([*lines, "}"])
 

@@ -1,4 +1,5 @@
-"""`pdserve bench`: load-test a running gateway through the public gRPC API (see docs/bench.md)."""
+"""`pdserve bench`: load-test a running gateway through its gRPC API or its OpenAI-compatible HTTP API
+(--backend openai) (see docs/bench.md)."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _make_errors_one_line(parser)
     target = parser.add_argument_group("target")
     target.add_argument("--gateway", default=DEFAULT_GATEWAY, help=f"gateway host:port (default {DEFAULT_GATEWAY})")
+    target.add_argument("--backend", choices=("pdserve", "openai"), default="pdserve",
+                        help="pdserve: the gateway's gRPC API (default); openai: its OpenAI-compatible HTTP API")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                        help="the OpenAI API's base URL for --backend openai (default http://127.0.0.1:8000/v1)")
     target.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the gateway")
     target.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds")
     work = parser.add_argument_group("workload")
@@ -101,13 +106,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, SamplingOpt
     """Raises ValueError (one-line message) for values argparse could not check."""
     concurrencies = args.concurrency_sweep or (args.max_concurrency,)
     config = BenchConfig(
-        gateway=args.gateway, num_prompts=args.num_prompts, input_len=args.input_len,
+        gateway=args.gateway, backend=args.backend, base_url=args.base_url, num_prompts=args.num_prompts, input_len=args.input_len,
         output_len=args.output_len, range_ratio=args.range_ratio, dataset=args.dataset,
         ignore_eos=args.ignore_eos, seed=args.seed, concurrencies=concurrencies,
         request_rate=args.request_rate, burstiness=args.burstiness, warmup_requests=args.warmup_requests,
         slo=args.slo, gpus=args.gpus, gpu_price=args.gpu_price, output_file=args.output_file,
         plot=args.plot, connect_timeout_s=args.connect_timeout, progress=not args.no_progress,
     )
+    if args.backend == "openai" and (args.speculative is not None or args.block_size is not None):
+        raise ValueError("--speculative / --block-size are gRPC-only; the OpenAI API has no such parameters")
     sampling = SamplingOptions(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, speculative=args.speculative,
         block_size=args.block_size, timeout_s=args.request_timeout,

@@ -9,6 +9,7 @@ from rpc.interceptors import read_token_file
 
 DEFAULT_MODEL_DIR = str(Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny")
 DEFAULT_GATEWAY = "127.0.0.1:50051"
+DEFAULT_HTTP = "127.0.0.1:8000"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk size (tokens per forward)")
     parser.add_argument("--spec-block-size", type=int, default=8, help="largest speculative block size")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
+                        help="serve Prometheus GET /metrics here (port 0: any free port; default: none)")
     parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
                         help="load a private copy of the weights instead of mapping the node's shared copy")
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)  # written with the bound address

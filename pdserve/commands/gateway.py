@@ -4,13 +4,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.commands.common import DEFAULT_GATEWAY, add_internal_token_argument, add_model_arguments, fail
+from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_HTTP, add_internal_token_argument, add_model_arguments, fail
 from rpc.interceptors import read_key_file, read_token_file
 from rpc.logging_setup import configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=DEFAULT_GATEWAY, help=f"host:port to serve on (default {DEFAULT_GATEWAY})")
+    parser.add_argument("--http-listen", default=DEFAULT_HTTP, metavar="HOST:PORT",
+                        help=f"OpenAI-compatible HTTP API, /health and /metrics (default {DEFAULT_HTTP}; '' for none)")
     parser.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT", help="a prefill worker (repeat for more)")
     parser.add_argument("--decode", action="append", required=True, metavar="HOST:PORT", help="a decode worker (repeat for more)")
     add_model_arguments(parser)
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("gateway", f"model directory {args.model!r} has no config.json")
     try:
         config = GatewayConfig(model_dir=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
-                               listen=args.listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
+                               listen=args.listen, http_listen=args.http_listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
                                admission_timeout_s=args.admission_timeout,
                                max_request_bytes=args.max_request_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                api_keys=tuple(args.api_key) + (read_key_file(args.api_key_file) if args.api_key_file else ()),

@@ -21,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
     from prefill_worker.server import serve
 
     try:
-        config = PrefillWorkerConfig(listen=args.listen, batch_tokens=args.batch_tokens, **engine_kwargs(args))
+        config = PrefillWorkerConfig(listen=args.listen, metrics_listen=args.metrics_listen, batch_tokens=args.batch_tokens,
+                                     **engine_kwargs(args))
         config.engine_config()
     except (ValueError, OSError) as error:
         return fail("prefill", error)

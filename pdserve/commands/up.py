@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 
-from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_MODEL_DIR, fail
+from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_HTTP, DEFAULT_MODEL_DIR, fail
 from rpc.logging_setup import configure_logging
 
 logger = logging.getLogger("pdserve.up")
@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks per prefill worker")
     parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks per decode worker")
     parser.add_argument("--listen", default=DEFAULT_GATEWAY, help=f"gateway address (default {DEFAULT_GATEWAY})")
+    parser.add_argument("--http-listen", default=DEFAULT_HTTP,
+                        help=f"gateway's OpenAI-compatible HTTP API and /metrics (default {DEFAULT_HTTP}; '' for none)")
     parser.add_argument("--attention-backend", default="auto", help="auto | torch | triton | aiter")
     parser.add_argument("--transport", choices=("shm", "grpc"), default="shm", help="KV handoff between the workers")
     parser.add_argument("--draft-model", default=None, help="draft directory ('' disables speculative decoding)")
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
     try:
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
-                           prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen,
+                           prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen, http_listen=args.http_listen,
                            attention_backend=args.attention_backend, transport=args.transport,
                            draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args,
                            log_level=args.log_level, internal=args.internal, tls_cert=args.tls_cert,
@@ -76,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
         f"{spec.num_decode} decode x TP{spec.decode_tp}, {spec.transport} transport, model {spec.model_dir})\n"
         f"prefill workers: {' '.join(c.address for c in cluster.children if c.role.startswith('prefill'))}\n"
         f"decode workers:  {' '.join(c.address for c in cluster.children if c.role.startswith('decode'))}\n"
-        f"try:  pdserve generate --gateway {address} \"def fibonacci(n):\" --max-tokens 64\n"
+        + (f"http (OpenAI API): http://{cluster.http_address}/v1\n" if cluster.http_address else "")
+        + "metrics: " + " ".join(f"{role}=http://{where}/metrics" for role, where in cluster.metrics_addresses().items())
+        + f"\ntry:  pdserve generate --gateway {address} \"def fibonacci(n):\" --max-tokens 64\n"
         "Ctrl-C stops everything.\n")
     sys.stdout.flush()
     code = 0

@@ -5,7 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransfer.chunks import MAX_CHUNK_BYTES, WireChunk, chunk_plan, decode_chunk, encode_chunk, gather
+from kvtransfer.chunks import (
+    MAX_CHUNK_BYTES, WireChunk, chunk_plan, decode_chunk, encode_chunk, gather, kind_from_wire, kind_to_wire,
+)
+from kvtransfer.layout import SegmentKind
 from rpc.internal.v1 import kv_pb2
 
 
@@ -68,3 +71,12 @@ def test_own_encoding_round_trips_and_last_payload_wins():
     decoded = decode_chunk(encode_chunk(WireChunk(header, payload)) + second)
     assert bytes(decoded.payload) == b"later"
     assert kv_pb2.PushRequest.FromString(encode_chunk(WireChunk(header, payload)) + second).payload == b"later"
+
+
+def test_segment_kind_wire_values():
+    """SegmentKind maps to the proto's KV_SEGMENT_KIND_* values both ways; the zero value
+    KV_SEGMENT_KIND_UNSPECIFIED (and unknown values) map to None, which the receiver refuses."""
+    for kind in SegmentKind:
+        assert kind_from_wire(kind_to_wire(kind)) is kind
+    assert kind_to_wire(SegmentKind.TARGET) == kv_pb2.KV_SEGMENT_KIND_TARGET
+    assert kind_from_wire(kv_pb2.KV_SEGMENT_KIND_UNSPECIFIED) is None and kind_from_wire(99) is None

@@ -53,6 +53,9 @@ class _Context:
         self.trailing_metadata = trailing_metadata
         raise grpc.aio.AbortError()
 
+    def invocation_metadata(self):
+        return ()
+
 
 class _Servicer:
     @unary

@@ -1,5 +1,6 @@
-"""`pdserve up` (here 2 prefill + 2 decode workers and the grpc KV transport) serves `pdserve generate`
-and routes over all its workers; Ctrl-C (SIGINT) stops every process it started, leaving nothing in /dev/shm."""
+"""`pdserve up` (here 2 prefill + 2 decode workers and the grpc KV transport) prints every service's
+metrics address, serves `pdserve generate` and routes over all its workers; Ctrl-C (SIGINT) stops every
+process it started, leaving nothing in /dev/shm."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 
@@ -21,14 +23,16 @@ from tests.services.processes import alive, descendants, existing_segments, mapp
 
 UP_LINE = re.compile(r"pdserve is up: gateway (\S+)")
 WORKERS_LINE = re.compile(r"(prefill|decode) workers:\s+(.*)")
+METRICS_LINE = re.compile(r"^metrics: (.*)")
 
 
-def _read_until_up(process: subprocess.Popen[str], timeout: float) -> tuple[str, dict[str, list[str]]]:
-    """The gateway address and the worker addresses from up's banner (read by a thread: readline blocks)."""
+def _read_until_up(process: subprocess.Popen[str], timeout: float) -> tuple[str, dict[str, list[str]], dict[str, str]]:
+    """The gateway address, the worker addresses and the metrics URLs from up's banner (read by a thread:
+    readline blocks)."""
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     deadline = time.monotonic() + timeout
-    seen, address, workers = [], "", {}
+    seen, address, workers, metrics = [], "", {}, {}
     while time.monotonic() < deadline:
         try:
             line = lines.get(timeout=1.0)
@@ -40,8 +44,10 @@ def _read_until_up(process: subprocess.Popen[str], timeout: float) -> tuple[str,
         address = match.group(1) if match else address
         if listed:
             workers[listed.group(1)] = listed.group(2).split()
-        if address and len(workers) == 2:
-            return address, workers
+        if METRICS_LINE.search(line):
+            metrics = dict(item.split("=", 1) for item in METRICS_LINE.search(line).group(1).split())
+        if address and len(workers) == 2 and metrics:
+            return address, workers, metrics
     raise AssertionError(f"pdserve up did not come up in {timeout} s: {seen}")
 
 
@@ -83,12 +89,16 @@ def test_up_generate_and_ctrl_c(service_model, llm, tmp_path):
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115
     up = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--model", str(service_model), "--listen", "127.0.0.1:0",
-         "--transport", "grpc", "--attention-backend", "torch", "--num-threads", "1", "--kv-memory-mb", "64",
+         "--http-listen", "127.0.0.1:0", "--transport", "grpc", "--attention-backend", "torch", "--num-threads", "1", "--kv-memory-mb", "64",
          "--draft-model", "", "--num-prefill", "2", "--num-decode", "2"],
         stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
-        address, workers = _read_until_up(up, timeout=300)
+        address, workers, metrics = _read_until_up(up, timeout=300)
         assert len(workers["prefill"]) == len(workers["decode"]) == 2
+        assert set(metrics) == {"gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"}
+        for url in metrics.values():  # every service answers its printed metrics address
+            with urllib.request.urlopen(url, timeout=30) as response:
+                assert response.status == 200 and b"# TYPE pdserve_" in response.read()
         processes = descendants(up.pid)
         segments = mapped_kv_segments(processes)
         assert len(processes) >= 5 and len(segments) >= 2

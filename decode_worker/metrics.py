@@ -1,0 +1,53 @@
+"""The decode worker's Prometheus metrics (docs/metrics.md), read from the service and its engine at
+scrape time: nothing is added to the engine step."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class DecodeCollector(Collector):
+    """service: a DecodeService (its load snapshot, lease expiries and engine)."""
+
+    def __init__(self, service: Any) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._service.load
+        gauges = (
+            ("pdserve_kv_pages_free", "KV cache pages free in the decode pool", load.free_pages),
+            ("pdserve_kv_pages_used", "KV cache pages in use (running requests and leases)", load.total_pages - load.free_pages),
+            ("pdserve_kv_pages_leased", "Pages held by leases not yet claimed by a Decode call", load.leased_pages),
+            ("pdserve_decode_requests_running", "Requests decoding in the engine", load.running),
+            ("pdserve_decode_requests_waiting", "Requests the engine holds but does not run (e.g. preempted)", load.waiting),
+        )
+        for name, documentation, value in gauges:
+            yield GaugeMetricFamily(name, documentation, value=value)
+        engine = self._service.engine
+        stats = getattr(engine, "acceptance_stats", None)
+        counters = [
+            ("pdserve_decode_reservations", "Reservations granted (requests admitted)", load.requests_total),
+            ("pdserve_lease_expiries", "Leases freed because no Decode call claimed them in time",
+             self._service.lease_expiries),
+            ("pdserve_preemptions", "Running requests preempted for lack of pages (recomputed later)",
+             getattr(engine, "num_preemptions", 0)),
+        ]
+        if stats is not None:
+            counters += [
+                ("pdserve_spec_verify_steps", "Speculative verify steps (one sequence verified once)", stats.num_steps),
+                ("pdserve_spec_draft_tokens", "Draft tokens proposed for verification", stats.num_drafts),
+                ("pdserve_spec_accepted_draft_tokens", "Draft tokens accepted; tokens per verify step = "
+                 "1 + accepted / verify steps", stats.num_accepted_drafts),
+            ]
+        for name, documentation, value in counters:
+            yield CounterMetricFamily(name, documentation, value=value)
+
+
+def decode_registry(service: Any) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(DecodeCollector(service))
+    return registry

@@ -1,0 +1,215 @@
+"""OpenAI request bodies (JSON, already decoded) -> OpenAIRequest, a validated, typed request.
+
+Pure functions: every rejection is an OpenAIError 400 whose `param` names the offending parameter.
+Supported: model, prompt (completions: a string, token ids, or a one-element list of either) or messages
+(chat), max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, stop, seed, logprobs /
+top_logprobs, stream, stream_options.include_usage, user, and the vLLM extensions ignore_eos and
+skip_special_tokens. Refused until supported: n > 1, best_of > 1, echo, suffix, logit_bias, presence /
+frequency penalties, tools / functions, response_format. Other fields are ignored."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.openai_api.errors import bad_param
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_TOP_LOGPROBS = 20
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+# parameter -> the values that mean "not used"
+_UNSUPPORTED = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "tools": (None, []),
+    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "response_format": (None,),
+}
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One validated /v1/completions or /v1/chat/completions request. Exactly one of prompt_text,
+    prompt_ids and messages is set. logprobs: alternatives per token in the answer (None: no logprobs)."""
+
+    chat: bool
+    model: str
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] = ()
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    @property
+    def logprobs_param(self) -> str:
+        return "top_logprobs" if self.chat else "logprobs"
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, integer: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise bad_param(name, f"must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not low <= value <= high:
+        raise bad_param(name, f"must be in [{low:g}, {high:g}], got {value!r}")
+    return value if integer else float(value)
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_param(name, f"must be true or false, got {value!r}")
+    return value
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, unused in _UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == allowed and isinstance(value, bool) == isinstance(allowed, bool) for allowed in unused):
+            raise bad_param(name, f"is not supported by this server (got {value!r})")
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(item, str) and item for item in items):
+        raise bad_param("stop", "must be a non-empty string or a list of non-empty strings")
+    return tuple(items)
+
+
+def _token_ids(value: list[Any]) -> tuple[int, ...] | None:
+    if value and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        return tuple(value)
+    return None
+
+
+def _prompt(body: dict[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
+    value = body.get("prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise bad_param("prompt", "is empty")
+        return value, None
+    if isinstance(value, list):
+        ids = _token_ids(value)
+        if ids is not None:
+            return None, ids
+        if value and all(isinstance(item, (str, list)) for item in value):
+            raise bad_param("prompt", f"holds {len(value)} prompts; this server takes one prompt per request")
+    raise bad_param("prompt", "must be a non-empty string or a non-empty list of token ids")
+
+
+def _content(index: int, message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_param(f"messages[{index}].content", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_param(f"messages[{index}].content", "must be a string or a list of text parts")
+
+
+def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
+    value = body.get("messages")
+    if not isinstance(value, list) or not value:
+        raise bad_param("messages", "must be a non-empty list of {role, content} objects")
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise bad_param(f"messages[{index}]", "must be an object with role and content")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_param(f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        messages.append(ChatMessage(role, _content(index, message)))
+    return tuple(messages)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    if not chat:  # completions: logprobs is the number of alternatives (0..20)
+        return _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    wanted = _flag(body, "logprobs", False)
+    top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not wanted:
+        raise bad_param("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    value = _number(body, name, 1, 2**31 - 1, integer=True)
+    if value is None and not chat:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+    return value
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad_param("stream_options", "is only allowed with stream: true")
+    if not isinstance(options, dict):
+        raise bad_param("stream_options", "must be an object")
+    value = options.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise bad_param("stream_options.include_usage", f"must be true or false, got {value!r}")
+    return value
+
+
+def parse_request(body: Any, chat: bool) -> OpenAIRequest:
+    """Validates a /v1/chat/completions (chat) or /v1/completions body."""
+    if not isinstance(body, dict):
+        raise bad_param("body", "must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_param("model", "is required (a model name from GET /v1/models)")
+    _refuse_unsupported(body)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_param("user", "must be a string")
+    prompt_text, prompt_ids = (None, None) if chat else _prompt(body)
+    stream = _flag(body, "stream", False)
+    seed = _number(body, "seed", -(2**63), 2**64 - 1, integer=True)
+    if seed is not None and seed < 0:
+        seed &= 2**64 - 1  # OpenAI allows negative seeds; the engine takes an unsigned 64-bit one
+    return OpenAIRequest(
+        chat=chat, model=model, prompt_text=prompt_text, prompt_ids=prompt_ids,
+        messages=_messages(body) if chat else (), max_tokens=_max_tokens(body, chat),
+        temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
+        top_k=_number(body, "top_k", -1, 2**31 - 1, integer=True), min_p=_number(body, "min_p", 0.0, 1.0),
+        stop=_stop(body), seed=seed, logprobs=_logprobs(body, chat), stream=stream,
+        include_usage=_stream_options(body, stream), user=user, ignore_eos=_flag(body, "ignore_eos", False),
+        skip_special_tokens=_flag(body, "skip_special_tokens", True),
+    )

@@ -1,0 +1,43 @@
+"""The prefill worker's Prometheus metrics (docs/metrics.md): queue and compute time, KV transfer bytes
+and seconds by transport, and the queue's size (read from the service at scrape time)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class PrefillMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.prompts = Counter("pdserve_prefill_requests", "Prompts prefilled, by outcome (ok, cancelled, error)",
+                               ["status"], registry=r)
+        self.queue_time = Histogram("pdserve_prefill_queue_time_seconds", "Arrival at the prefill worker to the "
+                                    "start of its prefill step", buckets=QUEUE_BUCKETS, registry=r)
+        self.compute_time = Histogram("pdserve_prefill_compute_seconds", "The engine's prefill of the prompt's "
+                                      "batch", buckets=QUEUE_BUCKETS, registry=r)
+        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes handed to the decode worker(s), by "
+                                      "transport (shm: written in place and checksummed; grpc: pushed)",
+                                      ["transport"], registry=r)
+        self.transfer_time = Histogram("pdserve_kv_transfer_seconds", "Per request: KV handoff after the prefill "
+                                       "(shm completion records, or the grpc push)", ["transport"],
+                                       buckets=TRANSFER_BUCKETS, registry=r)
+        self.queued_requests = Gauge("pdserve_prefill_queued_requests", "Prompts waiting for a prefill step", registry=r)
+        self.queued_tokens = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting for a prefill step", registry=r)
+
+    def track(self, load: Callable[[], Any]) -> None:
+        """load() -> PrefillLoadSnapshot, read at scrape time."""
+        self.queued_requests.set_function(lambda: load().queued_requests)
+        self.queued_tokens.set_function(lambda: load().queued_tokens)
+
+    def prefilled(self, queue_s: float, compute_s: float, transport: str, num_bytes: int, transfer_s: float) -> None:
+        self.prompts.labels("ok").inc()
+        self.queue_time.observe(queue_s)
+        self.compute_time.observe(compute_s)
+        self.transfer_bytes.labels(transport).inc(num_bytes)
+        self.transfer_time.labels(transport).observe(transfer_s)

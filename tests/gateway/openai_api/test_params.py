@@ -1,0 +1,92 @@
+"""OpenAI request bodies -> OpenAIRequest: every supported parameter maps, every refusal is a 400 naming
+the parameter."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.openai_api.errors import OpenAIError
+from gateway.openai_api.params import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatMessage, parse_request
+
+
+def _param_of(body: dict, chat: bool = False) -> str | None:
+    with pytest.raises(OpenAIError) as caught:
+        parse_request(body, chat)
+    assert caught.value.status == 400
+    assert caught.value.message.startswith(f"{caught.value.param}: ")
+    return caught.value.param
+
+
+def test_completion_parameters_map():
+    """Every supported completions parameter lands in its field; negative seeds wrap to uint64."""
+    parsed = parse_request({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9,
+                            "top_k": 7, "min_p": 0.1, "stop": ["a", "b"], "seed": -1, "logprobs": 2,
+                            "stream": True, "stream_options": {"include_usage": True}, "user": "u",
+                            "ignore_eos": True, "n": 1}, chat=False)
+    assert (parsed.prompt_text, parsed.prompt_ids, parsed.max_tokens) == ("hi", None, 5)
+    assert (parsed.temperature, parsed.top_p, parsed.top_k, parsed.min_p) == (0.5, 0.9, 7, 0.1)
+    assert parsed.stop == ("a", "b") and parsed.seed == 2**64 - 1 and parsed.logprobs == 2
+    assert parsed.stream and parsed.include_usage and parsed.user == "u" and parsed.ignore_eos
+
+
+def test_completion_prompt_forms_and_default_max_tokens():
+    """A string, token ids, or a one-element batch of either; max_tokens defaults to OpenAI's 16."""
+    assert parse_request({"model": "m", "prompt": [3, 4]}, False).prompt_ids == (3, 4)
+    assert parse_request({"model": "m", "prompt": [[5]]}, False).prompt_ids == (5,)
+    assert parse_request({"model": "m", "prompt": ["x"]}, False).prompt_text == "x"
+    assert parse_request({"model": "m", "prompt": "x"}, False).max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS
+
+
+def test_chat_parameters_map():
+    """messages with text parts join; max_completion_tokens wins over max_tokens; logprobs + top_logprobs."""
+    parsed = parse_request({"model": "m", "messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text", "text": "b"}]}],
+        "max_tokens": 3, "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 4}, chat=True)
+    assert parsed.messages == (ChatMessage("system", "s"), ChatMessage("user", "ab"))
+    assert parsed.max_tokens == 9 and parsed.logprobs == 4 and parsed.max_tokens is not None
+    assert parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}, True).max_tokens is None
+    assert parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, True).logprobs == 0
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x"}, "model"),
+    ({"model": "m", "prompt": ""}, "prompt"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n"),
+    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "temperature": 3}, "temperature"),
+    ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"model": "m", "prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "m", "prompt": "x", "user": 5}, "user"),
+])
+def test_completion_refusals_name_the_parameter(body, param):
+    """Unsupported or out-of-range values are a 400 whose param (and message prefix) is the parameter."""
+    assert _param_of(body) == param
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+])
+def test_chat_refusals_name_the_parameter(body, param):
+    """Chat-specific refusals name the parameter (with the message index where there is one)."""
+    assert _param_of(body, chat=True) == param
+
+
+def test_body_must_be_an_object():
+    """A JSON array or string body is refused as a whole."""
+    assert _param_of([1, 2]) == "body"  # type: ignore[arg-type]

@@ -1,0 +1,62 @@
+"""The workers' metrics read what their services know: the decode collector exports pages, requests,
+lease expiries, preemptions and speculative counters from a service snapshot; the prefill metrics count a
+prefilled prompt with its transfer bytes by transport."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from decode_worker.metrics import decode_registry
+from decode_worker.service import LoadSnapshot
+from prefill_worker.metrics import PrefillMetrics
+
+
+@dataclass
+class _Stats:
+    num_steps: int = 10
+    num_drafts: int = 70
+    num_accepted_drafts: int = 25
+
+
+@dataclass
+class _Engine:
+    acceptance_stats: _Stats = field(default_factory=_Stats)
+    num_preemptions: int = 2
+
+
+@dataclass
+class _DecodeService:
+    load: LoadSnapshot
+    engine: _Engine = field(default_factory=_Engine)
+    lease_expiries: int = 1
+
+
+def _samples(registry) -> dict[tuple[str, tuple], float]:
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_decode_collector_reads_the_service():
+    """Used = total - free; counters come straight from the engine and the lease sweeper."""
+    load = LoadSnapshot(free_pages=90, total_pages=128, running=3, waiting=1, leased_pages=4, requests_total=7)
+    samples = _samples(decode_registry(_DecodeService(load)))
+    assert samples[("pdserve_kv_pages_free", ())] == 90 and samples[("pdserve_kv_pages_used", ())] == 38
+    assert samples[("pdserve_decode_requests_running", ())] == 3 and samples[("pdserve_decode_requests_waiting", ())] == 1
+    assert samples[("pdserve_decode_reservations_total", ())] == 7
+    assert samples[("pdserve_lease_expiries_total", ())] == 1 and samples[("pdserve_preemptions_total", ())] == 2
+    assert samples[("pdserve_spec_verify_steps_total", ())] == 10
+    assert samples[("pdserve_spec_accepted_draft_tokens_total", ())] == 25
+
+
+def test_prefill_metrics_count_transfers_by_transport():
+    """One prefilled prompt: a count, its queue time, its bytes under its transport."""
+    metrics = PrefillMetrics()
+    metrics.prefilled(0.002, 0.01, "grpc", 4096, 0.003)
+    samples = _samples(metrics.registry)
+    assert samples[("pdserve_prefill_requests_total", (("status", "ok"),))] == 1
+    assert samples[("pdserve_kv_transfer_bytes_total", (("transport", "grpc"),))] == 4096
+    assert samples[("pdserve_kv_transfer_seconds_count", (("transport", "grpc"),))] == 1
+    assert samples[("pdserve_prefill_queue_time_seconds_count", ())] == 1
