@@ -100,6 +100,26 @@ async def test_gateway_needs_tls_and_an_api_key(secured):
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_http_front_needs_the_api_key_over_https(secured):
+    """The OpenAI HTTP front of the same gateway serves HTTPS with the gateway's certificate and answers
+    401 without the API key (or with a wrong one), 200 with it; /health needs no key."""
+    import ssl
+
+    import aiohttp
+
+    cluster, cert = secured
+    context = ssl.create_default_context(cadata=cert.decode())
+    base = f"https://{cluster.http_address}"
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            async with http.get(f"{base}/v1/models", headers=headers, ssl=context) as response:
+                assert response.status == 401, headers
+        async with http.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, ssl=context) as response:
+            assert response.status == 200 and (await response.json())["data"]
+        async with http.get(f"{base}/health", ssl=context) as response:
+            assert response.status == 200
+
+
 def test_default_workers_listen_on_private_unix_sockets(cluster):
     """`pdserve up`'s default: every worker is a Unix socket in a directory only its user can enter."""
     for role in ("decode-0", "prefill-0"):
