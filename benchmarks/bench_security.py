@@ -30,6 +30,7 @@ from bench.workload import BenchRequest
 from benchmarks.common import (add_common_arguments, goal_line, interleave, make_prompts, median, print_header,
                                ratio)
 from pdserve.launcher import Cluster, ClusterSpec
+from pdserve.process_groups import die_with_parent
 
 API_KEY = "bench-security-key"
 
@@ -50,7 +51,7 @@ def start_tls_gateway(cluster: Cluster, model: Path, cert: Path, key: Path, keys
     for child in cluster.children:
         if child.role.split("-")[0] in ("prefill", "decode"):
             command += [f"--{child.role.split('-')[0]}", child.address]
-    process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     deadline = time.monotonic() + 300
     while not ready.exists():
         if process.poll() is not None or time.monotonic() > deadline:
@@ -60,8 +61,8 @@ def start_tls_gateway(cluster: Cluster, model: Path, cert: Path, key: Path, keys
 
 
 class Runner:
-    def __init__(self, channel: grpc.aio.Channel, loop: asyncio.AbstractEventLoop) -> None:
-        self.channel, self.loop = channel, loop
+    def __init__(self, name: str, channel: grpc.aio.Channel, loop: asyncio.AbstractEventLoop) -> None:
+        self.name, self.channel, self.loop = name, channel, loop
 
     def run(self, prompts: list[list[int]], output_len: int, concurrency: int) -> dict[str, float]:
         client = GatewayClient(self.channel, SamplingOptions(temperature=0.0, speculative=False))
@@ -71,7 +72,10 @@ class Runner:
         if failed:
             raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]}")
         metrics = compute_metrics(outcome.records, outcome.duration_s)
-        return {"tok_s": metrics.output_throughput, "ttft_ms": metrics.ttft_ms.median or float("nan")}
+        result = {"tok_s": metrics.output_throughput, "ttft_ms": metrics.ttft_ms.median or float("nan")}
+        print(f"  {self.name}: {result['tok_s']:.1f} tok/s, TTFT p50 {result['ttft_ms']:.1f} ms "
+              f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+        return result
 
 
 def main() -> None:
@@ -102,7 +106,7 @@ def main() -> None:
             return grpc.aio.insecure_channel(plain_address), grpc.aio.secure_channel(tls_address, credentials)
 
         plain_channel, secure_channel = loop.run_until_complete(channels())
-        plain, secure = Runner(plain_channel, loop), Runner(secure_channel, loop)
+        plain, secure = Runner("plaintext", plain_channel, loop), Runner("tls+token", secure_channel, loop)
         prompts, source = make_prompts(args.model, args.requests, args.input_len, args.seed, 320)
         print(f"gateways: plaintext {plain_address}, TLS + key {tls_address}; prompts: {source}, "
               f"{args.input_len} in / {args.output_len} out, {args.requests} requests at concurrency {args.concurrency}\n")
