@@ -46,6 +46,7 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
 def start_tls_gateway(cluster: Cluster, model: Path, cert: Path, key: Path, keys: Path, log: Path) -> tuple[subprocess.Popen, str]:
     ready = log.with_suffix(".addr")
     command = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "gateway", "--listen", "127.0.0.1:0",
+               "--http-listen", "127.0.0.1:0",
                "--model", str(model), "--tls-cert", str(cert), "--tls-key", str(key), "--api-key-file", str(keys),
                "--ready-file", str(ready)]
     for child in cluster.children:
