@@ -31,6 +31,7 @@ from benchmarks.common import (add_common_arguments, goal_line, interleave, make
                                ratio)
 from pdserve.launcher import Cluster, ClusterSpec
 from pdserve.process_groups import die_with_parent
+from rpc.server import read_ready_file
 
 API_KEY = "bench-security-key"
 
@@ -58,7 +59,7 @@ def start_tls_gateway(cluster: Cluster, model: Path, cert: Path, key: Path, keys
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the TLS gateway did not start (see {log})")
         time.sleep(0.1)
-    return process, ready.read_text().strip()
+    return process, read_ready_file(str(ready))[0]
 
 
 class Runner:
