@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.devices import serving_device
 from engine.llm_engine import EngineConfig
 from kvtransfer.shm_pool import ShmPoolFactory
 
@@ -18,13 +19,16 @@ class DecodeWorkerConfig:
     tp_size: int = 1
     draft_model_dir: str | None = None
     attention_backend: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"
     page_size: int = 16
     kv_memory_bytes: int = 512 * 2**20
     max_running: int = 64
     max_batched_tokens: int = 2048
     spec_block_size: int = 8
     num_threads: int | None = None
+    device: str = "auto"
+    gpus: tuple[int, ...] | None = None
+    use_graphs: bool = True
     share_weights: bool = True
     lease_ttl_s: float = 60.0
     lease_grace_s: float = 1.0
@@ -50,6 +54,7 @@ class DecodeWorkerConfig:
             draft_model_dir=self.draft_model_dir, spec_block_size=self.spec_block_size, page_size=self.page_size,
             kv_memory_bytes=self.kv_memory_bytes, max_running=self.max_running,
             max_batched_tokens=self.max_batched_tokens, kv_pool="shm", num_threads=self.num_threads,
+            device=serving_device(self.device), gpus=self.gpus, use_graphs=self.use_graphs,
             share_weights=self.share_weights,
             page_pools=ShmPoolFactory(),
         )

@@ -92,6 +92,23 @@ class RopeConfig:
         )
 
 
+def check_tp_split(config: Any, tp_size: int, head_checks: list[tuple[str, int]]) -> None:
+    """One ValueError listing every size of a DeepSeek-style MLA + MoE config (head_checks, vocab, dense
+    MLP, routed and shared experts) that does not split over tp_size ranks."""
+    if tp_size < 1:
+        raise ValueError(f"tensor-parallel size must be positive, got {tp_size}")
+    checks = [*head_checks, ("vocab_size", config.vocab_size)]
+    if config.has_dense:
+        checks.append(("intermediate_size", config.intermediate_size))
+    if config.has_moe:
+        checks.append(("n_routed_experts", config.n_routed_experts))
+        if config.n_shared_experts:
+            checks.append(("moe_intermediate_size * n_shared_experts", config.shared_intermediate_size))
+    problems = [f"{name}={value} is not divisible by tp_size={tp_size}" for name, value in checks if value % tp_size]
+    if problems:
+        raise ValueError("model cannot be split over tensor-parallel ranks: " + "; ".join(problems))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the runtime needs to know about the model's shape and maths."""
@@ -202,20 +219,22 @@ class ModelConfig:
     def has_dense(self) -> bool:
         return not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers of the paged latent cache (every layer is MLA)."""
+        return self.num_hidden_layers
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return False
+
+    def state_shape(self, tp_size: int, num_slots: int, conv_dtype: object) -> None:
+        """No per-sequence recurrent state (see KimiLinearConfig.state_shape)."""
+        return None
+
     def validate_tp(self, tp_size: int) -> None:
         """Raises one ValueError listing every size that does not split over tp_size ranks."""
-        if tp_size < 1:
-            raise ValueError(f"tensor-parallel size must be positive, got {tp_size}")
-        checks = [("num_attention_heads", self.num_attention_heads), ("vocab_size", self.vocab_size)]
-        if self.has_dense:
-            checks.append(("intermediate_size", self.intermediate_size))
-        if self.has_moe:
-            checks.append(("n_routed_experts", self.n_routed_experts))
-            if self.n_shared_experts:
-                checks.append(("moe_intermediate_size * n_shared_experts", self.shared_intermediate_size))
-        problems = [f"{name}={value} is not divisible by tp_size={tp_size}" for name, value in checks if value % tp_size]
-        if problems:
-            raise ValueError("model cannot be split over tensor-parallel ranks: " + "; ".join(problems))
+        check_tp_split(self, tp_size, [("num_attention_heads", self.num_attention_heads)])
 
     # ---- construction ----
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.devices import check_gpus, default_dtype_name, gpu_count, resolve_device
 from engine.model_runner import DTYPES
 from engine.page_pool import PagePoolFactory
 from engine.sampling_params import SamplingParams
@@ -17,11 +18,14 @@ class EngineConfig:
     """Built once from the CLI or LLM(...) arguments. draft_model_dir None = the model's draft/ folder if
     present, "" = no draft. spec_block_size is the server's maximum speculative block size. kv_pool "shm"
     puts this engine's pages in a pool made by page_pools; page_pools also attaches other engines' pools
-    (a prefill engine writing into a decode worker's pages). None: private pages only."""
+    (a prefill engine writing into a decode worker's pages). None: private pages only.
+    device: "auto" (cuda when a GPU is visible) | "cpu" | "cuda" (also ROCm); gpus: the GPU of each
+    rank (rank r -> gpus[r]; None = 0 .. tp_size - 1); dtype "auto": bfloat16 on GPUs, float32 on CPU;
+    use_graphs: capture decode / verify steps as CUDA graphs (ignored on CPU)."""
 
     model_dir: str = str(DEFAULT_MODEL_DIR)
     tp_size: int = 1
-    dtype: str = "float32"
+    dtype: str = "auto"
     attention_backend: str = "auto"
     draft_model_dir: str | None = None
     spec_block_size: int = 8
@@ -31,16 +35,27 @@ class EngineConfig:
     max_batched_tokens: int = 2048
     kv_pool: str = "local"
     num_threads: int | None = None
+    device: str = "auto"
+    gpus: tuple[int, ...] | None = None
+    use_graphs: bool = True
     share_weights: bool = False  # workers: map one copy of the weights per node (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device", resolve_device(self.device))  # "auto" resolved once, here
+        if self.gpus is not None:
+            object.__setattr__(self, "gpus", tuple(self.gpus))
         if not Path(self.model_dir, "config.json").is_file():
             raise ValueError(f"model_dir {self.model_dir!r} has no config.json")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device == "cuda":
+            check_gpus(self.tp_size, self.gpus, gpu_count())
+            if self.kv_pool == "shm":
+                raise ValueError("kv_pool 'shm' is a CPU shared-memory pool; on device cuda the engine needs "
+                                 "kv_pool 'local' (a GPU IPC pool for the decode worker is not built yet)")
         if self.spec_block_size < 2:
             raise ValueError(f"spec_block_size must be >= 2, got {self.spec_block_size}")
         if self.page_size <= 0 or self.kv_memory_bytes <= 0:
@@ -51,6 +66,20 @@ class EngineConfig:
             raise ValueError("kv_pool 'shm' needs page_pools (e.g. kvtransfer.shm_pool.ShmPoolFactory())")
         if self.draft_model_dir and not Path(self.draft_model_dir, "config.json").is_file():
             raise ValueError(f"draft_model_dir {self.draft_model_dir!r} has no config.json")
+
+    @property
+    def resolved_device(self) -> str:
+        """"cpu" or "cuda" ("auto" is resolved at construction)."""
+        return self.device
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return default_dtype_name(self.device) if self.dtype == "auto" else self.dtype
+
+    @property
+    def rank_gpus(self) -> tuple[int, ...]:
+        """The GPU index of each rank (empty on CPU)."""
+        return () if self.device == "cpu" else (self.gpus or tuple(range(self.tp_size)))[: self.tp_size]
 
     @property
     def resolved_draft_dir(self) -> str | None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.devices import host_to_device
+
 
 class ForwardMode(enum.Enum):
     """EXTEND: MHA form (latent decompressed through kv_b_proj), used for prefill and chunked prefill.
@@ -65,26 +67,26 @@ class ForwardBatch:
 
     input_ids: [num_tokens] int64
     positions: [num_tokens] int64 (absolute positions, used by RoPE)
+    state_slots: [num_seqs] int64, the state-pool slot each sequence owns (models with linear-attention
+        layers only; None otherwise). Sequence i's tokens continue from the slot's content.
     """
 
     mode: ForwardMode
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionMetadata
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def build_attention_metadata(
-    q_lens: list[int],
-    kv_lens: list[int],
-    page_tables: list[list[int]],
-    page_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Builds metadata for sequences whose new tokens are the last q_lens[i] of kv_lens[i] positions."""
+def _packed_metadata(
+    q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int, max_pages: int | None
+) -> tuple[list[int], int, list[int]]:
+    """Validated host lists -> (cu_seqlens_q + kv_lens + row-major block table + slot_mapping, table width,
+    section sizes). Pure Python: nothing touches a device."""
     if not (len(q_lens) == len(kv_lens) == len(page_tables)) or not q_lens:
         raise ValueError("q_lens, kv_lens and page_tables must be non-empty and of equal length")
     cu = [0]
@@ -97,17 +99,96 @@ def build_attention_metadata(
         cu.append(cu[-1] + q_len)
         for pos in range(kv_len - q_len, kv_len):
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
-    max_pages = max(len(p) for p in page_tables)
-    table = torch.zeros((len(page_tables), max_pages), dtype=torch.int32)
-    for i, pages in enumerate(page_tables):
-        if pages:
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-    return AttentionMetadata(
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
-        block_table=table.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        q_lens_cpu=tuple(q_lens),
-        kv_lens_cpu=tuple(kv_lens),
-        page_size=page_size,
+    width = max(len(p) for p in page_tables)
+    if max_pages is not None:
+        if max_pages < width:
+            raise ValueError(f"a page table of {width} pages does not fit max_pages={max_pages}")
+        width = max_pages
+    table = [page for pages in page_tables for page in list(pages) + [0] * (width - len(pages))]
+    values = cu + list(kv_lens) + table + slots
+    return values, width, [len(cu), len(kv_lens), len(table), len(slots)]
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each input lives in a step's packed int64 buffer (see pack_step_inputs)."""
+
+    sizes: tuple[int, ...]  # input_ids, positions, cu_seqlens_q, kv_lens, block_table, slot_mapping, extra
+    table_width: int
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    page_size: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+def pack_step_inputs(
+    input_ids: list[int],
+    positions: list[int],
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_tables: list[list[int]],
+    page_size: int,
+    extra: list[int] = (),
+    max_pages: int | None = None,
+) -> tuple[list[int], StepLayout]:
+    """A step's host lists -> (one flat list of ints, its layout): input_ids, positions, every metadata
+    tensor and `extra` (e.g. the logit rows), so the step needs ONE host-to-device copy."""
+    if len(input_ids) != len(positions) or len(input_ids) != sum(q_lens):
+        raise ValueError(f"{len(input_ids)} input ids, {len(positions)} positions for q_lens summing to {sum(q_lens)}")
+    values, width, sizes = _packed_metadata(q_lens, kv_lens, page_tables, page_size, max_pages)
+    layout = StepLayout((len(input_ids), len(positions), *sizes, len(extra)), width, tuple(q_lens), tuple(kv_lens), page_size)
+    return list(input_ids) + list(positions) + values + list(extra), layout
+
+
+def unpack_forward_batch(mode: ForwardMode, packed: torch.Tensor, layout: StepLayout) -> tuple[ForwardBatch, torch.Tensor]:
+    """packed: [layout.total] int64 on the device -> (batch, extra [n] int64); views and casts only, no
+    host work (a captured graph replays this after its packed buffer is overwritten)."""
+    ids, pos, cu, lens, table, slots, extra = torch.split(packed, list(layout.sizes))
+    attn = AttentionMetadata(
+        cu_seqlens_q=cu.to(torch.int32),
+        kv_lens=lens.to(torch.int32),
+        block_table=table.to(torch.int32).view(len(layout.q_lens), layout.table_width),
+        slot_mapping=slots,
+        q_lens_cpu=layout.q_lens,
+        kv_lens_cpu=layout.kv_lens,
+        page_size=layout.page_size,
     )
+    return ForwardBatch(mode=mode, input_ids=ids, positions=pos, attn=attn), extra
+
+
+def build_forward_batch(
+    mode: ForwardMode,
+    input_ids: list[int],
+    positions: list[int],
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_tables: list[list[int]],
+    page_size: int,
+    device: torch.device | str = "cpu",
+    extra: list[int] = (),
+    max_pages: int | None = None,
+) -> tuple[ForwardBatch, torch.Tensor]:
+    """One step's batch built from host lists with ONE host-to-device copy (pinned, non_blocking on a
+    GPU). Returns (batch, extra as an int64 tensor on the device)."""
+    values, layout = pack_step_inputs(input_ids, positions, q_lens, kv_lens, page_tables, page_size, extra, max_pages)
+    return unpack_forward_batch(mode, host_to_device(values, torch.int64, torch.device(device)), layout)
+
+
+def build_attention_metadata(
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_tables: list[list[int]],
+    page_size: int,
+    device: torch.device | str = "cpu",
+    max_pages: int | None = None,
+) -> AttentionMetadata:
+    """Builds metadata for sequences whose new tokens are the last q_lens[i] of kv_lens[i] positions
+    (one host-to-device copy; see build_forward_batch)."""
+    tokens = [0] * sum(q_lens)
+    batch, _ = build_forward_batch(
+        ForwardMode.EXTEND, tokens, tokens, q_lens, kv_lens, page_tables, page_size, device, max_pages=max_pages
+    )
+    return batch.attn

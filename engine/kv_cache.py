@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.state_pool import StatePool
+
 
 @dataclass(frozen=True)
 class CacheShape:
@@ -58,16 +60,23 @@ class CacheShape:
 
 
 class PagedLatentCache:
-    """Views over one flat buffer (local memory or a shared-memory segment): target then draft pages."""
+    """Views over one flat buffer (local memory or a shared-memory segment): target then draft pages.
 
-    def __init__(self, shape: CacheShape, buffer: torch.Tensor | None = None) -> None:
+    state: the per-sequence state pool of the model's linear-attention layers (None for pure-MLA models).
+    """
+
+    def __init__(
+        self, shape: CacheShape, buffer: torch.Tensor | None = None, state: StatePool | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         total = shape.target_numel + shape.draft_numel
         if buffer is None:
-            buffer = torch.zeros(total, dtype=shape.dtype)
+            buffer = torch.zeros(total, dtype=shape.dtype, device=device)
         if buffer.numel() < total or buffer.dtype != shape.dtype:
             raise ValueError(f"cache buffer of {buffer.numel()} {buffer.dtype} cannot hold {total} {shape.dtype}")
         self.shape = shape
         self.buffer = buffer
+        self.state = state
         self.kv = buffer[: shape.target_numel].view(shape.num_layers, shape.num_pages, shape.page_size, shape.entry_dim)
         if shape.draft_layers:
             self.draft = buffer[shape.target_numel : total].view(

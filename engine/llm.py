@@ -10,18 +10,21 @@ from engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """llm = LLM(model_dir, tp_size=1, dtype="float32", attention_backend="auto", draft_model=None)
+    """llm = LLM(model_dir, tp_size=1, dtype="auto", attention_backend="auto", draft_model=None, device="auto")
 
-    draft_model: a draft directory; None uses the model's draft/ folder when present; "" disables it.
+    device: "auto" (a GPU when one is visible) | "cpu" | "cuda" (ROCm too); dtype "auto": bfloat16 on a
+    GPU, float32 on CPU. draft_model: a draft directory; None uses the model's draft/ folder when
+    present; "" disables it.
     Extra keyword arguments go to EngineConfig (page_size, kv_memory_bytes, max_running, ...)."""
 
     def __init__(
         self,
         model_dir: str | None = None,
         tp_size: int = 1,
-        dtype: str = "float32",
+        dtype: str = "auto",
         attention_backend: str = "auto",
         draft_model: str | None = None,
+        device: str = "auto",
         **engine_options,
     ) -> None:
         config = EngineConfig(
@@ -30,6 +33,7 @@ class LLM:
             dtype=dtype,
             attention_backend=attention_backend,
             draft_model_dir=draft_model,
+            device=device,
             **engine_options,
         )
         self.engine = LLMEngine(config)
@@ -40,7 +44,7 @@ class LLM:
         return self.engine.model_config
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """[len(token_ids), vocab] float32 logits of every position."""
+        """[len(token_ids), vocab] float32 logits of every position (on the engine's device)."""
         return self.engine.full_logits(list(token_ids))
 
     def generate(

@@ -1,6 +1,7 @@
 """The engine: continuous batching, chunked prefill, speculative decoding, over a TP group of ranks."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -8,16 +9,18 @@ from pathlib import Path
 import torch
 
 from engine import spec_decode
-from engine.config import ModelConfig
+from engine.models.registry import load_config
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, StepOutput
+from engine.host_fetch import fetch_to_host
 from engine.sampling import SamplingBatch, exponential_noise, make_generator, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
 from engine.spec_verify import AcceptanceStats
+from engine.state_pool import split_memory_budget
 from engine.step_plan import TargetPlan
 from engine.tp_launcher import TPLeader, default_threads
 
@@ -26,41 +29,62 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model_dir)
+        self.model_config = load_config(config.model_dir)
         self.model_config.validate_tp(config.tp_size)
         draft_dir = config.resolved_draft_dir
         self.draft_config = None
+        if draft_dir and self.model_config.has_linear_attention:
+            raise ValueError(f"draft model {draft_dir!r}: speculative decoding is not supported yet for models with "
+                             "KDA (linear attention) layers; run without a draft (draft_model='')")
         if draft_dir:
             import json
 
             from engine.models.dflash import DFlashConfig
 
             self.draft_config = DFlashConfig.from_dict(json.loads(Path(draft_dir, "config.json").read_text()))
-        probe = cache_shape_for(self.model_config, self.draft_config, 1, config.page_size, DTYPES[config.dtype])
-        num_pages = max(1, config.kv_memory_bytes // probe.bytes_per_page)
+        dtype = DTYPES[config.torch_dtype_name]
+        probe = cache_shape_for(self.model_config, self.draft_config, 1, config.page_size, dtype)
+        state_probe = self.model_config.state_shape(config.tp_size, 1, dtype)
+        slot_bytes = state_probe.bytes_per_slot if state_probe is not None else 0
+        use_graphs = config.use_graphs and config.resolved_device == "cuda"
+        num_pages, num_slots = split_memory_budget(config.kv_memory_bytes, probe.bytes_per_page, slot_bytes,
+                                                   config.max_running)
+        num_pages = max(2 if use_graphs else 1, num_pages)
         runner_config = RunnerConfig(
             model_dir=config.model_dir,
             draft_dir=draft_dir,
-            dtype=config.dtype,
+            dtype=config.torch_dtype_name,
             attention_backend=config.attention_backend,
             page_size=config.page_size,
             num_pages=num_pages,
             kv_pool=config.kv_pool,
             page_pools=config.page_pools,
             num_threads=config.num_threads or (default_threads(config.tp_size) if config.tp_size > 1 else None),
+            device=config.resolved_device,
+            gpus=config.rank_gpus,
+            use_graphs=use_graphs,
+            graph_max_batch=config.max_running,
+            graph_query_lens=(1, min(config.spec_block_size, self.draft_config.block_size)) if draft_dir else (1,),
             share_weights=config.share_weights,
+            num_state_slots=num_slots,
         )
         self.leader = TPLeader(runner_config, config.tp_size)
         self.runner = self.leader.runner
+        self.device = self.runner.device
         self.cache_shape = self.runner.cache_shape
-        self.allocator = PageAllocator(num_pages)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator)
+        # With graphs, the last page is the scratch page padded graph rows write into (never allocated).
+        self.allocator = PageAllocator(num_pages - 1 if use_graphs else num_pages)
+        self.state_pool = self.runner.cache.state  # the leader's pool also keeps the slot free list
+        self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
+                                   self.state_pool)
         self.acceptance_stats = AcceptanceStats()
         self.num_preemptions = 0  # running sequences preempted for lack of pages, since start
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self.eos_ids = set(self.model_config.eos_token_id)
-        logger.info("engine ready: %d pages, draft=%s, tp=%d", num_pages, bool(draft_dir), config.tp_size)
+        logger.info("engine ready on %s (%s): %d pages (%d B), %d state slots (%d B), draft=%s, tp=%d", self.device,
+                    config.torch_dtype_name, num_pages, num_pages * probe.bytes_per_page, num_slots,
+                    num_slots * slot_bytes, bool(draft_dir), config.tp_size)
 
     # --- properties the services read -------------------------------------------------------------
     @property
@@ -118,7 +142,7 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams, pages=None) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
-        generator = make_generator(params.seed)
+        generator = make_generator(params.seed, self.device)
         seq = Sequence(
             request_id=request_id,
             prompt_len=len(prompt_ids),
@@ -144,10 +168,16 @@ class LLMEngine:
     def free_pages(self, page_ids: list[int]) -> None:
         self.allocator.free(page_ids)
 
+    def _refuse_state_handoff(self) -> None:
+        if self.state_pool is not None:
+            raise ValueError("prefill/decode handoff is not supported yet for models with KDA (linear attention) "
+                             "layers: their per-sequence state is not transferred")
+
     def add_prefilled(
         self, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int], params: SamplingParams
     ) -> None:
         """A request whose prompt KV (and draft context) another worker wrote into page_ids."""
+        self._refuse_state_handoff()
         self.validate_prompt(prompt_ids, params)
         if len(page_ids) * self.config.page_size < len(prompt_ids):
             raise ValueError(f"{len(page_ids)} pages cannot hold a prompt of {len(prompt_ids)} tokens")
@@ -156,7 +186,7 @@ class LLMEngine:
         if seq.generator is not None and not params.greedy:
             # The prefill worker drew the first token from the same seed: skip those draws so the
             # rest of the request samples exactly as it would in one engine.
-            exponential_noise((1, self.model_config.vocab_size), torch.device("cpu"), [seq.generator])
+            exponential_noise((1, self.model_config.vocab_size), self.device, [seq.generator])
         self._append_tokens(seq, [first_token], [])
         if seq.status != SeqStatus.FINISHED:
             self.scheduler.add_running(seq)
@@ -215,6 +245,7 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.page_table.release()
+        self.scheduler.free_state(seq)
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> int:
         """Appends generated tokens up to a stop condition; returns how many were kept."""
@@ -240,10 +271,9 @@ class LLMEngine:
         """logits: [len(tokens), vocab] rows that produced tokens."""
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         values, ids = top_logprobs(logits, max(n, 1))
-        return [
-            TokenLogprob(t, float(log_probs[i, t]), ids[i, :n].tolist(), values[i, :n].tolist())
-            for i, t in enumerate(tokens)
-        ]
+        chosen = log_probs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
+        rows = fetch_to_host(torch.cat([chosen.double(), values[:, :n].double(), ids[:, :n].double()], dim=1))
+        return [TokenLogprob(t, row[0], [int(v) for v in row[1 + n :]], row[1 : 1 + n]) for t, row in zip(tokens, rows)]
 
     # --- prefill ----------------------------------------------------------------------------------
     def _run_prefill(self, chunks: tuple[PrefillChunk, ...]) -> None:
@@ -251,7 +281,7 @@ class LLMEngine:
             [(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages, c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0) for c in chunks],
             pool_names=None,
         )
-        logits = self.leader.execute(plan)
+        logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
         sampled = [c.seq for c, needs in zip(chunks, completing) if needs]
         tokens = self._sample([s.params for s in sampled], [s.generator for s in sampled], logits) if sampled else []
         row = 0
@@ -290,8 +320,18 @@ class LLMEngine:
         )
         return plan, rows, needs
 
+    def _with_state(self, plan: TargetPlan, seqs: list[Sequence]) -> TargetPlan:
+        """Adds each sequence's state slot; slots of sequences starting at token 0 are zeroed first."""
+        if self.state_pool is None:
+            return plan
+        fresh = tuple(seq.state_slot for seq in seqs if seq.num_cached == 0)
+        return dataclasses.replace(plan, state_slots=[seq.state_slot for seq in seqs], reset_slots=fresh)
+
+    def _sample_on_device(self, params: list[SamplingParams], generators, logits: torch.Tensor) -> torch.Tensor:
+        return SamplingBatch.from_params(params, generators, device=logits.device).sample(logits)
+
     def _sample(self, params: list[SamplingParams], generators, logits: torch.Tensor) -> list[int]:
-        return SamplingBatch.from_params(params, generators).sample(logits).tolist()
+        return fetch_to_host(self._sample_on_device(params, generators, logits))
 
     # --- decode + speculative decoding -------------------------------------------------------------
     def _run_decode(self, seqs: list[Sequence]) -> None:
@@ -321,21 +361,26 @@ class LLMEngine:
             logit_rows=list(range(len(input_ids))),
             write_draft_context=self.has_draft,
         )
-        logits = self.leader.execute(plan)
+        logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
         offsets = list(itertools.accumulate([0] + q_lens))
+        pieces = []
         if plain:
-            rows = torch.tensor([offsets[i] for i in plain])
+            rows = torch.tensor([offsets[i] for i in plain], device=logits.device)
             plain_logits = logits.index_select(0, rows)
-            tokens = self._sample([seqs[i].params for i in plain], [seqs[i].generator for i in plain], plain_logits)
-            for j, i in enumerate(plain):
-                seq = seqs[i]
-                lps = self._logprobs(plain_logits[j : j + 1], [tokens[j]], seq.params.logprobs) if seq.params.logprobs else []
-                seq.num_cached += 1
-                self._append_tokens(seq, [tokens[j]], lps)
-        results = spec_decode.verify(seqs, drafts, logits, offsets)
-        spec = sorted(results)
-        for i in spec:
+            pieces.append(self._sample_on_device([seqs[i].params for i in plain], [seqs[i].generator for i in plain], plain_logits))
+        order, verdict = spec_decode.verify_on_device(seqs, drafts, logits, offsets)
+        if verdict is not None:
+            pieces.append(verdict)
+        host = fetch_to_host(torch.cat(pieces))  # the step's one device-to-host copy
+        tokens = host[: len(plain)]
+        for j, i in enumerate(plain):
+            seq = seqs[i]
+            lps = self._logprobs(plain_logits[j : j + 1], [tokens[j]], seq.params.logprobs) if seq.params.logprobs else []
+            seq.num_cached += 1
+            self._append_tokens(seq, [tokens[j]], lps)
+        results = spec_decode.verdicts(seqs, drafts, order, host[len(plain) :])
+        for i in sorted(results):
             seq, result = seqs[i], results[i]
             self.acceptance_stats.record(result, len(drafts[seq.request_id][0]))
             accepted = result.tokens
@@ -353,6 +398,7 @@ class LLMEngine:
         should_stop(request_id) -> bool is asked between chunks; a prompt it stops gets None."""
         from engine.prefill_jobs import run_prefill_jobs
 
+        self._refuse_state_handoff()
         return run_prefill_jobs(self, jobs, should_stop)
 
     def read_pages(self, page_ids: list[int]):
@@ -364,12 +410,17 @@ class LLMEngine:
         """[len, vocab] logits of every prompt position (one EXTEND pass on temporary pages)."""
         self.validate_prompt(token_ids)
         pages = self.allocate_pages(len(token_ids))
+        slot = self.state_pool.alloc() if self.state_pool is not None else None
         try:
             rows = list(range(len(token_ids)))
             plan = TargetPlan(ForwardMode.EXTEND, list(token_ids), rows, [len(token_ids)], [len(token_ids)], [pages], rows)
+            if slot is not None:
+                plan = dataclasses.replace(plan, state_slots=[slot], reset_slots=(slot,))
             return self.leader.execute(plan)
         finally:
             self.free_pages(pages)
+            if slot is not None:
+                self.state_pool.free(slot)
 
     def close(self) -> None:
         leader, self.leader = getattr(self, "leader", None), None

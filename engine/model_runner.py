@@ -1,14 +1,16 @@
 """Runs step plans on one tensor-parallel rank: the target model, the draft model and the page caches."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.devices import host_to_device, rank_device
 from engine.distributed import TPGroup
-from engine.forward_batch import ForwardBatch, ForwardMode, build_attention_metadata
+from engine.forward_batch import build_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
 from engine.page_pool import PagePool, PagePoolFactory
 from engine.step_plan import AttachPoolsPlan, DraftPlan, TargetPlan
@@ -31,10 +33,20 @@ class RunnerConfig:
     kv_pool: str  # "local" | "shm"
     pool_tag: str = "engine"
     num_threads: int | None = None
+    device: str = "cpu"  # "cpu" | "cuda" (resolved; rank r runs on cuda:gpus[r])
+    gpus: tuple[int, ...] = ()
+    use_graphs: bool = False  # capture decode / verify steps as CUDA graphs (GPU only; page num_pages-1 is scratch)
+    graph_max_batch: int = 64
+    graph_query_lens: tuple[int, ...] = (1,)  # decode, plus the verify block size with a draft
     share_weights: bool = False  # map the node's one shared copy of this rank's weights (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
+    num_state_slots: int = 0  # per-sequence state slots (models with linear attention)
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"RunnerConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and self.kv_pool == "shm":
+            raise ValueError("kv_pool 'shm' keeps pages in CPU shared memory; a GPU cache needs kv_pool 'local'")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_pool not in ("local", "shm"):
@@ -51,7 +63,7 @@ class RunnerConfig:
 
 def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, dtype: torch.dtype) -> CacheShape:
     return CacheShape(
-        num_layers=model_config.num_hidden_layers,
+        num_layers=model_config.num_cache_layers,
         num_pages=num_pages,
         page_size=page_size,
         latent_dim=model_config.kv_lora_rank,
@@ -65,29 +77,35 @@ def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, 
 class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPGroup) -> None:
         from engine.attention.registry import get_attention_backend
-        from engine.config import ModelConfig
-        from engine.models.deepseek_v3 import DeepseekV3ForCausalLM, load_model
+        from engine.models.registry import build_model, load_config, load_model
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.tp = tp
+        self.device = rank_device(config.device, config.gpus or tuple(range(tp.size)), tp.rank)
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.set_device(self.device)
         dtype = config.torch_dtype
-        model_config = ModelConfig.from_pretrained(config.model_dir)
+        model_config = load_config(config.model_dir)
         heads_per_rank = model_config.num_attention_heads // tp.size
-        attention = get_attention_backend(config.attention_backend, num_heads=heads_per_rank, device="cpu")
+        self.attention = get_attention_backend(
+            config.attention_backend, num_heads=heads_per_rank, device=str(self.device), dtype=config.dtype
+        )
+        attention = self.attention
         self._shared_weights: list[object] = []
         self.model_config = model_config
         self.model = self._load(
-            "target", config.model_dir, lambda: load_model(config.model_dir, tp, attention, dtype)[1],
-            lambda: DeepseekV3ForCausalLM(model_config, tp, attention, dtype),
+            "target", config.model_dir,
+            lambda: load_model(config.model_dir, tp, attention, dtype, device=self.device)[1],
+            lambda: build_model(config.model_dir, model_config, tp, attention, dtype),
         )
         self.draft = None
         if config.draft_dir:
             from engine.models.dflash import DFlashDraft, load_draft, read_draft_config
 
             self.draft = self._load(
-                "draft", config.draft_dir, lambda: load_draft(config.draft_dir, dtype=dtype),
+                "draft", config.draft_dir, lambda: load_draft(config.draft_dir, dtype=dtype, device=self.device),
                 lambda: DFlashDraft(read_draft_config(config.draft_dir)).to(dtype),
             )
             self.draft.eval()
@@ -101,16 +119,37 @@ class ModelRunner:
             self.pool = config.page_pools.create(self.cache_shape, config.num_pages, tp.rank, config.pool_tag)
             self.cache = self.pool.cache
         else:
-            self.cache = PagedLatentCache(self.cache_shape)
+            self.cache = PagedLatentCache(self.cache_shape, device=self.device)
+        if self.model_config.has_linear_attention:
+            from engine.state_pool import StatePool
+
+            self.cache.state = StatePool(self.model_config.state_shape(tp.size, config.num_state_slots, dtype),
+                                         device=self.device)
+        self.graphs = self._capture_graphs() if config.use_graphs else None
         logger.info(
-            "rank %d/%d ready: %d pages x %d tokens (%s), draft=%s",
-            tp.rank, tp.size, config.num_pages, config.page_size, config.kv_pool, bool(self.draft),
+            "rank %d/%d ready on %s: %d pages x %d tokens (%s), %d state slots, draft=%s",
+            tp.rank, tp.size, self.device, config.num_pages, config.page_size, config.kv_pool,
+            config.num_state_slots, bool(self.draft),
         )
+
+    def _capture_graphs(self):
+        from engine.cuda_graphs import CudaGraphRunner
+
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            logger.info("CUDA graphs need a GPU; running eagerly on %s", self.device)
+            return None
+        if not self.attention.graph_safe:
+            logger.warning("attention backend %s reads host-side lengths: decode runs eagerly", self.attention.name)
+            return None
+        max_pages = min(self.config.num_pages - 1, -(-self.model_config.max_position_embeddings // self.config.page_size))
+        graphs = CudaGraphRunner(self, self.config.graph_max_batch, self.config.graph_query_lens, max_pages)
+        graphs.capture(write_draft=self.draft is not None)
+        return graphs
 
     def _load(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
         """load() normally, or, with share_weights, through the node's shared weight store (the first
         worker of the node loads and publishes; the others build the model without loading and map it)."""
-        if not self.config.share_weights:
+        if not self.config.share_weights or self.device.type != "cpu":  # the store is CPU shared memory
             return load()
         from engine.weight_store import WeightKey, load_shared
 
@@ -155,43 +194,67 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_target(self, plan: TargetPlan) -> torch.Tensor:
-        """-> logits [len(plan.logit_rows), vocab] float32 (identical on every rank)."""
+        """-> logits [len(plan.logit_rows), vocab] float32 on this rank's device (identical on every rank)."""
+        if self.graphs is not None and plan.pool_names is None and plan.state_slots is None:
+            logits = self.graphs.run_target(plan)
+            if logits is not None:
+                return logits
         cache = self._cache_for(plan.pool_names)
-        attn = build_attention_metadata(plan.q_lens, plan.kv_lens, plan.page_tables, self.config.page_size)
-        batch = ForwardBatch(
-            mode=plan.mode,
-            input_ids=torch.tensor(plan.input_ids, dtype=torch.int64),
-            positions=torch.tensor(plan.positions, dtype=torch.int64),
-            attn=attn,
+        for slot in plan.reset_slots:
+            cache.state.reset(slot)
+        batch, rows = build_forward_batch(
+            plan.mode, plan.input_ids, plan.positions, plan.q_lens, plan.kv_lens, plan.page_tables,
+            self.config.page_size, self.device, extra=plan.logit_rows,
         )
-        capture = self.capture_layers if plan.write_draft_context and self.draft is not None else ()
+        if plan.state_slots is not None:
+            slots = torch.tensor(plan.state_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            batch = dataclasses.replace(batch, state_slots=slots)
+        return self.forward_target(batch, rows, cache, plan.write_draft_context)
+
+    def forward_target(self, batch, rows: torch.Tensor, cache: PagedLatentCache, write_draft_context: bool) -> torch.Tensor:
+        """The device part of a target step (no host lists, no syncs): what a CUDA graph captures."""
+        capture = self.capture_layers if write_draft_context and self.draft is not None else ()
         out = self.model(batch, cache, capture_layers=capture)
         if capture:
             entries = self.draft.context_entries(torch.cat(out.captured, dim=-1), batch.positions)
-            cache.draft.view(cache.shape.draft_layers, -1, cache.shape.draft_dim)[:, attn.slot_mapping] = entries.to(
-                cache.draft.dtype
-            )
-        rows = torch.tensor(plan.logit_rows, dtype=torch.int64)
+            draft_view = cache.draft.view(cache.shape.draft_layers, -1, cache.shape.draft_dim)
+            draft_view[:, batch.attn.slot_mapping] = entries.to(cache.draft.dtype)
         return self.model.compute_logits(out.hidden.index_select(0, rows))
 
     @torch.inference_mode()
     def run_draft(self, plan: DraftPlan) -> torch.Tensor:
         """-> draft logits [num_seqs * (block_size - 1), vocab] float32 for block positions 1 .. B-1."""
         assert self.draft is not None
-        num_seqs, block = len(plan.last_tokens), plan.block_size
+        if self.graphs is not None:
+            logits = self.graphs.run_draft(plan)
+            if logits is not None:
+                return logits
+        last, starts, slots = self.draft_inputs(plan)
+        return self.forward_draft(last, starts, slots, plan.block_size)
+
+    def draft_inputs(self, plan: DraftPlan, num_seqs: int | None = None, max_ctx: int | None = None):
+        """(last tokens [S], context starts [S], context slots [S, max_ctx]) on the device, one H2D copy.
+        num_seqs / max_ctx pad for a captured graph (padding rows: token 0 at position 0, slot 0)."""
         page_size = self.config.page_size
-        mask_id = self.draft.config.mask_token_id
-        ids = torch.full((num_seqs, block), mask_id, dtype=torch.int64)
-        ids[:, 0] = torch.tensor(plan.last_tokens, dtype=torch.int64)
-        starts = torch.tensor(plan.context_lens, dtype=torch.int64)
-        positions = starts[:, None] + torch.arange(block)[None, :]
-        embeds = self.model.embed(ids.view(-1)).view(num_seqs, block, -1)
-        max_ctx = max(plan.context_lens)
-        slots = torch.zeros((num_seqs, max_ctx), dtype=torch.int64)
+        count = num_seqs or len(plan.last_tokens)
+        width = max_ctx or max(plan.context_lens)
+        slots = [0] * (count * width)
         for i, (length, pages) in enumerate(zip(plan.context_lens, plan.page_tables)):
-            pos = torch.arange(length)
-            table = torch.tensor(pages, dtype=torch.int64)
-            slots[i, :length] = table[pos // page_size] * page_size + pos % page_size
+            for pos in range(length):
+                slots[i * width + pos] = pages[pos // page_size] * page_size + pos % page_size
+        pad = count - len(plan.last_tokens)
+        values = list(plan.last_tokens) + [0] * pad + list(plan.context_lens) + [0] * pad + slots
+        packed = host_to_device(values, torch.int64, self.device)
+        last, starts, flat = torch.split(packed, [count, count, count * width])
+        return last, starts, flat.view(count, width)
+
+    def forward_draft(self, last: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, block: int) -> torch.Tensor:
+        """The device part of a draft step: last/starts [S], slots [S, max_ctx] -> logits [S * (block - 1), vocab]."""
+        num_seqs, max_ctx = slots.shape
+        ids = torch.full((num_seqs, block), self.draft.config.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = last
+        positions = starts[:, None] + torch.arange(block, device=self.device)[None, :]
+        embeds = self.model.embed(ids.view(-1)).view(num_seqs, block, -1)
         draft_cache = self.cache.draft.view(self.cache_shape.draft_layers, -1, self.cache_shape.draft_dim)
         context = draft_cache[:, slots.view(-1)].view(self.cache_shape.draft_layers, num_seqs, max_ctx, -1)
         hidden = self.draft(embeds, positions, context.to(embeds.dtype), starts)
@@ -199,7 +262,7 @@ class ModelRunner:
 
     def read_pages(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copies of this rank's pages: target [layers, n, page_size, D], draft [draft_layers, n, page_size, Dd]."""
-        index = torch.tensor(page_ids, dtype=torch.int64)
+        index = host_to_device(list(page_ids), torch.int64, self.device)
         target = self.cache.kv.index_select(1, index)
         draft = self.cache.draft.index_select(1, index) if self.cache.draft is not None else None
         return target, draft

@@ -54,7 +54,7 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
             logits = engine.leader.execute(plan)
             finishing = [job for (job, _), need in zip(stepping, needs) if need]
             if finishing:
-                generators = [make_generator(job.params.seed) for job in finishing]
+                generators = [make_generator(job.params.seed, engine.device) for job in finishing]
                 tokens = engine._sample([job.params for job in finishing], generators, logits)
                 for row, job in enumerate(finishing):
                     logprob = None

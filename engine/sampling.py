@@ -20,6 +20,7 @@ from typing import NamedTuple, Union
 
 import torch
 
+from engine.devices import host_to_device
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def _load_aiter() -> SamplingKernels:
     return SamplingKernels(
         "aiter",
         lambda probs, top_k, max_k=None: module.top_k_renorm_probs(probs.float(), _disabled_k_to_vocab(probs, top_k), 0),
-        lambda probs, top_p: module.top_p_renorm_probs(probs.float(), top_p.to(probs.device, torch.float32), 0.0),
+        top_p_renorm_prob,  # aiter.ops.sampling has no top_p_renorm_probs: torch for that one
     )
 
 
@@ -301,7 +302,8 @@ class SamplingBatch:
         repeated row keeps its generator, which then draws for each of its rows in order."""
         if len(counts) != self.num_rows:
             raise ValueError(f"{len(counts)} counts for {self.num_rows} rows")
-        index = torch.repeat_interleave(torch.arange(self.num_rows), torch.tensor(counts)).to(self.temperature.device)
+        index = host_to_device([row for row, count in enumerate(counts) for _ in range(count)], torch.int64,
+                               self.temperature.device)
         return dataclasses.replace(
             self,
             temperature=self.temperature.index_select(0, index),

@@ -9,6 +9,9 @@ Policy (documented in docs/architecture.md):
 - Pages run out during decode: the most recently arrived running sequence is preempted (its pages are
   freed, it goes back to the front of the waiting queue and is later recomputed by prefill; its
   generated tokens are kept, so outputs do not change).
+- Models with linear attention: a sequence takes a state slot with its first prefill chunk (none free:
+  it waits) and gives it back whenever its cache progress is dropped (finish, abort, preemption,
+  reclaimed partial prefill); a recomputed sequence starts again from a zeroed slot.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 from engine.kv_cache import OutOfPages, PageAllocator
 from engine.sequence import Sequence, SeqStatus
+from engine.state_pool import StatePool
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,10 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, state_pool: StatePool | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.state_pool = state_pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -88,8 +93,7 @@ class Scheduler:
             # (they are recomputed later) so the oldest request always makes progress.
             for seq in list(self.waiting)[1:]:
                 if seq.page_table.pages:
-                    seq.page_table.release()
-                    seq.num_cached = 0
+                    self.drop_cache(seq)
             chunks = self._take_prefill_chunks()
         return chunks
 
@@ -108,6 +112,10 @@ class Scheduler:
             take = min(seq.remaining_prefill, budget, fits)
             if take <= 0:
                 break
+            if self.state_pool is not None and seq.state_slot is None:
+                if self.state_pool.num_free == 0:
+                    break
+                seq.state_slot = self.state_pool.alloc()
             table.ensure(seq.num_cached + take)
             chunks.append(PrefillChunk(seq, take))
             budget -= take
@@ -139,17 +147,26 @@ class Scheduler:
         """Frees the pages of the newest partly prefilled waiting sequence (recomputed later)."""
         for seq in reversed(self.waiting):
             if seq.page_table.pages:
-                seq.page_table.release()
-                seq.num_cached = 0
+                self.drop_cache(seq)
                 return True
         return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        seq.page_table.release()
-        seq.num_cached = 0
+        self.drop_cache(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def drop_cache(self, seq: Sequence) -> None:
+        """Frees the pages and the state slot of a sequence; it is recomputed from token 0 if it runs again."""
+        seq.page_table.release()
+        seq.num_cached = 0
+        self.free_state(seq)
+
+    def free_state(self, seq: Sequence) -> None:
+        if seq.state_slot is not None and self.state_pool is not None:
+            self.state_pool.free(seq.state_slot)
+        seq.state_slot = None
 
     def promote(self, seq: Sequence) -> None:
         """A waiting sequence whose prefill completed starts decoding."""

@@ -44,6 +44,7 @@ class Sequence:
     new_tokens: list[int] = field(default_factory=list)  # emitted since the last StepOutput
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival_order: int = 0
+    state_slot: int | None = None  # the state-pool slot (models with linear attention), held while cached
 
     @property
     def num_tokens(self) -> int:

@@ -47,6 +47,14 @@ SHARDING_RULES: tuple[ShardRule, ...] = (
     ShardRule(_LAYER + r"self_attn\.(q_a_layernorm|kv_a_layernorm)\.weight", ShardKind.REPLICATED),
     ShardRule(_LAYER + r"self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight", ShardKind.COLUMN),
     ShardRule(_LAYER + r"self_attn\.o_proj\.weight", ShardKind.ROW),
+    # MLA output gate (K3) and Kimi Delta Attention: q|k|v projections and their conv channels, the
+    # forget-gate up-projection, dt_bias, beta and output-gate rows split by heads. A_log (one value per
+    # head, K3 pads it to 128) is split by the KDA layer itself after dropping the padding.
+    ShardRule(_LAYER + r"self_attn\.(k_proj|v_proj|f_b_proj|g_b_proj|g_proj|b_proj)\.weight", ShardKind.COLUMN),
+    ShardRule(_LAYER + r"self_attn\.(q_conv1d|k_conv1d|v_conv1d)\.weight", ShardKind.COLUMN),
+    ShardRule(_LAYER + r"self_attn\.dt_bias", ShardKind.COLUMN),
+    ShardRule(_LAYER + r"self_attn\.(f_a_proj|g_a_proj|o_norm)\.weight", ShardKind.REPLICATED),
+    ShardRule(_LAYER + r"self_attn\.A_log", ShardKind.REPLICATED),
     ShardRule(_LAYER + r"mlp\.gate\.(weight|e_score_correction_bias)", ShardKind.REPLICATED),
     ShardRule(_LAYER + r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight", ShardKind.EXPERT),
     ShardRule(_LAYER + r"mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight", ShardKind.COLUMN),

@@ -1,13 +1,18 @@
 """Speculative decoding around the engine's decode step: the draft proposes a block per sequence,
 one target forward scores every sequence's [last token + drafts], and verification keeps the target
-distribution exactly (greedy: longest matching prefix + bonus; sampled: rejection sampling)."""
+distribution exactly (greedy: longest matching prefix + bonus; sampled: rejection sampling).
+
+Everything is computed on the logits' device; the host sees the draft tokens (one copy: it builds
+the verify plan from them) and the verify verdicts (returned as a device tensor, fetched by the
+engine together with the step's other sampled ids)."""
 from __future__ import annotations
 
 import torch
 
+from engine.host_fetch import fetch_to_host
 from engine.sampling import SamplingBatch, sample
 from engine.sequence import Sequence
-from engine.spec_verify import VerifyResult, verify_greedy, verify_sampled
+from engine.spec_verify import VerifyResult, verify_greedy_tensors, verify_sampled_tensors
 from engine.step_plan import DraftPlan
 
 # request id -> (draft tokens, their draft distribution q [k, vocab] when the request samples)
@@ -25,52 +30,84 @@ def propose(execute, block: int, group: list[Sequence]) -> Proposals:
         page_tables=[list(s.page_table.pages) for s in group],
     )
     logits = execute(plan).view(len(group), block - 1, -1)
-    proposals: Proposals = {}
-    sampled = []
-    for i, seq in enumerate(group):
-        count = max(0, remaining[i])
-        if count == 0:
-            continue
-        if seq.params.greedy:
-            proposals[seq.request_id] = (logits[i, :count].argmax(dim=-1).tolist(), None)
-        else:
-            sampled.append((i, seq, count))
+    active = [(i, seq, max(0, remaining[i])) for i, seq in enumerate(group) if remaining[i] > 0]
+    greedy = [(i, seq, count) for i, seq, count in active if seq.params.greedy]
+    sampled = [(i, seq, count) for i, seq, count in active if not seq.params.greedy]
+    pieces, q = [], None
+    if greedy:
+        pieces.append(torch.cat([logits[i, :count].argmax(dim=-1) for i, _, count in greedy]))
     if sampled:
-        batch = SamplingBatch.from_params([seq.params for _, seq, _ in sampled], [seq.generator for _, seq, _ in sampled])
+        batch = SamplingBatch.from_params(
+            [seq.params for _, seq, _ in sampled], [seq.generator for _, seq, _ in sampled], device=logits.device
+        )
         repeated = batch.repeat_rows([count for _, _, count in sampled])
         q = repeated.probs(torch.cat([logits[i, :count] for i, _, count in sampled]))
-        tokens = sample(q, repeated.generators).tolist()
-        start = 0
-        for _, seq, count in sampled:
-            proposals[seq.request_id] = (tokens[start : start + count], q[start : start + count])
-            start += count
+        pieces.append(sample(q, repeated.generators))
+    if not pieces:
+        return {}
+    tokens = fetch_to_host(torch.cat(pieces))
+    proposals: Proposals = {}
+    start = 0
+    for _, seq, count in greedy:
+        proposals[seq.request_id] = (tokens[start : start + count], None)
+        start += count
+    q_start = 0
+    for _, seq, count in sampled:
+        proposals[seq.request_id] = (tokens[start : start + count], q[q_start : q_start + count])
+        start += count
+        q_start += count
     return proposals
 
 
-def verify(seqs: list[Sequence], proposals: Proposals, logits: torch.Tensor, offsets: list[int]) -> dict[int, VerifyResult]:
+def verify_on_device(
+    seqs: list[Sequence], proposals: Proposals, logits: torch.Tensor, offsets: list[int]
+) -> tuple[list[int], torch.Tensor | None]:
     """logits: the target's rows for every sequence's [last token + drafts] (sequence i owns rows
-    offsets[i]:offsets[i + 1]). Returns, for each index of a sequence with drafts, what to append."""
+    offsets[i]:offsets[i + 1]). -> (indices of the sequences with drafts, in verdict order;
+    verdict [2 * n] int64 on the device: n accept counts, then n final tokens), nothing fetched."""
     spec = [i for i, seq in enumerate(seqs) if seq.request_id in proposals]
     greedy = [i for i in spec if seqs[i].params.greedy]
     sampled = [i for i in spec if not seqs[i].params.greedy]
-    results: dict[int, VerifyResult] = {}
+    device = logits.device
+    accepted, finals = [], []
     if greedy:
-        found = verify_greedy(
-            [torch.tensor(proposals[seqs[i].request_id][0]) for i in greedy],
+        _, num_accepted, final = verify_greedy_tensors(
+            [torch.tensor(proposals[seqs[i].request_id][0], device=device) for i in greedy],
             [logits[offsets[i] : offsets[i + 1]] for i in greedy],
         )
-        results.update(zip(greedy, found))
+        accepted.append(num_accepted)
+        finals.append(final)
     if sampled:
         counts = [offsets[i + 1] - offsets[i] for i in sampled]
-        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in sampled])
-        target = SamplingBatch.from_params([seqs[i].params for i in sampled]).repeat_rows(counts).probs(
+        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in sampled]).to(device)
+        target = SamplingBatch.from_params([seqs[i].params for i in sampled], device=device).repeat_rows(counts).probs(
             logits.index_select(0, rows)
         )
-        found = verify_sampled(
-            [torch.tensor(proposals[seqs[i].request_id][0]) for i in sampled],
+        _, num_accepted, final = verify_sampled_tensors(
+            [torch.tensor(proposals[seqs[i].request_id][0], device=device) for i in sampled],
             [proposals[seqs[i].request_id][1] for i in sampled],
             list(torch.split(target, counts)),
             [seqs[i].generator for i in sampled],
         )
-        results.update(zip(sampled, found))
+        accepted.append(num_accepted)
+        finals.append(final)
+    if not spec:
+        return [], None
+    return greedy + sampled, torch.cat(accepted + finals)
+
+
+def verdicts(seqs: list[Sequence], proposals: Proposals, order: list[int], values: list[int]) -> dict[int, VerifyResult]:
+    """The host copy of verify_on_device's verdict -> {sequence index: tokens to append}."""
+    count = len(order)
+    results: dict[int, VerifyResult] = {}
+    for j, i in enumerate(order):
+        accepted, final = values[j], values[count + j]
+        drafts = proposals[seqs[i].request_id][0]
+        results[i] = VerifyResult(list(drafts[:accepted]) + [final], accepted)
     return results
+
+
+def verify(seqs: list[Sequence], proposals: Proposals, logits: torch.Tensor, offsets: list[int]) -> dict[int, VerifyResult]:
+    """verify_on_device + its fetch: for each index of a sequence with drafts, what to append."""
+    order, verdict = verify_on_device(seqs, proposals, logits, offsets)
+    return verdicts(seqs, proposals, order, fetch_to_host(verdict)) if verdict is not None else {}

@@ -76,20 +76,27 @@ def _accepted_prefix(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tenso
     return (accept & valid).long().cumprod(dim=1).sum(dim=1)
 
 
+def verify_greedy_tensors(
+    draft_tokens: Rows, target_logits: Rows, num_drafts: Sequence[int] | torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verify_greedy without leaving the device: -> (drafts [S, K], num_accepted [S], final token [S])."""
+    lengths = _draft_lengths(draft_tokens, num_drafts)
+    width = max(lengths)
+    target = _pad(target_logits, [n + 1 for n in lengths], width + 1).argmax(dim=-1)
+    drafts = _pad(draft_tokens, lengths, width).long().to(target.device)
+    num_accepted = _accepted_prefix(drafts == target[:, :width], torch.tensor(lengths, device=drafts.device))
+    return drafts, num_accepted, target.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+
+
 def verify_greedy(
     draft_tokens: Rows, target_logits: Rows, num_drafts: Sequence[int] | torch.Tensor | None = None
 ) -> list[VerifyResult]:
     """draft_tokens: per sequence [k_i] int (list, padded [S, K] or packed [sum k_i]);
     target_logits: per sequence [k_i + 1, V] (list, padded [S, K + 1, V] or packed [sum(k_i+1), V]).
     Returns per sequence the accepted drafts and the target's argmax after them (lowest index on ties)."""
-    lengths = _draft_lengths(draft_tokens, num_drafts)
-    if not lengths:
+    if not _draft_lengths(draft_tokens, num_drafts):
         return []
-    width = max(lengths)
-    drafts = _pad(draft_tokens, lengths, width).long()
-    target = _pad(target_logits, [n + 1 for n in lengths], width + 1).argmax(dim=-1).to(drafts.device)
-    num_accepted = _accepted_prefix(drafts == target[:, :width], torch.tensor(lengths, device=drafts.device))
-    return _results(drafts, num_accepted, target.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
+    return _results(*verify_greedy_tensors(draft_tokens, target_logits, num_drafts))
 
 
 def rejection_sample(
@@ -148,6 +155,28 @@ def draw_verify_randomness(
     return uniform, noise
 
 
+def verify_sampled_tensors(
+    draft_tokens: Rows,
+    draft_probs: Rows,
+    target_probs: Rows,
+    generators: Generators = None,
+    num_drafts: Sequence[int] | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verify_sampled without leaving the device: -> (drafts [S, K], num_accepted [S], final token [S])."""
+    lengths = _draft_lengths(draft_tokens, num_drafts)
+    width = max(lengths)
+    target = _pad(target_probs, [n + 1 for n in lengths], width + 1).float()
+    if width == 0:
+        drafts = torch.zeros((len(lengths), 0), dtype=torch.long, device=target.device)
+        q = target.new_zeros((len(lengths), 0, target.shape[-1]))
+    else:
+        drafts = _pad(draft_tokens, lengths, width).long().to(target.device)
+        q = _pad(draft_probs, lengths, width).float().to(target.device)
+    uniform, noise = draw_verify_randomness(lengths, target.shape[-1], target.device, generators)
+    num_accepted, final = rejection_sample(drafts, torch.tensor(lengths, device=target.device), q, target, uniform, noise)
+    return drafts, num_accepted, final
+
+
 def verify_sampled(
     draft_tokens: Rows,
     draft_probs: Rows,
@@ -161,20 +190,9 @@ def verify_sampled(
     docstring. generators: per sequence (the request's generator; None entries use the default
     RNG), one for the whole batch, or None. Emitted tokens are distributed exactly as sampling
     the target autoregressively."""
-    lengths = _draft_lengths(draft_tokens, num_drafts)
-    if not lengths:
+    if not _draft_lengths(draft_tokens, num_drafts):
         return []
-    width = max(lengths)
-    target = _pad(target_probs, [n + 1 for n in lengths], width + 1).float()
-    if width == 0:
-        drafts = torch.zeros((len(lengths), 0), dtype=torch.long, device=target.device)
-        q = target.new_zeros((len(lengths), 0, target.shape[-1]))
-    else:
-        drafts = _pad(draft_tokens, lengths, width).long().to(target.device)
-        q = _pad(draft_probs, lengths, width).float().to(target.device)
-    uniform, noise = draw_verify_randomness(lengths, target.shape[-1], target.device, generators)
-    num_accepted, final = rejection_sample(drafts, torch.tensor(lengths, device=target.device), q, target, uniform, noise)
-    return _results(drafts, num_accepted, final)
+    return _results(*verify_sampled_tensors(draft_tokens, draft_probs, target_probs, generators, num_drafts))
 
 
 @dataclass

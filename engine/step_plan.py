@@ -15,6 +15,8 @@ class TargetPlan:
     logit_rows: token rows (indices into input_ids) whose logits the leader needs.
     pool_names: per-rank shared-memory pools to use as the cache (None: the rank's own cache).
     write_draft_context: also store the draft model's context entries for every token.
+    state_slots: the state-pool slot of each sequence (models with linear attention; None otherwise).
+    reset_slots: slots every rank zeroes before the forward (sequences starting from token 0).
     """
 
     mode: ForwardMode
@@ -26,6 +28,8 @@ class TargetPlan:
     logit_rows: list[int]
     pool_names: tuple[str, ...] | None = None
     write_draft_context: bool = False
+    state_slots: list[int] | None = None
+    reset_slots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

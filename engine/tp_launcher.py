@@ -1,5 +1,7 @@
 """Tensor-parallel process group: the leader (rank 0, this process) spawns follower ranks that run
-every step plan the leader broadcasts (torch.distributed, gloo on CPU)."""
+every step plan the leader broadcasts. Activations travel on the default group (gloo on CPU, NCCL /
+RCCL on GPUs); step plans always travel on a CPU gloo group, so broadcasting one never touches or
+synchronises a device."""
 from __future__ import annotations
 
 import logging
@@ -9,8 +11,10 @@ import signal
 import socket
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
+from engine.devices import rank_device
 from engine.distributed import TPGroup
 from engine.model_runner import ModelRunner, RunnerConfig
 from engine.step_plan import ShutdownPlan
@@ -24,14 +28,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _init_group(rank: int, size: int, port: int) -> None:
+def activation_backend(device: str) -> str:
+    """The collective backend for activations: nccl (RCCL on ROCm builds) on GPUs, gloo on CPU."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _init_group(rank: int, size: int, port: int, config: RunnerConfig):
+    """Joins the TP group; returns the CPU group step plans travel on (None: the default group is gloo)."""
+    if config.device == "cuda":
+        torch.cuda.set_device(rank_device(config.device, config.gpus or tuple(range(size)), rank))
     dist.init_process_group(
-        "gloo",
+        activation_backend(config.device),
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=size,
         timeout=timedelta(seconds=600),
     )
+    return dist.new_group(backend="gloo") if config.device == "cuda" else None
 
 
 def _die_with_parent() -> None:
@@ -51,13 +64,13 @@ def _follower_main(rank: int, size: int, port: int, config: RunnerConfig, log_le
         return
     role = os.environ.get("PDSERVE_LOG_ROLE", "engine")
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{role} rank{rank}] %(name)s: %(message)s")
-    _init_group(rank, size, port)
+    plan_group = _init_group(rank, size, port, config)
     runner = ModelRunner(config, TPGroup(rank, size))
-    dist.all_gather_object([None] * size, runner.pool_name)
+    dist.all_gather_object([None] * size, runner.pool_name, group=plan_group)
     try:
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=plan_group)
             plan = box[0]
             if isinstance(plan, ShutdownPlan):
                 break
@@ -73,6 +86,7 @@ class TPLeader:
     def __init__(self, config: RunnerConfig, tp_size: int) -> None:
         self.tp_size = tp_size
         self.followers: list[mp.Process] = []
+        self.plan_group = None
         if tp_size > 1:
             port = _free_port()
             context = mp.get_context("spawn")
@@ -85,12 +99,12 @@ class TPLeader:
                 )
                 process.start()
                 self.followers.append(process)
-            _init_group(0, tp_size, port)
+            self.plan_group = _init_group(0, tp_size, port, config)
         self.runner = ModelRunner(config, TPGroup(0, tp_size))
         self.pool_names: tuple[str, ...] = ()
         if tp_size > 1:
             names: list = [None] * tp_size
-            dist.all_gather_object(names, self.runner.pool_name)
+            dist.all_gather_object(names, self.runner.pool_name, group=self.plan_group)
             if names[0] is not None:
                 self.pool_names = tuple(names)
         elif self.runner.pool_name is not None:
@@ -98,13 +112,13 @@ class TPLeader:
 
     def execute(self, plan):
         if self.tp_size > 1:
-            dist.broadcast_object_list([plan], src=0)
+            dist.broadcast_object_list([plan], src=0, group=self.plan_group)
         return self.runner.execute(plan)
 
     def close(self) -> None:
         if self.tp_size > 1 and dist.is_initialized():
             try:
-                dist.broadcast_object_list([ShutdownPlan()], src=0)
+                dist.broadcast_object_list([ShutdownPlan()], src=0, group=self.plan_group)
             finally:
                 for process in self.followers:
                     process.join(timeout=30)

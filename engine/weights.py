@@ -14,10 +14,13 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.kernels.fp8_quant import FP8_DTYPES, dequantize_fp8_block, quantize_fp8_block
+
+__all__ = ["FP8_DTYPES", "checkpoint_block_size", "checkpoint_files", "dequantize_fp8_block", "expected_weight_shapes",
+           "format_weight_errors", "is_mtp_weight", "iter_checkpoint", "quantize_fp8_block", "stored_fp8_names"]
 
 logger = logging.getLogger(__name__)
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
@@ -26,30 +29,6 @@ def is_mtp_weight(name: str, num_hidden_layers: int) -> bool:
     """Multi-token-prediction layers are stored as layers num_hidden_layers and up; the engine skips them."""
     match = _LAYER_INDEX.match(name)
     return match is not None and int(match.group(1)) >= num_hidden_layers
-
-
-def dequantize_fp8_block(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """weight: [rows, cols] fp8, scale_inv: [ceil(rows/bn), ceil(cols/bk)] -> weight * scale per block, in dtype."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
-    return (weight.float() * scale).to(dtype)
-
-
-def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight: [rows, cols] -> (e4m3 weight [rows, cols], float32 scale_inv [ceil(rows/bn), ceil(cols/bk)])
-    with each block scaled so its largest magnitude maps to the e4m3 maximum."""
-    rows, cols = weight.shape
-    bn, bk = block
-    grid = (-(-rows // bn), -(-cols // bk))
-    padded = torch.zeros(grid[0] * bn, grid[1] * bk, dtype=torch.float32)
-    padded[:rows, :cols] = weight.float()
-    blocks = padded.view(grid[0], bn, grid[1], bk)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
-    quantised = (blocks / scale_inv[:, None, :, None]).view_as(padded)[:rows, :cols]
-    return quantised.to(torch.float8_e4m3fn), scale_inv
 
 
 def _split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -85,6 +64,20 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     return out
 
 
+def stored_fp8_names(model_dir: str | Path) -> set[str]:
+    """Names of the tensors a checkpoint stores in FP8 (from the safetensors headers; nothing is read)."""
+    names: set[str] = set()
+    for file in sorted(set(checkpoint_files(model_dir).values())):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(name for name in f.keys() if f.get_slice(name).get_dtype().startswith("F8"))
+    return names
+
+
+def checkpoint_block_size(model_dir: str | Path) -> tuple[int, int]:
+    """quantization_config.weight_block_size of config.json (DeepSeek's 128x128 when absent)."""
+    return _block_size(Path(model_dir))
+
+
 def _block_size(model_dir: Path) -> tuple[int, int]:
     config = model_dir / "config.json"
     quant = {}
@@ -99,9 +92,11 @@ def iter_checkpoint(
     num_hidden_layers: int | None = None,
     dequant_dtype: torch.dtype = torch.float32,
     skip: Callable[[str], bool] | None = None,
+    keep_fp8: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, full tensor) in file order. FP8 weights come out dequantised (their
-    weight_scale_inv is consumed); layers >= num_hidden_layers (MTP) are dropped when it is given.
+    weight_scale_inv is consumed), or with keep_fp8 as stored, each followed by its `<name>_scale_inv`
+    (for engine.layers.fp8_linear on a GPU); layers >= num_hidden_layers (MTP) are dropped when it is given.
     Names for which skip(name) is true are not read: they come out as "meta" tensors of the stored
     shape (e.g. experts another rank owns), so shape checks still see them."""
     model_dir = Path(model_dir)
@@ -132,6 +127,10 @@ def iter_checkpoint(
                 scale_name = name + "_scale_inv"
                 if scale_name not in files:
                     raise ValueError(f"FP8 tensor {name} has no {scale_name}")
+                if keep_fp8:
+                    yield name, tensor
+                    yield scale_name, read(scale_name)
+                    continue
                 tensor = dequantize_fp8_block(tensor, read(scale_name), block, dequant_dtype)
             yield from _split_fused_experts(name, tensor)
 

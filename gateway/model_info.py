@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import ModelConfig
+from engine.models.registry import load_config
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ModelFacts:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelFacts:
         path = Path(model_dir)
-        config = ModelConfig.from_pretrained(path)
+        config = load_config(path)  # any registered model_type (deepseek_v3, kimi_linear, kimi_k3)
         generation_path = path / "generation_config.json"
         defaults = SamplingDefaults()
         eos = config.eos_token_id

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.devices import serving_device
 from engine.llm_engine import EngineConfig
 from kvtransfer.shm_pool import ShmPoolFactory
 
@@ -19,13 +20,16 @@ class PrefillWorkerConfig:
     tp_size: int = 1
     draft_model_dir: str | None = None
     attention_backend: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"
     page_size: int = 16
     kv_memory_bytes: int = 256 * 2**20
     max_batched_tokens: int = 2048
     batch_tokens: int = 2048
     spec_block_size: int = 8
     num_threads: int | None = None
+    device: str = "auto"
+    gpus: tuple[int, ...] | None = None
+    use_graphs: bool = True
     share_weights: bool = True
     internal_token: str | None = field(default=None, repr=False)  # required on calls, sent with KV pushes
 
@@ -44,4 +48,5 @@ class PrefillWorkerConfig:
             kv_memory_bytes=self.kv_memory_bytes, max_batched_tokens=self.max_batched_tokens, kv_pool="local",
             num_threads=self.num_threads, page_pools=ShmPoolFactory(),  # attaches decode workers' pools
             share_weights=self.share_weights,
+            device=serving_device(self.device), gpus=self.gpus, use_graphs=self.use_graphs,
         )

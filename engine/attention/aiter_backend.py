@@ -3,7 +3,10 @@
 prefill: aiter.flash_attn_varlen_func, bf16 MHA form (q/k head dim 192, v 128), any head count
          (12 per rank runs natively), causal aligned bottom-right.
 decode:  aiter.mla.mla_decode_fwd, absorbed form over the paged latent cache viewed as
-         [num_pages, page_size, 1, latent + rope]; wants a multiple of 16 heads, so 12 is padded.
+         [num_pages, page_size, 1, latent + rope] (power-of-two page sizes; any other cache is viewed as
+         pages of one token); kernels for 8, 16, 32, 64, 128 heads, so 12 is padded to 16.
+What each kernel runs (heads, dtypes, page sizes) comes from engine.attention.head_table, the table
+`pdserve plan` reports from too. bf16 / fp8 only: fp32 is refused with an error naming the dtype.
 The softmax scale is always passed explicitly: AITER's defaults (1/sqrt(head dim)) are wrong for MLA.
 """
 from __future__ import annotations
@@ -15,9 +18,8 @@ from types import ModuleType
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.attention.head_table import FLASH_ATTN_VARLEN, MLA_DECODE, check_aiter_dtype, mla_decode_page_size_supported
 from engine.forward_batch import AttentionMetadata
-
-DECODE_HEAD_COUNTS = (16, 32, 48, 64, 80, 96, 112, 128)
 
 
 def load_aiter() -> tuple[ModuleType, ModuleType]:
@@ -30,6 +32,10 @@ def load_aiter() -> tuple[ModuleType, ModuleType]:
     return aiter, mla
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _accepts(function: object, parameter: str) -> bool:
     try:
         return parameter in inspect.signature(function).parameters
@@ -38,7 +44,8 @@ def _accepts(function: object, parameter: str) -> bool:
 
 
 class AiterAttentionBackend(AttentionBackend):
-    """Per-op head support: prefill any count, decode multiples of 16 up to 128 (see DECODE_HEAD_COUNTS).
+    """Per-op head support from head_table: prefill (flash_attn_varlen) any count, decode (mla_decode_fwd)
+    8, 16, 32, 64 or 128 heads; HeadPaddedBackend pads other counts up.
 
     aiter / mla: the modules to call (tests inject fakes with AITER's signatures); default: load_aiter()."""
 
@@ -52,10 +59,10 @@ class AiterAttentionBackend(AttentionBackend):
         self._paged_indptr = _accepts(self._mla_decode, "page_size")
 
     def supports_prefill_num_heads(self, num_heads: int) -> bool:
-        return num_heads > 0
+        return num_heads > 0 and FLASH_ATTN_VARLEN.supports(num_heads)
 
     def supports_decode_num_heads(self, num_heads: int) -> bool:
-        return num_heads in DECODE_HEAD_COUNTS
+        return num_heads > 0 and MLA_DECODE.supports(num_heads)
 
     def supports_num_heads(self, num_heads: int) -> bool:
         return self.supports_prefill_num_heads(num_heads) and self.supports_decode_num_heads(num_heads)
@@ -71,7 +78,8 @@ class AiterAttentionBackend(AttentionBackend):
         k_lens: tuple[int, ...],
         softmax_scale: float,
     ) -> torch.Tensor:
-        """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv]."""
+        """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv] (bf16 / fp16)."""
+        check_aiter_dtype(FLASH_ATTN_VARLEN, _dtype_name(q.dtype))
         out = self._flash_attn_varlen(
             q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max(q_lens), max(k_lens),
             dropout_p=0.0, softmax_scale=softmax_scale, causal=True,
@@ -86,10 +94,15 @@ class AiterAttentionBackend(AttentionBackend):
         softmax_scale: float,
         latent_dim: int,
     ) -> torch.Tensor:
-        """q: [T, H, latent+rope] (H in DECODE_HEAD_COUNTS) -> [T, H, latent].
+        """q: [T, H, latent+rope] (H one of mla_decode_fwd's head counts; bf16 / fp8 q and cache) -> [T, H, latent].
 
         AITER lays multi-token queries out as [num_seqs, max_seqlen_q], so sequences are run in
         groups of equal q_len (one call in the usual case of uniform q_len)."""
+        for tensor in (q, kv_cache):
+            check_aiter_dtype(MLA_DECODE, _dtype_name(tensor.dtype))
+        if not self.supports_decode_num_heads(q.shape[1]):
+            raise ValueError(f"{MLA_DECODE.name} has no {q.shape[1]}-head kernel (it runs {MLA_DECODE.supported()}); "
+                             "wrap the backend in HeadPaddedBackend")
         out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
         q_lens = attn.q_lens_cpu
         for q_len in sorted(set(q_lens)):
@@ -113,7 +126,7 @@ class AiterAttentionBackend(AttentionBackend):
         kv_lens = attn.kv_lens.to(device)[index].long()
         table = attn.block_table.to(device)[index].long()
         qo_indptr = torch.arange(len(seqs) + 1, device=device, dtype=torch.int32) * q_len
-        if self._paged_indptr:  # page-level indices: kv_indptr counts pages
+        if self._paged_indptr and mla_decode_page_size_supported(page_size):  # page-level: kv_indptr counts pages
             pages = (kv_lens + page_size - 1) // page_size
             used = torch.arange(table.shape[1], device=device)[None, :] < pages[:, None]
             kv_indices = table[used]

@@ -16,6 +16,8 @@ class AttentionBackend(abc.ABC):
     """
 
     name: str = "abstract"
+    # True when decode reads sequence lengths only from device tensors (so a CUDA graph can replay it).
+    graph_safe: bool = False
 
     @abc.abstractmethod
     def supports_num_heads(self, num_heads: int) -> bool:

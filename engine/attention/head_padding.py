@@ -61,6 +61,7 @@ class HeadPaddedBackend(AttentionBackend):
     def __init__(self, inner: AttentionBackend, supported: HeadSupport | None = None) -> None:
         self.inner = inner
         self.name = inner.name
+        self.graph_safe = inner.graph_safe
         if supported is None:
             self._prefill_support: HeadSupport = _op_support(inner, "prefill")
             self._decode_support: HeadSupport = _op_support(inner, "decode")

@@ -23,13 +23,13 @@ def _on_rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
 
 
-def _make_torch(device: torch.device) -> AttentionBackend:
+def _make_torch(device: torch.device, dtype: str | None = None) -> AttentionBackend:
     from engine.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
 
 
-def _make_triton(device: torch.device) -> AttentionBackend:
+def _make_triton(device: torch.device, dtype: str | None = None) -> AttentionBackend:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"attention backend 'triton' needs a visible GPU for device {device}")
     if device.type == "cpu" and not _interpreter_requested():
@@ -47,9 +47,13 @@ def _make_triton(device: torch.device) -> AttentionBackend:
     return TritonAttentionBackend()
 
 
-def _make_aiter(device: torch.device) -> AttentionBackend:
+def _make_aiter(device: torch.device, dtype: str | None = None) -> AttentionBackend:
     if device.type == "cpu" or not _on_rocm():
         raise ValueError(f"attention backend 'aiter' needs a ROCm GPU (device={device}, hip={_on_rocm()})")
+    if dtype is not None:
+        from engine.attention.head_table import MLA_DECODE, check_aiter_dtype
+
+        check_aiter_dtype(MLA_DECODE, dtype)  # fp32 refused at start-up (auto then falls back to triton)
     from engine.attention.aiter_backend import AiterAttentionBackend, load_aiter
 
     try:
@@ -62,20 +66,23 @@ def _make_aiter(device: torch.device) -> AttentionBackend:
 _FACTORIES = {"torch": _make_torch, "triton": _make_triton, "aiter": _make_aiter}
 
 
-def _auto_backend(device: torch.device) -> tuple[str, AttentionBackend]:
+def _auto_backend(device: torch.device, dtype: str | None) -> tuple[str, AttentionBackend]:
     """aiter on ROCm when importable, triton on CUDA/ROCm GPUs, torch on CPU (or when neither loads)."""
     candidates = ("torch",) if device.type == "cpu" else ("aiter", "triton", "torch") if _on_rocm() else ("triton", "torch")
     for name in candidates[:-1]:
         try:
-            return name, _FACTORIES[name](device)
+            return name, _FACTORIES[name](device, dtype)
         except ValueError as error:
             logger.info("auto attention backend: skipping %s (%s)", name, error)
-    return candidates[-1], _FACTORIES[candidates[-1]](device)
+    return candidates[-1], _FACTORIES[candidates[-1]](device, dtype)
 
 
-def get_attention_backend(name: str = "auto", num_heads: int | None = None, device: str = "cpu") -> AttentionBackend:
+def get_attention_backend(
+    name: str = "auto", num_heads: int | None = None, device: str = "cpu", dtype: str | None = None
+) -> AttentionBackend:
     """The backend `name` ("torch", "triton", "aiter" or "auto") for `device`, wrapped in
-    HeadPaddedBackend when num_heads is given and the backend's kernels do not run it natively.
+    HeadPaddedBackend when num_heads is given and the backend's kernels do not run it natively. dtype (the
+    model's, e.g. "float32"): a backend whose kernels refuse it is unavailable (auto skips it).
     Raises ValueError for an unknown or unavailable backend."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
@@ -83,9 +90,9 @@ def get_attention_backend(name: str = "auto", num_heads: int | None = None, devi
         raise ValueError(f"num_heads must be positive, got {num_heads}")
     torch_device = torch.device(device)
     if name == "auto":
-        chosen, backend = _auto_backend(torch_device)
+        chosen, backend = _auto_backend(torch_device, dtype)
     else:
-        chosen, backend = name, _FACTORIES[name](torch_device)
+        chosen, backend = name, _FACTORIES[name](torch_device, dtype)
     if num_heads is not None and not backend.supports_num_heads(num_heads):
         padded = HeadPaddedBackend(backend)
         prefill_heads, decode_heads = padded.padded_heads(num_heads, "prefill"), padded.padded_heads(num_heads, "decode")

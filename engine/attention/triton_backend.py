@@ -15,6 +15,7 @@ class TritonAttentionBackend(AttentionBackend):
     (registry.get_attention_backend wraps the backend in HeadPaddedBackend otherwise: 12 -> 16)."""
 
     name = "triton"
+    graph_safe = True  # the decode kernel loops over kv_lens read on the device
 
     def __init__(self, head_block: int = 16, decode_splits: int | None = None) -> None:
         """decode_splits: key ranges per decode context (None: chosen per step from the GPU's size)."""

@@ -6,14 +6,25 @@ first. Then, by batch mode:
   EXTEND (MHA form): the context latent is decompressed through kv_b_proj into per-head k_nope / v;
   DECODE (absorbed form): W_UK is folded into q, attention runs over the latent cache directly, and
   W_UV is applied to the latent output.
+
+Variants chosen by constructor flags (Kimi Linear / Kimi K3):
+  use_rope=False (NoPE, config mla_use_nope): the 64-dim "rope" parts of q and k are computed, cached
+    and used in the scores, but never rotated; positions never enter the layer.
+  output_gate=True (config mla_use_output_gate): o <- o * sigmoid(g_proj(x)) per head before o_proj,
+    where x is the attention input; g_proj [num_heads * v_head_dim, hidden] is column-parallel.
+  latent_norm_eps: eps of q_a_layernorm / kv_a_layernorm (transformers' deepseek_v3 and kimi_linear use
+    1e-6; Kimi K3 uses rms_norm_eps).
+layer_index is the index of this layer's pages in the cache: for hybrid models it is the MLA ordinal
+(0 for the first MLA layer), not the decoder-layer index.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.config import ModelConfig
 from engine.distributed import TPGroup
 from engine.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
 from engine.kv_cache import PagedLatentCache
@@ -23,6 +34,28 @@ from engine.layers.rotary import RotaryEmbedding
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+
+
+class MLAConfig(Protocol):
+    """The config fields MLA reads (ModelConfig and the Kimi configs provide them; rope / rope_interleave
+    are read only when use_rope)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int: ...
+
+    @property
+    def kv_cache_dim(self) -> int: ...
+
+    @property
+    def softmax_scale(self) -> float: ...
 
 
 def context_slots(attn: AttentionMetadata) -> torch.Tensor:
@@ -41,7 +74,8 @@ class MLAAttention(nn.Module):
     """x [T, hidden] -> [T, hidden] (all-reduced over ranks); num_heads / tp heads on this rank."""
 
     def __init__(
-        self, config: ModelConfig, layer_index: int, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype
+        self, config: MLAConfig, layer_index: int, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
+        *, use_rope: bool = True, output_gate: bool = False, latent_norm_eps: float = LATENT_NORM_EPS,
     ) -> None:
         super().__init__()
         c = config
@@ -57,13 +91,17 @@ class MLAAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(c.hidden_size, q_out, tp, dtype)
         else:
             self.q_a_proj = ReplicatedLinear(c.hidden_size, c.q_lora_rank, dtype)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, latent_norm_eps, dtype)
             self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, q_out, tp, dtype)
         self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, c.kv_cache_dim, dtype)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, latent_norm_eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), tp, dtype)
         self.o_proj = RowParallelLinear(c.num_attention_heads * c.v_head_dim, c.hidden_size, tp, dtype)
-        self.rotary = RotaryEmbedding(c.rope, c.qk_rope_head_dim, c.rope_interleave)
+        self.use_rope = use_rope
+        self.rotary = RotaryEmbedding(c.rope, c.qk_rope_head_dim, c.rope_interleave) if use_rope else None  # type: ignore[attr-defined]
+        self.output_gate = output_gate
+        if output_gate:
+            self.g_proj = ColumnParallelLinear(c.hidden_size, c.num_attention_heads * c.v_head_dim, tp, dtype)
         # Absorbed-form weights, filled by process_weights_after_loading().
         self.register_buffer("w_uk", torch.empty(0, dtype=dtype), persistent=False)  # [H, nope, kv_lora_rank]
         self.register_buffer("w_uv_t", torch.empty(0, dtype=dtype), persistent=False)  # [H, kv_lora_rank, v]
@@ -84,7 +122,8 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe)
+        if self.rotary is not None:
+            q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe)
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [T, kv_lora_rank + rope]
         kv_cache = cache.layer(self.layer_index)
         kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, batch.attn.slot_mapping, latent.to(kv_cache.dtype))
@@ -92,7 +131,10 @@ class MLAAttention(nn.Module):
             out = self._absorbed(q_nope, q_pe, kv_cache, batch.attn)
         else:
             out = self._mha(q_nope, q_pe, latent, kv_cache, batch.attn)
-        return self.o_proj(out.reshape(num_tokens, self.num_local_heads * self.v_dim))
+        out = out.reshape(num_tokens, self.num_local_heads * self.v_dim)
+        if self.output_gate:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
 
     def _mha(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,

@@ -8,6 +8,9 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
+from engine.kernels.fp8_quant import dequantize_fp8_block
+from engine.kernels.moe_paths import fused_moe_available, moe_function
+from engine.kernels.moe_torch import use_dense_moe
 from engine.layers.mlp import DenseMLP
 
 
@@ -78,7 +81,9 @@ class Router(nn.Module):
 class RoutedExperts(nn.Module):
     """This rank's experts [start, start + E/tp) stacked: gate_up_proj [E_local, 2I, hidden], down_proj [E_local, hidden, I].
 
-    Tokens are sorted by expert so each active local expert runs one matmul over all its tokens."""
+    Only the selected experts run (engine.kernels.moe_torch): on a GPU the fused Triton grouped GEMM; on CPU
+    the grouped torch path (each active expert's tokens in one matmul), or every expert densely where that
+    was measured cheaper (tiny steps: see moe_torch.use_dense_moe)."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
@@ -89,54 +94,48 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype), requires_grad=False)
 
-    # Below this many tokens every local expert runs densely in two batched matmuls (cheaper than one
-    # small matmul per active expert when dispatch overhead dominates, as in decode and verify steps).
-    dense_token_limit = 16
+    def choose_path(self, num_tokens: int, device: torch.device) -> str:
+        """"fused" (Triton, GPU), "dense" or "grouped" (torch) for a step of num_tokens tokens. On a GPU
+        without compiled Triton (or under FakeTensorMode with the interpreter) the dense path: it is the
+        torch path with no device-to-host sync (the grouped one reads the per-expert counts)."""
+        if device.type == "cuda":
+            return "fused" if fused_moe_available() else "dense"
+        hidden = self.gate_up_proj.shape[2]
+        return "dense" if use_dense_moe(num_tokens, self.num_local, hidden, self.intermediate_size) else "grouped"
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden], weights/ids: [T, k] -> [T, hidden] float32, the sum over this rank's experts only."""
-        if ids.shape[0] <= self.dense_token_limit and self.num_local <= 4 * self.dense_token_limit:
-            return self._dense(x, weights, ids)
-        return self._sparse(x, weights, ids)
+    fp8_block: tuple[int, int] | None = None  # set by keep_fp8
 
-    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every local expert on every token, combined with the routing weights (zero where not routed)."""
-        num_tokens = x.shape[0]
+    def keep_fp8(self, block: tuple[int, int]) -> None:
+        """Holds the experts as FP8 (e4m3) with block scales gate_up_scale_inv [E, 2I/bn, H/bk] and
+        down_scale_inv [E, H/bn, I/bk] (the checkpoint's format) instead of dequantising them."""
+        if self.intermediate_size % block[0]:
+            raise ValueError(f"FP8 experts: intermediate size {self.intermediate_size} must be a multiple of the "
+                             f"{block[0]}-row quantisation block (gate and up halves keep separate scales)")
+        device = self.gate_up_proj.device
+        for name in ("gate_up_proj", "down_proj"):
+            shape = getattr(self, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
+                                             requires_grad=False))
+            scale_shape = (shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1]))
+            setattr(self, name.replace("_proj", "_scale_inv"), nn.Parameter(
+                torch.empty(scale_shape, dtype=torch.float32, device=device), requires_grad=False))
+        self.fp8_block = block
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, path: str | None = None) -> torch.Tensor:
+        """x: [T, hidden], weights/ids: [T, k] -> [T, hidden] float32, the sum over this rank's experts only.
+
+        path: force "fused", "dense", "grouped" or "loop" (tests, benchmarks); None chooses."""
+        path = path or self.choose_path(x.shape[0], x.device)
         local_ids = ids - self.expert_start
-        routed = (local_ids >= 0) & (local_ids < self.num_local)
-        combine = torch.zeros(num_tokens, self.num_local, dtype=torch.float32, device=x.device)
-        combine.scatter_add_(1, local_ids.clamp(0, self.num_local - 1), torch.where(routed, weights, 0.0))
-        gate_up = F.linear(x, self.gate_up_proj.view(-1, x.shape[1])).view(num_tokens, self.num_local, -1)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        hidden = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
-        out = torch.bmm(hidden, self.down_proj.transpose(1, 2)).float()  # [E, T, hidden]
-        return torch.bmm(combine.unsqueeze(1), out.transpose(0, 1)).squeeze(1)
-
-    def _sparse(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = ids.shape
-        local_ids = ids.reshape(-1) - self.expert_start
-        assignments = ((local_ids >= 0) & (local_ids < self.num_local)).nonzero().squeeze(1)
-        if assignments.numel() == 0:
-            return torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        order = torch.argsort(local_ids[assignments], stable=True)
-        assignments = assignments[order]  # flat (token, slot) indices grouped by expert
-        counts = torch.bincount(local_ids[assignments], minlength=self.num_local).tolist()
-        inputs = x.index_select(0, assignments // top_k)
-        results = torch.empty(inputs.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        offset = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            chunk = inputs[offset : offset + count]
-            gate, up = F.linear(chunk, self.gate_up_proj[expert]).split(self.intermediate_size, dim=-1)
-            results[offset : offset + count] = F.linear(F.silu(gate) * up, self.down_proj[expert]).float()
-            offset += count
-        results.mul_(weights.reshape(-1).index_select(0, assignments).unsqueeze(1))
-        # Back to (token, slot) order; slots routed to other ranks' experts stay zero. (index_copy_ +
-        # sum: CPU index_add_ / advanced indexing are far slower here.)
-        per_slot = torch.zeros(num_tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
-        per_slot.index_copy_(0, assignments, results)
-        return per_slot.view(num_tokens, top_k, -1).sum(dim=1)
+        if self.fp8_block is None:
+            return moe_function(path)(x, self.gate_up_proj, self.down_proj, weights, local_ids)
+        if path == "fused":
+            return moe_function(path)(x, self.gate_up_proj, self.down_proj, weights, local_ids,
+                                      gate_up_scale=self.gate_up_scale_inv, down_scale=self.down_scale_inv,
+                                      quant_block=self.fp8_block)
+        gate_up = dequantize_fp8_block(self.gate_up_proj, self.gate_up_scale_inv, self.fp8_block, x.dtype)
+        down = dequantize_fp8_block(self.down_proj, self.down_scale_inv, self.fp8_block, x.dtype)
+        return moe_function(path)(x, gate_up, down, weights, local_ids)
 
 
 class MoE(nn.Module):

@@ -20,7 +20,15 @@ from engine.layers.mlp import DenseMLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.sharding import owned_elsewhere, shard_weight
-from engine.weights import expected_weight_shapes, format_weight_errors, is_mtp_weight, iter_checkpoint
+from engine.layers.fp8_conversion import Fp8Loader
+from engine.weights import (
+    checkpoint_block_size,
+    expected_weight_shapes,
+    format_weight_errors,
+    is_mtp_weight,
+    iter_checkpoint,
+    stored_fp8_names,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +109,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         """hidden: [N, hidden] -> [N, vocab] float32, full vocabulary on every rank."""
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], fp8: Fp8Loader | None = None) -> None:
         """Copies this rank's shard of each full checkpoint tensor into place. Raises ONE ValueError naming
-        every missing, unexpected or mis-shaped tensor (nothing half-reported)."""
+        every missing, unexpected or mis-shaped tensor (nothing half-reported). fp8: FP8 weights and their
+        scales go to the layers it converted (weights kept FP8 on a GPU)."""
         config = self.config
         expected = expected_weight_shapes(config)
         params = dict(self.named_parameters())
@@ -112,6 +121,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         misshaped: list[str] = []
         for name, tensor in weights:
             if is_mtp_weight(name, config.num_hidden_layers) or name.endswith("rotary_emb.inv_freq"):
+                continue
+            is_fp8_part = name.endswith("_scale_inv") or tuple(tensor.shape) == expected.get(name)
+            if fp8 is not None and is_fp8_part and fp8.take(name, tensor):
+                seen.update({name} & expected.keys())
                 continue
             shape = expected.get(name)
             if shape is None:
@@ -124,6 +137,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             piece = shard_weight(name, tensor, self.tp, config.n_routed_experts)
             if piece is not None:
                 self._target(params, *piece).copy_(piece[1])
+        if fp8 is not None:
+            fp8.finish()
         missing = sorted(set(expected) - seen)
         if missing or unexpected or misshaped:
             raise ValueError(format_weight_errors(missing, unexpected, misshaped))
@@ -150,15 +165,20 @@ class DeepseekV3ForCausalLM(nn.Module):
 
 def load_model(
     model_dir: str | Path, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", keep_fp8: bool | None = None,
 ) -> tuple[ModelConfig, DeepseekV3ForCausalLM]:
-    """Reads config.json and the safetensors of model_dir into this rank's model, in eval mode without grads."""
+    """Reads config.json and the safetensors of model_dir into this rank's model, in eval mode without grads.
+    keep_fp8: FP8 checkpoint weights stay FP8 (Fp8Linear / FP8 experts); None: on GPUs only."""
     config = ModelConfig.from_pretrained(model_dir)
     with torch.device(device):
         model = DeepseekV3ForCausalLM(config, tp, attention, dtype)
     def skip(name: str) -> bool:
         return owned_elsewhere(name, tp, config.n_routed_experts)
 
-    model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip))
+    if keep_fp8 is None:
+        keep_fp8 = torch.device(device).type == "cuda"
+    fp8_names = stored_fp8_names(model_dir) if keep_fp8 else set()
+    fp8 = Fp8Loader(model, fp8_names, checkpoint_block_size(model_dir), tp, config) if fp8_names else None
+    model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip, keep_fp8=fp8 is not None), fp8)
     model.eval().requires_grad_(False)
     return config, model

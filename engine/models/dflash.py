@@ -237,14 +237,24 @@ def read_draft_config(draft_dir: str | Path) -> DFlashConfig:
     return DFlashConfig.from_dict(json.loads((Path(draft_dir) / "config.json").read_text()))
 
 
-def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraft:
-    """Load a draft directory; missing or unexpected tensors raise one ValueError listing them."""
+def load_draft(
+    draft_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> DFlashDraft:
+    """Load a draft directory onto `device`; missing or unexpected tensors raise one ValueError listing them."""
     path = Path(draft_dir)
-    draft = DFlashDraft(read_draft_config(path))
+    config = read_draft_config(path)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in place in `dtype` on `device` (no conversion pass afterwards)
+    try:
+        with torch.device(device):
+            draft = DFlashDraft(config)
+    finally:
+        torch.set_default_dtype(previous)
+    draft.inv_freq = draft.inv_freq.to(dtype)
     tensors = load_file(str(path / "model.safetensors"))
     expected = set(draft.state_dict())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
         raise ValueError(f"draft weights in {path} do not match config: missing {missing}, unexpected {unexpected}")
     draft.load_state_dict(tensors)
-    return draft.to(dtype).eval()
+    return draft.eval()

@@ -23,7 +23,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--attention-backend", default="auto", help="auto | torch | triton | aiter")
     parser.add_argument("--draft-model", default=None,
                         help="draft model directory (default: the model's draft/ folder if present; '' disables)")
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPUs, float32 on CPU) | float32 | bfloat16 | float16")
+    add_device_arguments(parser)
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--kv-memory-mb", type=int, default=default_memory_mb, help="KV pool size per rank (MiB)")
     parser.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk size (tokens per forward)")
@@ -43,9 +44,33 @@ def add_internal_token_argument(parser: argparse.ArgumentParser) -> None:
                              "`pdserve up` generates one); none: no token checked")
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device / --gpus / --no-graphs (workers and `pdserve up`)."""
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto (a GPU when one is visible) | cpu | cuda (NVIDIA or AMD ROCm)")
+    parser.add_argument("--gpus", default=None, help="GPUs of the ranks, e.g. 0-7 or 0,2 (rank r uses the r-th listed)")
+    parser.add_argument("--no-graphs", action="store_true", help="run decode eagerly (no CUDA graph capture)")
+
+
+def device_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """--device / --gpus / --no-graphs as worker config keywords (ValueError for a bad --gpus)."""
+    from engine.devices import parse_gpu_list
+
+    gpus = parse_gpu_list(args.gpus) if args.gpus else None
+    return dict(device=args.device, gpus=gpus, use_graphs=not args.no_graphs)
+
+
+def device_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The same flags again, for a child worker's command line."""
+    flags: tuple[str, ...] = ("--device", args.device)
+    if args.gpus:
+        flags += ("--gpus", args.gpus)
+    return flags + (("--no-graphs",) if args.no_graphs else ())
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The engine flags as keyword arguments of the worker configs."""
-    return dict(
+    """The engine flags as keyword arguments of the worker configs (ValueError for a bad --gpus)."""
+    return dict(**device_kwargs(args),
         model_dir=args.model, tp_size=args.tp_size, attention_backend=args.attention_backend,
         draft_model_dir=args.draft_model, dtype=args.dtype, page_size=args.page_size,
         kv_memory_bytes=args.kv_memory_mb * 2**20, max_batched_tokens=args.max_batched_tokens,

@@ -87,7 +87,7 @@ def make_plan(args: argparse.Namespace) -> CapacityPlan:
         gpu=lookup_gpu(args.gpu, args.gpu_memory_gb, args.gpu_price), gpus=args.gpus,
         tp_size=args.gpus if args.tp_size is None else args.tp_size, kv_dtype=args.kv_dtype,
         gpus_per_node=args.gpus_per_node, context_len=args.context_len, reserve_fraction=args.reserve_fraction,
-        reserve_gb=args.reserve_gb, throughput=args.throughput,
+        reserve_gb=args.reserve_gb, throughput=args.throughput, hybrid=model.hybrid,
     )
     return build_plan(request, model.name, model.source, computed.total)
 

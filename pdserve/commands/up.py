@@ -9,7 +9,9 @@ import signal
 import sys
 import threading
 
-from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_HTTP, DEFAULT_MODEL_DIR, fail
+from pdserve.commands.common import (
+    DEFAULT_GATEWAY, DEFAULT_HTTP, DEFAULT_MODEL_DIR, add_device_arguments, device_flags, device_kwargs, fail,
+)
 from rpc.logging_setup import configure_logging
 
 logger = logging.getLogger("pdserve.up")
@@ -38,9 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts allowed per process within --restart-window before giving up (default 5)")
     parser.add_argument("--restart-window", type=float, default=600.0, help="seconds (default 600)")
+    add_device_arguments(parser)
     parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
                         help="every worker rank loads a private copy of the weights (default: one copy per node)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for everything to be healthy")
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    """--device / --gpus errors before any process starts (e.g. cuda without a GPU, more ranks than GPUs)."""
+    from engine.devices import check_gpus, gpu_count, resolve_device
+
+    options = device_kwargs(args)
+    if args.device == "cuda" and resolve_device(args.device) == "cuda":
+        for tp in {args.prefill_tp, args.decode_tp}:
+            check_gpus(tp, options["gpus"], gpu_count())
+        raise ValueError("--device cuda: the decode worker's KV pool is CPU shared memory; a GPU pool (IPC) "
+                         "does not exist yet, so `pdserve up` runs on CPU (use LLM(device='cuda') offline)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +63,12 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.launcher import Cluster, ClusterSpec
     from pdserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
-    worker_args: tuple[str, ...] = ()
+    if args.device != "auto" or args.gpus:  # auto: the workers run on CPU (serving_device); no torch import here
+        try:
+            _check_device(args)
+        except ValueError as error:
+            return fail("up", error)
+    worker_args: tuple[str, ...] = device_flags(args) if args.device != "auto" or args.gpus or args.no_graphs else ()
     if args.num_threads is not None:
         worker_args += ("--num-threads", str(args.num_threads))
     if not args.share_weights:

@@ -9,6 +9,7 @@ from engine.config import ModelConfig
 from pdserve.plan.dtypes import UNQUANTISED_BITS, Quantization, kv_bytes
 from pdserve.plan.gpus import GB, GpuSpec
 from pdserve.plan.heads import HeadPlan, plan_heads
+from pdserve.plan.hybrid import HybridAttention
 from pdserve.plan.params import REPLICATED_GROUPS, ParamBreakdown
 
 
@@ -34,6 +35,7 @@ class PlanRequest:
     reserve_fraction: float = 0.10
     reserve_gb: float = 0.0
     throughput: float | None = None  # measured tok/s of the whole deployment
+    hybrid: HybridAttention | None = None  # KDA + MLA models: MLA layer count and per-request state
 
     def __post_init__(self) -> None:
         for name, label in _COUNTS.items():
@@ -53,10 +55,16 @@ class PlanRequest:
         if self.throughput is not None and not self.throughput > 0:
             raise ValueError(f"throughput must be positive tok/s, got {self.throughput}")
         kv_bytes(self.kv_dtype)
+        self.state_bytes_per_request
 
     @property
     def replicas(self) -> int:
         return self.gpus // self.tp_size
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """Per-request KDA state on each GPU (0 for pure-MLA models)."""
+        return 0 if self.hybrid is None else self.hybrid.state_bytes_per_request(self.tp_size)
 
     @property
     def reserve_bytes(self) -> int:
@@ -98,9 +106,17 @@ def weight_bytes(params: ParamBreakdown, quantization: Quantization, tp_size: in
     return math.ceil(total), math.ceil((total - replicated) / tp_size + replicated)
 
 
-def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:
-    """MLA latent per token: layers x (kv_lora_rank + rope dim) x dtype bytes, the same on every TP rank."""
-    return model.num_hidden_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * kv_bytes(kv_dtype)
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str, hybrid: HybridAttention | None = None) -> int:
+    """MLA latent per token: MLA layers x (kv_lora_rank + rope dim) x dtype bytes, the same on every TP rank
+    (a hybrid model caches only its MLA layers)."""
+    layers = model.num_hidden_layers if hybrid is None else hybrid.mla_layers
+    return layers * (model.kv_lora_rank + model.qk_rope_head_dim) * kv_bytes(kv_dtype)
+
+
+def bytes_per_sequence(request: PlanRequest, tp_size: int) -> int:
+    """One sequence of context_len tokens on each GPU: its MLA latents plus its KDA state."""
+    state = 0 if request.hybrid is None else request.hybrid.state_bytes_per_request(tp_size)
+    return kv_bytes_per_token(request.model, request.kv_dtype, request.hybrid) * request.context_len + state
 
 
 def kv_budget(request: PlanRequest, tp_size: int) -> int:
@@ -112,8 +128,12 @@ def kv_budget(request: PlanRequest, tp_size: int) -> int:
 def smallest_tp(request: PlanRequest) -> int | None:
     """The fewest GPUs (a TP size the engine can split the model over) that hold the weights, the
     reserve and one sequence of context_len tokens; None if even TP = heads does not."""
-    need = kv_bytes_per_token(request.model, request.kv_dtype) * request.context_len
-    return next((size for size in valid_tp_sizes(request.model) if kv_budget(request, size) >= need), None)
+    def fits(size: int) -> bool:
+        if request.hybrid is not None and request.hybrid.kda_heads % size:
+            return False
+        return kv_budget(request, size) >= bytes_per_sequence(request, size)
+
+    return next((size for size in valid_tp_sizes(request.model) if fits(size)), None)
 
 
 def heads(request: PlanRequest) -> HeadPlan:
@@ -129,8 +149,6 @@ def tok_s_per_dollar(throughput: float, gpus: int, price_per_hour: float) -> flo
     if throughput <= 0 or gpus <= 0 or price_per_hour <= 0:
         raise ValueError("throughput, GPU count and price must be positive")
     return throughput / (gpus * price_per_hour)
-
-
 
 
 def node_weight_copies(request: PlanRequest) -> dict[str, object]:
@@ -152,5 +170,6 @@ def node_weight_copies(request: PlanRequest) -> dict[str, object]:
     }
 
 
-__all__ = ["PlanRequest", "cost_per_hour", "group_bits", "heads", "kv_budget", "kv_bytes_per_token",
-           "node_weight_copies", "smallest_tp", "tok_s_per_dollar", "valid_tp_sizes", "weight_bytes"]
+__all__ = ["PlanRequest", "bytes_per_sequence", "cost_per_hour", "group_bits", "heads", "kv_budget",
+           "kv_bytes_per_token", "node_weight_copies", "smallest_tp", "tok_s_per_dollar", "valid_tp_sizes",
+           "weight_bytes"]

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.config import ModelConfig
 from pdserve.plan.dtypes import Quantization, weight_format
+from pdserve.plan.hybrid import HybridAttention
 from pdserve.plan.presets import PRESETS
 
 
@@ -19,6 +20,7 @@ class ModelSource:
     source: str
     config: ModelConfig
     quantization: Quantization
+    hybrid: HybridAttention | None = None
 
 
 def quantization_from_hf(hf_config: dict[str, Any]) -> Quantization:
@@ -58,7 +60,7 @@ def load_model(spec: str) -> ModelSource:
     preset = PRESETS.get(spec.strip().lower())
     if preset is not None:
         return ModelSource(preset.name, f"preset: {preset.description}",
-                           ModelConfig.from_hf_dict(preset.hf_config), preset.quantization)
+                           ModelConfig.from_hf_dict(preset.hf_config), preset.quantization, preset.hybrid)
     path = Path(spec)
     hf_config = _read_config(path)
     try:
@@ -68,4 +70,5 @@ def load_model(spec: str) -> ModelSource:
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
     name = path.name if path.is_dir() else path.parent.name or path.name
-    return ModelSource(name, f"config.json: {path}", config, quantization_from_hf(hf_config))
+    return ModelSource(name, f"config.json: {path}", config, quantization_from_hf(hf_config),
+                       HybridAttention.from_hf(hf_config))

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.plan.dtypes import Quantization, weight_format
+from pdserve.plan.hybrid import KIMI_K3_ATTENTION, HybridAttention
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class Preset:
     description: str
     hf_config: dict[str, Any]
     quantization: Quantization
+    hybrid: HybridAttention | None = None
 
 
 _DEEPSEEK_V3 = {
@@ -27,7 +29,8 @@ _DEEPSEEK_V3 = {
 _KIMI_K2 = dict(_DEEPSEEK_V3, vocab_size=163840, num_attention_heads=64, n_routed_experts=384,
                 first_k_dense_replace=1, n_group=1, topk_group=1)
 # Not Moonshot's published K3 config: a DeepSeek-V3-architecture stand-in sized to the seed's figures
-# (about 2.8T parameters, 96 heads, MLA latent 512 + 64, int4 experts -> about 1.56 TB).
+# (about 2.8T parameters, 96 heads, MLA latent 512 + 64, int4 experts -> about 1.56 TB). Its cache and
+# state are K3's own: 24 MLA layers cache latents, 69 KDA layers hold a fixed-size state per request.
 _KIMI_K3 = dict(_KIMI_K2, num_attention_heads=96, num_hidden_layers=62, n_routed_experts=1024)
 
 _FP8 = Quantization(weight_format("fp8"), weight_format("fp8"))
@@ -41,6 +44,6 @@ PRESETS: dict[str, Preset] = {
         Preset("kimi-k2-thinking", "Kimi K2-Thinking (~1.03T): int4 routed experts (group 32, bf16 scales), "
                "the rest bf16", _KIMI_K2, _INT4_EXPERTS),
         Preset("kimi-k3", "Kimi-K3-shaped (~2.8T, 96 heads): int4 routed experts (group 32, bf16 scales), "
-               "the rest bf16", _KIMI_K3, _INT4_EXPERTS),
+               "the rest bf16; 24 MLA + 69 KDA layers", _KIMI_K3, _INT4_EXPERTS, KIMI_K3_ATTENTION),
     )
 }

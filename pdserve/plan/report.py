@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from pdserve.plan.gpus import GB
+from pdserve.plan.heads import HeadPlan
 from pdserve.plan.result import CapacityPlan
 
 
@@ -13,6 +14,19 @@ def _gb(value: float) -> str:
 
 def _params(count: int) -> str:
     return f"{count / 1e12:.2f}T" if count >= 1e12 else f"{count / 1e9:.1f}B"
+
+
+_SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8",
+                 "float8_e4m3fnuz": "fp8 (fnuz)"}
+
+
+def _padding_note(heads: HeadPlan) -> str:
+    if heads.padded_heads is None:
+        return ", more than AITER MLA decode runs (triton / torch backend decodes it)"
+    if heads.padding_applies:
+        return (f" -> padded to {heads.padded_heads} for AITER MLA decode "
+                f"(+{heads.padding_overhead:.0%} attention compute)")
+    return ", no padding needed"
 
 
 def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
@@ -37,19 +51,19 @@ def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
         ("reserve", f"{_gb(weights['reserve_bytes_per_gpu'])} per GPU (activations, draft, fragmentation)"),
         ("KV budget", f"{_gb(kv['budget_bytes_per_gpu'])} per GPU"
                       + ("" if weights["fit_per_gpu"] else "  <- weights + reserve exceed the GPU")),
-        ("KV per token", f"{kv['bytes_per_token']:,} bytes ({kv['dtype']}: {model['layers']} layers x "
+        ("KV per token", f"{kv['bytes_per_token']:,} bytes ({kv['dtype']}: {kv['mla_layers']} MLA layers x "
                          f"{model['kv_lora_rank'] + model['rope_dim']} latent values)"),
         ("KV tokens", f"{kv['tokens_per_gpu']:,} per GPU (= per replica: every TP rank holds the whole latent)"),
+        ("state / sequence", f"{kv['state_bytes_per_request']:,} bytes per GPU ({kv['state_bytes_per_request'] / 2**20:.1f} MiB"
+                             ", KDA conv + recurrent state)" if kv["state_bytes_per_request"] else "none (no linear-attention layers)"),
         ("sequences", f"{kv['concurrent_sequences']:,} concurrent at {kv['context_len']:,} tokens of context"),
-        ("heads / rank", f"{heads.heads_per_rank} ({heads.heads} / TP{heads.tp_size})"
-                         + (f" -> padded to {heads.padded_heads} for AITER MLA decode "
-                            f"(+{heads.padding_overhead:.0%} attention compute)" if heads.padding_applies
-                            else ", no padding needed")),
+        ("heads / rank", f"{heads.heads_per_rank} ({heads.heads} / TP{heads.tp_size})" + _padding_note(heads)),
     ]
     for kernel in heads.kernels:
         runs = "unsupported" if kernel.runs_heads is None else (
             f"runs {kernel.runs_heads} heads" + (" (zero-padded)" if kernel.padded else " (native)"))
-        rows.append(("", f"{kernel.name} [{kernel.role}; heads {kernel.supported}]: {runs}"))
+        dtypes = "/".join(_SHORT_DTYPES.get(dtype, dtype) for dtype in kernel.dtypes)
+        rows.append(("", f"{kernel.name} [{kernel.role}; heads {kernel.supported}; {dtypes}]: {runs}"))
     if scale["min_gpus"] is None:
         rows.append(("smallest fit", "does not fit at any TP size the model can be split over"))
     else:

@@ -154,3 +154,11 @@ def test_docker_compose_v1_validates(profile):
     result = subprocess.run([binary, "-f", "compose.yaml", "config", "-q"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "COMPOSE_PROFILES": profile})
     assert result.returncode == 0, result.stderr
+
+
+def test_rocm_workers_run_on_the_gpus(services):
+    """The rocm profile's prefill and decode workers ask for the GPU explicitly (--device cuda, one GPU per rank)."""
+    rocm = profile_roles(services, "rocm")
+    for role in ("prefill", "decode"):
+        command = rocm[role][1]["command"]
+        assert flag(command, "--device") == "cuda" and "--gpus" in command

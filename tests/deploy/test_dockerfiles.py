@@ -28,13 +28,31 @@ def args_of(name: str, keyword: str) -> list[str]:
     return [rest for key, rest in instructions(name) if key == keyword]
 
 
+def build_arg_defaults(name: str) -> dict[str, str]:
+    """ARG NAME=default -> {NAME: default} (quotes dropped; the last declaration wins)."""
+    pairs = (arg.split("=", 1) for arg in args_of(name, "ARG") if "=" in arg)
+    return {key: value.strip('"') for key, value in pairs}
+
+
 def test_cpu_image_base_and_torch_wheel():
-    """python:3.11-slim, with torch 2.13.0 from the PyTorch CPU index (not PyPI's CUDA wheel)."""
-    assert args_of("Dockerfile.cpu", "FROM") == ["python:3.11-slim"]
+    """By default python:3.11-slim (BASE_IMAGE), with torch 2.13.0 from the PyTorch CPU index (not PyPI's
+    CUDA wheel: TORCH_SOURCE); the pdserve stage builds on the torch stage and installs pdserve editable."""
+    defaults = build_arg_defaults("Dockerfile.cpu")
+    assert defaults["BASE_IMAGE"] == "python:3.11-slim"
+    assert args_of("Dockerfile.cpu", "FROM") == ["${BASE_IMAGE} AS torch", "torch AS cpu"]
+    assert defaults["TORCH_SOURCE"] == "--index-url https://download.pytorch.org/whl/cpu"
+    assert defaults["PIP_SOURCE"] == ""
     runs = args_of("Dockerfile.cpu", "RUN")
-    torch = [run for run in runs if "torch==2.13.0" in run]
-    assert torch and "--index-url https://download.pytorch.org/whl/cpu" in torch[0]
-    assert any(run.startswith("pip install -e .") for run in runs)
+    assert "pip install ${TORCH_SOURCE} torch==2.13.0" in runs
+    assert any(run.startswith("pip install ${PIP_SOURCE} -e .") for run in runs)
+
+
+def test_rocm_image_defaults_install_aiter_and_require_rocm_torch():
+    """Only the stand-in build check turns AITER and the ROCm torch assertion off; the defaults keep both."""
+    defaults = build_arg_defaults("Dockerfile.rocm")
+    assert defaults["INSTALL_AITER"] == "1" and defaults["REQUIRE_ROCM_TORCH"] == "1"
+    runs = " ".join(args_of("Dockerfile.rocm", "RUN"))
+    assert 'if [ "${INSTALL_AITER}" = 1 ]' in runs and 'if [ "${REQUIRE_ROCM_TORCH}" = 1 ]' in runs
 
 
 def test_rocm_image_base_and_aiter_from_source():
@@ -46,7 +64,7 @@ def test_rocm_image_base_and_aiter_from_source():
     runs = " ".join(args_of("Dockerfile.rocm", "RUN"))
     assert "https://github.com/ROCm/aiter.git" in runs
     assert "setup.py develop" in runs
-    assert "pip install --no-deps -e ." in runs
+    assert "pip install ${PIP_SOURCE} --no-deps -e ." in runs
     assert "'torch', 'triton'" in runs  # excluded from the dependencies pip installs
 
 

@@ -76,6 +76,23 @@ def test_deepseek_v3_at_tp8_needs_no_padding(capsys):
     assert not any(kernel["padded"] for kernel in heads["kernels"])
 
 
+def test_48_heads_per_rank_pad_to_64_from_the_engines_table(capsys):
+    """96 heads / TP2 = 48 per rank: mla_decode_fwd has no 48-head kernel (8, 16, 32, 64, 128), so the plan
+    pads to 64, as the engine's AITER backend does; the fp8 persistent prefill runs 48 natively; each kernel
+    row names the dtypes it takes (no fp32 on AITER)."""
+    from engine.attention.head_table import MLA_DECODE
+
+    heads = plan_json(capsys, "--model", "kimi-k3", "--tp-size", "2")["heads"]
+    assert (heads["heads_per_rank"], heads["padded_heads"]) == (48, 64) == (48, MLA_DECODE.padded(48))
+    runs = {kernel["name"]: kernel["runs_heads"] for kernel in heads["kernels"]}
+    assert runs["aiter.mla_prefill_ps_fwd"] == 48
+    dtypes = {kernel["name"]: kernel["dtypes"] for kernel in heads["kernels"]}
+    assert "float32" not in dtypes["aiter.mla_decode_fwd"] and "bfloat16" in dtypes["aiter.mla_decode_fwd"]
+    assert main(["plan", "--model", "kimi-k3", "--tp-size", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "padded to 64" in table and "heads {8,16,32,64,128}; bf16/fp8/fp8 (fnuz)" in table
+
+
 @pytest.mark.parametrize("gpu, gpus, throughput, expected, rounded", [
     ("MI355X", 8, 952, 952 / (8 * 2.50), 48),
     ("B200", 16, 498, 498 / (16 * 4.25), 7),
@@ -138,11 +155,13 @@ def test_params_override_scales_weights_proportionally(capsys):
 
 
 def test_reserve_comes_out_of_the_kv_budget(capsys):
-    """Every GB reserved is a GB less for KV; sequences = tokens // context length."""
+    """Every GB reserved is a GB less for KV; sequences = budget // (context length x KV per token + the
+    per-request state of linear-attention layers, zero for pure-MLA models)."""
     base = plan_json(capsys, "--reserve-gb", "0")
     reserved = plan_json(capsys, "--reserve-gb", "10", "--context-len", "4096")
     assert base["kv"]["budget_bytes_per_gpu"] - reserved["kv"]["budget_bytes_per_gpu"] == 10 * GB
-    assert reserved["kv"]["sequences_per_replica"] == reserved["kv"]["tokens_per_gpu"] // 4096
+    kv = reserved["kv"]
+    assert kv["sequences_per_replica"] == kv["budget_bytes_per_gpu"] // (kv["bytes_per_token"] * 4096 + kv["state_bytes_per_request"])
 
 
 def test_mixed_dtypes_and_group_size(capsys):
@@ -164,10 +183,11 @@ def test_replicas_multiply_sequences_not_per_gpu_tokens(capsys):
 
 
 def test_table_output_names_the_verdicts(capsys):
-    """The default output is a readable table with the padding, node and cost verdicts."""
+    """The default output is a readable table with the padding, node and cost verdicts (96 heads / TP16 = 6
+    per rank: AITER's smallest MLA decode kernel has 8 heads)."""
     assert main(["plan", "--gpu", "B200", "--throughput", "498", "--gpus", "16"]) == 0
     table = capsys.readouterr().out
-    assert "padded to 16" in table
+    assert "padded to 8 for AITER MLA decode" in table
     assert "7.3" in table
     assert "tok/s per $" in table
     assert main(["plan", "--gpu", "B200"]) == 0

@@ -9,7 +9,8 @@ from engine.config import ModelConfig
 from pdserve.plan.capacity import PlanRequest, kv_bytes_per_token, smallest_tp, tok_s_per_dollar, weight_bytes
 from pdserve.plan.dtypes import Quantization, WeightFormat, weight_format
 from pdserve.plan.gpus import lookup_gpu
-from pdserve.plan.heads import DECODE_KERNEL, KERNELS, plan_heads
+from engine.attention.head_table import KERNELS, MLA_DECODE
+from pdserve.plan.heads import plan_heads
 from pdserve.plan.model_source import load_model, quantization_from_hf
 from pdserve.plan.params import REPLICATED_GROUPS, count_parameters
 
@@ -91,12 +92,15 @@ def test_kv_bytes_per_token_is_layers_times_latent():
         kv_bytes_per_token(config, "int2")
 
 
-@pytest.mark.parametrize("heads, tp, per_rank, padded", [(96, 8, 12, 16), (128, 8, 16, 16), (64, 8, 8, 16),
-                                                         (128, 4, 32, 32), (96, 16, 6, 16)])
+@pytest.mark.parametrize("heads, tp, per_rank, padded", [(96, 8, 12, 16), (128, 8, 16, 16), (64, 8, 8, 8),
+                                                         (128, 4, 32, 32), (96, 16, 6, 8), (384, 8, 48, 64),
+                                                         (96, 1, 96, 128), (24, 1, 24, 32), (256, 1, 256, None)])
 def test_head_padding(heads, tp, per_rank, padded):
-    """Per rank = heads / TP; AITER MLA decode runs at least 16 heads."""
+    """Per rank = heads / TP; AITER MLA decode has kernels for 8, 16, 32, 64, 128 heads (12 -> 16, 48 -> 64,
+    96 -> 128); more than 128 per rank has no AITER kernel (None, no padding overhead)."""
     plan = plan_heads(heads, tp)
-    assert (plan.heads_per_rank, plan.padded_heads, plan.padding_applies) == (per_rank, padded, per_rank != padded)
+    applies = padded is not None and per_rank != padded
+    assert (plan.heads_per_rank, plan.padded_heads, plan.padding_applies) == (per_rank, padded, applies)
 
 
 def test_kernel_head_sets():
@@ -108,7 +112,7 @@ def test_kernel_head_sets():
     assert by_name["aiter.mla_prefill_ps_fwd"].padded(12) == 16
     assert by_name["aiter.mla_prefill_ps_fwd"].padded(10) == 10
     assert by_name["aiter.flash_attn_varlen_func"].padded(12) == 12
-    assert DECODE_KERNEL.padded(24) == 24
+    assert MLA_DECODE.padded(24) == 32 and MLA_DECODE.padded(3) == 8 and MLA_DECODE.padded(129) is None
     with pytest.raises(ValueError):
         plan_heads(96, 7)
 

@@ -1,7 +1,9 @@
 """The AITER backend drives AITER's real call signatures correctly: against a fake `aiter` module that keeps
-AITER's argument lists and head-count rules and computes from the indices it is given, prefill and decode
-(12 heads: prefill native, decode padded to 16) equal the torch reference, and the softmax scale is always
-passed explicitly. Also: an unrelated module named `aiter` is treated as unavailable."""
+AITER's argument lists, head counts (non-persistent mla_decode_fwd: 8, 16, 32, 64, 128), dtypes (bf16 / fp8,
+never fp32) and page sizes (powers of two) and computes from the indices it is given, prefill and decode
+(12 heads: prefill native, decode padded to 16; 48 padded to 64) equal the torch reference in bf16, the softmax
+scale is always passed explicitly, fp32 is refused naming the dtype, and the engine's head table (shared with
+`pdserve plan`) states exactly what the fake enforces. Also: an unrelated module named `aiter` is unavailable."""
 from __future__ import annotations
 
 import sys
@@ -10,6 +12,7 @@ import types
 import pytest
 import torch
 
+from engine.attention import head_table
 from engine.attention.aiter_backend import AiterAttentionBackend, load_aiter
 from engine.attention.head_padding import HeadPaddedBackend
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -17,6 +20,11 @@ from engine.forward_batch import build_attention_metadata
 
 REFERENCE = TorchAttentionBackend()
 LATENT, ROPE, PAGE = 32, 16, 16
+# What AITER's source says (ROCm/aiter aiter/mla.py, csrc asm_mla): the fake enforces these independently
+# of engine.attention.head_table, and test_head_table_states_what_aiter_enforces compares the two.
+AITER_DECODE_HEADS = (8, 16, 32, 64, 128)
+AITER_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+BF16 = {"rtol": 2e-2, "atol": 2e-2}
 
 
 def _causal_attention(q, k, v, scale):
@@ -44,6 +52,7 @@ class FakeAiter:
                                softmax_scale=None, causal=False, window_size=(-1, -1), bias=None, alibi_slopes=None,
                                deterministic=False, return_lse=False, return_attn_probs=False, block_table=None):
         assert softmax_scale is not None, "AITER's default scale (1/sqrt(192)) is wrong for MLA"
+        assert q.dtype in (torch.bfloat16, torch.float16), f"flash_attn_varlen_func: {q.dtype} not supported"
         assert causal and dropout_p == 0.0
         assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
         cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -61,7 +70,9 @@ class FakeAiter:
                        page_size=1, nhead_kv=1, sm_scale=None, logit_cap=0.0, num_kv_splits=None, **unused):
         assert sm_scale is not None, "AITER's default scale (1/sqrt(576)) is wrong once yarn mscale applies"
         total, heads, entry = q.shape
-        assert heads >= 16 and heads % 16 == 0, f"mla_decode_fwd: nhead={heads} not supported"
+        assert heads in AITER_DECODE_HEADS, f"mla_decode_fwd: nhead={heads} not supported"
+        assert q.dtype in AITER_DTYPES and kv_buffer.dtype in AITER_DTYPES, f"mla_decode_fwd: {q.dtype} not supported"
+        assert page_size & (page_size - 1) == 0, f"mla_decode_fwd: page_size {page_size} is not a power of two"
         assert kv_buffer.dim() == 4 and kv_buffer.shape[1] == page_size and kv_buffer.shape[2] == nhead_kv == 1
         assert kv_buffer.shape[3] == entry and o.shape[:2] == (total, heads)
         for tensor in (qo_indptr, kv_indptr, kv_indices, kv_last_page_lens):
@@ -87,18 +98,23 @@ class FakeAiter:
                                    max_seqlen_q, page_size=1, sm_scale=sm_scale)
 
 
-def _paged_case(generator, heads, q_lens, kv_lens):
-    num_pages = sum(-(-n // PAGE) for n in kv_lens) + 3
+def _paged_case(generator, heads, q_lens, kv_lens, page=PAGE, dtype=torch.bfloat16):
+    num_pages = sum(-(-n // page) for n in kv_lens) + 3
     order = torch.randperm(num_pages, generator=generator).tolist()
     tables, used = [], 0
     for kv_len in kv_lens:
-        count = -(-kv_len // PAGE)
+        count = -(-kv_len // page)
         tables.append(order[used : used + count])
         used += count
-    attn = build_attention_metadata(list(q_lens), list(kv_lens), tables, PAGE)
-    cache = torch.randn(num_pages, PAGE, LATENT + ROPE, generator=generator)
-    q = torch.randn(sum(q_lens), heads, LATENT + ROPE, generator=generator)
+    attn = build_attention_metadata(list(q_lens), list(kv_lens), tables, page)
+    cache = torch.randn(num_pages, page, LATENT + ROPE, generator=generator).to(dtype)
+    q = torch.randn(sum(q_lens), heads, LATENT + ROPE, generator=generator).to(dtype)
     return q, cache, attn
+
+
+def _reference_decode(q, cache, attn, scale):
+    """The torch backend in fp32 on the same (bf16-rounded) inputs."""
+    return REFERENCE.decode(q.float(), cache.float(), attn, scale, LATENT)
 
 
 def test_prefill_runs_12_heads_natively_with_explicit_scale():
@@ -107,13 +123,14 @@ def test_prefill_runs_12_heads_natively_with_explicit_scale():
     backend = HeadPaddedBackend(AiterAttentionBackend(fake.aiter, fake.mla))
     generator = torch.Generator().manual_seed(0)
     q_lens, k_lens = (5, 17, 2), (5, 30, 9)
-    q = torch.randn(sum(q_lens), 12, 48, generator=generator)
-    k = torch.randn(sum(k_lens), 12, 48, generator=generator)
-    v = torch.randn(sum(k_lens), 12, 32, generator=generator)
+    q = torch.randn(sum(q_lens), 12, 48, generator=generator).bfloat16()
+    k = torch.randn(sum(k_lens), 12, 48, generator=generator).bfloat16()
+    v = torch.randn(sum(k_lens), 12, 32, generator=generator).bfloat16()
     cu_q = torch.tensor([0, 5, 22, 24], dtype=torch.int32)
     cu_k = torch.tensor([0, 5, 35, 44], dtype=torch.int32)
     out = backend.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.123)
-    torch.testing.assert_close(out, REFERENCE.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.123))
+    expected = REFERENCE.prefill(q.float(), k.float(), v.float(), cu_q, cu_k, q_lens, k_lens, 0.123)
+    torch.testing.assert_close(out.float(), expected, **BF16)
     assert fake.calls == [("prefill", 12, 0.123)]
 
 
@@ -132,18 +149,21 @@ def test_decode_pads_12_heads_to_16_and_matches_reference(paged, q_lens, kv_lens
     q, cache, attn = _paged_case(generator, 12, q_lens, kv_lens)
     out = backend.decode(q, cache, attn, 0.0911, LATENT)
     assert out.shape == (sum(q_lens), 12, LATENT)
-    torch.testing.assert_close(out, REFERENCE.decode(q, cache, attn, 0.0911, LATENT))
+    torch.testing.assert_close(out.float(), _reference_decode(q, cache, attn, 0.0911), **BF16)
     assert fake.calls == [("decode", 16, 0.0911)] * len(set(q_lens))
 
 
 def test_backend_declares_per_op_head_support():
-    """Prefill runs any head count; decode only multiples of 16 up to 128; the whole backend needs both."""
+    """Prefill runs any head count; decode 8, 16, 32, 64 or 128 (12 -> 16, 48 -> 64, 96 -> 128); the whole
+    backend needs both."""
     fake = FakeAiter()
     backend = AiterAttentionBackend(fake.aiter, fake.mla)
     assert backend.supports_prefill_num_heads(12) and not backend.supports_decode_num_heads(12)
-    assert backend.supports_decode_num_heads(16) and backend.supports_decode_num_heads(128)
+    assert all(backend.supports_decode_num_heads(n) for n in AITER_DECODE_HEADS)
+    assert not any(backend.supports_decode_num_heads(n) for n in (4, 12, 24, 48, 80, 96, 112, 256))
     assert not backend.supports_num_heads(12) and backend.supports_num_heads(32)
-    assert HeadPaddedBackend(backend).padded_heads(12, "decode") == 16
+    padded = HeadPaddedBackend(backend)
+    assert [padded.padded_heads(n, "decode") for n in (1, 12, 24, 48, 96)] == [8, 16, 32, 64, 128]
 
 
 def test_an_unrelated_aiter_package_counts_as_unavailable(monkeypatch):
@@ -167,3 +187,50 @@ def test_real_looking_aiter_module_is_accepted(monkeypatch):
     q, cache, attn = _paged_case(torch.Generator().manual_seed(5), 16, (1,), (9,))
     backend.decode(q, cache, attn, 0.2, LATENT)
     assert fake.calls == [("decode", 16, 0.2)]
+
+
+def test_head_table_states_what_aiter_enforces():
+    """engine.attention.head_table (also read by `pdserve plan`) lists exactly the decode head counts and
+    dtypes the fake AITER (AITER's source) accepts, and refuses fp32 everywhere."""
+    assert head_table.MLA_DECODE.allowed == AITER_DECODE_HEADS
+    assert set(head_table.MLA_DECODE.dtypes) == {str(d).removeprefix("torch.") for d in AITER_DTYPES}
+    assert head_table.MLA_PREFILL.allowed == (16, 128)
+    assert head_table.FP8_MHA_PREFILL.allowed == (1, 2, 4, 8, 10, 16, 32, 40, 48, 64, 96, 128)
+    for kernel in head_table.KERNELS[:-1]:  # every AITER kernel; the last row is the triton / torch fallback
+        assert "float32" not in kernel.dtypes
+    assert [head_table.mla_decode_page_size_supported(p) for p in (1, 16, 64, 12, 0)] == [True] * 3 + [False] * 2
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_fp32_is_refused_naming_the_dtype(op):
+    """AITER has no fp32 MLA / flash kernels: the backend raises ValueError naming float32 before calling AITER."""
+    fake = FakeAiter()
+    backend = HeadPaddedBackend(AiterAttentionBackend(fake.aiter, fake.mla))
+    q, cache, attn = _paged_case(torch.Generator().manual_seed(2), 16, (1,), (9,), dtype=torch.float32)
+    with pytest.raises(ValueError, match="float32"):
+        if op == "decode":
+            backend.decode(q, cache, attn, 0.1, LATENT)
+        else:
+            cu = torch.tensor([0, 1], dtype=torch.int32)
+            backend.prefill(q, q, q[:, :, :LATENT], cu, cu, (1,), (1,), 0.1)
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize(("heads", "runs"), [(48, 64), (8, 8)])
+def test_decode_pads_to_the_next_kernel_head_count(heads, runs):
+    """48 heads run on the 64-head kernel, 8 heads natively; the real heads equal the reference."""
+    fake = FakeAiter()
+    backend = HeadPaddedBackend(AiterAttentionBackend(fake.aiter, fake.mla))
+    q, cache, attn = _paged_case(torch.Generator().manual_seed(heads), heads, (1, 1), (5, 20))
+    out = backend.decode(q, cache, attn, 0.07, LATENT)
+    torch.testing.assert_close(out.float(), _reference_decode(q, cache, attn, 0.07), **BF16)
+    assert fake.calls == [("decode", runs, 0.07)]
+
+
+def test_non_power_of_two_pages_use_token_level_indices():
+    """A cache with 12-token pages (not a page size mla_decode_fwd takes) is passed as pages of one token."""
+    fake = FakeAiter()
+    backend = HeadPaddedBackend(AiterAttentionBackend(fake.aiter, fake.mla))
+    q, cache, attn = _paged_case(torch.Generator().manual_seed(12), 16, (1, 1), (7, 30), page=12)
+    out = backend.decode(q, cache, attn, 0.05, LATENT)
+    torch.testing.assert_close(out.float(), _reference_decode(q, cache, attn, 0.05), **BF16)

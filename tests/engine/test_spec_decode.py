@@ -9,7 +9,6 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine import spec_decode
-from engine.spec_verify import VerifyResult
 from tests.engine.spec_fixtures import add_random_draft, make_small_vocab_checkpoint, make_tiny_checkpoint
 
 PROMPTS = [[5 + i % 7, 6 + i, 7, 8 + (3 * i) % 11] * (1 + i % 5) for i in range(20)]
@@ -115,9 +114,11 @@ def test_broken_verifier_is_detected(small_vocab_llm, monkeypatch):
     """Negative control: a verifier that always accepts the draft (ignoring p/q) fails the same statistic."""
 
     def accept_everything(draft_tokens, draft_probs, target_probs, generators):
-        return [VerifyResult(tokens.tolist() + [int(p[-1].argmax())], len(tokens)) for tokens, p in zip(draft_tokens, target_probs)]
+        accepted = torch.tensor([len(tokens) for tokens in draft_tokens])
+        finals = torch.stack([p[-1].argmax() for p in target_probs])
+        return None, accepted, finals
 
-    monkeypatch.setattr(spec_decode, "verify_sampled", accept_everything)
+    monkeypatch.setattr(spec_decode, "verify_sampled_tensors", accept_everything)
     llm = small_vocab_llm
     exact = _exact_second_token_distribution(llm, temperature=1.0)
     p_value = _chi_square_p_value(_second_tokens(llm, temperature=1.0), exact)

@@ -1,0 +1,156 @@
+"""Kimi Delta Attention layer (Kimi Linear / Kimi K3), heads split over tensor-parallel ranks.
+
+x -> q|k|v projections -> depthwise causal conv (width W, state = last W-1 inputs) + SiLU -> per-head
+L2 norm of q and k (q scaled by K^-1/2) -> delta-rule recurrence with per-channel decay g and
+beta = sigmoid(b_proj(x)) -> per-head RMSNorm(o_norm) * sigmoid(output gate) -> o_proj (all-reduced).
+
+State (engine/state_pool.py): cache.state.conv[kda_index] [slots, W-1, 3*P_local] (q|k|v blocks) and
+cache.state.recurrent[kda_index] [slots, H_local, K, V], at batch.state_slots. EXTEND runs the chunked
+form per sequence, DECODE the recurrent form over all sequences at once; both continue from the slot.
+On CUDA with fla importable (and agreeing with the reference), prefill uses fla's chunk_kda instead.
+Parameter names are the on-disk ones (q_conv1d, f_a_proj, A_log, ...). Conv weights stay float32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.distributed import TPGroup
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.kda_fla import fla_chunked_kda
+from engine.layers.kda_ops import causal_conv, kda_chunked, kda_gate, kda_recurrent, l2_normalize
+from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from engine.model_configs.kimi_linear import KimiLinearConfig
+from engine.sharding import shard_weight
+
+CHUNK_SIZE = 64
+
+
+class KimiDeltaAttention(nn.Module):
+    """x [T, hidden] -> [T, hidden]; linear_attn.num_heads / tp heads on this rank."""
+
+    def __init__(self, config: KimiLinearConfig, layer_index: int, kda_index: int, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        lac = config.linear_attn
+        if lac.num_heads % tp.size:
+            raise ValueError(f"linear_attn_config.num_heads={lac.num_heads} is not divisible by tp_size={tp.size}")
+        self.layer_index, self.kda_index, self.tp = layer_index, kda_index, tp
+        self.total_heads = lac.num_heads
+        self.num_heads = lac.num_heads // tp.size
+        self.head_dim = lac.head_dim
+        self.lower_bound = lac.gate_lower_bound
+        self.eps = config.rms_norm_eps
+        hidden, width, proj = config.hidden_size, lac.short_conv_kernel_size, lac.num_heads * lac.head_dim
+        self.hidden_size, self.conv_width = hidden, width
+        local = self.num_heads * self.head_dim
+        self.q_proj = ColumnParallelLinear(hidden, proj, tp, dtype)
+        self.k_proj = ColumnParallelLinear(hidden, proj, tp, dtype)
+        self.v_proj = ColumnParallelLinear(hidden, proj, tp, dtype)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            conv = nn.Module()
+            conv.weight = nn.Parameter(torch.zeros(local, 1, width, dtype=torch.float32), requires_grad=False)
+            self.add_module(name, conv)
+        self.f_a_proj = ReplicatedLinear(hidden, self.head_dim, dtype)
+        self.f_b_proj = ColumnParallelLinear(self.head_dim, proj, tp, dtype)
+        self.dt_bias = nn.Parameter(torch.zeros(local, dtype=torch.float32), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
+        self.b_proj = ColumnParallelLinear(hidden, lac.num_heads, tp, dtype)
+        self.full_rank_gate = lac.use_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = ColumnParallelLinear(hidden, proj, tp, dtype)
+        else:
+            self.g_a_proj = ReplicatedLinear(hidden, self.head_dim, dtype)
+            self.g_b_proj = ColumnParallelLinear(self.head_dim, proj, tp, dtype)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim, dtype=dtype), requires_grad=False)
+        self.o_proj = RowParallelLinear(proj, hidden, tp, dtype)
+
+    # ---- weights ----
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Local name -> full on-disk shape. A_log is listed as [H]; accepts_shape also takes its other layouts."""
+        proj, dim, heads, hidden = self.total_heads * self.head_dim, self.head_dim, self.total_heads, self.hidden_size
+        shapes = {
+            "q_proj.weight": (proj, hidden), "k_proj.weight": (proj, hidden), "v_proj.weight": (proj, hidden),
+            "q_conv1d.weight": (proj, 1, self.conv_width), "k_conv1d.weight": (proj, 1, self.conv_width),
+            "v_conv1d.weight": (proj, 1, self.conv_width), "f_a_proj.weight": (dim, hidden),
+            "f_b_proj.weight": (proj, dim), "dt_bias": (proj,), "A_log": (heads,), "b_proj.weight": (heads, hidden),
+            "o_norm.weight": (dim,), "o_proj.weight": (hidden, proj),
+        }
+        if self.full_rank_gate:
+            shapes["g_proj.weight"] = (proj, hidden)
+        else:
+            shapes.update({"g_a_proj.weight": (dim, hidden), "g_b_proj.weight": (proj, dim)})
+        return shapes
+
+    def accepts_shape(self, local_name: str, shape: tuple[int, ...]) -> bool:
+        """A_log: [H], transformers' [1, 1, H, 1] or K3's zero-padded [n >= H]; every other tensor its exact shape."""
+        if local_name == "A_log":
+            return shape in ((self.total_heads,), (1, 1, self.total_heads, 1)) or (
+                len(shape) == 1 and shape[0] >= self.total_heads)
+        return self.expected_shapes().get(local_name) == tuple(shape)
+
+    def load_weight(self, local_name: str, tensor: torch.Tensor) -> None:
+        """Copies this rank's piece of one full checkpoint tensor (local_name as in expected_shapes, or "A_log").
+
+        A_log may be [H], transformers' [1, 1, H, 1] or K3's zero-padded [>= H]: the first H entries
+        are the per-head values."""
+        if not self.accepts_shape(local_name, tuple(tensor.shape)):
+            raise ValueError(f"layer {self.layer_index} self_attn.{local_name}: shape {tuple(tensor.shape)}, "
+                             f"expected {self.expected_shapes().get(local_name)}")
+        if local_name == "A_log":
+            values = tensor.reshape(-1)
+            start = self.tp.rank * self.num_heads
+            self.A_log.data.copy_(values[start : start + self.num_heads])
+            return
+        _, piece = shard_weight(f"model.layers.{self.layer_index}.self_attn.{local_name}", tensor, self.tp, 1)
+        dict(self.named_parameters())[local_name].data.copy_(piece)
+
+    # ---- forward ----
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        if batch.state_slots is None or cache.state is None:
+            raise ValueError("a KDA layer needs batch.state_slots and cache.state (a model with linear attention)")
+        num_tokens, heads, dim = x.shape[0], self.num_heads, self.head_dim
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
+        conv_pool = cache.state.conv[self.kda_index]
+        ssm_pool = cache.state.recurrent[self.kda_index]
+        slots = batch.state_slots
+        bounds = batch.attn.cu_seqlens_q.tolist()
+        conv_out = torch.empty(num_tokens, mixed.shape[1], dtype=torch.float32, device=x.device)
+        for i, slot in enumerate(slots.tolist()):
+            rows = slice(bounds[i], bounds[i + 1])
+            conv_out[rows], window = causal_conv(mixed[rows], conv_pool[slot], weight)
+            conv_pool[slot] = window.to(conv_pool.dtype)
+        q, k, v = conv_out.view(num_tokens, 3, heads, dim).unbind(1)
+        q, k = l2_normalize(q) * dim ** -0.5, l2_normalize(k)
+        forget = self.f_b_proj(self.f_a_proj(x)).view(num_tokens, heads, dim)
+        g = kda_gate(forget, self.dt_bias.view(heads, dim), self.A_log, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        out = self._recur(q, k, v, g, beta, ssm_pool, slots, bounds, batch.mode)
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
+        gated = normed * torch.sigmoid(gate.float().view(num_tokens, heads, dim))
+        return self.o_proj(gated.reshape(num_tokens, heads * dim).to(x.dtype))
+
+    def _recur(self, q, k, v, g, beta, ssm_pool, slots, bounds, mode) -> torch.Tensor:
+        """-> o [T, H, V] float32, the slots' recurrent states advanced in place."""
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        if mode == ForwardMode.DECODE and len(set(lengths)) == 1:
+            n, t = len(lengths), lengths[0]
+            state = ssm_pool.index_select(0, slots)
+            out, state = kda_recurrent(*(z.view(n, t, *z.shape[1:]) for z in (q, k, v, g, beta)), state)
+            ssm_pool.index_copy_(0, slots, state.to(ssm_pool.dtype))
+            return out.view(n * t, *out.shape[2:])
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        chunked = fla_chunked_kda(v.device) or (lambda *args: kda_chunked(*args, CHUNK_SIZE))
+        for i, slot in enumerate(slots.tolist()):
+            rows = slice(bounds[i], bounds[i + 1])
+            if mode == ForwardMode.DECODE:
+                o, state = kda_recurrent(q[None, rows], k[None, rows], v[None, rows], g[None, rows],
+                                         beta[None, rows], ssm_pool[slot][None])
+                o, state = o[0], state[0]
+            else:
+                o, state = chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_pool[slot])
+            out[rows] = o
+            ssm_pool[slot] = state.to(ssm_pool.dtype)
+        return out

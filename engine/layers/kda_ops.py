@@ -1,0 +1,109 @@
+"""Kimi Delta Attention maths, the torch reference: pure functions on plain tensors.
+
+Per head, with state S in R^{K x V} (K-major, S[k, v]), log-decay g_t in R^K (<= 0), beta_t in (0, 1):
+    S <- diag(exp(g_t)) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
+(q and k already L2-normalised, q scaled by K^-1/2). Two forms of the same recurrence:
+
+recurrent: token by token (decode; any batch of sequences advancing one step together).
+chunked:   chunks of C tokens. Inside a chunk, with G_t = g_1 + ... + g_t (cumulative log-decay from
+    the chunk start) and S_0 the state entering the chunk,
+        S_t = diag(e^{G_t}) S_0 + sum_{s<=t} diag(e^{G_t - G_s}) k_s u_s^T,
+    so u solves the unit-lower-triangular system (I + diag(beta) A) U = diag(beta) (V - (K * e^G) S_0)
+    with A[t, s] = sum_c k_t[c] k_s[c] e^{G_t[c] - G_s[c]} for s < t, and
+        o_t = S_0^T (q_t * e^{G_t}) + sum_{s<=t} (sum_c q_t[c] k_s[c] e^{G_t[c] - G_s[c]}) u_s,
+        S_C = diag(e^{G_C}) S_0 + sum_s (k_s * e^{G_C - G_s}) u_s^T.
+    Only differences G_t - G_s with s <= t are exponentiated, so nothing overflows.
+Everything is computed in float32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2_NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_NORM_EPS) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in float32."""
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def kda_gate(forget: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """forget: [T, H, K] (f_b_proj(f_a_proj(x))), dt_bias: [H, K], a_log: [H] -> log-decay g [T, H, K] float32.
+
+    lower_bound None (Kimi Linear): g = -exp(A_log) * softplus(z); else (K3 "safe gate"):
+    g = lower_bound * sigmoid(exp(A_log) * z); z = forget + dt_bias."""
+    z = forget.float() + dt_bias.float()
+    rate = torch.exp(a_log.float())[None, :, None]
+    if lower_bound is None:
+        softplus = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
+        return -rate * softplus
+    return lower_bound * torch.sigmoid(rate * z)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of one sequence continuing from its window, then SiLU.
+
+    x: [T, C] new pre-conv inputs; state: [W-1, C] the previous W-1 inputs (oldest first, zero at start);
+    weight: [C, W] (tap W-1 multiplies the current input). -> (silu(conv) [T, C] float32, new state [W-1, C])."""
+    width = weight.shape[1]
+    window = torch.cat([state.to(x.dtype), x], dim=0)  # [W-1+T, C]
+    frames = window.float().unfold(0, width, 1)  # [T, C, W]
+    out = (frames * weight.float()[None]).sum(dim=-1)
+    return F.silu(out), window[-(width - 1):]
+
+
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, g: [N, T, H, K]; v: [N, T, H, V]; beta: [N, T, H]; state: [N, H, K, V]
+    -> (o [N, T, H, V], final state [N, H, K, V]), all float32. N sequences advance together."""
+    s = state.float().clone()
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(q.shape[1]):
+        s = s * torch.exp(g[:, t]).unsqueeze(-1)
+        predicted = torch.einsum("nhkv,nhk->nhv", s, k[:, t])
+        u = beta[:, t].unsqueeze(-1) * (v[:, t] - predicted)
+        s = s + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
+        out[:, t] = torch.einsum("nhkv,nhk->nhv", s, q[:, t])
+    return out, s
+
+
+def _chunk(q, k, v, g, beta, s0):
+    """One chunk of one sequence. q, k, g: [H, C, K]; v: [H, C, V]; beta: [H, C]; s0: [H, K, V]."""
+    size = q.shape[1]
+    cum = torch.cumsum(g, dim=1)  # G_t
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    diff = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(~causal[None, :, :, None], float("-inf"))
+    decay = torch.exp(diff)  # [H, t, s, K], zero above the diagonal
+    a = torch.einsum("htc,hsc,htsc->hts", k, k, decay).tril(-1)
+    system = torch.eye(size, device=q.device) + beta.unsqueeze(-1) * a
+    rhs = beta.unsqueeze(-1) * (v - torch.einsum("htk,hkv->htv", k * torch.exp(cum), s0))
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    scores = torch.einsum("htc,hsc,htsc->hts", q, k, decay)
+    out = torch.einsum("htk,hkv->htv", q * torch.exp(cum), s0) + scores @ u
+    tail = torch.exp(cum[:, -1:] - cum)  # e^{G_C - G_s}
+    state = torch.exp(cum[:, -1]).unsqueeze(-1) * s0 + torch.einsum("hsk,hsv->hkv", k * tail, u)
+    return out, state
+
+
+def kda_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence. q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H]; state: [H, K, V]
+    -> (o [T, H, V], final state [H, K, V]), float32; same result as kda_recurrent."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    q, k, v, g = (t.float().transpose(0, 1) for t in (q, k, v, g))  # [H, T, .]
+    beta = beta.float().transpose(0, 1)
+    s = state.float()
+    outs = []
+    for start in range(0, q.shape[1], chunk_size):
+        piece = slice(start, start + chunk_size)
+        out, s = _chunk(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], s)
+        outs.append(out)
+    return torch.cat(outs, dim=1).transpose(0, 1), s

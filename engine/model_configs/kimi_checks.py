@@ -1,0 +1,86 @@
+"""Validation of a KimiLinearConfig: every unsupported value is a ValueError naming its field."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.model_configs.kimi_linear import KimiLinearConfig
+
+_POSITIVE = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "intermediate_size", "moe_layer_freq",
+    "num_experts", "num_experts_per_token", "moe_intermediate_size", "num_expert_group", "topk_group",
+)
+_NON_NEGATIVE = ("first_k_dense_replace", "num_shared_experts", "num_nextn_predict_layers")
+_OPTIONAL_POSITIVE = ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_kimi_config(c: KimiLinearConfig) -> None:
+    from engine.model_configs.kimi_linear import HIDDEN_ACTS, MODEL_TYPES, SSM_DTYPES
+
+    if c.model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {c.model_type!r}")
+    for name in _POSITIVE:
+        if not _is_int(getattr(c, name)) or getattr(c, name) <= 0:
+            raise ValueError(f"{name} must be a positive int, got {getattr(c, name)!r}")
+    for name in _NON_NEGATIVE:
+        if not _is_int(getattr(c, name)) or getattr(c, name) < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {getattr(c, name)!r}")
+    for name in _OPTIONAL_POSITIVE:
+        value = getattr(c, name)
+        if value is not None and (not _is_int(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive int or null, got {value!r}")
+    c.linear_attn.check_layers(c.num_hidden_layers)
+    if not c.mla_use_nope:
+        raise ValueError("mla_use_nope=false (rotary MLA in a Kimi model) is not supported")
+    if c.hidden_act not in HIDDEN_ACTS:
+        raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {c.hidden_act!r}")
+    if c.hidden_act == "situ":
+        for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+            value = getattr(c, name)
+            if value is None or not value > 0:
+                raise ValueError(f"{name} must be a positive number when hidden_act is 'situ', got {value!r}")
+    if c.moe_router_activation_func != "sigmoid":
+        raise ValueError(f"moe_router_activation_func must be 'sigmoid', got {c.moe_router_activation_func!r}")
+    if c.topk_method != "noaux_tc":
+        raise ValueError(f"topk_method must be 'noaux_tc', got {c.topk_method!r}")
+    if c.num_experts_per_token > c.num_experts:
+        raise ValueError(f"num_experts_per_token={c.num_experts_per_token} exceeds num_experts={c.num_experts}")
+    if c.num_experts % c.num_expert_group:
+        raise ValueError(f"num_expert_group={c.num_expert_group} does not divide num_experts={c.num_experts}")
+    if c.topk_group > c.num_expert_group:
+        raise ValueError(f"topk_group={c.topk_group} exceeds num_expert_group={c.num_expert_group}")
+    if c.num_experts // c.num_expert_group < 2:
+        raise ValueError(f"num_expert_group={c.num_expert_group} leaves fewer than 2 experts per group")
+    if c.latent_moe_use_norm and c.routed_expert_hidden_size is None:
+        raise ValueError("latent_moe_use_norm=true needs routed_expert_hidden_size")
+    if c.num_nextn_predict_layers:
+        raise ValueError(f"num_nextn_predict_layers={c.num_nextn_predict_layers}: MTP layers are not supported")
+    if c.mamba_ssm_dtype not in SSM_DTYPES:
+        raise ValueError(f"mamba_ssm_dtype must be one of {sorted(SSM_DTYPES)}, got {c.mamba_ssm_dtype!r}")
+    if not c.rms_norm_eps > 0:
+        raise ValueError(f"rms_norm_eps must be positive, got {c.rms_norm_eps}")
+    if not c.routed_scaling_factor > 0:
+        raise ValueError(f"routed_scaling_factor must be positive, got {c.routed_scaling_factor}")
+    if c.model_type == "kimi_linear":
+        _check_kimi_linear_only(c)
+
+
+def _check_kimi_linear_only(c: KimiLinearConfig) -> None:
+    """The kimi_linear model (transformers' architecture) has none of K3's extra parts."""
+    k3_only = {
+        "routed_expert_hidden_size": c.routed_expert_hidden_size is not None,
+        "attn_res_block_size": c.attn_res_block_size is not None,
+        "mla_use_output_gate": c.mla_use_output_gate,
+        "hidden_act": c.hidden_act != "silu",
+        "quantization_config": c.quantization is not None,
+        "linear_attn_config.use_full_rank_gate": c.linear_attn.use_full_rank_gate,
+    }
+    for name, used in k3_only.items():
+        if used:
+            raise ValueError(f"{name}: a Kimi K3 feature, not supported with model_type 'kimi_linear' "
+                             "(use model_type 'kimi_k3')")

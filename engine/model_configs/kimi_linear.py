@@ -1,0 +1,201 @@
+"""Configuration of Kimi Linear (model_type "kimi_linear", flat) and Kimi K3 ("kimi_k3", nested text_config).
+
+K3's decoder config IS a kimi_linear text_config with extra fields (LatentMoE, SiTU, Attention
+Residuals, output-gated MLA, safe KDA gate, MXFP4 experts); one dataclass holds both, model_type
+says which. Field names are the checkpoint's (Moonshot / transformers) names. Parsing lives in
+engine/model_configs/kimi_parse.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import check_tp_split
+from engine.model_configs.linear_attn import LinearAttnConfig
+from engine.model_configs.quantization import QuantizationConfig
+from engine.state_pool import StateShape
+
+MODEL_TYPES = ("kimi_linear", "kimi_k3")
+HIDDEN_ACTS = ("silu", "situ")
+SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# transformers' kimi_linear builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps.
+HF_LATENT_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class KimiLinearConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    mla_use_nope: bool
+    mla_use_output_gate: bool
+    max_position_embeddings: int
+    rms_norm_eps: float
+    hidden_act: str
+    activation_situ_beta: float | None
+    activation_situ_linear_beta: float | None
+    intermediate_size: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    num_experts: int
+    num_experts_per_token: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    routed_expert_hidden_size: int | None
+    latent_moe_use_norm: bool
+    moe_router_activation_func: str
+    topk_method: str
+    use_grouped_topk: bool
+    num_expert_group: int
+    topk_group: int
+    moe_renormalize: bool
+    routed_scaling_factor: float
+    attn_res_block_size: int | None
+    num_nextn_predict_layers: int
+    linear_attn: LinearAttnConfig
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: tuple[int, ...]
+    pad_token_id: int | None = None
+    media_placeholder_token_id: int | None = None
+    quantization: QuantizationConfig | None = None
+    mamba_ssm_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        from engine.model_configs.kimi_checks import check_kimi_config
+
+        check_kimi_config(self)
+
+    # ---- MLA (the fields engine.layers.mla reads) ----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+    @property
+    def kv_cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mla_latent_norm_eps(self) -> float:
+        """K3 builds q_a_layernorm / kv_a_layernorm with rms_norm_eps; transformers' kimi_linear with 1e-6."""
+        return self.rms_norm_eps if self.model_type == "kimi_k3" else HF_LATENT_NORM_EPS
+
+    # ---- DeepSeek-style MoE names (engine.layers.moe reads these) ----
+    @property
+    def n_routed_experts(self) -> int:
+        return self.num_experts
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return self.num_experts_per_token
+
+    @property
+    def n_shared_experts(self) -> int:
+        return self.num_shared_experts
+
+    @property
+    def n_group(self) -> int:
+        return self.num_expert_group
+
+    @property
+    def scoring_func(self) -> str:
+        return self.moe_router_activation_func
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        return self.moe_renormalize
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.num_shared_experts
+
+    # ---- layer kinds (0-indexed) ----
+    def is_kda_layer(self, layer: int) -> bool:
+        return self.linear_attn.is_kda_layer(layer)
+
+    def is_mla_layer(self, layer: int) -> bool:
+        return not self.linear_attn.is_kda_layer(layer)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+    @property
+    def kda_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_kda_layer(i))
+
+    @property
+    def mla_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_mla_layer(i))
+
+    def kda_index(self, layer: int) -> int:
+        """Ordinal of KDA layer `layer` among the KDA layers (its row in the state pool)."""
+        return self.kda_layer_ids.index(layer)
+
+    def mla_index(self, layer: int) -> int:
+        """Ordinal of MLA layer `layer` among the MLA layers (its layer in the page cache)."""
+        return self.mla_layer_ids.index(layer)
+
+    @property
+    def num_kda_layers(self) -> int:
+        return len(self.linear_attn.kda_layers)
+
+    @property
+    def num_mla_layers(self) -> int:
+        return len(self.linear_attn.full_attn_layers)
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers of the paged latent cache (MLA layers only)."""
+        return self.num_mla_layers
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return self.num_kda_layers > 0
+
+    def state_shape(self, tp_size: int, num_slots: int, conv_dtype: torch.dtype) -> StateShape:
+        """This rank's state-pool geometry: heads and q|k|v conv channels divided by tp_size."""
+        heads = self.linear_attn.num_heads // tp_size
+        dim = self.linear_attn.head_dim
+        return StateShape(
+            num_kda_layers=self.num_kda_layers, num_slots=num_slots,
+            conv_width=self.linear_attn.short_conv_kernel_size - 1, conv_channels=3 * heads * dim,
+            num_heads=heads, head_k_dim=dim, head_v_dim=dim, conv_dtype=conv_dtype,
+            ssm_dtype=SSM_DTYPES[self.mamba_ssm_dtype],
+        )
+
+    @property
+    def has_dense(self) -> bool:
+        return not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def has_moe(self) -> bool:
+        return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def validate_tp(self, tp_size: int) -> None:
+        """Raises one ValueError listing every size that does not split over tp_size ranks."""
+        check_tp_split(self, tp_size, [("num_attention_heads", self.num_attention_heads),
+                                       ("linear_attn_config.num_heads", self.linear_attn.num_heads)])
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> KimiLinearConfig:
+        from engine.model_configs.kimi_parse import parse_kimi_config
+
+        return parse_kimi_config(d)
+
+    @classmethod
+    def from_pretrained(cls, model_dir) -> KimiLinearConfig:
+        from engine.model_configs.kimi_parse import read_config_json
+
+        return cls.from_hf_dict(read_config_json(model_dir))

@@ -1,0 +1,144 @@
+"""Per-sequence recurrent state of linear-attention (KDA) layers: a pool of fixed-size slots.
+
+A sequence owns one slot for its whole life (allocated with its first pages, freed on finish, abort
+and preemption). One slot holds, for every KDA layer of this tensor-parallel rank:
+
+  conv      [conv_width, conv_channels]  the last conv_width = kernel-1 pre-conv projections, oldest
+            first (window axis first); channels are the local q | k | v blocks, each
+            heads_local * head_dim wide (each block sharded over ranks independently).
+  recurrent [num_heads, head_k_dim, head_v_dim]  the delta-rule state S_h, K-major: S[h, k, v], as fla's
+            kernels use it (SGLang stores it V-major [H, V, K]; transpose when exchanging with it).
+
+Pool tensors: conv [num_kda_layers, num_slots, conv_width, conv_channels] (bf16 by default in SGLang;
+here conv_dtype) and recurrent [num_kda_layers, num_slots, num_heads, head_k_dim, head_v_dim] (fp32 by
+default). A freshly allocated slot is zero, which is the state of an empty sequence.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfStateSlots(RuntimeError):
+    """Every state slot is owned by a running sequence."""
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """Geometry of one rank's state pool (local sizes: heads and channels already divided by TP)."""
+
+    num_kda_layers: int
+    num_slots: int
+    conv_width: int
+    conv_channels: int
+    num_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_dtype: torch.dtype = torch.float32
+    ssm_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_kda_layers", "num_slots", "conv_width", "conv_channels", "num_heads", "head_k_dim",
+                     "head_v_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"StateShape.{name} must be a positive int, got {value!r}")
+        if self.conv_channels % 3:
+            raise ValueError(f"StateShape.conv_channels must hold three q|k|v blocks, got {self.conv_channels}")
+
+    @property
+    def conv_numel_per_slot(self) -> int:
+        return self.num_kda_layers * self.conv_width * self.conv_channels
+
+    @property
+    def recurrent_numel_per_slot(self) -> int:
+        return self.num_kda_layers * self.num_heads * self.head_k_dim * self.head_v_dim
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes one sequence's state takes on this rank (every KDA layer, conv + recurrent)."""
+        conv = self.conv_numel_per_slot * torch.tensor([], dtype=self.conv_dtype).element_size()
+        recurrent = self.recurrent_numel_per_slot * torch.tensor([], dtype=self.ssm_dtype).element_size()
+        return conv + recurrent
+
+    @staticmethod
+    def slots_for_budget(budget_bytes: int, bytes_per_slot: int) -> int:
+        """How many slots fit in a memory budget."""
+        if budget_bytes <= 0 or bytes_per_slot <= 0:
+            raise ValueError("state memory budget and slot size must be positive")
+        return budget_bytes // bytes_per_slot
+
+
+class StatePool:
+    """The state tensors of every slot and the free list; lowest free slot is handed out first."""
+
+    def __init__(self, shape: StateShape, device: torch.device | str = "cpu") -> None:
+        self.shape = shape
+        s = shape
+        self.conv = torch.zeros(
+            (s.num_kda_layers, s.num_slots, s.conv_width, s.conv_channels), dtype=s.conv_dtype, device=device
+        )
+        self.recurrent = torch.zeros(
+            (s.num_kda_layers, s.num_slots, s.num_heads, s.head_k_dim, s.head_v_dim), dtype=s.ssm_dtype,
+            device=device,
+        )
+        self._free = list(range(s.num_slots))
+        self._owned: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_slots(self) -> int:
+        return self.shape.num_slots
+
+    def alloc(self) -> int:
+        """A free slot, zeroed (the state of an empty sequence). Raises OutOfStateSlots when none is free."""
+        if not self._free:
+            raise OutOfStateSlots(f"all {self.shape.num_slots} state slots are in use")
+        slot = heapq.heappop(self._free)
+        self._owned.add(slot)
+        self.reset(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._owned:
+            raise ValueError(f"state slot {slot} is not allocated")
+        self._owned.remove(slot)
+        heapq.heappush(self._free, slot)
+
+    def reset(self, slot: int) -> None:
+        """Zeroes one slot in every layer (a sequence that recomputes from scratch)."""
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
+
+    def read_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of one slot: conv [layers, conv_width, channels], recurrent [layers, H, K, V]."""
+        return self.conv[:, slot].clone(), self.recurrent[:, slot].clone()
+
+    def write_slot(self, slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Overwrites one slot (e.g. with a state received from a prefill worker)."""
+        self.conv[:, slot].copy_(conv)
+        self.recurrent[:, slot].copy_(recurrent)
+
+
+def split_memory_budget(budget_bytes: int, bytes_per_page: int, bytes_per_slot: int, max_running: int) -> tuple[int, int]:
+    """(num_pages, num_slots) for a cache budget shared by latent pages and state slots.
+
+    Every running sequence needs a slot, so slots = max_running (+1 spare for a sequence being set up),
+    capped at half the budget; the pages take the rest. bytes_per_slot 0 (no linear attention): no slots."""
+    if budget_bytes <= 0 or bytes_per_page <= 0 or max_running <= 0 or bytes_per_slot < 0:
+        raise ValueError("memory budget, page size and max_running must be positive")
+    if bytes_per_slot == 0:
+        return max(1, budget_bytes // bytes_per_page), 0
+    slots = min(max_running + 1, (budget_bytes // 2) // bytes_per_slot)
+    if slots < 1:
+        raise ValueError(f"kv_memory_bytes={budget_bytes} cannot hold one state slot of {bytes_per_slot} B "
+                         "in half the budget")
+    pages = (budget_bytes - slots * bytes_per_slot) // bytes_per_page
+    if pages < 1:
+        raise ValueError(f"kv_memory_bytes={budget_bytes} leaves no room for a KV page after {slots} state slots")
+    return pages, slots

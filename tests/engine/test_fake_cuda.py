@@ -1,0 +1,188 @@
+"""The engine on device "cuda" without a GPU: torch's FakeTensorMode runs prefill, decode and
+speculative verify steps (with the draft) on fake CUDA tensors. Any op mixing CPU and CUDA tensors
+raises, and every device-to-host synchronisation outside engine.host_fetch.fetch_to_host (the
+sampler's single door) fails the test.
+
+A CPU-only torch build has no CUDA device guard, which indexing and copies take even for fake
+tensors (torch._C._ensureCUDADeviceGuardSet does not help in 2.13): fake_cuda_guard.cpp registers a
+no-op one, compiled once per session with the system C++ compiler (about 10 s)."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from engine import devices, engine_types, llm_engine, spec_decode
+from engine.engine_types import DEFAULT_MODEL_DIR, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class HostSyncError(AssertionError):
+    """A device tensor was read on the host outside fetch_to_host."""
+
+
+@contextlib.contextmanager
+def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch):
+    """Patches the Tensor methods that copy a device tensor to the host so they raise on CUDA tensors
+    (`.to("cpu")` included). Yields the list of fetches made through fetch_to_host."""
+    fetches: list[tuple[int, ...]] = []
+
+    def guard(name):
+        original = getattr(torch.Tensor, name)
+
+        def checked(self, *args, **kwargs):
+            if self.device.type == "cuda":
+                raise HostSyncError(f"Tensor.{name}() on a {self.device} tensor outside the sampler")
+            return original(self, *args, **kwargs)
+
+        return checked
+
+    original_to = torch.Tensor.to
+
+    def checked_to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+        if self.device.type == "cuda" and target is not None and torch.device(target).type == "cpu":
+            raise HostSyncError(f"Tensor.to({target!r}) on a {self.device} tensor outside the sampler")
+        return original_to(self, *args, **kwargs)
+
+    def fake_fetch(tensor: torch.Tensor) -> list:
+        if tensor.device.type != "cuda":
+            raise HostSyncError(f"fetch_to_host got a {tensor.device} tensor: the step did not stay on the device")
+        fetches.append(tuple(tensor.shape))
+        zeros: list = [0] * (tensor.shape[-1] if tensor.dim() else 1)
+        for size in reversed(tensor.shape[:-1]):
+            zeros = [list(zeros) for _ in range(size)]
+        return zeros
+
+    for name in SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, guard(name))
+    monkeypatch.setattr(torch.Tensor, "to", checked_to)
+    monkeypatch.setattr(llm_engine, "fetch_to_host", fake_fetch)
+    monkeypatch.setattr(spec_decode, "fetch_to_host", fake_fetch)
+    yield fetches
+
+
+def _fake_cuda_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cuda")
+
+
+def _preload_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors cannot map files under FakeTensorMode: read the embedded model and its draft first
+    and hand the loaders fake "cuda" tensors of the same shapes (the values do not matter to FakeTensorMode)."""
+    from engine.config import ModelConfig
+    from engine.models import deepseek_v3, dflash
+    from engine.weights import iter_checkpoint
+
+    config = ModelConfig.from_pretrained(DEFAULT_MODEL_DIR)
+    target = list(iter_checkpoint(DEFAULT_MODEL_DIR, config.num_hidden_layers))
+    draft = dflash.load_file(str(DEFAULT_MODEL_DIR / "draft" / "model.safetensors"))
+
+    def cached_checkpoint(model_dir, num_layers, skip=None, **options):
+        return ((name, _fake_cuda_like(tensor)) for name, tensor in target if skip is None or not skip(name))
+
+    monkeypatch.setattr(deepseek_v3, "iter_checkpoint", cached_checkpoint)
+    monkeypatch.setattr(dflash, "load_file", lambda path: {name: _fake_cuda_like(t) for name, t in draft.items()})
+
+
+@pytest.fixture(scope="session")
+def cuda_guard_for_fake_tensors(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Compiles and loads the no-op CUDA device guard (only on a torch without CUDA)."""
+    if torch.backends.cuda.is_built():
+        return
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs a C++ compiler to register a fake CUDA device guard on this CPU-only torch")
+    torch_dir = Path(torch.__file__).parent
+    library = tmp_path_factory.mktemp("fake_cuda_guard") / "fake_cuda_guard.so"
+    source = Path(__file__).with_name("fake_cuda_guard.cpp")
+    subprocess.run([compiler, "-O0", "-shared", "-fPIC", "-std=c++17", f"-I{torch_dir / 'include'}", str(source),
+                    f"-L{torch_dir / 'lib'}", "-lc10", "-o", str(library)], check=True, timeout=600)
+    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+
+
+@pytest.fixture()
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, cuda_guard_for_fake_tensors):
+    """One pretend GPU for device resolution; tensors on it are FakeTensorMode tensors."""
+    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.setattr(engine_types, "gpu_count", lambda: 1)
+    _preload_checkpoints(monkeypatch)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+def _assert_on_cuda(engine: LLMEngine) -> None:
+    runner = engine.runner
+    for name, tensor in [*runner.model.named_parameters(), *runner.model.named_buffers(),
+                         *runner.draft.named_parameters(), ("cache", runner.cache.buffer)]:
+        assert tensor.device.type == "cuda", f"{name} is on {tensor.device}"
+
+
+def test_engine_steps_on_fake_cuda_stay_on_device(fake_gpu, monkeypatch):
+    """Prefill, draft, verify (greedy and sampled) and plain decode run on "cuda" with every weight, cache
+    page and metadata tensor there, no device mismatch, and the host reads device memory only through
+    fetch_to_host: once per prefill step, twice per speculative step (draft tokens, then verdicts)."""
+    engine = LLMEngine(EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", attention_backend="torch",
+                                    use_graphs=False, kv_memory_bytes=8 * 2**20))
+    try:
+        assert engine.device.type == "cuda" and engine.has_draft
+        assert engine.runner.config.dtype == "bfloat16"  # the GPU default
+        _assert_on_cuda(engine)
+        greedy = SamplingParams(max_new_tokens=20, ignore_eos=True)
+        sampled = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, top_k=20, top_p=0.9)
+        plain = SamplingParams(max_new_tokens=20, ignore_eos=True, speculative=False, temperature=0.7)
+        engine.add_request("greedy", list(range(1, 7)), greedy)
+        engine.add_request("sampled", list(range(3, 8)), sampled)
+        engine.add_request("plain", [5, 6, 7], plain)
+        with forbid_host_syncs(monkeypatch) as fetches:
+            engine.step()  # one prefill step for all three prompts (14 tokens)
+            assert fetches == [(3,)], fetches
+            fetches.clear()
+            engine.step()  # draft for two sequences, then one verify + plain-decode forward
+            assert len(fetches) == 2, fetches
+            assert fetches[0] == (2 * (engine.config.spec_block_size - 1),)  # the draft tokens
+            assert fetches[1] == (1 + 2 * 2,)  # plain token + (accept count, final token) x 2 sequences
+    finally:
+        engine.close()
+
+
+def test_sampling_batch_on_fake_cuda_has_no_sync(fake_gpu, monkeypatch):
+    """The sampler's maths (temperature, top-k, top-p, min-p, exponential race) runs on the device and
+    returns device ids: the only host copy is the caller's."""
+    from engine.sampling import SamplingBatch
+
+    params = [SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05), SamplingParams()]
+    with forbid_host_syncs(monkeypatch) as fetches:
+        batch = SamplingBatch.from_params(params, device="cuda")
+        ids = batch.repeat_rows([2, 1]).sample(torch.randn(3, 50, device="cuda"))
+    assert ids.device.type == "cuda" and tuple(ids.shape) == (3,) and fetches == []
+
+
+def test_cuda_without_gpu_is_a_clear_error():
+    """device="cuda" on a machine with no GPU: ValueError naming the problem (the CLI prints it, exit 2)."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda")
+
+
+def test_a_hidden_sync_is_caught(fake_gpu, monkeypatch):
+    """Negative control: a step that reads a device tensor with .tolist() outside fetch_to_host fails."""
+    engine = LLMEngine(EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", attention_backend="torch",
+                                    use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
+    try:
+        original = engine._sample_on_device
+        monkeypatch.setattr(engine, "_sample_on_device", lambda *args: original(*args).tolist())
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        with forbid_host_syncs(monkeypatch), pytest.raises(HostSyncError, match="outside the sampler"):
+            engine.step()
+    finally:
+        engine.close()

@@ -1,0 +1,107 @@
+"""The per-sequence state pool: geometry, zeroed allocation, free-list accounting."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.state_pool import OutOfStateSlots, StatePool, StateShape
+
+
+def _shape(**overrides) -> StateShape:
+    values = dict(num_kda_layers=2, num_slots=3, conv_width=3, conv_channels=24, num_heads=2, head_k_dim=4,
+                  head_v_dim=4, conv_dtype=torch.bfloat16, ssm_dtype=torch.float32)
+    values.update(overrides)
+    return StateShape(**values)
+
+
+def test_tensor_shapes_and_bytes_per_slot():
+    """Pool tensors follow the agreed layout; bytes_per_slot counts conv and recurrent of every layer."""
+    pool = StatePool(_shape())
+    assert pool.conv.shape == (2, 3, 3, 24) and pool.conv.dtype == torch.bfloat16
+    assert pool.recurrent.shape == (2, 3, 2, 4, 4) and pool.recurrent.dtype == torch.float32
+    assert pool.shape.bytes_per_slot == 2 * 3 * 24 * 2 + 2 * 2 * 4 * 4 * 4
+
+
+def test_k3_tp8_bytes_per_slot_matches_spec():
+    """K3 at TP8 (69 KDA layers, 12 heads, 128x128, bf16 conv, fp32 SSM) takes 56,171,520 B per request."""
+    shape = StateShape(num_kda_layers=69, num_slots=1, conv_width=3, conv_channels=3 * 12 * 128, num_heads=12,
+                       head_k_dim=128, head_v_dim=128, conv_dtype=torch.bfloat16, ssm_dtype=torch.float32)
+    assert shape.bytes_per_slot == 56_171_520
+
+
+def test_alloc_zeroes_and_free_returns_slot():
+    """A slot comes back zeroed even after a previous owner wrote into it; num_free tracks alloc/free."""
+    pool = StatePool(_shape())
+    slot = pool.alloc()
+    assert pool.num_free == 2
+    pool.conv[:, slot] = 1.0
+    pool.recurrent[:, slot] = 2.0
+    pool.free(slot)
+    assert pool.num_free == 3
+    again = pool.alloc()
+    assert again == slot
+    assert pool.conv[:, again].abs().sum() == 0 and pool.recurrent[:, again].abs().sum() == 0
+
+
+def test_exhaustion_and_double_free_raise():
+    """Allocating past the pool raises OutOfStateSlots; freeing a slot twice raises ValueError."""
+    pool = StatePool(_shape(num_slots=1))
+    slot = pool.alloc()
+    with pytest.raises(OutOfStateSlots):
+        pool.alloc()
+    pool.free(slot)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(slot)
+
+
+@pytest.mark.parametrize("field,value", [("num_heads", 0), ("conv_channels", 25), ("num_slots", -1)])
+def test_bad_shape_names_field(field, value):
+    """A bad geometry is a ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        _shape(**{field: value})
+
+
+def test_slot_round_trip():
+    """write_slot then read_slot returns the same tensors."""
+    pool = StatePool(_shape())
+    slot = pool.alloc()
+    conv = torch.randn(2, 3, 24).to(torch.bfloat16)
+    recurrent = torch.randn(2, 2, 4, 4)
+    pool.write_slot(slot, conv, recurrent)
+    got_conv, got_rec = pool.read_slot(slot)
+    assert torch.equal(got_conv, conv) and torch.equal(got_rec, recurrent)
+
+
+def test_split_memory_budget():
+    """Slots = max_running + 1 within half the budget, pages take the rest; no slots without linear attention."""
+    from engine.state_pool import split_memory_budget
+
+    assert split_memory_budget(10_000, 100, 0, 4) == (100, 0)
+    assert split_memory_budget(10_000, 100, 1000, 4) == (50, 5)
+    assert split_memory_budget(10_000, 100, 2000, 4) == (60, 2)  # capped at half the budget
+    with pytest.raises(ValueError, match="kv_memory_bytes"):
+        split_memory_budget(1000, 100, 600, 4)
+
+
+def test_scheduler_waits_for_a_free_slot_and_frees_on_preemption():
+    """A waiting sequence gets no prefill chunk while every slot is taken; dropping a sequence's cache
+    (preemption) returns its slot, and the next sequence then takes it."""
+    from engine.kv_cache import PageAllocator, PageTable
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler, SchedulerConfig
+    from engine.sequence import Sequence
+
+    pool = StatePool(_shape(num_slots=1))
+    allocator = PageAllocator(16)
+    scheduler = Scheduler(SchedulerConfig(max_running=4, max_batched_tokens=64), allocator, pool)
+    seqs = [Sequence(f"r{i}", 5, [1, 2, 3, 4, 5], SamplingParams(), PageTable(allocator, 4), arrival_order=i)
+            for i in range(2)]
+    for seq in seqs:
+        scheduler.add(seq)
+    step = scheduler.schedule()
+    assert [chunk.seq for chunk in step.prefill] == [seqs[0]] and seqs[0].state_slot == 0 and pool.num_free == 0
+    scheduler.drop_cache(seqs[0])
+    assert seqs[0].state_slot is None and pool.num_free == 1 and seqs[0].num_cached == 0
+    scheduler.remove(seqs[0])
+    step = scheduler.schedule()
+    assert [chunk.seq for chunk in step.prefill] == [seqs[1]] and seqs[1].state_slot == 0
