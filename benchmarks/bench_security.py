@@ -30,7 +30,7 @@ from bench.workload import BenchRequest
 from benchmarks.common import (add_common_arguments, goal_line, interleave, make_prompts, median, print_header,
                                ratio)
 from pdserve.launcher import Cluster, ClusterSpec
-from pdserve.process_groups import die_with_parent
+from pdserve.process_groups import PARENT_ENV
 from rpc.server import read_ready_file
 
 API_KEY = "bench-security-key"
@@ -53,7 +53,8 @@ def start_tls_gateway(cluster: Cluster, model: Path, cert: Path, key: Path, keys
     for child in cluster.children:
         if child.role.split("-")[0] in ("prefill", "decode"):
             command += [f"--{child.role.split('-')[0]}", child.address]
-    process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                               env={**os.environ, PARENT_ENV: str(os.getpid())})
     deadline = time.monotonic() + 300
     while not ready.exists():
         if process.poll() is not None or time.monotonic() > deadline:

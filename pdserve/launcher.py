@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pdserve.process_groups import die_with_parent, kill_group
+from pdserve.process_groups import PARENT_ENV, kill_group
 from rpc.server import read_ready_file
 
 logger = logging.getLogger(__name__)
@@ -119,8 +119,9 @@ class Cluster:
 
     @staticmethod
     def _popen(command: list[str], output: IO[bytes] | None) -> subprocess.Popen[bytes]:
+        environment = {**os.environ, PARENT_ENV: str(os.getpid())}  # the child arms die_with_parent itself
         return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                start_new_session=True, preexec_fn=die_with_parent)
+                                start_new_session=True, env=environment)
 
     def respawn(self, child: Child) -> None:
         """Starts a dead child again on the address it had (the gateway and the other workers keep

@@ -13,12 +13,26 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
+PARENT_ENV = "PDSERVE_PARENT_PID"  # set by the launcher: the child arms die_with_parent() itself
+
+
 def die_with_parent() -> None:
-    """preexec: the child gets SIGTERM if the launcher dies (Linux), so nothing is orphaned."""
+    """The calling process gets SIGTERM when its parent dies (Linux), so nothing is orphaned."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def die_with_parent_if_asked() -> None:
+    """Called first thing by `pdserve` commands: when the launcher asked (PARENT_ENV), arm
+    die_with_parent() here, in the child (a preexec_fn would run between fork and exec of a process
+    full of gRPC and torch threads, which can crash the child), and exit if the parent is already gone."""
+    parent = os.environ.pop(PARENT_ENV, "")
+    if parent:
+        die_with_parent()
+        if os.getppid() != int(parent):
+            os._exit(1)
 
 
 def kill_group(process: subprocess.Popen[bytes], role: str, timeout_s: float = 10.0) -> None:
