@@ -1,7 +1,7 @@
 """Decode worker settings, built once from the command line: one EngineConfig plus the decode role's."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.engine_types import EngineConfig
@@ -22,6 +22,7 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
     lease_sweep_interval_s: float = 0.25
     admit_timeout_s: float = 10.0
     advertise_address: str | None = None
+    internal_token: str | None = field(default=None, repr=False)  # calls must carry it (TCP deployments)
 
     def __post_init__(self) -> None:
         self.check_addresses()
@@ -36,8 +37,10 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
     @classmethod
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", lease_ttl_s: float = 60.0,
               lease_grace_s: float = 1.0, lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
-              advertise_address: str | None = None, **engine: Any) -> DecodeWorkerConfig:
+              advertise_address: str | None = None, internal_token: str | None = None,
+              **engine: Any) -> DecodeWorkerConfig:
         """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
         write into (ShmPoolFactory)."""
         return cls(worker_engine_config(engine, kv_pool="shm", page_pools=ShmPoolFactory()), listen, metrics_listen,
-                   lease_ttl_s, lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address)
+                   lease_ttl_s, lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address,
+                   internal_token)

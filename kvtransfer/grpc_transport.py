@@ -55,8 +55,9 @@ def error_from_rpc(error: grpc.RpcError) -> KVTransferError:
 
 
 class _PushStub:
-    def __init__(self, push) -> None:
+    def __init__(self, push, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.Push = push
+        self.metadata = metadata
 
 
 class GrpcWriteHandle(KVWriteHandle):
@@ -69,7 +70,7 @@ class GrpcWriteHandle(KVWriteHandle):
         super().__init__(destination, rank, layout)
         self._encoder = ChunkEncoder(destination, rank, layout, max_chunk, algorithm)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
-        self._future = stub.Push.future(self._requests(), timeout=timeout_s)
+        self._future = stub.Push.future(self._requests(), timeout=timeout_s, metadata=stub.metadata)
 
     def _requests(self):
         while True:
@@ -119,8 +120,10 @@ class GrpcWriter(KVWriter):
     """Prefill side: one channel per decode address, reused by every request."""
 
     def __init__(self, layout: KVLayout, *, max_chunk: int = MAX_CHUNK_BYTES, algorithm: Algorithm = DEFAULT_ALGORITHM,
-                 timeout_s: float = 120.0, queue_depth: int = 8) -> None:
+                 timeout_s: float = 120.0, queue_depth: int = 8, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        """metadata: sent with every Push (the internal token, when the decode worker requires one)."""
         self.layout = layout
+        self.metadata = tuple(metadata)
         self.max_chunk = max_chunk
         self.algorithm = Algorithm(algorithm)
         self.timeout_s = timeout_s
@@ -138,7 +141,7 @@ class GrpcWriter(KVWriter):
                 push = channel.stream_unary(
                     PUSH_METHOD, request_serializer=encode_chunk, response_deserializer=kv_pb2.PushResponse.FromString
                 )
-                self._channels[address] = (channel, _PushStub(push))
+                self._channels[address] = (channel, _PushStub(push, self.metadata))
             return self._channels[address][1]
 
     def _check(self, destination: Destination) -> None:

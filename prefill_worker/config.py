@@ -1,7 +1,7 @@
 """Prefill worker settings, built once from the command line: one EngineConfig plus the prefill role's."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.engine_types import EngineConfig
@@ -20,6 +20,7 @@ class PrefillWorkerConfig(EmbedsEngineConfig):
     listen: str = "127.0.0.1:0"
     metrics_listen: str = ""  # Prometheus GET /metrics ("": none; port 0 picks one)
     batch_tokens: int = 2048
+    internal_token: str | None = field(default=None, repr=False)  # required on calls, sent with KV pushes
 
     def __post_init__(self) -> None:
         self.check_addresses()
@@ -28,9 +29,9 @@ class PrefillWorkerConfig(EmbedsEngineConfig):
 
     @classmethod
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", batch_tokens: int = 2048,
-              **engine: Any) -> PrefillWorkerConfig:
+              internal_token: str | None = None, **engine: Any) -> PrefillWorkerConfig:
         """engine: EngineConfig fields. The prefill role computes into private pages and attaches decode
         workers' shared pools (ShmPoolFactory)."""
         engine = worker_engine_config({"kv_memory_bytes": DEFAULT_KV_MEMORY_BYTES, **engine}, kv_pool="local",
                                       page_pools=ShmPoolFactory())
-        return cls(engine, listen, metrics_listen, batch_tokens)
+        return cls(engine, listen, metrics_listen, batch_tokens, internal_token)

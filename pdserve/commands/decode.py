@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         config = DecodeWorkerConfig.build(listen=args.listen, metrics_listen=args.metrics_listen,
                                           max_running=args.max_running, lease_ttl_s=args.lease_ttl,
                                           advertise_address=args.advertise, **engine_kwargs(args))
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         return fail("decode", error)
     run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = PrefillWorkerConfig.build(listen=args.listen, metrics_listen=args.metrics_listen,
                                            batch_tokens=args.batch_tokens, **engine_kwargs(args))  # device checks too
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         return fail("prefill", error)
     run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

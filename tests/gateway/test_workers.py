@@ -119,3 +119,18 @@ async def test_cancel_during_reserve_releases_what_it_reserved():
         await task
     assert slow.released == ["r"]
     await pool.close()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED])
+async def test_reserve_with_unknown_outcome_is_released(code):
+    """A Reserve that fails with DEADLINE_EXCEEDED / CANCELLED may still have reserved on the worker (its
+    answer was lost): the gateway sends Release for it before giving up; RESOURCE_EXHAUSTED does not."""
+    pool, _ = await _pool([[]])
+    fake = _SlowDecode()
+    fake.script = [code]
+    fake.gate.set()
+    pool.decode[0].stub = fake
+    with pytest.raises(grpc.aio.AioRpcError):
+        await pool.reserve("r", 10, 5, deadline=None)
+    assert fake.released == ["r"]
+    await pool.close()

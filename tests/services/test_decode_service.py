@@ -84,3 +84,49 @@ async def test_decode_without_kv_fails_and_frees(service):
             pass
     await _settled(service, total)
     assert service.load.free_pages == total
+
+
+async def _engine_free_pages(decode: DecodeService) -> int:
+    return await decode._engine.call(lambda engine: engine.num_free_pages)
+
+
+@pytest.mark.parametrize("how", ["cancel", "release"])
+async def test_reserve_abandoned_while_allocating_frees_its_pages(service, how):
+    """A Reserve cancelled (or Released) while the engine thread has not yet allocated its pages frees
+    them as soon as the allocation lands: nothing stays allocated and no lease is left."""
+    import threading
+
+    total = await _engine_free_pages(service)
+    gate = threading.Event()
+    service._engine.post(lambda engine: gate.wait(10))  # the engine thread is busy: the allocation waits
+    task = asyncio.create_task(service.reserve("r3", 40, 8, TransportKind.SHM))
+    await asyncio.sleep(0.05)
+    if how == "cancel":
+        task.cancel()
+    else:
+        assert await service.release("r3")
+    gate.set()
+    if how == "cancel":
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        await task  # the caller still gets its answer; the pages are already given back
+    for _ in range(100):
+        if await _engine_free_pages(service) == total and service.load.leases == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await _engine_free_pages(service) == total and service.load.leases == 0
+    assert not await service.release("r3")
+
+
+async def test_lease_deadline_follows_the_callers_deadline(service):
+    """ttl_s (the Reserve call's remaining time) shortens the lease below lease_ttl_s, never lengthens it."""
+    import time
+
+    short = await service.reserve("r4", 16, 4, TransportKind.SHM, ttl_s=0.05)
+    long = await service.reserve("r5", 16, 4, TransportKind.SHM, ttl_s=1000.0)
+    now_ms = time.time() * 1000
+    assert short.lease_deadline_unix_ms <= now_ms + 100
+    assert now_ms + 100 < long.lease_deadline_unix_ms <= now_ms + 300 + 50  # lease_ttl_s = 0.3 here
+    for request_id in ("r4", "r5"):
+        await service.release(request_id)

@@ -26,14 +26,20 @@ class _BlockingEngine:
         self.cache_shape = LAYOUT.to_cache_shape(8)
         self.release = threading.Event()
         self.batches: list[list[str]] = []
+        self.stopped: list[str] = []
 
     def validate_prompt(self, prompt_ids) -> None:
         pass
 
-    def prefill(self, jobs):
+    def prefill(self, jobs, should_stop=None):
+        """Two chunks per prompt: the first before `release` is set, then (like the engine) should_stop
+        is asked before the second; a stopped prompt gets None."""
         self.batches.append([job.request_id for job in jobs])
         assert self.release.wait(10)
-        return [PrefillResult(job.request_id, 7, None, len(job.prompt_ids), 0.0) for job in jobs]
+        stopped = {job.request_id for job in jobs if should_stop is not None and should_stop(job.request_id)}
+        self.stopped.extend(sorted(stopped))
+        return [None if job.request_id in stopped else PrefillResult(job.request_id, 7, None, len(job.prompt_ids), 0.0)
+                for job in jobs]
 
     def close(self) -> None:
         pass
@@ -50,6 +56,7 @@ async def prefill():
     engine = _BlockingEngine()
     service = PrefillService(PrefillWorkerConfig.build(batch_tokens=10), engine_factory=lambda: engine)
     await service.start()
+    service._confirm = lambda destination: None  # no decode pool here (ShmWriter.confirm: tests/kvtransfer)
     yield service, engine
     engine.release.set()
     await service.stop()
@@ -57,7 +64,7 @@ async def prefill():
 
 async def test_cancel_drops_queued_and_waits_for_running(prefill):
     """With A running and B, C queued: cancel(B) drops it at once; cancel(A) returns only after the engine
-    finished A, and A's KV is not exported (its Prefill call ends cancelled); C still runs."""
+    stopped A between two chunks, and A's KV is not exported (its Prefill call ends cancelled); C still runs."""
     service, engine = prefill
     calls = {name: asyncio.create_task(service.prefill(name, [5] * 8, greedy(4), _destination(name, 8)))
              for name in ("A", "B", "C")}
@@ -75,7 +82,7 @@ async def test_cancel_drops_queued_and_waits_for_running(prefill):
     with pytest.raises(asyncio.CancelledError):
         await calls["A"]
     await eventually(lambda: calls["C"].done(), "C to finish")
-    assert engine.batches == [["A"], ["C"]]
+    assert engine.batches == [["A"], ["C"]] and engine.stopped == ["A"]  # A stopped between its chunks
     assert await service.cancel("unknown") is False
 
 
