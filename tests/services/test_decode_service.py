@@ -1,6 +1,9 @@
 """DecodeService without gRPC, over a real tiny engine with a shared-memory pool: leases, admission and release."""
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from decode_worker.config import DecodeWorkerConfig
@@ -111,11 +114,10 @@ async def test_reserve_abandoned_while_allocating_frees_its_pages(service, how):
             await task
     else:
         await task  # the caller still gets its answer; the pages are already given back
-    for _ in range(100):
-        if await _engine_free_pages(service) == total and service.load.leases == 0:
-            break
+    deadline = time.monotonic() + 30
+    while not (await _engine_free_pages(service) == total and service.load.leases == 0):
+        assert time.monotonic() < deadline, "pages of the abandoned Reserve were never freed"
         await asyncio.sleep(0.02)
-    assert await _engine_free_pages(service) == total and service.load.leases == 0
     assert not await service.release("r3")
 
 
