@@ -10,19 +10,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.tokenizer import TextTokenizer
+from rpc.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
 
 _WORKER_TOKENIZER: TextTokenizer | None = None
 
 
-def _load(path: str) -> None:
+def _load(path: str, parent_pid: int) -> None:
+    """Pool process start-up: die with the gateway (a SIGKILLed gateway must not leave orphans), then
+    load the tokenizer."""
     global _WORKER_TOKENIZER  # noqa: PLW0603 - one tokenizer per pool process
+    die_with_parent()
+    if os.getppid() != parent_pid:  # the gateway died before we armed the signal
+        os._exit(1)
     _WORKER_TOKENIZER = TextTokenizer.from_file(path)
 
 
@@ -53,7 +60,7 @@ class TokenizePool:
         if config.processes and tokenizer_path is not None:
             self._executor = ProcessPoolExecutor(
                 config.processes, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
-                initargs=(str(tokenizer_path),))
+                initargs=(str(tokenizer_path), os.getpid()))
 
     async def warm_up(self) -> None:
         """Starts the pool's processes now (a spawned process takes a while to import), not on the first
