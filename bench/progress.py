@@ -1,51 +1,46 @@
-"""A one-line progress bar on stderr: `label [#####.....] 5/10 failed 0 3.2s`."""
+"""The bench progress bar: tqdm on a terminal, one final line elsewhere (logs and captured output stay readable)."""
 from __future__ import annotations
 
 import sys
 import time
 from typing import TextIO
 
+from tqdm import tqdm
+
 
 class ProgressBar:
-    """Redraws at most every min_interval_s (always on the last step); on a non-terminal stream it
-    writes only the final line, so logs and captured output stay readable."""
+    """update() per finished request (failed ones counted apart); close() ends it. On a terminal tqdm draws
+    the bar (`label: 40%|####      | 4/10 [00:03<00:04, failed=0]`); on any other stream only close() writes,
+    one line: `label: 10/10 failed 0 3.2s`."""
 
-    def __init__(self, total: int, label: str = "", stream: TextIO | None = None, width: int = 30,
-                 min_interval_s: float = 0.1) -> None:
+    def __init__(self, total: int, label: str = "", stream: TextIO | None = None) -> None:
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
-        self.total = total
-        self.label = label
+        self.total, self.label = total, label
         self.stream = stream if stream is not None else sys.stderr
-        self.width = width
-        self.min_interval_s = min_interval_s
-        self.done = 0
-        self.failed = 0
+        self.done = self.failed = 0
         self._start = time.perf_counter()
-        self._last_draw = -float("inf")
-        self._interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._bar = tqdm(total=total, desc=label or None, file=self.stream, leave=True, dynamic_ncols=True,
+                         postfix={"failed": 0}) if interactive else None
         self._closed = False
-
-    def render(self) -> str:
-        filled = self.width if self.total == 0 else self.width * self.done // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        elapsed = time.perf_counter() - self._start
-        prefix = f"{self.label} " if self.label else ""
-        return f"{prefix}[{bar}] {self.done}/{self.total} failed {self.failed} {elapsed:.1f}s"
 
     def update(self, count: int = 1, failed: bool = False) -> None:
         self.done += count
         self.failed += count if failed else 0
-        now = time.perf_counter()
-        if self._interactive and (self.done >= self.total or now - self._last_draw >= self.min_interval_s):
-            self._last_draw = now
-            self.stream.write("\r" + self.render())
-            self.stream.flush()
+        if self._bar is not None:
+            if failed:
+                self._bar.set_postfix(failed=self.failed, refresh=False)
+            self._bar.update(count)
 
     def close(self) -> None:
-        """Ends the line (writes the final state once)."""
+        """Ends the bar (idempotent); off a terminal, writes the one final line."""
         if self._closed:
             return
         self._closed = True
-        self.stream.write(("\r" if self._interactive else "") + self.render() + "\n")
+        if self._bar is not None:
+            self._bar.close()
+            return
+        prefix = f"{self.label}: " if self.label else ""
+        self.stream.write(f"{prefix}{self.done}/{self.total} failed {self.failed} {time.perf_counter() - self._start:.1f}s\n")
         self.stream.flush()

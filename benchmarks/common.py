@@ -21,8 +21,11 @@ from pathlib import Path
 
 import torch
 
+from engine.paths import DEFAULT_MODEL_DIR
+from rpc.processes import cpu_seconds as process_cpu_seconds  # noqa: F401 - re-exported for the benches
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "models" / "pdserve-tiny"
+DEFAULT_MODEL = DEFAULT_MODEL_DIR
 Metrics = dict[str, float]
 
 
@@ -131,12 +134,6 @@ class TimedRun:
             "step_ms": 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan"),
             "seconds": self.total_s,
         }
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) so far, from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 _run_ids = iter(range(10**12))

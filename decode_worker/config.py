@@ -1,59 +1,46 @@
-"""Decode worker settings, built once from the command line."""
+"""Decode worker settings, built once from the command line: one EngineConfig plus the decode role's."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from engine.devices import serving_device
-from engine.llm_engine import EngineConfig
+from engine.engine_types import EngineConfig
+from engine.role_config import EmbedsEngineConfig, worker_engine_config
 from kvtransfer.shm_pool import ShmPoolFactory
 
 
 @dataclass(frozen=True)
-class DecodeWorkerConfig:
-    """draft_model_dir: None = the model's draft/ folder if present, "" = no speculative decoding.
+class DecodeWorkerConfig(EmbedsEngineConfig):
+    """engine.draft_model_dir: None = the model's draft/ folder if present, "" = no speculative decoding.
     advertise_address: host:port prefill workers push KV to (grpc transport); None = the bound address."""
 
-    model_dir: str
+    engine: EngineConfig
     listen: str = "127.0.0.1:0"
     metrics_listen: str = ""  # Prometheus GET /metrics ("": none; port 0 picks one)
-    tp_size: int = 1
-    draft_model_dir: str | None = None
-    attention_backend: str = "auto"
-    dtype: str = "auto"
-    page_size: int = 16
-    kv_memory_bytes: int = 512 * 2**20
-    max_running: int = 64
-    max_batched_tokens: int = 2048
-    spec_block_size: int = 8
-    num_threads: int | None = None
-    device: str = "auto"
-    gpus: tuple[int, ...] | None = None
-    use_graphs: bool = True
-    share_weights: bool = True
     lease_ttl_s: float = 60.0
     lease_grace_s: float = 1.0
     lease_sweep_interval_s: float = 0.25
     admit_timeout_s: float = 10.0
     advertise_address: str | None = None
+    internal_token: str | None = field(default=None, repr=False)  # calls must carry it (TCP deployments)
 
     def __post_init__(self) -> None:
-        if not self.listen or ":" not in self.listen:
-            raise ValueError(f"listen must be host:port, got {self.listen!r}")
-        if self.metrics_listen and ":" not in self.metrics_listen:
-            raise ValueError(f"metrics_listen must be host:port, got {self.metrics_listen!r}")
+        self.check_addresses()
         for name in ("lease_ttl_s", "lease_sweep_interval_s", "admit_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lease_grace_s < 0:
             raise ValueError("lease_grace_s must be non-negative")
+        if self.engine.kv_pool != "shm":
+            raise ValueError("a decode worker's pages live in a shared pool (engine kv_pool 'shm')")
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model_dir=self.model_dir, tp_size=self.tp_size, dtype=self.dtype, attention_backend=self.attention_backend,
-            draft_model_dir=self.draft_model_dir, spec_block_size=self.spec_block_size, page_size=self.page_size,
-            kv_memory_bytes=self.kv_memory_bytes, max_running=self.max_running,
-            max_batched_tokens=self.max_batched_tokens, kv_pool="shm", num_threads=self.num_threads,
-            device=serving_device(self.device), gpus=self.gpus, use_graphs=self.use_graphs,
-            share_weights=self.share_weights,
-            page_pools=ShmPoolFactory(),
-        )
+    @classmethod
+    def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", lease_ttl_s: float = 60.0,
+              lease_grace_s: float = 1.0, lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
+              advertise_address: str | None = None, internal_token: str | None = None,
+              **engine: Any) -> DecodeWorkerConfig:
+        """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
+        write into (ShmPoolFactory)."""
+        return cls(worker_engine_config(engine, kv_pool="shm", page_pools=ShmPoolFactory()), listen, metrics_listen,
+                   lease_ttl_s, lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address,
+                   internal_token)

@@ -18,6 +18,7 @@ from kvtransfer.shm_pool import SharedPagePool, cleanup_stale_segments
 from kvtransfer.shm_receiver import ShmReceiver
 from decode_worker.metrics import decode_registry
 from rpc import server
+from rpc.interceptors import server_interceptors
 from rpc.metrics_http import serve_metrics
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -72,4 +73,5 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
         "decode worker", config.listen, SERVICE_NAMES, register, on_stop, stop=stop, ready_file=ready_file,
         endpoints=endpoints,
         on_bound=lambda address: push.advertise([config.advertise_address or address] * len(receivers.pools)),
+        interceptors=server_interceptors(config.internal_token),
     )

@@ -77,6 +77,7 @@ class DecodeService:
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reservations = 0
+        self._reserving: dict[str, bool] = {}  # request id -> abandoned (cancelled / released meanwhile)
         self.lease_expiries = 0
         self.engine: Any = None
 
@@ -152,10 +153,13 @@ class DecodeService:
                 entry.queue.put_nowait(_EngineFailed(f"engine step failed: {error}"))
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
-                      transport: TransportKind) -> Destination:
+                      transport: TransportKind, ttl_s: float | None = None) -> Destination:
+        """Leases the prompt's pages. ttl_s: how long the lease may stay unclaimed (the caller's deadline;
+        None: the configured lease_ttl_s, which also caps it). Cancellation-safe: a Reserve cancelled while
+        the engine thread allocates frees what it allocated once the allocation lands."""
         if not request_id:
             raise InvalidArgument("request_id", "is empty")
-        if request_id in self._entries:
+        if request_id in self._entries or request_id in self._reserving:
             raise AlreadyExists(f"request {request_id} already holds a reservation on this worker")
         if num_prompt_tokens <= 0 or max_new_tokens <= 0:
             raise InvalidArgument("num_prompt_tokens", "prompt and max_new_tokens must be positive")
@@ -167,17 +171,52 @@ class DecodeService:
         if not fits_ever(num_prompt_tokens, max_new_tokens, self.config.spec_block_size, self.engine.config.page_size,
                          self._snapshot.total_pages):
             raise InvalidArgument("max_new_tokens", f"the request could never fit the pool of {self._snapshot.total_pages} pages")
-        page_ids = await self._engine.call(lambda engine: self._allocate(engine, num_prompt_tokens))
-        lease = self._leases.grant(request_id, page_ids, self.config.lease_ttl_s)
+        ttl = self.config.lease_ttl_s if ttl_s is None else min(self.config.lease_ttl_s, max(ttl_s, 0.001))
+        self._reserving[request_id] = False
+        grant = asyncio.ensure_future(self._grant(request_id, num_prompt_tokens, receiver, ttl))
         try:
-            destination = receiver.expect(lease, num_prompt_tokens)
-        except BaseException:
-            self._leases.release(lease.lease_id)
-            self._engine.post(lambda engine: engine.free_pages(page_ids))
+            return await asyncio.shield(grant)
+        except asyncio.CancelledError:  # the caller left: whatever the grant reserves is released on landing
+            if not grant.done():
+                self._reserving[request_id] = True
+            elif not grant.cancelled() and grant.exception() is None:
+                self._release_lease(request_id)
             raise
-        self._entries[request_id] = _Entry(lease, receiver, num_prompt_tokens)
-        self._reservations += 1
+
+    async def _grant(self, request_id: str, num_prompt_tokens: int, receiver: KVReceiver, ttl_s: float) -> Destination:
+        """Allocates, leases and registers; runs to completion even when its Reserve is cancelled, and
+        then (or when Release arrived meanwhile) gives everything back at once."""
+        try:
+            page_ids = await self._engine.call(lambda engine: self._allocate(engine, num_prompt_tokens))
+            lease = self._leases.grant(request_id, page_ids, ttl_s)
+            try:
+                destination = receiver.expect(lease, num_prompt_tokens)
+            except BaseException:
+                self._leases.release(lease.lease_id)
+                self._engine.post(lambda engine: (engine.free_pages(page_ids), self._publish(engine)))
+                raise
+            self._entries[request_id] = _Entry(lease, receiver, num_prompt_tokens)
+            self._reservations += 1
+        finally:
+            abandoned = self._reserving.pop(request_id, False)
+        if abandoned:
+            logger.info("reservation of %s abandoned (cancelled or released while allocating); freeing it", request_id)
+            self._release_lease(request_id)
         return destination
+
+    def _release_lease(self, request_id: str, lease_id: str | None = None) -> bool:
+        """Frees an unclaimed lease (of lease_id, when given) at once; False if there is none."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.first_token is not None or lease_id not in (None, entry.lease.lease_id):
+            return False
+        if self._leases.release(entry.lease.lease_id) is not None:
+            self._drop(request_id, entry, free=True)
+        return True
+
+    def abandon(self, request_id: str, lease_id: str) -> None:
+        """The Reserve answer carrying lease_id never reached its caller: free the lease now."""
+        if self._release_lease(request_id, lease_id):
+            logger.info("reservation of %s was not delivered; freed it", request_id)
 
     def _allocate(self, engine: Any, num_tokens: int) -> list[int]:
         page_size, block = engine.config.page_size, self.config.spec_block_size
@@ -277,11 +316,12 @@ class DecodeService:
     async def release(self, request_id: str) -> bool:
         entry = self._entries.get(request_id)
         if entry is None:
+            if request_id in self._reserving:  # Reserve still allocating: free it when it lands
+                self._reserving[request_id] = True
+                return True
             return False
         if entry.first_token is None:  # an unclaimed lease
-            if self._leases.release(entry.lease.lease_id) is not None:
-                self._drop(request_id, entry, free=True)
-            return True
+            return self._release_lease(request_id)
         await self._engine.call(lambda engine: self._abort(engine, request_id))
         return True
 

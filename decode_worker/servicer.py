@@ -31,8 +31,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     @unary
     async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
         destination = await self._service.reserve(
-            request.request_id, request.num_prompt_tokens, request.max_new_tokens, transport_from_proto(request.transport)
+            request.request_id, request.num_prompt_tokens, request.max_new_tokens,
+            transport_from_proto(request.transport), ttl_s=context.time_remaining(),
         )
+
+        def on_done(done: grpc.aio.ServicerContext) -> None:  # the answer was lost (deadline, cancel)
+            if done.cancelled():
+                self._service.abandon(destination.request_id, destination.lease_id)
+
+        context.add_done_callback(on_done)
         return worker_pb2.ReserveResponse(destination=destination.to_proto())
 
     @streaming

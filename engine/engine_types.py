@@ -6,11 +6,10 @@ from pathlib import Path
 
 from engine.devices import check_gpus, default_dtype_name, gpu_count, resolve_device
 from engine.model_runner import DTYPES
+from engine.paths import DEFAULT_MODEL_DIR
 from engine.page_pool import PagePoolFactory
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
-
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny"
 
 
 @dataclass(frozen=True)

@@ -391,13 +391,14 @@ class LLMEngine:
                 seq.page_table.truncate(seq.num_cached + 1)
 
     # --- prefill service entry point ---------------------------------------------------------------
-    def prefill(self, jobs: list[PrefillJob]) -> list[PrefillResult]:
+    def prefill(self, jobs: list[PrefillJob], should_stop=None) -> list[PrefillResult | None]:
         """Prefills prompts into given pages (another engine's shared pools, or this one's) in chunks and
-        returns each prompt's first token; the engine keeps no state for them (engine/prefill_jobs.py)."""
+        returns each prompt's first token; the engine keeps no state for them (engine/prefill_jobs.py).
+        should_stop(request_id) -> bool is asked between chunks; a prompt it stops gets None."""
         from engine.prefill_jobs import run_prefill_jobs
 
         self._refuse_state_handoff()
-        return run_prefill_jobs(self, jobs)
+        return run_prefill_jobs(self, jobs, should_stop)
 
     def read_pages(self, page_ids: list[int]):
         """This (leader) rank's copies of pages: (target [layers, n, page_size, D], draft or None)."""

@@ -4,6 +4,7 @@ max_batched_tokens per forward, several prompts per forward; returns each prompt
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.engine_types import PrefillJob, PrefillResult
@@ -23,12 +24,21 @@ def _group_by_destination(engine: LLMEngine, jobs: list[PrefillJob]) -> dict[tup
     return groups
 
 
-def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob]) -> list[PrefillResult]:
+def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
+                     should_stop: Callable[[str], bool] | None = None) -> list[PrefillResult | None]:
+    """should_stop(request_id), asked before every chunk: True drops that prompt there (its result is
+    None; nothing more is written to its pages)."""
     results: dict[str, PrefillResult] = {}
     started = time.perf_counter()
     for pool_names, group in _group_by_destination(engine, jobs).items():
         progress = {job.request_id: 0 for job in group}
         while any(progress[job.request_id] < len(job.prompt_ids) for job in group):
+            if should_stop is not None:
+                for job in group:
+                    if progress[job.request_id] < len(job.prompt_ids) and should_stop(job.request_id):
+                        progress[job.request_id] = len(job.prompt_ids)
+                if all(progress[job.request_id] == len(job.prompt_ids) for job in group):
+                    break
             budget = engine.config.max_batched_tokens
             items, stepping = [], []
             for job in group:
@@ -55,4 +65,4 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob]) -> list[PrefillR
                     )
             for job, take in stepping:
                 progress[job.request_id] += take
-    return [results[job.request_id] for job in jobs]
+    return [results.get(job.request_id) for job in jobs]

@@ -18,6 +18,7 @@ from engine.devices import rank_device
 from engine.distributed import TPGroup
 from engine.model_runner import ModelRunner, RunnerConfig
 from engine.step_plan import ShutdownPlan
+from rpc.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -47,19 +48,9 @@ def _init_group(rank: int, size: int, port: int, config: RunnerConfig):
     return dist.new_group(backend="gloo") if config.device == "cuda" else None
 
 
-def _die_with_parent() -> None:
-    """Linux: a follower is killed when the leader that spawned it dies, however it dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        logger.warning("cannot tie follower lifetime to the leader on this platform")
-
-
 def _follower_main(rank: int, size: int, port: int, config: RunnerConfig, log_level: int) -> None:
-    _die_with_parent()
+    if not die_with_parent(signal.SIGKILL):  # a follower is killed when its leader dies, however it dies
+        logger.warning("cannot tie follower lifetime to the leader on this platform")
     if os.getppid() == 1:  # the leader already died before the line above ran
         return
     role = os.environ.get("PDSERVE_LOG_ROLE", "engine")

@@ -54,18 +54,20 @@ class Completion:
 
 
 async def stream(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_pb2.GenerateRequest,
-                 timeout: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-    """The raw responses; raises grpc.aio.AioRpcError on a non-OK status."""
-    async for response in stub.Generate(request, timeout=timeout):
+                 timeout: float | None = None, metadata: Sequence[tuple[str, str]] | None = None,
+                 ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """The raw responses; raises grpc.aio.AioRpcError on a non-OK status. metadata: e.g. an API key
+    as (("authorization", "Bearer <key>"),)."""
+    async for response in stub.Generate(request, timeout=timeout, metadata=metadata):
         yield response
 
 
 async def generate(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_pb2.GenerateRequest,
-                   timeout: float | None = None) -> Completion:
+                   timeout: float | None = None, metadata: Sequence[tuple[str, str]] | None = None) -> Completion:
     """Collects a whole stream. An Error message is kept in .error (the status error is swallowed then)."""
     result = Completion()
     try:
-        async for response in stream(stub, request, timeout):
+        async for response in stream(stub, request, timeout, metadata):
             result.request_id = response.request_id
             kind = response.WhichOneof("kind")
             if kind == "chunk":

@@ -1,7 +1,8 @@
 """Gateway settings, built once from the command line."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 TRANSPORTS = ("shm", "grpc")
 
@@ -11,7 +12,12 @@ class GatewayConfig:
     """prefill / decode: worker addresses (host:port). transport: how prefill hands KV to decode
     ("shm" needs both on one host). admission_timeout_s: how long a request waits for a decode worker
     with room (Reserve answers RESOURCE_EXHAUSTED) before it fails with RESOURCE_EXHAUSTED (HTTP 429).
-    http_listen: where the HTTP front (OpenAI API, /health, /metrics) listens; port 0 picks one."""
+    http_listen: where the HTTP front (OpenAI API, /health, /metrics) listens; port 0 picks one.
+    max_request_bytes: the largest request message (and prompt text) accepted, checked before parsing /
+    tokenising; tokenize_inline_chars / tokenize_processes: texts longer than this are tokenised in that
+    many spawned processes, off the event loop (0 processes: inline). internal_token: sent to the
+    workers (TCP deployments); api_keys: clients must send one as `authorization: Bearer <key>` (none:
+    no authentication; health checks need none); tls_cert / tls_key: PEM files, serve TLS only."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -24,6 +30,13 @@ class GatewayConfig:
     worker_timeout_s: float = 2.0
     admission_timeout_s: float = 30.0
     cleanup_timeout_s: float = 10.0
+    max_request_bytes: int = 4 * 2**20
+    tokenize_inline_chars: int = 4096
+    tokenize_processes: int = 1
+    internal_token: str | None = field(default=None, repr=False)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
@@ -37,6 +50,18 @@ class GatewayConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.default_max_tokens <= 0:
             raise ValueError("default_max_tokens must be positive")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if not all(self.api_keys):
+            raise ValueError("api_keys must not contain an empty key")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        for path in (self.tls_cert, self.tls_key):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"TLS file {path!r} does not exist")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        if self.tokenize_inline_chars < 0 or self.tokenize_processes < 0:
+            raise ValueError("tokenize_inline_chars and tokenize_processes must be non-negative")
         for name in ("load_poll_interval_s", "worker_timeout_s", "admission_timeout_s", "cleanup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")

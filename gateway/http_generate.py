@@ -67,7 +67,7 @@ class GenerateHandler:
             bind_request_id(request_id)
             parsed = await self._parse(request, chat)
             prompt_ids = chat_prompt_ids(parsed, self._template, self._service.tokenizer) if chat else None
-            run = self._service.submit(to_generate_request(parsed, request_id, prompt_ids), False, arrival, None)
+            run = await self._service.submit(to_generate_request(parsed, request_id, prompt_ids), False, arrival, None)
         except OpenAIError as error:
             metrics.count("http", "error", str(error.status))
             return error_response(error, request_id)

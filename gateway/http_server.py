@@ -10,7 +10,9 @@ router and middleware machinery: there are five routes, matched by one dict look
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,11 +30,17 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
-class HttpFront:
-    """Routes requests; `healthy()` says whether every worker is reachable."""
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # served without an API key (probes, scrapers)
 
-    def __init__(self, service: GatewayService, template: ChatTemplate, healthy: Callable[[], bool]) -> None:
+
+class HttpFront:
+    """Routes requests; `healthy()` says whether every worker is reachable. api_keys: when given, every
+    path but OPEN_PATHS needs `Authorization: Bearer <one of them>` (401 otherwise)."""
+
+    def __init__(self, service: GatewayService, template: ChatTemplate, healthy: Callable[[], bool],
+                 api_keys: tuple[str, ...] = ()) -> None:
         self._service = service
+        self._keys = [f"Bearer {key}".encode() for key in api_keys]
         self._healthy = healthy
         self._created = int(time.time())
         generate = GenerateHandler(service, template)
@@ -51,7 +59,14 @@ class HttpFront:
             "/metrics": {"GET": self._metrics},
         }
 
+    def _authorized(self, request: web.BaseRequest) -> bool:
+        given = request.headers.get("Authorization", "").encode()
+        return any(hmac.compare_digest(given, key) for key in self._keys)
+
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if self._keys and request.path not in OPEN_PATHS and not self._authorized(request):
+            return error_response(OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                              error_type="authentication_error"))
         methods = self._routes.get(request.path)
         if methods is None:
             return error_response(OpenAIError(404, f"no route {request.path}", error_type="not_found_error"))
@@ -80,20 +95,21 @@ class HttpFront:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def start_http(front: HttpFront, listen: str) -> tuple[web.BaseRunner, str]:
-    """Serves front on listen (host:port; port 0 picks one); returns the runner (await runner.cleanup()
-    to stop) and the bound host:port."""
+async def start_http(front: HttpFront, listen: str, max_body_bytes: int = MAX_MESSAGE_BYTES,
+                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.BaseRunner, str]:
+    """Serves front on listen (host:port; port 0 picks one), HTTPS with ssl_context; returns the runner
+    (await runner.cleanup() to stop) and the bound host:port. Bodies over max_body_bytes get 413."""
     host, port = listen.rsplit(":", 1)
     loop = asyncio.get_running_loop()
 
     def make_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
         """Bodies up to the gRPC API's message limit (long prompts), not aiohttp's default 1 MiB."""
-        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=MAX_MESSAGE_BYTES)
+        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body_bytes)
 
     server = web.Server(front.handle, request_factory=make_request, handler_cancellation=True, access_log=None)
     runner = web.ServerRunner(server, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, host.strip("[]") or None, int(port))
+    site = web.TCPSite(runner, host.strip("[]") or None, int(port), ssl_context=ssl_context)
     await site.start()
     bound = runner.addresses[0][1]
     advertised = "127.0.0.1" if host in ("", "0.0.0.0", "[::]", "::") else host

@@ -3,13 +3,15 @@ produces events (tokens with their text, then a finish or an error) for the serv
 
 Cleanup on every exit (finish, stop string, client cancel, Abort, error) keeps one rule: the pages of an
 unclaimed lease are released only once the prefill worker has confirmed it no longer writes them
-(its Prefill returned, or Cancel returned); if that confirmation cannot be had, the lease is left to
-expire on the decode worker, which frees it then."""
+(its Prefill returned, or Cancel returned: a running prefill stops between two chunks); cleanup waits
+for that as long as the lease lasts; if the confirmation cannot be had, the lease is left to expire on
+the decode worker, which frees it then."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,7 +72,10 @@ class RequestRun:
                  arrival: float, deadline: float | None, cleanup_timeout_s: float,
                  observer: RunObserver | None = None) -> None:
         self.job = job
-        self._metadata = request_metadata(job.request_id)  # x-request-id on every call to the workers
+        # The id the workers know this run by: unique per run, so a client may reuse its request_id as
+        # soon as the Complete is sent while this run's cleanup still talks to the workers.
+        self.worker_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
+        self._metadata = request_metadata(job.request_id) + pool.metadata  # x-request-id (+ internal token)
         self._observer = observer
         self._last_token_at: float | None = None
         self.admitted = False  # a decode worker reserved its pages
@@ -93,6 +98,7 @@ class RequestRun:
         self._prefill_call: Any = None
         self._decode_call: Any = None
         self._cancelling = False
+        self._lease_deadline = 0.0  # time.time() when the decode lease lapses (its pages freed there)
         self.finished = False  # the final event is queued (cleanup may still be running)
         self.task: asyncio.Task[None] | None = None
 
@@ -122,7 +128,7 @@ class RequestRun:
             self.events.put_nowait(ErrorEvent(status))
         finally:
             try:
-                await asyncio.wait_for(self._cleanup(), self._cleanup_timeout)
+                await asyncio.wait_for(self._cleanup(), self._cleanup_budget())
             except (asyncio.TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError) as error:
                 logger.warning("cleanup of request %s incomplete: %r", self.job.request_id, error)
 
@@ -131,8 +137,9 @@ class RequestRun:
         if not self._pool.polled.is_set():
             await asyncio.wait_for(self._pool.polled.wait(), remaining(self._deadline))
         self._decode, destination = await self._pool.reserve(
-            job.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline)
+            self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=job.request_id)
         self._decode_state = "reserved"
+        self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         self.admitted = True
         if self._observer is not None:
             self._observer.admitted(time.perf_counter() - self._arrival, len(job.prompt_ids))
@@ -146,7 +153,7 @@ class RequestRun:
         if job.ends_on(first) or params.max_new_tokens == 1:
             self._finish("stop" if job.ends_on(first) else "length")
             return
-        request = worker_pb2.DecodeRequest(request_id=job.request_id, lease_id=destination.lease_id,
+        request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling)
         self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
         self._decode_state = "streaming"
@@ -162,14 +169,30 @@ class RequestRun:
         raise Unavailable(f"decode stream of {job.request_id} ended without finishing")
 
     async def _run_prefill(self, destination: Any, sampling: Any) -> Any:
-        self._prefill = worker = self._pool.pick_prefill()
+        """Prefill on the least loaded worker; if that worker becomes unreachable (UNAVAILABLE: it died)
+        the prompt is sent once more, to another reachable prefill worker, into the same destination."""
+        try:
+            return await self._prefill_on(self._pool.pick_prefill(), destination, sampling)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            try:
+                retry = self._pool.pick_prefill()  # the dead worker is marked unreachable by now
+            except Unavailable:
+                raise error from None
+            logger.warning("prefill worker lost during prefill of %s (%s); retrying once on %s",
+                           self.job.request_id, error.details(), retry.state.address)
+            return await self._prefill_on(retry, destination, sampling)
+
+    async def _prefill_on(self, worker: PrefillWorker, destination: Any, sampling: Any) -> Any:
+        self._prefill = worker
         tokens = len(self.job.prompt_ids)
         worker.state.outstanding_tokens += tokens
         worker.state.outstanding_requests += 1
         self._prefill_state = "inflight"
         try:
             self._prefill_call = worker.stub.Prefill(
-                worker_pb2.PrefillRequest(request_id=self.job.request_id, token_ids=self.job.prompt_ids,
+                worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
                                           sampling=sampling, destination=destination),
                 timeout=remaining(self._deadline), metadata=self._metadata)
             response = await self._prefill_call
@@ -223,15 +246,20 @@ class RequestRun:
             self._observer.finished(time.perf_counter() - self._arrival, self._decode_steps, self._decode_tokens)
 
     # --- cleanup ------------------------------------------------------------------------------------
+    def _cleanup_budget(self) -> float:
+        """How long cleanup may wait for the prefill worker to confirm it stopped: as long as it takes,
+        until the decode lease lapses (then the decode worker frees the pages itself)."""
+        return max(self._cleanup_timeout, self._lease_deadline - time.time() + self._cleanup_timeout)
+
     async def _cleanup(self) -> None:
-        request_id = self.job.request_id
+        request_id = self.worker_id
         if self._prefill_state in ("inflight", "failed"):
             assert self._prefill is not None
             if self._prefill_call is not None:
                 self._prefill_call.cancel()
             try:
                 await self._prefill.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                                timeout=self._cleanup_timeout, metadata=self._metadata)
+                                                timeout=self._cleanup_budget(), metadata=self._metadata)
             except grpc.aio.AioRpcError as error:
                 logger.warning("could not confirm prefill of %s stopped (%s); its lease will expire",
                                request_id, error.code().name)

@@ -39,28 +39,50 @@ class GenerateJob:
         return not self.params.ignore_eos and token_id in self.eos_token_ids
 
 
-def _prompt_ids(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
-                both_inputs: bool) -> list[int]:
+def text_to_tokenize(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
+                     both_inputs: bool = False, max_text_bytes: int | None = None) -> str | None:
+    """The cheap checks that come before tokenising: request id, the input oneof, token ids, the text's
+    size. Returns the text to tokenise, or None when the prompt is token ids."""
+    if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID_LENGTH} characters")
     if both_inputs:
         raise InvalidArgument("input", "set exactly one of text and token_ids, not both")
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidArgument("input", "set one of text and token_ids")
-    if which == "text":
-        if not request.text:
-            raise InvalidArgument("input.text", "is empty")
-        if tokenizer is None:
-            raise InvalidArgument("input.text", "this model has no tokenizer.json; send token_ids")
-        ids = tokenizer.encode(request.text)
-        if not ids:
-            raise InvalidArgument("input.text", "tokenizes to no tokens")
-        return ids
+    if which == "token_ids":
+        _token_ids(request, facts)
+        return None
+    if not request.text:
+        raise InvalidArgument("input.text", "is empty")
+    if tokenizer is None:
+        raise InvalidArgument("input.text", "this model has no tokenizer.json; send token_ids")
+    if max_text_bytes is not None and len(request.text) > max_text_bytes // 4:  # 4 bytes per character at most
+        size = len(request.text.encode("utf-8"))
+        if size > max_text_bytes:
+            raise InvalidArgument("input.text", f"{size} bytes exceeds the gateway's limit of {max_text_bytes}")
+    return request.text
+
+
+def _token_ids(request: gateway_pb2.GenerateRequest, facts: ModelFacts) -> list[int]:
     ids = list(request.token_ids.ids)
     if not ids:
         raise InvalidArgument("input.token_ids", "is empty")
     for index, token in enumerate(ids):
         if not 0 <= token < facts.vocab_size:
             raise InvalidArgument(f"input.token_ids[{index}]", f"{token} is outside the vocabulary [0, {facts.vocab_size})")
+    return ids
+
+
+def _prompt_ids(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
+                both_inputs: bool, text_ids: list[int] | None) -> list[int]:
+    text = text_to_tokenize(request, facts, tokenizer, both_inputs)
+    if text is None:
+        return _token_ids(request, facts)
+    assert tokenizer is not None
+    ids = tokenizer.encode(text) if text_ids is None else text_ids
+    if not ids:
+        raise InvalidArgument("input.text", "tokenizes to no tokens")
     return ids
 
 
@@ -106,13 +128,13 @@ def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, ma
 
 
 def parse_generate_request(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
-                           default_max_tokens: int, both_inputs: bool = False) -> GenerateJob:
+                           default_max_tokens: int, both_inputs: bool = False,
+                           text_ids: list[int] | None = None) -> GenerateJob:
     """Validates and converts; both_inputs: the wire message set text AND token_ids (protobuf keeps
-    only the last member of a oneof, so the caller detects this on the raw bytes)."""
+    only the last member of a oneof, so the caller detects this on the raw bytes). text_ids: the text
+    already tokenised by the caller (off the event loop); None: tokenised here."""
     request_id = request.request_id or uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_LENGTH:
-        raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID_LENGTH} characters")
-    prompt = _prompt_ids(request, facts, tokenizer, both_inputs)
+    prompt = _prompt_ids(request, facts, tokenizer, both_inputs, text_ids)
     max_tokens = _max_tokens(request, facts, len(prompt), default_max_tokens)
     params = _sampling_params(request, facts, max_tokens)
     for index, stop in enumerate(request.stop):

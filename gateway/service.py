@@ -8,7 +8,8 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.model_info import ModelFacts
 from gateway.orchestrator import RequestRun
-from gateway.requests import parse_generate_request
+from gateway.requests import parse_generate_request, text_to_tokenize
+from gateway.tokenize_pool import TokenizePool
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import WorkerPool
 from rpc.status import AlreadyExists
@@ -19,8 +20,9 @@ logger = logging.getLogger(__name__)
 
 class GatewayService:
     def __init__(self, config: GatewayConfig, facts: ModelFacts, tokenizer: TextTokenizer | None, pool: WorkerPool,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 tokenize: TokenizePool | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
+        self._tokenize = tokenize
         self.facts = facts
         self.tokenizer = tokenizer
         self.pool = pool
@@ -29,18 +31,27 @@ class GatewayService:
         self.metrics.track(running=lambda: sum(run.admitted and not run.finished for run in self._runs.values()),
                            waiting=lambda: sum(not (run.admitted or run.finished) for run in self._runs.values()))
 
-    def submit(self, request: gateway_pb2.GenerateRequest, both_inputs: bool, arrival: float,
-               deadline: float | None) -> RequestRun:
-        """Validates (InvalidArgument naming the field) and starts the request."""
-        job = parse_generate_request(request, self.facts, self.tokenizer, self.config.default_max_tokens, both_inputs)
-        if job.request_id in self._runs:
-            raise AlreadyExists(f"request_id: {job.request_id!r} is already running")
+    async def submit(self, request: gateway_pb2.GenerateRequest, both_inputs: bool, arrival: float,
+                     deadline: float | None) -> RequestRun:
+        """Validates (InvalidArgument naming the field; long texts are tokenised off the event loop) and
+        starts the request. A request_id is free again once its run has queued its final event."""
+        text = text_to_tokenize(request, self.facts, self.tokenizer, both_inputs, self.config.max_request_bytes)
+        self._check_free(request.request_id)
+        text_ids = await self._tokenize.encode(text) if text is not None and self._tokenize is not None else None
+        job = parse_generate_request(request, self.facts, self.tokenizer, self.config.default_max_tokens, both_inputs,
+                                     text_ids)
+        self._check_free(job.request_id)
         run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s, self.metrics)
         self._runs[job.request_id] = run
         run.start()
         assert run.task is not None
         run.task.add_done_callback(lambda _: self._forget(run))
         return run
+
+    def _check_free(self, request_id: str) -> None:
+        run = self._runs.get(request_id)
+        if request_id and run is not None and not run.finished:
+            raise AlreadyExists(f"request_id: {request_id!r} is already running")
 
     def _forget(self, run: RequestRun) -> None:
         if self._runs.get(run.job.request_id) is run:

@@ -13,7 +13,7 @@ from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.wire import WireGenerateRequest, parse_generate_request_bytes
 from rpc.logging_setup import REQUEST_ID_KEY
-from rpc.status import abort, status_for, streaming, unary
+from rpc.status import InvalidArgument, abort, status_for, streaming, unary
 from rpc.v1 import gateway_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -45,7 +45,7 @@ class GatewayServicer:
             wire.message.request_id = next((value for key, value in context.invocation_metadata() or ()
                                             if key == REQUEST_ID_KEY), "")
         try:
-            run = self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
+            run = await self._service.submit(wire.message, wire.both_inputs, arrival, deadline)
         except Exception as error:
             self._service.metrics.count("grpc", "error", status_for(error)[0].name)
             raise
@@ -75,6 +75,8 @@ class GatewayServicer:
 
     @unary
     async def Abort(self, request: gateway_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.AbortResponse:
+        if not request.request_id:
+            raise InvalidArgument("request_id", "is empty")
         return gateway_pb2.AbortResponse(found=self._service.abort(request.request_id))
 
     @unary

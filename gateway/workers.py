@@ -14,12 +14,15 @@ import grpc
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rpc.interceptors import token_metadata
 from rpc.logging_setup import request_metadata
 from rpc.server import CHANNEL_OPTIONS
 from rpc.status import ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
 TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}
+# Reserve failures after which the worker may still hold a reservation for the request.
+_UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 
 @dataclass
@@ -44,6 +47,7 @@ def remaining(deadline: float | None, floor: float = 0.001) -> float | None:
 class WorkerPool:
     def __init__(self, config: GatewayConfig, on_health: Callable[[bool], None] | None = None) -> None:
         self.config = config
+        self.metadata = token_metadata(config.internal_token)  # sent with every call to a worker
         self.prefill = [self._prefill(address) for address in config.prefill]
         self.decode = [self._decode(address) for address in config.decode]
         self._prefill_router = PrefillRouter()
@@ -83,14 +87,14 @@ class WorkerPool:
 
         async def prefill(worker: PrefillWorker) -> None:
             try:
-                await worker.stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=timeout)
+                await worker.stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=timeout, metadata=self.metadata)
                 self._mark(worker.state, True)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
 
         async def decode(worker: DecodeWorker) -> None:
             try:
-                load = await worker.stub.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=timeout)
+                load = await worker.stub.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
                 return
@@ -116,7 +120,8 @@ class WorkerPool:
         self._update_health()
 
     def _update_health(self) -> None:
-        healthy = all(w.state.healthy for w in (*self.prefill, *self.decode))
+        """SERVING while at least one prefill and one decode worker answer (requests are routed to those)."""
+        healthy = any(w.state.healthy for w in self.prefill) and any(w.state.healthy for w in self.decode)
         if healthy != self.healthy:
             self.healthy = healthy
             if self._on_health is not None:
@@ -129,23 +134,38 @@ class WorkerPool:
             raise Unavailable("no reachable prefill worker")
         return self.prefill[order[0]]
 
-    async def _undo_reserve(self, worker: DecodeWorker, call: asyncio.Future[Any], request_id: str) -> None:
+    def _metadata_for(self, trace_id: str) -> tuple[tuple[str, str], ...]:
+        """x-request-id (names the request in the worker's log) and the internal token, if any."""
+        return request_metadata(trace_id) + self.metadata
+
+    async def _undo_reserve(self, worker: DecodeWorker, call: asyncio.Future[Any], request_id: str,
+                            trace_id: str) -> None:
         """The request was cancelled while its Reserve was in flight: let the call finish (a Release sent
         before it lands would miss it), then release what it reserved."""
         try:
             await asyncio.wait_for(call, self.config.cleanup_timeout_s)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
-            return  # nothing reserved, or unknown: the lease (if any) expires on the worker
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in _UNKNOWN_OUTCOME:
+                return  # refused: nothing reserved
+        except asyncio.TimeoutError:
+            pass
+        await self._release(worker, request_id, trace_id)
+
+    async def _release(self, worker: DecodeWorker, request_id: str, trace_id: str) -> None:
+        """Release of a reservation whose outcome is unknown to us (the worker also frees a Reserve it
+        is still allocating, and one whose answer it could not deliver)."""
         try:
             await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.cleanup_timeout_s,
-                                      metadata=request_metadata(request_id))
+                                     metadata=self._metadata_for(trace_id))
         except grpc.aio.AioRpcError as error:
-            logger.warning("could not release the reservation of cancelled request %s: %s", request_id, error.code().name)
+            logger.warning("could not release the reservation of request %s: %s", request_id, error.code().name)
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
-                      deadline: float | None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
+                      deadline: float | None, trace_id: str | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
         """Reserve on the best decode worker; on RESOURCE_EXHAUSTED tries the others, then waits and retries
-        until the admission timeout (or the request's deadline)."""
+        until the admission timeout (or the request's deadline). trace_id: the x-request-id to send
+        (default: request_id)."""
+        trace_id = trace_id or request_id
         request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
                                             max_new_tokens=max_new_tokens, transport=TRANSPORT_VALUES[self.config.transport])
         give_up = time.monotonic() + self.config.admission_timeout_s
@@ -159,11 +179,11 @@ class WorkerPool:
             for index in order:
                 worker = self.decode[index]
                 call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
-                                                                  metadata=request_metadata(request_id)))
+                                                                  metadata=self._metadata_for(trace_id)))
                 try:
                     destination = (await asyncio.shield(call)).destination
                 except asyncio.CancelledError:
-                    await self._undo_reserve(worker, call, request_id)
+                    await self._undo_reserve(worker, call, request_id, trace_id)
                     raise
                 except grpc.aio.AioRpcError as error:
                     if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -173,6 +193,8 @@ class WorkerPool:
                     if error.code() == grpc.StatusCode.UNAVAILABLE:
                         self.mark_unreachable(worker.state, error)
                         continue
+                    if error.code() in _UNKNOWN_OUTCOME:  # it may have reserved just as the deadline fired
+                        await self._release(worker, request_id, trace_id)
                     raise
                 worker.state.free_pages = max(0, worker.state.free_pages - len(destination.page_ids))
                 worker.state.running += 1

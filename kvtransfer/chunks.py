@@ -15,6 +15,7 @@ from kvtransfer.checksum import DEFAULT_ALGORITHM, Algorithm, Hasher, digest
 from kvtransfer.destination import Destination
 from kvtransfer.layout import KVLayout, SegmentKind
 from rpc.internal.v1 import kv_pb2
+from rpc.wire import encode_varint, iter_fields, read_varint
 
 MAX_CHUNK_BYTES = 1 << 20  # well under gRPC's 4 MiB default message limit, whatever the prompt length
 PAYLOAD_FIELD = kv_pb2.PushRequest.DESCRIPTOR.fields_by_name["payload"].number
@@ -46,65 +47,30 @@ class WireChunk(NamedTuple):
         return self.payload if isinstance(self.payload, list) else [self.payload]
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(buffer: memoryview, position: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = buffer[position]
-        position += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, position
-        shift += 7
-        if shift > 63:
-            raise ValueError("malformed varint in PushRequest")
-
-
 def encode_chunk(chunk: WireChunk) -> bytes:
     """The payload field first, then the header fields (protobuf allows any field order)."""
     pieces = chunk.pieces
     size = sum(len(piece) for piece in pieces)
-    return b"".join([_PAYLOAD_KEY, _varint(size), *pieces, chunk.header.SerializeToString()])
+    return b"".join([_PAYLOAD_KEY, encode_varint(size), *pieces, chunk.header.SerializeToString()])
 
 
 def decode_chunk(raw: bytes) -> WireChunk:
     """Splits a serialized PushRequest into its header (parsed) and its payload (a view of raw, no copy)."""
     view = memoryview(raw)
     if raw[:1] == _PAYLOAD_KEY:  # our own encoding: payload first, no other payload field after it
-        size, start = _read_varint(view, 1)
+        size, start = read_varint(view, 1)
         header = kv_pb2.PushRequest.FromString(view[start + size :].tobytes())
         if not header.payload:  # (a second payload field would win: then take the general path)
             return WireChunk(header, view[start : start + size])
-    header_parts, payload, position = [], view[:0], 0
-    while position < len(view):
-        start = position
-        key, position = _read_varint(view, position)
-        wire_type = key & 7
-        if wire_type == 0:
-            _, position = _read_varint(view, position)
-        elif wire_type == 1:
-            position += 8
-        elif wire_type == 5:
-            position += 4
-        elif wire_type == 2:
-            length, position = _read_varint(view, position)
-            if key >> 3 == PAYLOAD_FIELD:
-                payload, position = view[position : position + length], position + length
-                continue
-            position += length
-        else:
-            raise ValueError(f"unsupported wire type {wire_type} in PushRequest")
-        header_parts.append(view[start:position])
-    if position != len(view):
-        raise ValueError("truncated PushRequest")
+    header_parts, payload = [], view[:0]
+    try:
+        for field in iter_fields(view):
+            if field.number == PAYLOAD_FIELD and field.wire_type == 2:
+                payload = view[field.value_start : field.end]
+            else:
+                header_parts.append(view[field.start : field.end])
+    except ValueError as error:
+        raise ValueError(f"malformed PushRequest: {error}") from error
     return WireChunk(kv_pb2.PushRequest.FromString(b"".join(header_parts)), payload)
 
 

@@ -72,8 +72,9 @@ class CompletionRecord:
             layout.rstrip(b"\0").decode("ascii"), request, lease,
         )
 
-    def belongs_to(self, request_id: str, lease_id: str) -> bool:
-        return self.request_key == key_of(request_id) and self.lease_key == key_of(lease_id)
+    def belongs_to(self, request_id: str, lease: str) -> bool:
+        """lease: the lease's binding (Destination.binding: lease id, transport, pages, tokens)."""
+        return self.request_key == key_of(request_id) and self.lease_key == key_of(lease)
 
 
 class CompletionTable:
@@ -122,16 +123,22 @@ class CompletionTable:
         self.write(slot, CompletionRecord(SlotState.EMPTY, current.sequence if current is not None else 0))
 
     # --- writer side -------------------------------------------------------------------------------
-    def finish(self, slot: int, sequence: int, request_id: str, lease_id: str, record: CompletionRecord) -> None:
-        """Writes a COMPLETE / FAILED record, after checking the slot is still reserved for this lease."""
+    def check_reserved(self, slot: int, sequence: int, request_id: str, lease: str) -> None:
+        """Raises UnknownTransfer unless the decode side reserved the slot for exactly this lease (request,
+        lease id, transport, pages: see Destination.binding) and has not released it since."""
         current = self.read(slot)
         if (
             current is None
             or current.state != SlotState.RESERVED
             or current.sequence != sequence - 1
-            or not current.belongs_to(request_id, lease_id)
+            or not current.belongs_to(request_id, lease)
         ):
             raise UnknownTransfer(
-                f"completion slot {slot} is no longer reserved for request {request_id} (cancelled or expired)"
+                f"completion slot {slot} is not reserved for this lease of request {request_id} "
+                "(forged, cancelled or expired)"
             )
+
+    def finish(self, slot: int, sequence: int, request_id: str, lease: str, record: CompletionRecord) -> None:
+        """Writes a COMPLETE / FAILED record, after checking the slot is still reserved for this lease."""
+        self.check_reserved(slot, sequence, request_id, lease)
         self.write(slot, record)

@@ -21,6 +21,14 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def lease_binding(lease_id: str, transport: TransportKind | int, page_ids: tuple[int, ...] | list[int],
+                  num_tokens: int) -> str:
+    """What a completion slot's lease key fingerprints: the secret lease id together with the transport,
+    the pages and the token count, so a destination naming other pages (or another transport) under a
+    real lease id matches no slot, and prefill refuses it before writing."""
+    return f"{lease_id}/{int(transport)}/{num_tokens}/{','.join(map(str, page_ids))}"
+
+
 @dataclass(frozen=True)
 class Destination:
     """A request's reserved decode pages and, per TP rank, where to write them.
@@ -60,6 +68,10 @@ class Destination:
             len(self.data_addresses) == len(self.record_addresses) == len(self.targets)
         ):
             raise ValueError("a mooncake Destination needs a data and a record address per target")
+
+    @property
+    def binding(self) -> str:
+        return lease_binding(self.lease_id, self.transport, self.page_ids, self.num_tokens)
 
     @property
     def num_ranks(self) -> int:

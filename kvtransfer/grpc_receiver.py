@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from engine.kv_cache import PagedLatentCache
 from kvtransfer.destination import Destination, TransportKind
@@ -19,7 +20,8 @@ from kvtransfer.page_spans import cache_view
 from kvtransfer.transport import KVReceiver, TransferResult
 
 logger = logging.getLogger(__name__)
-_RECENT_FAILURES = 1024
+_RECENT_FAILURES = 1024  # failed / cancelled requests remembered for late pushes and admit()
+_T = TypeVar("_T")
 
 
 class PushReceiver(KVReceiver):
@@ -40,6 +42,7 @@ class PushReceiver(KVReceiver):
         self._lock = threading.Condition()
         self._requests: dict[str, PendingPush] = {}
         self._failures: dict[str, KVTransferError] = {}
+        self._cancelled: dict[str, Destination] = {}  # recent cancels: a late push learns if its lease expired
 
     def advertise(self, addresses: Sequence[str]) -> None:
         if len(addresses) != len(self._views):
@@ -63,6 +66,7 @@ class PushReceiver(KVReceiver):
                 raise ValueError(f"request {lease.request_id} is already expected")
             self._requests[lease.request_id] = PendingPush(destination, len(self._views))
             self._failures.pop(lease.request_id, None)
+            self._cancelled.pop(lease.request_id, None)
         return destination
 
     def admit(self, request_id: str, timeout_s: float = 0.0) -> TransferResult:
@@ -84,6 +88,7 @@ class PushReceiver(KVReceiver):
             request = self._requests.pop(request_id, None)
             if request is not None:
                 request.set_error(TransferAborted(f"request {request_id} was cancelled"))
+                _remember(self._cancelled, request_id, request.destination)
             self._failures.pop(request_id, None)
             self._lock.notify_all()
 
@@ -98,6 +103,9 @@ class PushReceiver(KVReceiver):
     def lookup(self, request_id: str, lease_id: str) -> PendingPush:
         with self._lock:
             request = self._requests.get(request_id)
+            ended = self._cancelled.get(request_id)
+        if ended is not None and ended.lease_id == lease_id:  # expect() of the id again forgets it
+            ended.check_lease()  # freed because the lease ran out (the sweeper): say so, not "unknown"
         if request is None or request.destination.lease_id != lease_id:
             raise UnknownTransfer(f"no KV transfer expected for request {request_id!r} under lease {lease_id!r}")
         return request
@@ -127,10 +135,16 @@ class PushReceiver(KVReceiver):
             request_id = request.destination.request_id
             if self._requests.get(request_id) is request:
                 del self._requests[request_id]
-                self._failures[request_id] = error
-                while len(self._failures) > _RECENT_FAILURES:
-                    self._failures.pop(next(iter(self._failures)))
+                _remember(self._failures, request_id, error)
             self._lock.notify_all()
         logger.warning("KV push of request %s failed: %s", request.destination.request_id, error)
         if self.on_failed is not None:
             self.on_failed(request.destination.request_id)
+
+
+def _remember(recent: dict[str, _T], request_id: str, value: _T) -> None:
+    """Keeps value under request_id, forgetting the oldest entries beyond _RECENT_FAILURES."""
+    recent.pop(request_id, None)
+    recent[request_id] = value
+    while len(recent) > _RECENT_FAILURES:
+        recent.pop(next(iter(recent)))

@@ -11,7 +11,7 @@ import grpc
 
 from kvtransfer.chunks import decode_chunk
 from kvtransfer.errors import KVTransferError, TransferAborted
-from kvtransfer.grpc_receiver import PushReceiver, PushSession
+from kvtransfer.grpc_receiver import PushReceiver
 from rpc.status import abort, status_of
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc
 
@@ -20,8 +20,25 @@ SERVICE = "pdserve.internal.v1.KVTransferService"
 logger = logging.getLogger(__name__)
 
 
-def _result(session: PushSession, nbytes: int) -> kv_pb2.PushResponse:
-    return kv_pb2.PushResponse(ok=True, bytes=nbytes, chunks=session.sequence)
+class _PushCall:
+    """One Push call's session; leaving the block before finish() (client gone, refused chunk, unexpected
+    error) fails the request, so it does not linger."""
+
+    def __init__(self, receiver: PushReceiver) -> None:
+        self.session = receiver.open_stream()
+        self._finished = False
+
+    def finish(self) -> kv_pb2.PushResponse:
+        nbytes = self.session.close()
+        self._finished = True
+        return kv_pb2.PushResponse(ok=True, bytes=nbytes, chunks=self.session.sequence)
+
+    def __enter__(self) -> _PushCall:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if not self._finished:
+            self.session.abort(TransferAborted("the Push stream ended early"))
 
 
 class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
@@ -31,20 +48,14 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
         self.receiver = receiver
 
     def Push(self, request_iterator, context):  # noqa: N802 - gRPC method name
-        session = self.receiver.open_stream()
-        finished = False
-        try:
-            for chunk in request_iterator:
-                session.apply(chunk)
-            nbytes = session.close()
-            finished = True
-            return _result(session, nbytes)
-        except KVTransferError as error:
-            logger.info("KV Push refused: %s", error)
-            context.abort_with_status(status_of(error))
-        finally:
-            if not finished:  # client went away, or an unexpected error: the request must not linger
-                session.abort(TransferAborted("the Push stream ended early"))
+        with _PushCall(self.receiver) as call:
+            try:
+                for chunk in request_iterator:
+                    call.session.apply(chunk)
+                return call.finish()
+            except KVTransferError as error:
+                logger.info("KV Push refused: %s", error)
+                context.abort_with_status(status_of(error))
 
 
 class KVTransferAioServicer(kv_pb2_grpc.KVTransferServiceServicer):
@@ -54,20 +65,14 @@ class KVTransferAioServicer(kv_pb2_grpc.KVTransferServiceServicer):
         self.receiver = receiver
 
     async def Push(self, request_iterator, context):  # noqa: N802 - gRPC method name
-        session = self.receiver.open_stream()
-        finished = False
-        try:
-            async for chunk in request_iterator:
-                session.apply(chunk)
-            nbytes = session.close()
-            finished = True
-            return _result(session, nbytes)
-        except KVTransferError as error:
-            logger.info("KV Push refused: %s", error)
-            await abort(context, status_of(error))
-        finally:
-            if not finished:
-                session.abort(TransferAborted("the Push stream ended early"))
+        with _PushCall(self.receiver) as call:
+            try:
+                async for chunk in request_iterator:
+                    call.session.apply(chunk)
+                return call.finish()
+            except KVTransferError as error:
+                logger.info("KV Push refused: %s", error)
+                await abort(context, status_of(error))
 
 
 def add_to_server(receiver: PushReceiver, server) -> None:

@@ -2,11 +2,13 @@
 
 The first chunk's layout hash is checked before any byte is written, then request and lease; every chunk's
 sequence number, pages (all in the lease), offset, size and checksum are checked, then its payload is
-copied straight into the pool (no buffering of the request). Per (layer, page) byte counters catch gaps
-and overlaps; close() requires every page of every layer. Any failure fails the whole request.
+copied straight into the pool (no buffering of the request). Per (layer, page) byte ranges catch overlaps
+(a byte written twice is refused, even when the count would add up) and gaps; close() requires every byte of
+every page of every layer. Any failure fails the whole request.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import TYPE_CHECKING
 
@@ -46,6 +48,36 @@ class PendingPush:
             return True
 
 
+class PageCoverage:
+    """The byte ranges of one page received so far: sorted, disjoint, adjacent ones merged."""
+
+    __slots__ = ("ranges",)
+
+    def __init__(self) -> None:
+        self.ranges: list[list[int]] = []  # [start, end) pairs
+
+    def add(self, start: int, end: int) -> bool:
+        """Records [start, end); False (and nothing recorded) if any byte of it was already received."""
+        at = bisect.bisect_right(self.ranges, [start, end])
+        if (at > 0 and self.ranges[at - 1][1] > start) or (at < len(self.ranges) and self.ranges[at][0] < end):
+            return False
+        if at > 0 and self.ranges[at - 1][1] == start:
+            self.ranges[at - 1][1] = end
+            at -= 1
+        else:
+            self.ranges.insert(at, [start, end])
+        if at + 1 < len(self.ranges) and self.ranges[at + 1][0] == end:
+            self.ranges[at][1] = self.ranges.pop(at + 1)[1]
+        return True
+
+    @property
+    def received(self) -> int:
+        return sum(end - start for start, end in self.ranges)
+
+    def complete(self, page_bytes: int) -> bool:
+        return self.ranges == [[0, page_bytes]]
+
+
 class PushSession:
     """One Push stream (one request, one rank): apply() each chunk, then close()."""
 
@@ -55,7 +87,7 @@ class PushSession:
         self.rank = -1
         self.sequence = 0
         self.bytes = 0
-        self._coverage: list[list[int]] = []  # bytes received per segment, per page index
+        self._coverage: list[list[PageCoverage]] = []  # byte ranges received per segment, per page index
         self._segments = {segment: i for i, segment in enumerate(receiver.layout.segments())}
 
     def apply(self, chunk: WireChunk | kv_pb2.PushRequest) -> None:
@@ -85,7 +117,7 @@ class PushSession:
         self.request = request
         receiver.open_rank(request, chunk.rank)
         self.rank = chunk.rank
-        self._coverage = [[0] * len(request.page_index) for _ in self._segments]
+        self._coverage = [[PageCoverage() for _ in request.page_index] for _ in self._segments]
 
     def _write(self, chunk: kv_pb2.PushRequest, payload) -> None:
         request, layout = self.request, self.receiver.layout
@@ -117,9 +149,9 @@ class PushSession:
         position, offset = 0, start
         for page, index in zip(chunk.page_ids, indices):
             take = min(page_bytes - offset, size - position)
-            if coverage[index] + take > page_bytes:
-                raise BadChunk(f"page {page} of {kind.name.lower()} layer {chunk.layer} written twice")
-            coverage[index] += take
+            if not coverage[index].add(offset, offset + take):
+                raise BadChunk(f"page {page} of {kind.name.lower()} layer {chunk.layer}: bytes {offset}..{offset + take}"
+                               " written twice")
             target = base + page * page_bytes + offset
             if copies and copies[-1][0] + copies[-1][2] == target:  # consecutive pool pages: one memcpy
                 copies[-1][2] += take
@@ -142,10 +174,11 @@ class PushSession:
                 raise BadChunk("empty Push stream")
             layout, pages = self.receiver.layout, len(self.request.page_index)
             for (kind, layer), coverage in zip(self._segments, self._coverage):
-                if any(count != layout.page_bytes(kind) for count in coverage):
+                if not all(page.complete(layout.page_bytes(kind)) for page in coverage):
                     raise IncompleteTransfer(
                         f"request {self.request.destination.request_id} rank {self.rank}: short write, "
-                        f"{kind.name.lower()} layer {layer} has {sum(coverage)} of {pages * layout.page_bytes(kind)} bytes"
+                        f"{kind.name.lower()} layer {layer} has {sum(page.received for page in coverage)} of "
+                        f"{pages * layout.page_bytes(kind)} bytes"
                         f" ({self.bytes} of {pages * layout.bytes_per_page} in all)"
                     )
         except KVTransferError as error:

@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from engine.kv_cache import PagedLatentCache
+from kvtransfer import errors
 from kvtransfer.checksum import DEFAULT_ALGORITHM, Algorithm
 from kvtransfer.chunks import MAX_CHUNK_BYTES, ChunkEncoder, encode_chunk
 from kvtransfer.destination import Destination, TransportKind
@@ -24,6 +25,7 @@ from kvtransfer.errors import (
 from kvtransfer.layout import KVLayout, SegmentKind
 from kvtransfer.page_spans import byte_view, cache_view, segment_offset
 from kvtransfer.transport import KVWriteHandle, KVWriter, TransferResult
+from rpc.status import error_reason
 
 logger = logging.getLogger(__name__)
 PUSH_METHOD = "/pdserve.internal.v1.KVTransferService/Push"
@@ -40,14 +42,22 @@ _ERROR_FOR_CODE = {
 
 
 def error_from_rpc(error: grpc.RpcError) -> KVTransferError:
-    """The kvtransfer exception for a failed Push (the server's message names the precise cause)."""
+    """The kvtransfer exception for a failed Push: the class the server raised (its ErrorInfo names it),
+    else the one its status code stands for; the message is the server's."""
     code = error.code()
-    return _ERROR_FOR_CODE.get(code, KVTransferError)(f"Push failed with {code.name}: {error.details()}")
+    kind = _ERROR_FOR_CODE.get(code, KVTransferError)
+    named = error_reason(error)
+    if named is not None and named[0] == errors.__name__:
+        raised = getattr(errors, named[1], None)
+        if isinstance(raised, type) and issubclass(raised, KVTransferError):
+            kind = raised
+    return kind(f"Push failed with {code.name}: {error.details()}")
 
 
 class _PushStub:
-    def __init__(self, push) -> None:
+    def __init__(self, push, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.Push = push
+        self.metadata = metadata
 
 
 class GrpcWriteHandle(KVWriteHandle):
@@ -60,7 +70,7 @@ class GrpcWriteHandle(KVWriteHandle):
         super().__init__(destination, rank, layout)
         self._encoder = ChunkEncoder(destination, rank, layout, max_chunk, algorithm)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
-        self._future = stub.Push.future(self._requests(), timeout=timeout_s)
+        self._future = stub.Push.future(self._requests(), timeout=timeout_s, metadata=stub.metadata)
 
     def _requests(self):
         while True:
@@ -110,8 +120,10 @@ class GrpcWriter(KVWriter):
     """Prefill side: one channel per decode address, reused by every request."""
 
     def __init__(self, layout: KVLayout, *, max_chunk: int = MAX_CHUNK_BYTES, algorithm: Algorithm = DEFAULT_ALGORITHM,
-                 timeout_s: float = 120.0, queue_depth: int = 8) -> None:
+                 timeout_s: float = 120.0, queue_depth: int = 8, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        """metadata: sent with every Push (the internal token, when the decode worker requires one)."""
         self.layout = layout
+        self.metadata = tuple(metadata)
         self.max_chunk = max_chunk
         self.algorithm = Algorithm(algorithm)
         self.timeout_s = timeout_s
@@ -129,7 +141,7 @@ class GrpcWriter(KVWriter):
                 push = channel.stream_unary(
                     PUSH_METHOD, request_serializer=encode_chunk, response_deserializer=kv_pb2.PushResponse.FromString
                 )
-                self._channels[address] = (channel, _PushStub(push))
+                self._channels[address] = (channel, _PushStub(push, self.metadata))
             return self._channels[address][1]
 
     def _check(self, destination: Destination) -> None:

@@ -40,7 +40,7 @@ class LeaseTable:
     def grant(self, request_id: str, page_ids: Sequence[int], ttl_s: float) -> Lease:
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
-        lease = Lease(secrets.token_hex(8), request_id, tuple(page_ids), self._now_ms() + int(ttl_s * 1000))
+        lease = Lease(secrets.token_hex(16), request_id, tuple(page_ids), self._now_ms() + int(ttl_s * 1000))
         with self._lock:
             self._leases[lease.lease_id] = lease
         return lease

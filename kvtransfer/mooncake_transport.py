@@ -144,7 +144,7 @@ class MooncakeWriteHandle(KVWriteHandle):
         dest = self.destination
         record = CompletionRecord(
             state, dest.completion_sequence, int(self.writer.algorithm), nbytes, checksum, dest.num_tokens, now_ms(),
-            self.layout.hash, key_of(dest.request_id), key_of(dest.lease_id),
+            self.layout.hash, key_of(dest.request_id), key_of(dest.binding),
         )
         self.writer.send_record(dest.target(self.rank), record.pack(), dest.record_addresses[self.rank])
 

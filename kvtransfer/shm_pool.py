@@ -24,9 +24,9 @@ from kvtransfer.completion import SLOT_BYTES, CompletionTable
 from kvtransfer.errors import LayoutMismatch, SegmentError
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm_segment import (
-    HEADER, HEADER_BYTES, SEGMENT_PREFIX, SHM_DIR, PoolHeader, cleanup_stale_segments, process_start_ticks,
-    unlink_segment,
+    HEADER, HEADER_BYTES, SEGMENT_PREFIX, SHM_DIR, PoolHeader, cleanup_stale_segments, unlink_segment,
 )
+from rpc.processes import start_ticks
 
 __all__ = ["SharedPagePool", "cleanup_stale_segments", "PoolHeader", "SEGMENT_PREFIX", "SHM_DIR"]
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class SharedPagePool:
         os.close(fd)
         pid = os.getpid()
         header = PoolHeader(
-            pid, process_start_ticks(pid) or 0, num_pages, data_offset, data_bytes, slots, rank, layout.hash,
+            pid, start_ticks(pid) or 0, num_pages, data_offset, data_bytes, slots, rank, layout.hash,
             owner_tag, layout.canonical,
         )
         mapping[: HEADER.size] = header.pack()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvtransfer.checksum import Algorithm, request_checksum
 from kvtransfer.completion import CompletionRecord, SlotState
-from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.destination import Destination, TransportKind, lease_binding
 from kvtransfer.errors import (
     ChecksumMismatch, IncompleteTransfer, KVTransferError, LayoutMismatch, OutOfSlots, TransferAborted,
     TransferTimeout, UnknownTransfer,
@@ -69,9 +69,10 @@ class ShmReceiver(KVReceiver):
             if not self._free_slots:
                 raise OutOfSlots(f"all {self.pools[0].header.num_slots} completion slots are in use")
             slot = self._free_slots.pop()
+            binding = lease_binding(lease.lease_id, self.transport, lease.page_ids, num_tokens)
             base = max(pool.completions.sequence(slot) for pool in self.pools)
             for pool in self.pools:
-                sequence = pool.completions.reserve(slot, lease.request_id, lease.lease_id, at_least=base)
+                sequence = pool.completions.reserve(slot, lease.request_id, binding, at_least=base)
             destination = Destination(
                 transport=self.transport, layout_hash=self.layout.hash, request_id=lease.request_id,
                 lease_id=lease.lease_id, page_ids=lease.page_ids, lease_deadline_unix_ms=lease.deadline_unix_ms,
@@ -118,7 +119,7 @@ class ShmReceiver(KVReceiver):
     def _verify(self, pool: SharedPagePool, rank: int, destination: Destination) -> int:
         record = pool.completions.read(destination.completion_slot)
         where = f"request {destination.request_id} rank {rank}"
-        if record is None or not record.belongs_to(destination.request_id, destination.lease_id):
+        if record is None or not record.belongs_to(destination.request_id, destination.binding):
             raise UnknownTransfer(f"{where}: completion slot holds another request's record")
         if record.state == SlotState.FAILED:
             raise TransferAborted(f"{where}: the writer aborted the transfer")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvtransfer.completion import SLOT_BYTES
 from kvtransfer.errors import SegmentError
+from rpc.processes import start_ticks
 
 logger = logging.getLogger(__name__)
 
@@ -18,18 +19,6 @@ SEGMENT_PREFIX = "pdserve-kv-"
 MAGIC = b"PDSKVP01"
 HEADER_BYTES = 4096  # the header struct, padded; completion slots follow
 HEADER = struct.Struct("<8sIQQQQQIII16s32s256s")
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of a live process in clock ticks since boot; 0 for a zombie; None if /proc cannot tell."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-        return 0 if fields[0] == b"Z" else int(fields[19])
-    except FileNotFoundError:
-        return 0
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 @dataclass(frozen=True)
@@ -56,13 +45,13 @@ class PoolHeader:
     def unpack(cls, raw: bytes, name: str) -> PoolHeader:
         if len(raw) < HEADER.size:
             raise SegmentError(f"shm segment {name} is too short for a pool header")
-        magic, version, pid, ticks, pages, offset, nbytes, slots, slot_bytes, rank, lhash, tag, canon = (
+        magic, version, pid, started, pages, offset, nbytes, slots, slot_bytes, rank, lhash, tag, canon = (
             HEADER.unpack_from(raw)
         )
         if magic != MAGIC or version != 1 or slot_bytes != SLOT_BYTES:
             raise SegmentError(f"shm segment {name} is not a pdserve KV pool (bad magic or version)")
         strip = lambda value: value.rstrip(b"\0").decode("utf-8", "replace")  # noqa: E731
-        return cls(pid, ticks, pages, offset, nbytes, slots, rank, strip(lhash), strip(tag), strip(canon))
+        return cls(pid, started, pages, offset, nbytes, slots, rank, strip(lhash), strip(tag), strip(canon))
 
     def owner_alive(self) -> bool:
         try:
@@ -71,10 +60,10 @@ class PoolHeader:
             return False
         except PermissionError:
             return True
-        ticks = process_start_ticks(self.owner_pid)
-        if ticks is None or not self.owner_start_ticks:  # /proc cannot tell: trust kill()
+        started = start_ticks(self.owner_pid)
+        if started is None or not self.owner_start_ticks:  # cannot tell: trust kill()
             return True
-        return ticks == self.owner_start_ticks  # 0 (zombie) or another start time (pid reused): gone
+        return started == self.owner_start_ticks  # 0 (zombie) or another start time (pid reused): gone
 
 
 def unlink_segment(name: str) -> None:

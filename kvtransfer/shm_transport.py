@@ -95,10 +95,10 @@ class ShmWriteHandle(KVWriteHandle):
         dest = self.destination
         record = CompletionRecord(
             SlotState.COMPLETE, dest.completion_sequence, int(self.algorithm), nbytes, checksum, dest.num_tokens,
-            now_ms(), self.layout.hash, key_of(dest.request_id), key_of(dest.lease_id),
+            now_ms(), self.layout.hash, key_of(dest.request_id), key_of(dest.binding),
         )
         self.done = True
-        self.pool.completions.finish(dest.completion_slot, dest.completion_sequence, dest.request_id, dest.lease_id, record)
+        self.pool.completions.finish(dest.completion_slot, dest.completion_sequence, dest.request_id, dest.binding, record)
         return TransferResult(dest.request_id, nbytes, checksum)
 
     def _checksum(self) -> tuple[int, int]:
@@ -121,10 +121,10 @@ class ShmWriteHandle(KVWriteHandle):
         logger.warning("aborting shm KV write of request %s rank %d: %s", dest.request_id, self.rank, reason)
         record = CompletionRecord(
             SlotState.FAILED, dest.completion_sequence, int(self.algorithm), written_unix_ms=now_ms(),
-            layout_hash=self.layout.hash, request_key=key_of(dest.request_id), lease_key=key_of(dest.lease_id),
+            layout_hash=self.layout.hash, request_key=key_of(dest.request_id), lease_key=key_of(dest.binding),
         )
         try:
-            self.pool.completions.finish(dest.completion_slot, dest.completion_sequence, dest.request_id, dest.lease_id, record)
+            self.pool.completions.finish(dest.completion_slot, dest.completion_sequence, dest.request_id, dest.binding, record)
         except UnknownTransfer:
             pass  # the decode side already dropped the request
 
@@ -144,7 +144,16 @@ class ShmWriter(KVWriter):
                 self._pools[name] = SharedPagePool.attach(name, self.layout)
             return self._pools[name]
 
-    def open(self, destination: Destination, rank: int = 0, in_place: bool = False) -> ShmWriteHandle:
+    def confirm(self, destination: Destination) -> None:
+        """Before the first byte: every target pool's completion slot must be reserved by the decode worker
+        for this very lease (request, secret lease id, transport, pages); a forged or stale destination
+        raises UnknownTransfer (or BadChunk) and nothing is written."""
+        for rank in range(destination.num_ranks):
+            pool = self._checked_pool(destination, rank)
+            pool.completions.check_reserved(destination.completion_slot, destination.completion_sequence,
+                                            destination.request_id, destination.binding)
+
+    def _checked_pool(self, destination: Destination, rank: int) -> SharedPagePool:
         if destination.transport != TransportKind.SHM:
             raise BadChunk(f"ShmWriter cannot write a {destination.transport.name} destination")
         destination.check_against(self.layout, f"shm writer for request {destination.request_id}")
@@ -156,6 +165,10 @@ class ShmWriter(KVWriter):
             raise BadChunk(f"page {max(destination.page_ids)} outside pool {pool.name} of {pool.num_pages} pages")
         if not 0 <= destination.completion_slot < pool.header.num_slots:
             raise BadChunk(f"completion slot {destination.completion_slot} outside pool {pool.name}")
+        return pool
+
+    def open(self, destination: Destination, rank: int = 0, in_place: bool = False) -> ShmWriteHandle:
+        pool = self._checked_pool(destination, rank)
         return ShmWriteHandle(pool, destination, rank, self.algorithm, in_place)
 
     def detach(self, name: str) -> None:

@@ -6,6 +6,8 @@ import importlib
 import logging
 import sys
 
+from pdserve.process_groups import die_with_parent_if_asked
+
 # name -> module under pdserve.commands; each module defines add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "up": "Launch gateway + prefill + decode workers on this machine",
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

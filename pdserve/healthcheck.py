@@ -9,9 +9,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def check(address: str, service: str = "", timeout: float = 3.0) -> tuple[bool, str]:
-    """(serving?, status or error text) of `service` ("" = the whole server) at `address`."""
-    with grpc.insecure_channel(address) as channel:
+def check(address: str, service: str = "", timeout: float = 3.0, tls_root: bytes | None = None) -> tuple[bool, str]:
+    """(serving?, status or error text) of `service` ("" = the whole server) at `address`; tls_root:
+    speak TLS, trusting this PEM certificate (e.g. a server's self-signed one)."""
+    if tls_root is not None:
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_root))
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

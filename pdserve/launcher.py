@@ -7,9 +7,9 @@ it shuts down gracefully, then SIGKILL to whatever is left in its group, then st
 segments of dead owners are removed."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from pdserve.process_groups import PARENT_ENV, kill_group
 from rpc.server import read_ready_file
 
 logger = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
+INTERNAL_MODES = ("uds", "tcp")
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,19 @@ class ClusterSpec:
     decode_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     log_level: str = "INFO"
+    internal: str = "uds"  # how the workers listen: "uds" (Unix sockets in a 0700 directory) or "tcp" (+ token)
+    tls_cert: str | None = None  # the gateway's TLS certificate and key (PEM files)
+    tls_key: str | None = None
+    api_key_file: str | None = None  # keys clients must send to the gateway
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.internal not in INTERNAL_MODES:
+            raise ValueError(f"internal must be one of {INTERNAL_MODES}, got {self.internal!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
         if self.transport not in ("shm", "grpc"):
             raise ValueError(f"transport must be shm or grpc, got {self.transport!r}")
         if not Path(self.model_dir, "config.json").is_file():
@@ -61,19 +70,13 @@ class Child:
     process: subprocess.Popen[bytes]
     ready_file: Path
     address: str = ""
+    command: list[str] = field(default_factory=list)  # how it was started (a restart runs it again)
+    output: IO[bytes] | None = None
     endpoints: dict[str, str] = field(default_factory=dict)  # other served addresses: http, metrics
 
     @property
     def alive(self) -> bool:
         return self.process.poll() is None
-
-
-def _die_with_parent() -> None:
-    """preexec: the child gets SIGTERM if the launcher dies (Linux), so nothing is orphaned."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -84,9 +87,22 @@ class Cluster:
     gateway_address: str = ""
 
     def __post_init__(self) -> None:
-        self._run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self._run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))  # 0700: the workers' sockets live here
         self._logs: list[IO[bytes]] = []
         self._interrupt: threading.Event | None = None
+        self.internal_token: str | None = None
+        self._token_file = self._run_dir / "internal.token"
+        if self.spec.internal == "tcp":
+            self.internal_token = secrets.token_urlsafe(32)
+            descriptor = os.open(self._token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(self.internal_token + "\n")
+
+    def _security_args(self) -> list[str]:
+        return ["--internal-token-file", str(self._token_file)] if self.internal_token else []
+
+    def _listen(self, name: str) -> str:
+        return f"unix:{self._run_dir / name}.sock" if self.spec.internal == "uds" else "127.0.0.1:0"
 
     def _spawn(self, role: str, name: str, args: list[str]) -> Child:
         ready = self._run_dir / f"{name}.addr"
@@ -96,15 +112,35 @@ class Cluster:
         if self.log_dir is not None:
             output = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
             self._logs.append(output)
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
-        child = Child(name, process, ready)
+        child = Child(name, self._popen(command, output), ready, command=command, output=output)
         self.children.append(child)
-        logger.info("started %s (pid %d)", name, process.pid)
+        logger.info("started %s (pid %d)", name, child.process.pid)
         return child
 
-    def _worker_args(self, tp: int, extra: tuple[str, ...]) -> list[str]:
-        args = ["--listen", "127.0.0.1:0", "--model", self.spec.model_dir, "--tp-size", str(tp),
+    @staticmethod
+    def _popen(command: list[str], output: IO[bytes] | None) -> subprocess.Popen[bytes]:
+        environment = {**os.environ, PARENT_ENV: str(os.getpid())}  # the child arms die_with_parent itself
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
+                                start_new_session=True, env=environment)
+
+    def respawn(self, child: Child) -> None:
+        """Starts a dead child again on the address it had (the gateway and the other workers keep
+        theirs): what is left of its process group is killed, its socket and ready file removed."""
+        kill_group(child.process, child.role)
+        command = list(child.command)
+        pinned = {"--listen": child.address, "--http-listen": child.endpoints.get("http"),
+                  "--metrics-listen": child.endpoints.get("metrics")}
+        for flag, address in pinned.items():  # port 0 picked these once: keep them
+            if address and flag in command:
+                command[command.index(flag) + 1] = address
+        if child.address.startswith("unix:"):
+            Path(child.address[len("unix:"):]).unlink(missing_ok=True)
+        child.ready_file.unlink(missing_ok=True)
+        child.process = self._popen(command, child.output)
+        logger.info("restarted %s (pid %d)", child.role, child.process.pid)
+
+    def _worker_args(self, name: str, tp: int, extra: tuple[str, ...]) -> list[str]:
+        args = ["--listen", self._listen(name), *self._security_args(), "--model", self.spec.model_dir, "--tp-size", str(tp),
                 "--attention-backend", self.spec.attention_backend, *self.spec.worker_args, *extra]
         if self.spec.worker_metrics:
             args += ["--metrics-listen", "127.0.0.1:0"]
@@ -136,13 +172,13 @@ class Cluster:
         self._interrupt = interrupt
         deadline = time.monotonic() + timeout_s
         try:
-            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(self.spec.decode_tp, self.spec.decode_args))
+            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(f"decode-{i}", self.spec.decode_tp, self.spec.decode_args))
                       for i in range(self.spec.num_decode)]
-            prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(self.spec.prefill_tp, self.spec.prefill_args))
+            prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(f"prefill-{i}", self.spec.prefill_tp, self.spec.prefill_args))
                        for i in range(self.spec.num_prefill)]
             self._wait_ready(decode + prefill, deadline)
             args = ["--listen", self.spec.listen, "--model", self.spec.model_dir, "--transport", self.spec.transport,
-                    "--http-listen", self.spec.http_listen]
+                    "--http-listen", self.spec.http_listen, *self._security_args(), *self._gateway_security_args()]
             for child in prefill:
                 args += ["--prefill", child.address]
             for child in decode:
@@ -156,13 +192,22 @@ class Cluster:
             raise
         return self.gateway_address
 
+    def _gateway_security_args(self) -> list[str]:
+        args: list[str] = []
+        if self.spec.tls_cert and self.spec.tls_key:
+            args += ["--tls-cert", self.spec.tls_cert, "--tls-key", self.spec.tls_key]
+        if self.spec.api_key_file:
+            args += ["--api-key-file", self.spec.api_key_file]
+        return args
+
     def _wait_serving(self, deadline: float) -> None:
         from pdserve.healthcheck import check
 
         status = ""
+        root = Path(self.spec.tls_cert).read_bytes() if self.spec.tls_cert else None
         while time.monotonic() < deadline:
             self._check_interrupted()
-            serving, status = check(self.gateway_address, timeout=2.0)
+            serving, status = check(self.gateway_address, timeout=2.0, tls_root=root)
             if serving:
                 return
             dead = self.dead_children()
@@ -196,7 +241,7 @@ class Cluster:
                     child.process.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     logger.warning("%s did not stop within %.0f s; killing it", child.role, timeout_s)
-            self._kill_group(child)
+            kill_group(child.process, child.role)
         self.children.clear()
         for handle in self._logs:
             handle.close()
@@ -211,39 +256,3 @@ class Cluster:
             path.unlink(missing_ok=True)
         if self._run_dir.exists():
             self._run_dir.rmdir()
-
-    @staticmethod
-    def _kill_group(child: Child, timeout_s: float = 10.0) -> None:
-        """SIGKILL to the child's process group (the leader's pid is its group id), then wait until no
-        member is left running (killing is asynchronous; orphaned followers are reaped by init)."""
-        try:
-            os.killpg(child.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            child.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.error("%s (pid %d) survived SIGKILL", child.role, child.process.pid)
-        deadline = time.monotonic() + timeout_s
-        while _running_members(child.process.pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-
-def _running_members(pgid: int) -> list[int]:
-    """Pids of the group's processes that are not zombies (Linux /proc; empty elsewhere)."""
-    members = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return members
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry))
-    return members

@@ -8,6 +8,7 @@ from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillService
 from prefill_worker.servicer import PrefillServicer
 from rpc import server
+from rpc.interceptors import server_interceptors
 from rpc.metrics_http import serve_metrics
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 
@@ -30,4 +31,5 @@ async def serve(config: PrefillWorkerConfig, stop: asyncio.Event | None = None, 
         "prefill worker", config.listen, SERVICE_NAMES,
         lambda grpc_server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(service), grpc_server),
         on_stop, stop=stop, ready_file=ready_file, endpoints=endpoints,
+        interceptors=server_interceptors(config.internal_token),
     )

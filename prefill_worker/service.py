@@ -3,8 +3,9 @@
 prefill() queues a job; the engine thread takes queued jobs in arrival order up to `batch_tokens` prompt
 tokens and runs them in one engine.prefill call (chunked inside the engine), writing KV straight into the
 decode pools (shm) or into local pages (grpc). The KV export (completion records / push) then runs off
-the engine thread, so the next batch can start. cancel() drops a queued job, or waits until a running
-one has stopped touching its destination pages."""
+the engine thread, so the next batch can start. cancel() drops a queued job, or stops a running one
+between two chunks (the engine asks before each chunk) and waits until it no longer touches its
+destination pages."""
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,10 @@ from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter
+from kvtransfer.errors import KVTransferError, LeaseExpired
 from rpc.engine_thread import EngineThread
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from rpc.interceptors import token_metadata
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages
 from prefill_worker.metrics import PrefillMetrics
@@ -95,7 +98,7 @@ class PrefillService:
         self.engine = await asyncio.to_thread(self._engine.start)
         self.layout = KVLayout.from_cache_shape(self.engine.cache_shape)
         self._shm = ShmWriter(self.layout)
-        self._grpc = GrpcWriter(self.layout)
+        self._grpc = GrpcWriter(self.layout, metadata=token_metadata(self.config.internal_token))
 
     async def stop(self) -> None:
         with self._lock:
@@ -115,7 +118,7 @@ class PrefillService:
                                        self.config.tp_size, self._accepted)
 
     # --- requests -----------------------------------------------------------------------------------
-    def _check(self, request_id: str, prompt_ids: list[int], destination: Destination) -> None:
+    def _check(self, request_id: str, prompt_ids: list[int], params: SamplingParams, destination: Destination) -> None:
         if not request_id:
             raise InvalidArgument("request_id", "is empty")
         if request_id in self._jobs:
@@ -128,11 +131,15 @@ class PrefillService:
             raise InvalidArgument("destination.num_tokens", f"{destination.num_tokens} != prompt length {len(prompt_ids)}")
         destination.check_against(self.layout, f"prefill of request {request_id}")
         destination.check_lease()
+        self._confirm(destination)
         self.engine.validate_prompt(prompt_ids)
+        limit = self.config.spec_block_size  # decode checks it too, but only after the first token
+        if params.block_size is not None and params.block_size > limit:
+            raise InvalidArgument("block_size", f"{params.block_size} exceeds the server maximum {limit}")
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       destination: Destination) -> PrefillOutcome:
-        self._check(request_id, prompt_ids, destination)
+        self._check(request_id, prompt_ids, params, destination)
         assert self._loop is not None
         job = _Job(request_id, list(prompt_ids), params, destination, self._loop.create_future())
         self._jobs[request_id] = job
@@ -221,6 +228,7 @@ class PrefillService:
         for job in batch:
             try:
                 job.destination.check_lease()
+                self._confirm(job.destination)  # again: the lease may have been released while queued
                 if job.destination.transport == TransportKind.SHM:
                     pages, pools = list(job.destination.page_ids), prefill_pool_names(job.destination, engine.config.tp_size)
                 else:
@@ -234,8 +242,9 @@ class PrefillService:
         if not runnable:
             return True
         started = time.perf_counter()
+        by_id = {job.request_id: job for job in runnable}
         try:
-            results = engine.prefill(engine_jobs)
+            results = engine.prefill(engine_jobs, should_stop=lambda request_id: self._should_stop(by_id[request_id]))
         except Exception as error:  # noqa: BLE001
             logger.exception("prefill of %d prompts failed", len(runnable))
             for job in runnable:
@@ -244,6 +253,13 @@ class PrefillService:
             return True
         prefill_ms = (time.perf_counter() - started) * 1000
         for job, result in zip(runnable, results):
+            if result is None:  # cancelled (or its lease ran out) between chunks: nothing more was written
+                logger.info("prefill of %s stopped between chunks (%s)", job.request_id,
+                            "cancelled" if job.cancelled else "lease ended")
+                self._free_local(engine, job)
+                self._fail(job, asyncio.CancelledError() if job.cancelled else
+                           LeaseExpired(f"the lease of request {job.request_id} ended during its prefill"))
+                continue
             pages = None
             if job.local_pages:
                 pages = engine.read_pages(job.local_pages)
@@ -251,6 +267,26 @@ class PrefillService:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(_resolve, job.future, _Computed(result, prefill_ms, pages))
         return True
+
+    def _confirm(self, destination: Destination) -> None:
+        """shm writes land straight in the decode pool: only into pages the decode worker reserved for
+        this request under this lease (its completion slot says so), checked before the first byte.
+        grpc pushes are checked by the decode worker itself, chunk by chunk, before it writes."""
+        if destination.transport == TransportKind.SHM:
+            assert self._shm is not None
+            self._shm.confirm(destination)
+
+    def _should_stop(self, job: _Job) -> bool:
+        """Asked by the engine thread between chunks: the RPC was cancelled, or the lease ran out or is no
+        longer reserved for this request (released by the decode worker)."""
+        if job.cancelled:
+            return True
+        try:
+            job.destination.check_lease()
+            self._confirm(job.destination)
+        except KVTransferError:
+            return True
+        return False
 
     @staticmethod
     def _free_local(engine: Any, job: _Job) -> None:
@@ -266,7 +302,9 @@ class PrefillService:
 def _resolve(future: asyncio.Future[Any], value: Any) -> None:
     if future.done():
         return
-    if isinstance(value, BaseException):
+    if isinstance(value, asyncio.CancelledError):
+        future.cancel()
+    elif isinstance(value, BaseException):
         future.set_exception(value)
     else:
         future.set_result(value)

@@ -10,9 +10,10 @@ import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+
+from rpc import health_reflection
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.enable_retries", 0),
+    # A restarted worker is found again within a couple of seconds (gRPC's default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 
@@ -52,15 +56,9 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> HealthServicer:
-    """Registers grpc.health.v1 and server reflection; call set_serving() to publish a status
-    (grpc's HealthServicer answers SERVING for "" until told otherwise)."""
-    names = list(service_names)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
-    return health
+    """Registers grpc.health.v1 (List included) and server reflection (v1 and v1alpha); call set_serving()
+    to publish a status (grpc's HealthServicer answers SERVING for "" until told otherwise)."""
+    return health_reflection.add_health_and_reflection(server, service_names)
 
 
 async def set_serving(health: HealthServicer, service_names: Iterable[str], serving: bool) -> None:
@@ -70,7 +68,10 @@ async def set_serving(health: HealthServicer, service_names: Iterable[str], serv
 
 
 def bound_address(listen: str, port: int) -> str:
-    """host:port actually served (listen may say port 0); 0.0.0.0 / [::] advertise as 127.0.0.1."""
+    """host:port actually served (listen may say port 0); 0.0.0.0 / [::] advertise as 127.0.0.1.
+    A Unix socket (unix:/path) is its own address."""
+    if listen.startswith("unix:"):
+        return listen
     host = listen.rsplit(":", 1)[0]
     if host in ("0.0.0.0", "[::]", "::", ""):
         host = "127.0.0.1"
@@ -124,6 +125,9 @@ async def serve(
     on_bound: Callable[[str], None] | None = None,
     on_started: Callable[[HealthServicer, str], Awaitable[None]] | None = None,
     serving_when_started: bool = True,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, object]] = (),
+    credentials: grpc.ServerCredentials | None = None,
     endpoints: dict[str, str] | None = None,
 ) -> None:
     """The body of every pdserve gRPC server: registers the services (`register`), health and reflection,
@@ -131,12 +135,17 @@ async def serve(
     server starts, publishes SERVING (unless serving_when_started is False: then on_started owns health),
     writes ready_file, and runs until SIGTERM / SIGINT (or `stop`). Then health goes NOT_SERVING, in-flight
     RPCs get STOP_GRACE_S to finish, and on_stop() releases what the caller built. endpoints: the process's
-    other served addresses (http, metrics), which on_started may fill in; written to the ready file too."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    other served addresses (http, metrics), which on_started may fill in; written to the ready file too.
+    interceptors: e.g. rpc.interceptors.server_interceptors(token); options: channel arguments overriding
+    SERVER_OPTIONS; credentials: serve TLS (grpc.ssl_server_credentials) instead of plaintext."""
+    overridden = {name for name, _ in options}
+    merged = [option for option in SERVER_OPTIONS if option[0] not in overridden] + list(options)
+    server = grpc.aio.server(options=merged, interceptors=list(interceptors))
     register(server)
     health = add_health_and_reflection(server, service_names)
     await set_serving(health, service_names, False)
-    address = bound_address(listen, server.add_insecure_port(listen))
+    port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
+    address = bound_address(listen, port)
     if on_bound is not None:
         on_bound(address)
     await server.start()

@@ -2,7 +2,9 @@
 
 The status code and message are the contract; richer google.rpc details ride along as grpc-status-details-bin
 (grpcio-status): INVALID_ARGUMENT carries google.rpc.BadRequest naming the field, RESOURCE_EXHAUSTED and
-UNAVAILABLE carry google.rpc.RetryInfo when retrying can succeed (docs/client.md)."""
+UNAVAILABLE carry google.rpc.RetryInfo when retrying can succeed (docs/client.md); an error class that names its
+own grpc_status (kvtransfer's, the engine's) carries google.rpc.ErrorInfo(domain=module, reason=class name), so a
+client can tell apart classes that share a code (LeaseExpired and UnknownTransfer are both NOT_FOUND)."""
 from __future__ import annotations
 
 import asyncio
@@ -115,7 +117,23 @@ def _details(error: BaseException) -> list[Message]:
         delay = duration_pb2.Duration()
         delay.FromTimedelta(datetime.timedelta(seconds=error.retry_after_s))
         return [error_details_pb2.RetryInfo(retry_delay=delay)]
+    if _named_status(error) is not None:  # several classes share a code (NOT_FOUND): name the exact one
+        return [error_details_pb2.ErrorInfo(reason=type(error).__name__, domain=type(error).__module__)]
     return []
+
+
+def error_reason(error: grpc.RpcError) -> tuple[str, str] | None:
+    """(domain, reason) of the google.rpc.ErrorInfo a failed call carries (the raising exception's module
+    and class name for errors that name their own grpc_status), or None."""
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except (ValueError, AttributeError):
+        return None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.domain, info.reason
+    return None
 
 
 def status_of(error: BaseException) -> grpc.Status:

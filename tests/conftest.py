@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Fixtures that start a deployment of worker processes: every test using one is `slow` (not in the fast loop).
+PROCESS_CLUSTER_FIXTURES = frozenset({"cluster", "tp2_cluster", "mixed_tp_cluster", "live_gateway"})
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked `compose` (a real container bring-up, ~15 min: scripts/compose.sh test, .ci/run) run only
-    when the -m expression names them; the default run and `-m slow` leave them out. Tests marked `gpu` need a
+    when the -m expression names them; the default run and `-m slow` leave them out. Tests that start process
+    clusters are marked `slow`, so `pytest -m "not slow"` stays the fast loop. Tests marked `gpu` need a
     CUDA / ROCm device: skipped (not passed) on machines without one."""
-    import pytest
     import torch
 
+    for item in items:
+        if PROCESS_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if "compose" not in (config.option.markexpr or ""):
         deselected = [item for item in items if item.get_closest_marker("compose") is not None]
         if deselected:

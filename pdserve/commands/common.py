@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-DEFAULT_MODEL_DIR = str(Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny")
+from engine.paths import DEFAULT_MODEL_DIR as ENGINE_DEFAULT_MODEL_DIR
+from rpc.interceptors import read_token_file
+
+DEFAULT_MODEL_DIR = str(ENGINE_DEFAULT_MODEL_DIR)
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_HTTP = "127.0.0.1:8000"
 
@@ -33,6 +35,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
                         help="load a private copy of the weights instead of mapping the node's shared copy")
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)  # written with the bound address
+    add_internal_token_argument(parser)
+
+
+def add_internal_token_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--internal-token-file", default=None,
+                        help="file holding the token internal calls must carry (TCP deployments; "
+                             "`pdserve up` generates one); none: no token checked")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +75,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         draft_model_dir=args.draft_model, dtype=args.dtype, page_size=args.page_size,
         kv_memory_bytes=args.kv_memory_mb * 2**20, max_batched_tokens=args.max_batched_tokens,
         spec_block_size=args.spec_block_size, num_threads=args.num_threads, share_weights=args.share_weights,
+        internal_token=read_token_file(args.internal_token_file),
     )
 
 

@@ -22,11 +22,10 @@ def run(args: argparse.Namespace) -> int:
     from rpc.server import run as run_event_loop
 
     try:
-        config = DecodeWorkerConfig(listen=args.listen, metrics_listen=args.metrics_listen, max_running=args.max_running,
-                                    lease_ttl_s=args.lease_ttl,
-                                    advertise_address=args.advertise, **engine_kwargs(args))
-        config.engine_config()
-    except ValueError as error:
+        config = DecodeWorkerConfig.build(listen=args.listen, metrics_listen=args.metrics_listen,
+                                          max_running=args.max_running, lease_ttl_s=args.lease_ttl,
+                                          advertise_address=args.advertise, **engine_kwargs(args))
+    except (ValueError, OSError) as error:
         return fail("decode", error)
     run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

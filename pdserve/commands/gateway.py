@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_HTTP, add_model_arguments, fail
+from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_HTTP, add_internal_token_argument, add_model_arguments, fail
+from rpc.interceptors import read_key_file, read_token_file
 from rpc.logging_setup import configure_logging
 
 
@@ -20,6 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request leaves it unset")
     parser.add_argument("--admission-timeout", type=float, default=30.0,
                         help="seconds a request waits for decode room before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                        help="largest request (and prompt text) accepted, refused before tokenising (default 4 MiB)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--api-key", action="append", default=[], help="a key clients must send as a bearer token (repeat for more)")
+    parser.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
+    add_internal_token_argument(parser)
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
 
 
@@ -34,8 +42,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = GatewayConfig(model_dir=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
                                listen=args.listen, http_listen=args.http_listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
-                               admission_timeout_s=args.admission_timeout)
-    except ValueError as error:
+                               admission_timeout_s=args.admission_timeout,
+                               max_request_bytes=args.max_request_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                               api_keys=tuple(args.api_key) + (read_key_file(args.api_key_file) if args.api_key_file else ()),
+                               internal_token=read_token_file(args.internal_token_file))
+    except (ValueError, OSError) as error:
         return fail("gateway", error)
     run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

@@ -21,10 +21,9 @@ def run(args: argparse.Namespace) -> int:
     from prefill_worker.server import serve
 
     try:
-        config = PrefillWorkerConfig(listen=args.listen, metrics_listen=args.metrics_listen, batch_tokens=args.batch_tokens,
-                                     **engine_kwargs(args))
-        config.engine_config()  # device checks included: --device cuda without a GPU is an error here
-    except ValueError as error:
+        config = PrefillWorkerConfig.build(listen=args.listen, metrics_listen=args.metrics_listen,
+                                           batch_tokens=args.batch_tokens, **engine_kwargs(args))  # device checks too
+    except (ValueError, OSError) as error:
         return fail("prefill", error)
     run_event_loop(lambda: serve(config, ready_file=args.ready_file))
     return 0

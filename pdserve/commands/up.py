@@ -1,5 +1,6 @@
 """`pdserve up`: launch decode, prefill and gateway processes on this machine and keep them running
-until Ctrl-C / SIGTERM (then stop all of them: no orphan process, nothing left in /dev/shm)."""
+(a process that dies is restarted, within a restart budget) until Ctrl-C / SIGTERM (then stop all of
+them: no orphan process, nothing left in /dev/shm)."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, help="draft directory ('' disables speculative decoding)")
     parser.add_argument("--kv-memory-mb", type=int, default=None, help="KV pool per decode rank (MiB)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker rank")
+    parser.add_argument("--internal", choices=("uds", "tcp"), default="uds",
+                        help="how the workers listen: Unix sockets in a private 0700 directory (default), or TCP on "
+                             "127.0.0.1 with a generated token every internal call must carry")
+    parser.add_argument("--tls-cert", default=None, help="the gateway's PEM certificate chain (serve TLS, with --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--api-key-file", default=None, help="API keys clients must send to the gateway, one per line")
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restarts allowed per process within --restart-window before giving up (default 5)")
+    parser.add_argument("--restart-window", type=float, default=600.0, help="seconds (default 600)")
     add_device_arguments(parser)
     parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
                         help="every worker rank loads a private copy of the weights (default: one copy per node)")
@@ -51,6 +61,7 @@ def _check_device(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging("up", 0, args.log_level)
     from pdserve.launcher import Cluster, ClusterSpec
+    from pdserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
     if args.device != "auto" or args.gpus:  # auto: the workers run on CPU (serving_device); no torch import here
         try:
@@ -68,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen, http_listen=args.http_listen,
                            attention_backend=args.attention_backend, transport=args.transport,
                            draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args,
-                           log_level=args.log_level)
+                           log_level=args.log_level, internal=args.internal, tls_cert=args.tls_cert,
+                           tls_key=args.tls_key, api_key_file=args.api_key_file)
     except ValueError as error:
         return fail("up", error)
     stop = threading.Event()
@@ -92,13 +104,13 @@ def run(args: argparse.Namespace) -> int:
         "Ctrl-C stops everything.\n")
     sys.stdout.flush()
     code = 0
+    supervisor = Supervisor(cluster, RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
     try:
         while not stop.wait(0.5):
-            dead = cluster.dead_children()
-            if dead:
-                logger.error("%s exited unexpectedly (code %s); stopping everything", dead[0].role, dead[0].process.returncode)
-                code = 1
-                break
+            supervisor.check()  # restarts what died, with backoff, within the restart budget
+    except GaveUp as error:
+        logger.error("%s; stopping everything", error)
+        code = 1
     finally:
         logger.info("stopping all services")
         cluster.stop()

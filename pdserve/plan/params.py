@@ -1,6 +1,7 @@
-"""Parameter count of a DeepSeek-V3-architecture model, computed from its config's shapes."""
+"""Parameter count of a DeepSeek-V3-architecture model, by group, from the weight shapes the engine expects."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from engine.config import ModelConfig
@@ -45,32 +46,41 @@ class ParamBreakdown:
         return replace(self, **{name: round(value * factor) for name, value in self.as_dict().items()})
 
 
+_ATTENTION_SHARDED = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")  # split over heads
+_ATTENTION_REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa")
+
+
+def weight_group(name: str) -> str:
+    """The ParamBreakdown group of one checkpoint tensor (an HF name of engine.weights.expected_weight_shapes)."""
+    if name == "model.embed_tokens.weight":
+        return "embedding"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if name.endswith("norm.weight"):
+        return "norms"
+    module = name.rsplit(".", 2)[-2]  # the module owning the tensor: "q_b_proj", "gate", "up_proj", ...
+    if ".self_attn." in name:
+        if module in _ATTENTION_SHARDED:
+            return "attention_sharded"
+        if module in _ATTENTION_REPLICATED:
+            return "attention_replicated"
+    elif ".mlp.experts." in name:
+        return "routed_experts"
+    elif ".mlp.shared_experts." in name:
+        return "shared_experts"
+    elif ".mlp.gate." in name:
+        return "router"
+    elif ".mlp." in name:
+        return "dense_mlp"
+    raise ValueError(f"no parameter group for weight {name!r}")
+
+
 def count_parameters(config: ModelConfig) -> ParamBreakdown:
-    """Counts weights exactly as transformers' DeepseekV3ForCausalLM lays them out (no MTP layer)."""
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    q_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-    if config.q_lora_rank is None:
-        q_sharded, q_replicated, q_norm = hidden * heads * q_head_dim, 0, 0
-    else:
-        q_sharded = config.q_lora_rank * heads * q_head_dim
-        q_replicated, q_norm = hidden * config.q_lora_rank, config.q_lora_rank
-    kv_a = hidden * (config.kv_lora_rank + config.qk_rope_head_dim)
-    kv_b = config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)
-    o_proj = heads * config.v_head_dim * hidden
-    layers = config.num_hidden_layers
-    moe_layers = sum(1 for layer in range(layers) if config.is_moe_layer(layer))
-    dense_layers = layers - moe_layers
-    expert = 3 * hidden * config.moe_intermediate_size  # gate, up, down
-    per_layer_norms = 2 * hidden + q_norm + config.kv_lora_rank
-    return ParamBreakdown(
-        embedding=config.vocab_size * hidden,
-        lm_head=0 if config.tie_word_embeddings else config.vocab_size * hidden,
-        attention_sharded=layers * (q_sharded + kv_b + o_proj),
-        attention_replicated=layers * (q_replicated + kv_a),
-        dense_mlp=dense_layers * 3 * hidden * config.intermediate_size,
-        shared_experts=moe_layers * config.n_shared_experts * expert,
-        routed_experts=moe_layers * config.n_routed_experts * expert,
-        router=moe_layers * (config.n_routed_experts * hidden + config.n_routed_experts),
-        norms=layers * per_layer_norms + hidden,
-    )
+    """Counts the weights the engine loads for `config` (engine.weights.expected_weight_shapes: the layout
+    of transformers' DeepseekV3ForCausalLM, no MTP layer), by group."""
+    from engine.weights import expected_weight_shapes  # torch: only when counting
+
+    groups = dict.fromkeys((item.name for item in fields(ParamBreakdown)), 0)
+    for name, shape in expected_weight_shapes(config).items():
+        groups[weight_group(name)] += math.prod(shape)
+    return ParamBreakdown(**groups)

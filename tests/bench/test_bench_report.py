@@ -71,7 +71,23 @@ def test_progress_bar_counts_and_writes_final_line():
     bar.close()
     output = stream.getvalue()
     assert output.count("\n") == 1
-    assert output.startswith("c=2 [" + "#" * 30 + "] 4/4 failed 1")
+    assert output.startswith("c=2: 4/4 failed 1 ")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_with_tqdm_on_a_terminal():
+    """On a terminal the bar (tqdm) shows the label, done / total and the failure count as it goes."""
+    stream = _Terminal()
+    bar = ProgressBar(4, label="c=2", stream=stream)
+    for failed in (False, True, False, False):
+        bar.update(failed=failed)
+    bar.close()
+    final = stream.getvalue().split("\r")[-1]
+    assert final.startswith("c=2: 100%") and "4/4" in final and "failed=1" in final
 
 
 def test_slo_parse_and_errors():

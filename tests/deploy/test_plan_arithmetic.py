@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -12,7 +13,7 @@ from pdserve.plan.gpus import lookup_gpu
 from engine.attention.head_table import KERNELS, MLA_DECODE
 from pdserve.plan.heads import plan_heads
 from pdserve.plan.model_source import load_model, quantization_from_hf
-from pdserve.plan.params import REPLICATED_GROUPS, count_parameters
+from pdserve.plan.params import REPLICATED_GROUPS, count_parameters, weight_group
 
 SMALL = {  # a small DeepSeek-V3-shaped config whose counts are easy to write out by hand
     "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
@@ -35,6 +36,19 @@ def test_parameter_groups_follow_the_layer_shapes():
     assert params.norms == 3 * (2 * 64 + 48 + 16) + 64
     assert params.total == sum(params.as_dict().values())
 
+
+
+def test_groups_partition_the_engines_weights():
+    """Every tensor the engine expects falls in exactly one group, so the groups sum to all its weights; a
+    tensor the planner does not know is an error, not a silent zero."""
+    from engine.weights import expected_weight_shapes
+
+    config = ModelConfig.from_hf_dict(SMALL)
+    shapes = expected_weight_shapes(config)
+    assert count_parameters(config).total == sum(math.prod(shape) for shape in shapes.values())
+    assert {weight_group(name) for name in shapes} == set(count_parameters(config).as_dict())
+    with pytest.raises(ValueError, match="no parameter group"):
+        weight_group("model.layers.0.self_attn.rotary_emb.inv_freq")
 
 def test_tied_embeddings_drop_the_lm_head():
     """tie_word_embeddings: the LM head reuses the embedding, so it adds no parameters."""

@@ -43,6 +43,7 @@ def test_logits_and_greedy_match_transformers(checkpoints, variant):
         assert llm.generate(PROMPTS, GREEDY) == expected
 
 
+@pytest.mark.slow  # TP: two ranks, gloo
 def test_tp2_equals_tp1(checkpoints):
     """TP=2 (two processes, gloo) gives the TP=1 logits within 1e-4 and identical greedy generations."""
     model_dir = str(checkpoints["heads24"])
@@ -81,8 +82,21 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(checkpoints):
     assert batch[1] == alone
 
 
-def test_stop_conditions(checkpoints):
-    """Generation stops at eos (unless ignore_eos), at a stop token id, and at max_new_tokens."""
+def _with_eos(model_dir, eos_token_id: int, destination):
+    """A copy of the checkpoint whose config names eos_token_id as its end of sequence (weights unchanged)."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, destination)
+    config = json.loads((destination / "config.json").read_text())
+    config["eos_token_id"] = eos_token_id
+    (destination / "config.json").write_text(json.dumps(config))
+    return str(destination)
+
+
+def test_stop_conditions(checkpoints, tmp_path):
+    """Generation stops at the model's eos (unless ignore_eos), at a stop token id, and at max_new_tokens.
+    The eos case uses a copy of the model whose eos id is a token greedy decoding emits at step 6."""
     model_dir = str(checkpoints["yarn"])
     with LLM(model_dir, attention_backend="torch", draft_model="") as llm:
         free = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))[0]
@@ -90,7 +104,13 @@ def test_stop_conditions(checkpoints):
         first = free.index(stop_at)
         stopped = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=(stop_at,)))[0]
         assert stopped == free[: first + 1]
-        assert len(llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=3, temperature=0.0))[0]) <= 3
+        assert len(llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=3, temperature=0.0))[0]) == 3
+    with LLM(_with_eos(checkpoints["yarn"], stop_at, tmp_path / "eos"), attention_backend="torch", draft_model="") as llm:
+        assert llm.engine.eos_ids == {stop_at}
+        at_eos = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=30, temperature=0.0))[0]
+        past_eos = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    assert at_eos == free[: first + 1] and len(at_eos) < 30
+    assert past_eos == free
 
 
 @pytest.mark.parametrize(

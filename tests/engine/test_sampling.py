@@ -21,17 +21,7 @@ from engine.sampling import (
     top_p_renorm_prob,
 )
 from engine.sampling_params import SamplingParams
-
-
-def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit over the cells with expected mass > 0."""
-    total = observed.sum().double()
-    support = expected_probs > 0
-    assert observed[~support].sum() == 0, "a zero-probability outcome was observed"
-    expected = expected_probs[support].double() * total
-    statistic = ((observed[support].double() - expected) ** 2 / expected).sum()
-    dof = int(support.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+from tests.engine.chi_square import chi_square_pvalue
 
 
 # ---- per-row Python references ------------------------------------------------------------
@@ -151,6 +141,7 @@ def test_logits_to_probs_composes_filters_and_greedy_one_hot() -> None:
     assert probs[2, 7] == 1.0 and probs[2].sum() == 1.0
 
 
+@pytest.mark.slow
 def test_sample_matches_distribution() -> None:
     """The exponential race draws exactly from probs (chi-square over 20k draws, zeros never drawn)."""
     probs = torch.tensor([0.4, 0.0, 0.05, 0.25, 0.0, 0.2, 0.07, 0.03])
@@ -158,6 +149,7 @@ def test_sample_matches_distribution() -> None:
     assert chi_square_pvalue(torch.bincount(draws, minlength=8), probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_sample_detects_wrong_distribution() -> None:
     """Control for the statistic: draws from probs fail a fit against a slightly different table."""
     probs = torch.tensor([0.4, 0.05, 0.05, 0.25, 0.05, 0.2])

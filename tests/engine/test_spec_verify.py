@@ -10,22 +10,11 @@ import torch
 
 from engine.sampling import sample
 from engine.spec_verify import AcceptanceStats, VerifyResult, verify_greedy, verify_sampled
+from tests.engine.chi_square import chi_square_pvalue
 
 VOCAB = 8
 START_TOKEN = 2
 TRIALS = 30000
-
-
-def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit over cells with expected mass > 0; an observation in a
-    zero-mass cell is an outright rejection (p-value 0)."""
-    support = expected_probs > 0
-    if observed[~support].sum() > 0:
-        return 0.0
-    expected = expected_probs[support].double() * observed.sum().double()
-    statistic = ((observed[support].double() - expected) ** 2 / expected).sum()
-    dof = int(support.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
 
 
 # ---- a tiny synthetic model: p(next | prev) and draft tables q(next | prev) -----------------
@@ -106,6 +95,7 @@ def first_two_tokens(verifier: Verifier, q_kind: str, seed: int) -> tuple[torch.
     return first, second
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_kind", ["poor", "one_hot", "exact"])
 def test_sampled_verification_is_exact(q_kind: str) -> None:
     """The first emitted token ~ p(. | start) and the first two ~ p(a | start) p(b | a), whatever the draft."""
@@ -116,6 +106,7 @@ def test_sampled_verification_is_exact(q_kind: str) -> None:
     assert chi_square_pvalue(torch.bincount(first * VOCAB + second, minlength=VOCAB**2), joint_expected) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [broken_resample_from_p, broken_accept_always])
 def test_broken_verifiers_are_rejected(broken: Verifier) -> None:
     """Negative control: the same statistics reject a verifier that is not exact."""

@@ -3,6 +3,8 @@ every rank, through batched prefill, chunked prefill and absorbed decode, for ev
 (heads24 runs 12 heads per rank)."""
 from __future__ import annotations
 
+import pytest
+
 import socket
 from pathlib import Path
 
@@ -51,6 +53,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_tp2_logits_equal_tp1(tiny_checkpoint, tmp_path: Path) -> None:
     """Both TP=2 ranks return the TP=1 logits (1e-4), captured hidden states and embeddings."""
     model_dirs = [tiny_checkpoint(variant) for variant in VARIANTS]

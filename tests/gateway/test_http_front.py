@@ -47,7 +47,7 @@ class FakeService:
         self.submitted: list[Any] = []
         self.runs: list[FakeRun | Exception] = []
 
-    def submit(self, message: Any, both_inputs: bool, arrival: float, deadline: float | None) -> FakeRun:
+    async def submit(self, message: Any, both_inputs: bool, arrival: float, deadline: float | None) -> FakeRun:
         self.submitted.append(message)
         run = self.runs.pop(0)
         if isinstance(run, Exception):

@@ -90,9 +90,11 @@ class _SlowDecode(_FakeDecode):
     def __init__(self) -> None:
         super().__init__([])
         self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
         self.released: list[str] = []
 
     async def Reserve(self, request, timeout=None, metadata=()):  # noqa: N802
+        self.entered.set()
         await self.gate.wait()
         return await super().Reserve(request, timeout)
 
@@ -107,12 +109,28 @@ async def test_cancel_during_reserve_releases_what_it_reserved():
     slow = _SlowDecode()
     pool.decode[0].stub = slow
     task = asyncio.create_task(pool.reserve("r", 10, 5, deadline=None))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(slow.entered.wait(), timeout=10)
     task.cancel()
-    await asyncio.sleep(0.05)
+    for _ in range(20):  # let the cancellation reach reserve() (in-process fakes: no I/O to wait for)
+        await asyncio.sleep(0)
     assert not task.done() and slow.released == []  # still waiting for the Reserve reply
     slow.gate.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert slow.released == ["r"]
+    await pool.close()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED])
+async def test_reserve_with_unknown_outcome_is_released(code):
+    """A Reserve that fails with DEADLINE_EXCEEDED / CANCELLED may still have reserved on the worker (its
+    answer was lost): the gateway sends Release for it before giving up; RESOURCE_EXHAUSTED does not."""
+    pool, _ = await _pool([[]])
+    fake = _SlowDecode()
+    fake.script = [code]
+    fake.gate.set()
+    pool.decode[0].stub = fake
+    with pytest.raises(grpc.aio.AioRpcError):
+        await pool.reserve("r", 10, 5, deadline=None)
+    assert fake.released == ["r"]
     await pool.close()

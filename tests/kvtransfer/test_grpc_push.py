@@ -177,6 +177,54 @@ def test_a_page_written_twice_is_refused(decode):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "twice" in caught.value.details()
 
 
+def test_half_a_page_written_twice_is_refused(decode):
+    """Chunks of half a page: the first half sent twice in place of the second adds up to a page's byte
+    count, yet is refused as written twice (byte ranges are tracked, not counts), and the request fails."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    destination = reserve("r", 40)
+    half = LAYOUT.page_bytes(next(iter(LAYOUT.segments()))[0]) // 2
+    chunks = encode_all(destination, random_cache(LAYOUT, 3, seed=8), [0, 1, 2], max_chunk=half)
+    assert chunks[0].header.first_page_offset == 0 and chunks[1].header.first_page_offset == half
+    again = WireChunk(_with(chunks[0].header, sequence=1, request_id="", lease_id="", layout_hash=""), chunks[0].payload)
+    with pytest.raises(grpc.RpcError) as caught:
+        push_raw(writer, destination, [chunks[0], again, *chunks[2:]])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "written twice" in caught.value.details()
+    assert wait_for(lambda: failed == ["r"]) and allocator.num_free == 12
+
+
+def _unexpired_copy(destination):
+    """The destination as a writer with a slow clock sees it: its lease still an hour away."""
+    return dataclasses.replace(destination, lease_deadline_unix_ms=destination.lease_deadline_unix_ms + 3_600_000)
+
+
+def test_lease_expired_on_decode_only_is_reported_as_lease_expiry(decode):
+    """The writer thinks the lease is valid, decode's has passed: push() raises LeaseExpired (the status
+    names the class), not the UnknownTransfer that shares its NOT_FOUND code."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    destination = reserve("r", 40, ttl_s=0.001)
+    assert wait_for(lambda: time.time() * 1000 > destination.lease_deadline_unix_ms)
+    with pytest.raises(LeaseExpired):
+        writer.push(random_cache(LAYOUT, 3, seed=16), [0, 1, 2], _unexpired_copy(destination))
+    assert wait_for(lambda: failed == ["r"]) and allocator.num_free == 12
+
+
+def test_push_after_the_sweeper_dropped_an_expired_lease_reports_lease_expiry(decode):
+    """Decode already dropped the request because its lease ran out (receiver.cancel, as the sweeper does):
+    a late push still learns LeaseExpired; a push for a request cancelled before its deadline is
+    UnknownTransfer."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    expired = reserve("late", 40, ttl_s=0.001)
+    cancelled = reserve("gone", 40, ttl_s=60)
+    assert wait_for(lambda: time.time() * 1000 > expired.lease_deadline_unix_ms)
+    receiver.cancel("late")
+    receiver.cancel("gone")
+    source = random_cache(LAYOUT, 3, seed=17)
+    with pytest.raises(LeaseExpired):
+        writer.push(source, [0, 1, 2], _unexpired_copy(expired))
+    with pytest.raises(UnknownTransfer):
+        writer.push(source, [0, 1, 2], cancelled)
+
+
 def test_expired_lease_stops_the_push(decode):
     """A lease that expires before the stream arrives: NOT_FOUND, request failed, pages back."""
     pools, receiver, allocator, reserve, failed, writer = decode

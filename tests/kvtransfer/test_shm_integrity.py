@@ -115,7 +115,7 @@ def test_stale_record_of_an_earlier_lease_is_never_accepted(decode):
     pool.completions.write(second.completion_slot, old_record)  # a late duplicate of the old record
     with pytest.raises(TransferTimeout):
         receiver.admit("second", timeout_s=0.05)
-    pool.completions.reserve(second.completion_slot, "second", second.lease_id, second.completion_sequence - 1)
+    pool.completions.reserve(second.completion_slot, "second", second.binding, second.completion_sequence - 1)
     writer.push(source, [1], second)
     receiver.admit("second")
     assert failed == []
@@ -128,7 +128,7 @@ def test_cancelled_request_refuses_the_late_writer(decode):
     destination = reserve("r", 5)
     handle = ShmWriter(LAYOUT).open(destination, in_place=True)
     receiver.cancel("r")
-    with pytest.raises(UnknownTransfer, match="no longer reserved"):
+    with pytest.raises(UnknownTransfer, match="not reserved for this lease"):
         handle.finish()
     assert pool.completions.read(destination.completion_slot).state == SlotState.EMPTY
     with pytest.raises(UnknownTransfer):
@@ -180,6 +180,33 @@ def test_writer_rejects_badly_shaped_data(decode):
     assert pool.tensor.view(torch.uint8).eq(0).all()
     handle.abort("test")
     assert pool.completions.read(0).state == SlotState.FAILED
-    assert pool.completions.read(0).belongs_to("r", receiver._get("r").destination.lease_id)
+    assert pool.completions.read(0).belongs_to("r", receiver._get("r").destination.binding)
     assert key_of("r") != key_of("s")
     assert CompletionRecord.unpack(bytes(128)) is None
+
+
+def test_confirm_refuses_forged_and_stale_destinations(decode):
+    """ShmWriter.confirm passes only a destination the decode side reserved: the same request under a
+    guessed lease id, the real lease id over other pages (another request's) or another transport, and
+    a lease released meanwhile are each refused, and confirm writes nothing into the pool."""
+    pool, receiver, allocator, reserve, failed = decode
+    writer = ShmWriter(LAYOUT)
+    victim, attacker = reserve("victim", 20), reserve("attacker", 20)
+    writer.confirm(victim)
+    writer.confirm(attacker)
+    before = bytes(pool.data_view)
+    forged = [
+        dataclasses.replace(victim, lease_id="0" * 32),                        # guessed lease id
+        dataclasses.replace(attacker, page_ids=victim.page_ids),                # own lease, victim's pages
+        dataclasses.replace(attacker, completion_slot=victim.completion_slot,  # own lease id, victim's slot
+                            completion_sequence=victim.completion_sequence, page_ids=victim.page_ids),
+        dataclasses.replace(victim, num_tokens=17),                             # other token count, same pages
+    ]
+    for destination in forged:
+        with pytest.raises(UnknownTransfer, match="not reserved for this lease"):
+            writer.confirm(destination)
+    receiver.cancel("victim")  # released: the slot is no longer the victim's
+    with pytest.raises(UnknownTransfer):
+        writer.confirm(victim)
+    assert bytes(pool.data_view) == before
+    writer.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +11,14 @@ from tokenizers import Tokenizer
 from transformers import DeepseekV3ForCausalLM
 
 from engine.models.dflash import load_draft
+from engine.paths import DEFAULT_MODEL_DIR
 from training import evaluate
 from training.corpus import load_corpus
 from training.tokenizer import encode_documents
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny"
+pytestmark = pytest.mark.slow  # evaluates the trained model: held-out loss and draft acceptance
+
+MODEL_DIR = DEFAULT_MODEL_DIR
 
 
 def card_value(key: str) -> float:

@@ -8,10 +8,11 @@ import torch
 from tokenizers import Tokenizer
 
 from engine import LLM, SamplingParams
+from engine.paths import DEFAULT_MODEL_DIR
 from training.corpus import load_corpus
 from training.tokenizer import encode_documents
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny"
+MODEL_DIR = DEFAULT_MODEL_DIR
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def test_llm_defaults_to_the_shipped_model_and_draft(llm):
     assert llm.engine.has_draft
 
 
+@pytest.mark.slow  # a statistical quality check of the trained model
 def test_engine_acceptance_length_at_block_8(llm, held_out_prompts):
     """Greedy speculative decoding with the shipped draft at block size 8 accepts >= 3.0 tokens per
     verify step (bonus token included) on held-out prompts, and its output equals plain greedy decoding."""

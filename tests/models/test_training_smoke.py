@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer
 from transformers import DeepseekV3ForCausalLM
@@ -16,6 +17,7 @@ from engine.models.dflash import load_draft
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_tiny_training_run_writes_loadable_model(tmp_path: Path) -> None:
     """--tiny trains a few steps; target, draft, tokenizer and card load and agree with each other."""
     out = tmp_path / "tiny"

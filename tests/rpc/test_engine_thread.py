@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -47,7 +48,10 @@ async def test_errors_propagate_and_work_runs_until_idle():
     with pytest.raises(ZeroDivisionError):
         await runner.call(lambda e: 1 / 0)
     await runner.call(lambda e: setattr(e, "pending", 3))
-    await asyncio.sleep(0.2)  # no command arrives meanwhile: only work() can make progress
+    deadline = time.monotonic() + 10
+    while engine.pending:  # no command arrives meanwhile: only work() can make progress
+        assert time.monotonic() < deadline, "work() did not drain the pending steps"
+        await asyncio.sleep(0.01)
     assert await runner.call(lambda e: (e.steps, e.pending)) == (3, 0)
     runner.stop()
 

@@ -113,8 +113,18 @@ def test_retryable_errors_carry_retry_info(error, seconds):
 
 def test_plain_errors_have_no_details():
     """A status without details sends no grpc-status-details-bin trailer (code and message only)."""
+    status = status_of(NotFound("gone"))
+    assert (status.code, status.details, tuple(status.trailing_metadata)) == (grpc.StatusCode.NOT_FOUND, "gone", ())
+
+
+def test_self_named_errors_carry_their_class_in_error_info():
+    """An error naming its own grpc_status (LeaseExpired and UnknownTransfer share NOT_FOUND) carries
+    google.rpc.ErrorInfo(domain=its module, reason=its class), so a client can tell which one it was."""
     status = status_of(LeaseExpired("late"))
-    assert (status.code, status.details, tuple(status.trailing_metadata)) == (grpc.StatusCode.NOT_FOUND, "late", ())
+    assert (status.code, status.details) == (grpc.StatusCode.NOT_FOUND, "late")
+    info = error_details_pb2.ErrorInfo()
+    [detail] = _rich(status).details
+    assert detail.Unpack(info) and (info.domain, info.reason) == ("kvtransfer.errors", "LeaseExpired")
 
 
 async def test_decorator_sends_the_details_as_trailing_metadata():

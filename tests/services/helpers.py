@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import grpc
@@ -23,6 +23,15 @@ def token_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB_LIMIT) for _ in range(length)] for length in lengths]
 
 
+async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Polls predicate until it holds; raises AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 def greedy(max_tokens: int, speculative: bool | None = None) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True, speculative=speculative)
 
@@ -36,6 +45,11 @@ async def gateway_stub(address: str) -> AsyncIterator[gateway_pb2_grpc.GatewaySe
 async def decode_load(address: str) -> worker_pb2.GetDecodeLoadResponse:
     async with grpc.aio.insecure_channel(address) as channel:
         return await worker_pb2_grpc.DecodeServiceStub(channel).GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=5)
+
+
+async def prefill_load(address: str) -> worker_pb2.GetPrefillLoadResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await worker_pb2_grpc.PrefillServiceStub(channel).GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=5)
 
 
 async def idle_free_pages(address: str, timeout: float = 30.0) -> int:

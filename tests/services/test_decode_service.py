@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -10,7 +11,7 @@ from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
 from rpc.status import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from tests.services.helpers import greedy
+from tests.services.helpers import eventually, greedy
 
 PAGE_SIZE = 16
 
@@ -18,9 +19,9 @@ PAGE_SIZE = 16
 @pytest.fixture
 async def service(service_model):
     receivers = _Receivers()
-    config = DecodeWorkerConfig(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
-                                kv_memory_bytes=96 * 1024, page_size=PAGE_SIZE, num_threads=1, lease_ttl_s=0.3,
-                                lease_grace_s=0.0, lease_sweep_interval_s=0.02, admit_timeout_s=0.2)
+    config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
+                                      kv_memory_bytes=96 * 1024, page_size=PAGE_SIZE, num_threads=1, lease_ttl_s=0.3,
+                                      lease_grace_s=0.0, lease_sweep_interval_s=0.02, admit_timeout_s=0.2)
     decode = DecodeService(config, receivers)
     await decode.start()
     receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))  # no pushes here; expect() needs an address
@@ -29,11 +30,11 @@ async def service(service_model):
     receivers.close()
 
 
-async def _settled(decode: DecodeService) -> None:
-    for _ in range(50):
-        await asyncio.sleep(0.02)
-        if decode.load.leases == 0:
-            return
+async def _settled(decode: DecodeService, free_pages: int) -> None:
+    """Waits (failing loudly) until no lease is held and the engine thread has published `free_pages`
+    (the load snapshot follows the engine thread, so freed pages show up a moment after the lease goes)."""
+    await eventually(lambda: decode.load.leases == 0 and decode.load.free_pages == free_pages,
+                     f"no lease and {free_pages} free pages")
 
 
 async def test_unclaimed_lease_expires_and_frees_its_pages(service):
@@ -42,8 +43,7 @@ async def test_unclaimed_lease_expires_and_frees_its_pages(service):
     destination = await service.reserve("r1", 40, 8, TransportKind.SHM)
     assert len(destination.page_ids) == 3 and service.load.free_pages == total - 3
     assert destination.lease_deadline_unix_ms > 0 and destination.completion_slot >= 0
-    await asyncio.sleep(0.5)
-    await _settled(service)
+    await _settled(service, total)  # only the sweeper can drop an unclaimed lease
     assert service.load.free_pages == total and service.load.leases == 0
     with pytest.raises(NotFound):
         async for _ in service.decode("r1", destination.lease_id, [5] * 40, 7, greedy(8)):
@@ -56,7 +56,7 @@ async def test_release_frees_an_unclaimed_lease_at_once(service):
     await service.reserve("r2", 17, 4, TransportKind.GRPC)
     assert service.load.free_pages == total - 2
     assert await service.release("r2")
-    await _settled(service)
+    await _settled(service, total)
     assert service.load.free_pages == total
     assert not await service.release("r2")
 
@@ -74,7 +74,7 @@ async def test_admission_refuses_what_does_not_fit(service):
         await service.reserve("fill0", 10, 1, TransportKind.SHM)
     for i in range(len(held)):
         await service.release(f"fill{i}")
-    await _settled(service)
+    await _settled(service, total)
     assert service.load.free_pages == total
 
 
@@ -85,5 +85,50 @@ async def test_decode_without_kv_fails_and_frees(service):
     with pytest.raises(FailedPrecondition):
         async for _ in service.decode("r3", destination.lease_id, [5] * 20, 7, greedy(4)):
             pass
-    await _settled(service)
+    await _settled(service, total)
     assert service.load.free_pages == total
+
+
+async def _engine_free_pages(decode: DecodeService) -> int:
+    return await decode._engine.call(lambda engine: engine.num_free_pages)
+
+
+@pytest.mark.parametrize("how", ["cancel", "release"])
+async def test_reserve_abandoned_while_allocating_frees_its_pages(service, how):
+    """A Reserve cancelled (or Released) while the engine thread has not yet allocated its pages frees
+    them as soon as the allocation lands: nothing stays allocated and no lease is left."""
+    import threading
+
+    total = await _engine_free_pages(service)
+    gate = threading.Event()
+    service._engine.post(lambda engine: gate.wait(10))  # the engine thread is busy: the allocation waits
+    task = asyncio.create_task(service.reserve("r3", 40, 8, TransportKind.SHM))
+    await asyncio.sleep(0.05)
+    if how == "cancel":
+        task.cancel()
+    else:
+        assert await service.release("r3")
+    gate.set()
+    if how == "cancel":
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        await task  # the caller still gets its answer; the pages are already given back
+    deadline = time.monotonic() + 30
+    while not (await _engine_free_pages(service) == total and service.load.leases == 0):
+        assert time.monotonic() < deadline, "pages of the abandoned Reserve were never freed"
+        await asyncio.sleep(0.02)
+    assert not await service.release("r3")
+
+
+async def test_lease_deadline_follows_the_callers_deadline(service):
+    """ttl_s (the Reserve call's remaining time) shortens the lease below lease_ttl_s, never lengthens it."""
+    import time
+
+    short = await service.reserve("r4", 16, 4, TransportKind.SHM, ttl_s=0.05)
+    long = await service.reserve("r5", 16, 4, TransportKind.SHM, ttl_s=1000.0)
+    now_ms = time.time() * 1000
+    assert short.lease_deadline_unix_ms <= now_ms + 100
+    assert now_ms + 100 < long.lease_deadline_unix_ms <= now_ms + 300 + 50  # lease_ttl_s = 0.3 here
+    for request_id in ("r4", "r5"):
+        await service.release(request_id)

@@ -2,20 +2,19 @@
 identical to the in-process engine, and speculative decoding accepting draft tokens."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from engine.paths import DEFAULT_MODEL_DIR
 from engine.sampling_params import SamplingParams
 from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
 from tests.services.conftest import launch
 from tests.services.helpers import gateway_stub
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny"
-pytestmark = pytest.mark.skipif(
+DEFAULT_MODEL = DEFAULT_MODEL_DIR
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (DEFAULT_MODEL / "config.json").is_file() or not (DEFAULT_MODEL / "draft" / "config.json").is_file(),
-    reason="models/pdserve-tiny (with draft/) is not built in this checkout")
+    reason="models/pdserve-tiny (with draft/) is not built in this checkout")]
 PROMPT = "def fibonacci(n):\n"
 MAX_TOKENS = 48
 

@@ -19,8 +19,10 @@ from gateway.config import GatewayConfig
 from gateway.server import serve as serve_gateway
 from rpc.v1 import gateway_pb2
 from tests.services.conftest import worker_address
-from tests.services.helpers import gateway_stub, greedy, idle_free_pages, token_prompts, wait_for_free_pages
+from tests.services.helpers import (decode_load, gateway_stub, greedy, idle_free_pages, prefill_load, token_prompts,
+                                   wait_for_free_pages)
 
+EXPECTED_HEALTH = {"dead": health_pb2.HealthCheckResponse.NOT_SERVING, "live": health_pb2.HealthCheckResponse.SERVING}
 GOOD = build_request([5, 6, 7, 8], max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
@@ -147,13 +149,30 @@ async def test_cancel_during_prefill_and_deadline_free_pages(cluster):
     prompt = token_prompts((2048,), seed=4)[0]
     async with gateway_stub(cluster.gateway_address) as stub:
         call = stub.Generate(build_request(prompt, max_tokens=8, temperature=0.0), timeout=120)
-        await asyncio.sleep(0.05)
+        await _until_in_flight(worker_address(cluster, "prefill-0"), decode)
         call.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await generate(stub, build_request(prompt[::-1], max_tokens=8, temperature=0.0), timeout=0.05)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     load = await wait_for_free_pages(decode, baseline, timeout=30)
     assert (load.free_pages, load.leases) == (baseline, 0)
+
+
+async def _until_in_flight(prefill: str, decode: str, timeout: float = 30.0) -> None:
+    """Waits until a request is being prefilled (or, if prefill was quicker than one poll, decoded)."""
+    deadline = time.monotonic() + timeout
+    while (await prefill_load(prefill)).queued_requests == 0 and (await decode_load(decode)).running == 0:
+        assert time.monotonic() < deadline, "the request never reached the workers"
+        await asyncio.sleep(0.005)
+
+
+async def _health_until(health: health_pb2_grpc.HealthStub, expected: int, timeout: float = 30.0) -> int:
+    """Polls Check until it reports `expected` (the gateway's load poll has seen its workers); fails loudly."""
+    deadline = time.monotonic() + timeout
+    while (status := (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status) != expected:
+        assert time.monotonic() < deadline, f"health stayed {status}, expected {expected}"
+        await asyncio.sleep(0.02)
+    return status
 
 
 async def test_model_info_and_health(cluster):
@@ -191,8 +210,7 @@ async def test_gateway_health_follows_its_workers(cluster, service_model, tmp_pa
             address = ready.read_text().strip()
             async with grpc.aio.insecure_channel(address) as channel:
                 health = health_pb2_grpc.HealthStub(channel)
-                await asyncio.sleep(0.5)  # a few polling rounds
-                statuses[name] = (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+                statuses[name] = await _health_until(health, EXPECTED_HEALTH[name])
                 if name == "dead":
                     result = await generate(gateway_pb2_grpc_stub(channel), GOOD, timeout=20)
                     assert result.error is not None and result.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
@@ -200,7 +218,7 @@ async def test_gateway_health_follows_its_workers(cluster, service_model, tmp_pa
         finally:
             stop.set()
             await task
-    assert statuses == {"dead": health_pb2.HealthCheckResponse.NOT_SERVING, "live": health_pb2.HealthCheckResponse.SERVING}
+    assert statuses == EXPECTED_HEALTH
 
 
 def gateway_pb2_grpc_stub(channel: grpc.aio.Channel):

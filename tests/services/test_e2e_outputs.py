@@ -14,7 +14,8 @@ from tests.services.helpers import gateway_stub, greedy, token_prompts
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "nospec"])
 async def test_greedy_outputs_match_in_process(cluster, reference, speculative):
     """16 prompts of 1..2048 tokens, sent concurrently, come back token-identical to LLM.generate,
-    each finishing with LENGTH and usage that counts its prompt and output."""
+    each finishing with LENGTH and usage that counts its prompt and output; the decode steps reported times
+    the tokens per step are the tokens decode made (one step per token without speculation)."""
     async with gateway_stub(cluster.gateway_address) as stub:
         results = await asyncio.gather(*(
             generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
@@ -25,7 +26,9 @@ async def test_greedy_outputs_match_in_process(cluster, reference, speculative):
         assert result.error is None and result.finish_reason == "LENGTH"
         assert (result.complete.usage.prompt_tokens, result.complete.usage.completion_tokens) == (len(prompt), MAX_TOKENS)
         assert result.complete.ttft_ms > 0
-        assert result.complete.acceptance.verify_steps >= 1
+        steps, mean = result.complete.acceptance.verify_steps, result.complete.acceptance.mean_accepted_tokens
+        assert steps * mean == pytest.approx(MAX_TOKENS - 1)  # the decode worker made all but the first token
+        assert (1 <= steps <= MAX_TOKENS - 1) if speculative else (steps, mean) == (MAX_TOKENS - 1, 1.0)
 
 
 async def test_64_concurrent_streams_equal_their_solo_results(cluster, llm):

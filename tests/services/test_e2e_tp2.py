@@ -32,13 +32,17 @@ async def test_tp2_greedy_outputs_match_in_process(tp2_cluster, reference, specu
     assert [r.token_ids for r in results] == reference[speculative]
 
 
-def test_tp2_stop_leaves_no_process_and_no_segment(tp2_cluster):
+@pytest.mark.slow  # its own TP=2 deployment
+def test_tp2_stop_leaves_no_process_and_no_segment(service_model, tmp_path):
     """After stop(): every process of every worker's group (leaders and TP followers) is gone, and so are
-    the per-rank KV pool segments they had mapped."""
-    processes = set().union(*(group_members(child.process.pid) for child in tp2_cluster.children))
-    assert len(processes) >= 5  # gateway + 2 prefill ranks + 2 decode ranks
-    segments = mapped_kv_segments(processes)
-    assert len(segments) >= 2  # one pool per decode rank
-    tp2_cluster.stop()
+    the per-rank KV pool segments they had mapped. (Its own deployment: the module's stays up for others.)"""
+    cluster = launch(service_model, tmp_path, prefill_tp=2, decode_tp=2)
+    try:
+        processes = set().union(*(group_members(child.process.pid) for child in cluster.children))
+        assert len(processes) >= 5  # gateway + 2 prefill ranks + 2 decode ranks
+        segments = mapped_kv_segments(processes)
+        assert len(segments) >= 2  # one pool per decode rank
+    finally:
+        cluster.stop()
     assert not alive(processes)
     assert not existing_segments(segments)

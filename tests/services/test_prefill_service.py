@@ -15,7 +15,7 @@ from kvtransfer.layout import KVLayout
 from rpc.status import AlreadyExists
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillService
-from tests.services.helpers import greedy
+from tests.services.helpers import eventually, greedy
 
 LAYOUT = KVLayout(num_layers=2, latent_dim=16, rope_dim=4, page_size=16, dtype="float32")
 
@@ -26,14 +26,20 @@ class _BlockingEngine:
         self.cache_shape = LAYOUT.to_cache_shape(8)
         self.release = threading.Event()
         self.batches: list[list[str]] = []
+        self.stopped: list[str] = []
 
     def validate_prompt(self, prompt_ids) -> None:
         pass
 
-    def prefill(self, jobs):
+    def prefill(self, jobs, should_stop=None):
+        """Two chunks per prompt: the first before `release` is set, then (like the engine) should_stop
+        is asked before the second; a stopped prompt gets None."""
         self.batches.append([job.request_id for job in jobs])
         assert self.release.wait(10)
-        return [PrefillResult(job.request_id, 7, None, len(job.prompt_ids), 0.0) for job in jobs]
+        stopped = {job.request_id for job in jobs if should_stop is not None and should_stop(job.request_id)}
+        self.stopped.extend(sorted(stopped))
+        return [None if job.request_id in stopped else PrefillResult(job.request_id, 7, None, len(job.prompt_ids), 0.0)
+                for job in jobs]
 
     def close(self) -> None:
         pass
@@ -48,40 +54,35 @@ def _destination(request_id: str, tokens: int) -> Destination:
 @pytest.fixture
 async def prefill():
     engine = _BlockingEngine()
-    service = PrefillService(PrefillWorkerConfig(model_dir="unused", batch_tokens=10), engine_factory=lambda: engine)
+    service = PrefillService(PrefillWorkerConfig.build(batch_tokens=10), engine_factory=lambda: engine)
     await service.start()
+    service._confirm = lambda destination: None  # no decode pool here (ShmWriter.confirm: tests/kvtransfer)
     yield service, engine
     engine.release.set()
     await service.stop()
 
 
-async def _until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
-
-
 async def test_cancel_drops_queued_and_waits_for_running(prefill):
     """With A running and B, C queued: cancel(B) drops it at once; cancel(A) returns only after the engine
-    finished A, and A's KV is not exported (its Prefill call ends cancelled); C still runs."""
+    stopped A between two chunks, and A's KV is not exported (its Prefill call ends cancelled); C still runs."""
     service, engine = prefill
     calls = {name: asyncio.create_task(service.prefill(name, [5] * 8, greedy(4), _destination(name, 8)))
              for name in ("A", "B", "C")}
-    await _until(lambda: engine.batches == [["A"]])  # 8 + 8 > batch_tokens: one prompt per batch
+    await eventually(lambda: engine.batches == [["A"]], "A to run alone")  # 8 + 8 > batch_tokens: one prompt per batch
     assert service.load.queued_requests == 2 and service.load.queued_tokens == 16
     assert await service.cancel("B") is True
     with pytest.raises(asyncio.CancelledError):
         await calls["B"]
     cancel_a = asyncio.create_task(service.cancel("A"))
-    await asyncio.sleep(0.1)
+    for _ in range(20):  # let cancel(A) run up to its wait; only engine.release can end A's prefill
+        await asyncio.sleep(0)
     assert not cancel_a.done()  # A is inside engine.prefill: cancel waits
     engine.release.set()
     assert await cancel_a is False
     with pytest.raises(asyncio.CancelledError):
         await calls["A"]
-    await _until(lambda: calls["C"].done())
-    assert engine.batches == [["A"], ["C"]]
+    await eventually(lambda: calls["C"].done(), "C to finish")
+    assert engine.batches == [["A"], ["C"]] and engine.stopped == ["A"]  # A stopped between its chunks
     assert await service.cancel("unknown") is False
 
 
@@ -89,7 +90,7 @@ async def test_duplicate_and_expired_requests_are_refused(prefill):
     """A request id already in flight is ALREADY_EXISTS; a destination whose lease has passed is refused."""
     service, engine = prefill
     first = asyncio.create_task(service.prefill("D", [5] * 4, greedy(4), _destination("D", 4)))
-    await _until(lambda: engine.batches)
+    await eventually(lambda: bool(engine.batches), "D to run")
     with pytest.raises(AlreadyExists):
         await service.prefill("D", [5] * 4, greedy(4), _destination("D", 4))
     expired = Destination(**{**_destination("E", 4).__dict__, "lease_deadline_unix_ms": 1})

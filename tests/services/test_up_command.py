@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 
 from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
@@ -79,6 +80,7 @@ def _generate_many(address: str, prompts: list[list[int]]) -> list[list[int]]:
     return asyncio.run(run())
 
 
+@pytest.mark.slow  # starts a whole deployment through `pdserve up`
 def test_up_generate_and_ctrl_c(service_model, llm, tmp_path):
     """up prints where to connect; generate streams the greedy completion (== the in-process engine's text);
     concurrent requests are spread over both prefill and both decode workers with unchanged outputs;

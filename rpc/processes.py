@@ -1,0 +1,86 @@
+"""Process helpers for launchers, pools and shutdown checks, on psutil (no /proc parsing of our own), and the
+one place that ties a child's life to its parent (Linux prctl PR_SET_PDEATHSIG)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+
+import psutil
+
+logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Asks the kernel to send `sig` to this process when its parent dies (Linux); False where it cannot.
+    Safe as a subprocess preexec_fn (no logging, no locks)."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def start_ticks(pid: int) -> int | None:
+    """When a live process started, in clock ticks since boot (with its pid it names one incarnation; the
+    value /proc/<pid>/stat field 22 holds, which shm pool headers record); 0 for a process that is gone or a
+    zombie; None if it cannot be told (no permission)."""
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return 0
+        return round((process.create_time() - psutil.boot_time()) * _CLOCK_TICKS)
+    except psutil.NoSuchProcess:
+        return 0
+    except psutil.AccessDenied:
+        return None
+
+
+def _living(processes: list[psutil.Process]) -> set[int]:
+    living = set()
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                living.add(process.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return living
+
+
+def alive(pids: set[int]) -> set[int]:
+    """The pids that still exist and are not zombies."""
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return _living(processes)
+
+
+def group_members(pgid: int) -> set[int]:
+    """Living (non-zombie) processes whose process group is pgid."""
+    members = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid:
+                members.append(process)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return _living(members)
+
+
+def descendants(root: int) -> set[int]:
+    """root's living descendants (children, grandchildren, ...), not root itself."""
+    try:
+        return _living(psutil.Process(root).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system

@@ -1,0 +1,60 @@
+"""rpc.processes: a child's start time names it and turns 0 once it is gone; group and descendant queries see
+living processes only; die_with_parent makes the kernel signal an orphaned child."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from rpc.processes import alive, cpu_seconds, descendants, group_members, start_ticks
+
+SLEEPER = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+
+
+def test_start_time_alive_and_group_follow_a_child() -> None:
+    """A live child: its start time in ticks since boot as the kernel records it, alive, a member of its own new group and our descendant;
+    after it is reaped, start time 0 and not alive."""
+    child = subprocess.Popen(SLEEPER, stdin=subprocess.PIPE, start_new_session=True)
+    try:
+        started = start_ticks(child.pid)
+        with open(f"/proc/{child.pid}/stat") as stat:  # the kernel's own record of it
+            assert started == int(stat.read().rsplit(")", 1)[1].split()[19])
+        assert start_ticks(child.pid) == started  # stable: names this incarnation
+        assert alive({child.pid}) == {child.pid}
+        assert group_members(child.pid) == {child.pid}
+        assert child.pid in descendants(os.getpid())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert start_ticks(child.pid) == 0 and alive({child.pid}) == set() and group_members(child.pid) == set()
+
+
+def test_cpu_seconds_grows_with_work() -> None:
+    """Our own CPU time increases after a busy loop."""
+    before = cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    assert cpu_seconds(os.getpid()) > before
+
+
+ORPHAN = """
+import os, signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, sys; from rpc.processes import die_with_parent; assert die_with_parent(signal.SIGKILL); "
+    "print('ready', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline() == "ready\\n"
+print(child.pid, flush=True)
+os._exit(0)  # dies without closing the child's stdin: only the death signal can end the child
+"""
+
+
+def test_die_with_parent_kills_the_orphan() -> None:
+    """A grandchild that asked for SIGKILL on its parent's death is gone soon after that parent exits."""
+    parent = subprocess.run([sys.executable, "-c", ORPHAN], capture_output=True, text=True, timeout=60, check=True)
+    grandchild = int(parent.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while alive({grandchild}):
+        assert time.monotonic() < deadline, "the orphan outlived its parent"
+        time.sleep(0.05)
