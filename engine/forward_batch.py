@@ -69,6 +69,8 @@ class ForwardBatch:
     positions: [num_tokens] int64 (absolute positions, used by RoPE)
     state_slots: [num_seqs] int64, the state-pool slot each sequence owns (models with linear-attention
         layers only; None otherwise). Sequence i's tokens continue from the slot's content.
+    snapshot_state: speculative verify: KDA layers leave the slots untouched and write the state after
+        every position into the state pool's snapshot scratch (row i = sequence i), for commit_snapshots.
     """
 
     mode: ForwardMode
@@ -76,6 +78,7 @@ class ForwardBatch:
     positions: torch.Tensor
     attn: AttentionMetadata
     state_slots: torch.Tensor | None = None
+    snapshot_state: bool = False
 
     @property
     def num_tokens(self) -> int:

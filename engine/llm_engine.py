@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from pathlib import Path
 
 import torch
 
@@ -21,7 +20,7 @@ from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
 from engine.spec_verify import AcceptanceStats
 from engine.state_pool import split_memory_budget
-from engine.step_plan import TargetPlan
+from engine.step_plan import CommitStatePlan, TargetPlan
 from engine.tp_launcher import TPLeader, default_threads
 
 logger = logging.getLogger(__name__)
@@ -33,15 +32,10 @@ class LLMEngine:
         self.model_config.validate_tp(config.tp_size)
         draft_dir = config.resolved_draft_dir
         self.draft_config = None
-        if draft_dir and self.model_config.has_linear_attention:
-            raise ValueError(f"draft model {draft_dir!r}: speculative decoding is not supported yet for models with "
-                             "KDA (linear attention) layers; run without a draft (draft_model='')")
         if draft_dir:
-            import json
+            from engine.models.draft_registry import read_any_draft_config
 
-            from engine.models.dflash import DFlashConfig
-
-            self.draft_config = DFlashConfig.from_dict(json.loads(Path(draft_dir, "config.json").read_text()))
+            self.draft_config = read_any_draft_config(draft_dir)
         dtype = DTYPES[config.torch_dtype_name]
         probe = cache_shape_for(self.model_config, self.draft_config, 1, config.page_size, dtype)
         state_probe = self.model_config.state_shape(config.tp_size, 1, dtype)
@@ -64,7 +58,7 @@ class LLMEngine:
             gpus=config.rank_gpus,
             use_graphs=use_graphs,
             graph_max_batch=config.max_running,
-            graph_query_lens=(1, min(config.spec_block_size, self.draft_config.block_size)) if draft_dir else (1,),
+            graph_query_lens=(1, min(config.spec_block_size, self.draft_config.verify_block_size)) if draft_dir else (1,),
             share_weights=config.share_weights,
             num_state_slots=num_slots,
         )
@@ -78,6 +72,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
                                    self.state_pool)
         self.acceptance_stats = AcceptanceStats()
+        self._markov = getattr(self.runner.draft, "markov_bias", None)  # DSpark: Markov head used when proposing
         self.num_preemptions = 0  # running sequences preempted for lack of pages, since start
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
@@ -137,7 +132,7 @@ class LLMEngine:
     def _spec_block(self, params: SamplingParams) -> int:
         if not self.has_draft or params.speculative is False:
             return 0
-        return params.block_size or min(self.config.spec_block_size, self.draft_config.block_size)
+        return params.block_size or min(self.config.spec_block_size, self.draft_config.verify_block_size)
 
     def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams, pages=None) -> Sequence:
         if request_id in self._seqs:
@@ -341,7 +336,7 @@ class LLMEngine:
             if seq.spec_block >= 2:
                 by_block.setdefault(seq.spec_block, []).append(seq)
         for block, group in by_block.items():
-            drafts.update(spec_decode.propose(self.leader.execute, block, group))
+            drafts.update(spec_decode.propose(self.leader.execute, block, group, self._markov))
         input_ids, positions, q_lens, kv_lens, tables = [], [], [], [], []
         for seq in seqs:
             proposed = drafts.get(seq.request_id, ([], None))[0]
@@ -360,6 +355,7 @@ class LLMEngine:
             page_tables=tables,
             logit_rows=list(range(len(input_ids))),
             write_draft_context=self.has_draft,
+            snapshot_state=bool(drafts) and self.state_pool is not None,
         )
         logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
@@ -380,6 +376,9 @@ class LLMEngine:
             seq.num_cached += 1
             self._append_tokens(seq, [tokens[j]], lps)
         results = spec_decode.verdicts(seqs, drafts, order, host[len(plain) :])
+        if plan.snapshot_state:  # keep the KDA state after the last kept position (K3_SPEC 5.1)
+            steps = [results[i].num_accepted_drafts if i in results else 0 for i in range(len(seqs))]
+            self.leader.execute(CommitStatePlan([seq.state_slot for seq in seqs], steps))
         for i in sorted(results):
             seq, result = seqs[i], results[i]
             self.acceptance_stats.record(result, len(drafts[seq.request_id][0]))

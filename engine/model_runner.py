@@ -13,7 +13,7 @@ from engine.distributed import TPGroup
 from engine.forward_batch import build_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
 from engine.page_pool import PagePool, PagePoolFactory
-from engine.step_plan import AttachPoolsPlan, DraftPlan, TargetPlan
+from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, TargetPlan
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +102,11 @@ class ModelRunner:
         )
         self.draft = None
         if config.draft_dir:
-            from engine.models.dflash import DFlashDraft, load_draft, read_draft_config
+            from engine.models.draft_registry import build_any_draft, load_any_draft
 
             self.draft = self._load(
-                "draft", config.draft_dir, lambda: load_draft(config.draft_dir, dtype=dtype, device=self.device),
-                lambda: DFlashDraft(read_draft_config(config.draft_dir)).to(dtype),
+                "draft", config.draft_dir, lambda: load_any_draft(config.draft_dir, dtype, self.device),
+                lambda: build_any_draft(config.draft_dir, dtype),
             )
             self.draft.eval()
         self.capture_layers: tuple[int, ...] = tuple(self.draft.config.target_layer_ids) if self.draft else ()
@@ -187,6 +187,9 @@ class ModelRunner:
             return self.run_target(plan)
         if isinstance(plan, DraftPlan):
             return self.run_draft(plan)
+        if isinstance(plan, CommitStatePlan):
+            self.cache.state.commit_snapshots(plan.slots, plan.steps)
+            return None
         if isinstance(plan, AttachPoolsPlan):
             self._cache_for(plan.pool_names)
             return None
@@ -208,7 +211,9 @@ class ModelRunner:
         )
         if plan.state_slots is not None:
             slots = torch.tensor(plan.state_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            batch = dataclasses.replace(batch, state_slots=slots)
+            batch = dataclasses.replace(batch, state_slots=slots, snapshot_state=plan.snapshot_state)
+            if plan.snapshot_state:
+                cache.state.begin_snapshots(len(plan.state_slots), max(plan.q_lens))
         return self.forward_target(batch, rows, cache, plan.write_draft_context)
 
     def forward_target(self, batch, rows: torch.Tensor, cache: PagedLatentCache, write_draft_context: bool) -> torch.Tensor:
@@ -251,14 +256,17 @@ class ModelRunner:
     def forward_draft(self, last: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, block: int) -> torch.Tensor:
         """The device part of a draft step: last/starts [S], slots [S, max_ctx] -> logits [S * (block - 1), vocab]."""
         num_seqs, max_ctx = slots.shape
-        ids = torch.full((num_seqs, block), self.draft.config.mask_token_id, dtype=torch.int64, device=self.device)
+        shifted = self.draft.shifted_block  # DSpark: block-1 slots, slot k predicts position start+k+1
+        width = block - 1 if shifted else block
+        ids = torch.full((num_seqs, width), self.draft.config.mask_token_id, dtype=torch.int64, device=self.device)
         ids[:, 0] = last
-        positions = starts[:, None] + torch.arange(block, device=self.device)[None, :]
-        embeds = self.model.embed(ids.view(-1)).view(num_seqs, block, -1)
+        positions = starts[:, None] + torch.arange(width, device=self.device)[None, :]
+        embeds = self.model.embed(ids.view(-1)).view(num_seqs, width, -1)
         draft_cache = self.cache.draft.view(self.cache_shape.draft_layers, -1, self.cache_shape.draft_dim)
         context = draft_cache[:, slots.view(-1)].view(self.cache_shape.draft_layers, num_seqs, max_ctx, -1)
         hidden = self.draft(embeds, positions, context.to(embeds.dtype), starts)
-        return self.model.compute_logits(hidden[:, 1:].reshape(num_seqs * (block - 1), -1))
+        hidden = hidden if shifted else hidden[:, 1:]
+        return self.model.compute_logits(hidden.reshape(num_seqs * (block - 1), -1))
 
     def read_pages(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copies of this rank's pages: target [layers, n, page_size, D], draft [draft_layers, n, page_size, Dd]."""

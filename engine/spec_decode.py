@@ -19,9 +19,24 @@ from engine.step_plan import DraftPlan
 Proposals = dict[str, tuple[list[int], torch.Tensor | None]]
 
 
-def propose(execute, block: int, group: list[Sequence]) -> Proposals:
+def _markov_drafts(logits: torch.Tensor, last: list[int], markov, choose) -> tuple[torch.Tensor, torch.Tensor]:
+    """DSpark: drafts formed left to right with the Markov bias (K3_SPEC 5.3 step 3).
+    logits [n, k, vocab] base; markov(prev [n]) -> [n, vocab]; choose(rows [n, vocab]) -> (tokens [n], q or None).
+    -> (tokens [n, k], the Markov-corrected rows the tokens were chosen from [n, k, vocab] (q when sampled))."""
+    prev = torch.tensor(last, dtype=torch.int64, device=logits.device)
+    tokens, rows = [], []
+    for k in range(logits.shape[1]):
+        corrected = logits[:, k].float() + markov(prev)[:, : logits.shape[-1]]
+        prev, q = choose(corrected)
+        tokens.append(prev)
+        rows.append(corrected if q is None else q)
+    return torch.stack(tokens, dim=1), torch.stack(rows, dim=1)
+
+
+def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposals:
     """Runs the draft once for sequences sharing a block size. execute(plan) -> draft logits
-    [len(group) * (block - 1), vocab]. Sequences near max_new_tokens get fewer drafts; none with 0."""
+    [len(group) * (block - 1), vocab]. Sequences near max_new_tokens get fewer drafts; none with 0.
+    markov(prev ids [n]) -> logit bias [n, vocab]: a DSpark draft's Markov head, applied left to right."""
     remaining = [min(block - 1, s.params.max_new_tokens - s.num_generated) for s in group]
     plan = DraftPlan(
         block_size=block,
@@ -34,15 +49,29 @@ def propose(execute, block: int, group: list[Sequence]) -> Proposals:
     greedy = [(i, seq, count) for i, seq, count in active if seq.params.greedy]
     sampled = [(i, seq, count) for i, seq, count in active if not seq.params.greedy]
     pieces, q = [], None
-    if greedy:
+    if greedy and markov is not None:
+        picked, _ = _markov_drafts(logits[[i for i, _, _ in greedy]], [s.last_token for _, s, _ in greedy], markov,
+                                   lambda rows: (rows.argmax(dim=-1), None))
+        pieces.append(torch.cat([picked[j, :count] for j, (_, _, count) in enumerate(greedy)]))
+    elif greedy:
         pieces.append(torch.cat([logits[i, :count].argmax(dim=-1) for i, _, count in greedy]))
     if sampled:
         batch = SamplingBatch.from_params(
             [seq.params for _, seq, _ in sampled], [seq.generator for _, seq, _ in sampled], device=logits.device
         )
-        repeated = batch.repeat_rows([count for _, _, count in sampled])
-        q = repeated.probs(torch.cat([logits[i, :count] for i, _, count in sampled]))
-        pieces.append(sample(q, repeated.generators))
+        if markov is not None:
+            def choose(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                probs = batch.probs(rows)
+                return sample(probs, batch.generators), probs
+
+            picked, probs = _markov_drafts(logits[[i for i, _, _ in sampled]], [s.last_token for _, s, _ in sampled],
+                                           markov, choose)
+            q = torch.cat([probs[j, :count] for j, (_, _, count) in enumerate(sampled)])
+            pieces.append(torch.cat([picked[j, :count] for j, (_, _, count) in enumerate(sampled)]))
+        else:
+            repeated = batch.repeat_rows([count for _, _, count in sampled])
+            q = repeated.probs(torch.cat([logits[i, :count] for i, _, count in sampled]))
+            pieces.append(sample(q, repeated.generators))
     if not pieces:
         return {}
     tokens = fetch_to_host(torch.cat(pieces))

@@ -12,6 +12,12 @@ and preemption). One slot holds, for every KDA layer of this tensor-parallel ran
 Pool tensors: conv [num_kda_layers, num_slots, conv_width, conv_channels] (bf16 by default in SGLang;
 here conv_dtype) and recurrent [num_kda_layers, num_slots, num_heads, head_k_dim, head_v_dim] (fp32 by
 default). A freshly allocated slot is zero, which is the state of an empty sequence.
+
+Speculative verify (K3_SPEC 5.1, snapshot path): a verify forward over [last, d1..d(B-1)] does not touch
+the slots; each KDA layer writes its state after every verify position into the pool's scratch
+(snapshot_conv [layers, n, B, W-1, C], snapshot_recurrent [layers, n, B, H, K, V], row i = the step's
+sequence i), and commit_snapshots copies position accepted (commit_len - 1) into each sequence's slot.
+The scratch belongs to the step, not to a slot: abort or preemption between steps leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -86,6 +92,8 @@ class StatePool:
         )
         self._free = list(range(s.num_slots))
         self._owned: set[int] = set()
+        self.snapshot_conv: torch.Tensor | None = None
+        self.snapshot_recurrent: torch.Tensor | None = None
 
     @property
     def num_free(self) -> int:
@@ -114,6 +122,39 @@ class StatePool:
         """Zeroes one slot in every layer (a sequence that recomputes from scratch)."""
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
+
+    def begin_snapshots(self, num_seqs: int, steps: int) -> None:
+        """Scratch for one verify step of num_seqs sequences with up to `steps` positions each (grown on
+        demand, reused across steps; its rows are only meaningful until the step's commit)."""
+        s, conv, rec = self.shape, self.snapshot_conv, self.snapshot_recurrent
+        if conv is None or conv.shape[1] < num_seqs or conv.shape[2] < steps:
+            n = max(num_seqs, conv.shape[1] if conv is not None else 0)
+            b = max(steps, conv.shape[2] if conv is not None else 0)
+            self.snapshot_conv = torch.zeros((s.num_kda_layers, n, b, s.conv_width, s.conv_channels),
+                                             dtype=s.conv_dtype, device=self.conv.device)
+            self.snapshot_recurrent = torch.zeros((s.num_kda_layers, n, b, s.num_heads, s.head_k_dim, s.head_v_dim),
+                                                  dtype=s.ssm_dtype, device=self.recurrent.device)
+        elif rec is None:
+            raise RuntimeError("snapshot buffers are half allocated")
+
+    def commit_snapshots(self, slots: list[int], steps: list[int]) -> None:
+        """After verification: slot slots[i] takes the state after verify position steps[i] of row i
+        (steps[i] = tokens kept - 1); step -1 leaves the slot as it was."""
+        if len(slots) != len(steps):
+            raise ValueError(f"{len(slots)} slots but {len(steps)} steps")
+        rows = [(i, slot, step) for i, (slot, step) in enumerate(zip(slots, steps)) if step >= 0]
+        if not rows:
+            return
+        if self.snapshot_conv is None or self.snapshot_recurrent is None:
+            raise RuntimeError("commit_snapshots without a verify step's snapshots")
+        device = self.conv.device
+        index, slot_index, step_index = (torch.tensor(col, dtype=torch.int64, device=device) for col in zip(*rows))
+        self.conv.index_copy_(1, slot_index, self.snapshot_conv[:, index, step_index])
+        self.recurrent.index_copy_(1, slot_index, self.snapshot_recurrent[:, index, step_index])
+
+    def snapshot_bytes_per_seq(self, steps: int) -> int:
+        """Scratch bytes one running sequence needs in a verify step of `steps` positions."""
+        return steps * self.shape.bytes_per_slot
 
     def read_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one slot: conv [layers, conv_width, channels], recurrent [layers, H, K, V]."""

@@ -17,6 +17,8 @@ class TargetPlan:
     write_draft_context: also store the draft model's context entries for every token.
     state_slots: the state-pool slot of each sequence (models with linear attention; None otherwise).
     reset_slots: slots every rank zeroes before the forward (sequences starting from token 0).
+    snapshot_state: a speculative verify step: KDA state per position goes to the scratch, slots are
+        kept until a CommitStatePlan names how many positions each sequence keeps.
     """
 
     mode: ForwardMode
@@ -30,6 +32,7 @@ class TargetPlan:
     write_draft_context: bool = False
     state_slots: list[int] | None = None
     reset_slots: tuple[int, ...] = ()
+    snapshot_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,15 @@ class DraftPlan:
     last_tokens: list[int]
     context_lens: list[int]
     page_tables: list[list[int]]
+
+
+@dataclass(frozen=True)
+class CommitStatePlan:
+    """After a verify step: slot slots[i] takes the KDA state after verify position steps[i] of the
+    step's sequence i (steps[i] = tokens kept - 1; -1 leaves the slot as it was)."""
+
+    slots: list[int]
+    steps: list[int]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch import nn
 from engine.distributed import TPGroup
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.kda_fla import fla_chunked_kda
-from engine.layers.kda_ops import causal_conv, kda_chunked, kda_gate, kda_recurrent, l2_normalize
+from engine.layers.kda_ops import causal_conv, conv_windows, kda_chunked, kda_gate, kda_recurrent, l2_normalize
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.sharding import shard_weight
@@ -117,20 +117,46 @@ class KimiDeltaAttention(nn.Module):
         slots = batch.state_slots
         bounds = batch.attn.cu_seqlens_q.tolist()
         conv_out = torch.empty(num_tokens, mixed.shape[1], dtype=torch.float32, device=x.device)
+        snapshot = batch.snapshot_state
+        conv_snap = cache.state.snapshot_conv[self.kda_index] if snapshot else None
         for i, slot in enumerate(slots.tolist()):
             rows = slice(bounds[i], bounds[i + 1])
             conv_out[rows], window = causal_conv(mixed[rows], conv_pool[slot], weight)
-            conv_pool[slot] = window.to(conv_pool.dtype)
+            if snapshot:  # verify: the window after each position, the slot untouched
+                conv_snap[i, : bounds[i + 1] - bounds[i]] = conv_windows(mixed[rows], conv_pool[slot])
+            else:
+                conv_pool[slot] = window.to(conv_pool.dtype)
         q, k, v = conv_out.view(num_tokens, 3, heads, dim).unbind(1)
         q, k = l2_normalize(q) * dim ** -0.5, l2_normalize(k)
         forget = self.f_b_proj(self.f_a_proj(x)).view(num_tokens, heads, dim)
         g = kda_gate(forget, self.dt_bias.view(heads, dim), self.A_log, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
-        out = self._recur(q, k, v, g, beta, ssm_pool, slots, bounds, batch.mode)
+        if snapshot:
+            out = self._recur_snapshots(q, k, v, g, beta, ssm_pool, slots, bounds, cache.state.snapshot_recurrent)
+        else:
+            out = self._recur(q, k, v, g, beta, ssm_pool, slots, bounds, batch.mode)
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         gated = normed * torch.sigmoid(gate.float().view(num_tokens, heads, dim))
         return self.o_proj(gated.reshape(num_tokens, heads * dim).to(x.dtype))
+
+    def _recur_snapshots(self, q, k, v, g, beta, ssm_pool, slots, bounds, snapshots) -> torch.Tensor:
+        """Verify step: the recurrent form from each slot, the state after every position into
+        snapshots[kda_index, i, t]; the slots are not written (commit_snapshots does that)."""
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        snap = snapshots[self.kda_index]
+        if len(set(lengths)) == 1:
+            n, t = len(lengths), lengths[0]
+            state = ssm_pool.index_select(0, slots)
+            out, _ = kda_recurrent(*(z.view(n, t, *z.shape[1:]) for z in (q, k, v, g, beta)), state, snap[:n])
+            return out.view(n * t, *out.shape[2:])
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        for i, slot in enumerate(slots.tolist()):
+            rows = slice(bounds[i], bounds[i + 1])
+            o, _ = kda_recurrent(q[None, rows], k[None, rows], v[None, rows], g[None, rows], beta[None, rows],
+                                 ssm_pool[slot][None], snap[i : i + 1])
+            out[rows] = o[0]
+        return out
 
     def _recur(self, q, k, v, g, beta, ssm_pool, slots, bounds, mode) -> torch.Tensor:
         """-> o [T, H, V] float32, the slots' recurrent states advanced in place."""

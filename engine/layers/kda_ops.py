@@ -55,11 +55,20 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
     return F.silu(out), window[-(width - 1):]
 
 
+def conv_windows(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The conv state after each of x's T inputs: x [T, C], state [W-1, C] -> [T, W-1, C] (row t = the
+    window causal_conv would leave after input t; speculative verify keeps one per position)."""
+    window = torch.cat([state.to(x.dtype), x], dim=0)  # [W-1+T, C]
+    return window.unfold(0, state.shape[0], 1)[1:].transpose(1, 2)
+
+
 def kda_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    snapshots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, g: [N, T, H, K]; v: [N, T, H, V]; beta: [N, T, H]; state: [N, H, K, V]
-    -> (o [N, T, H, V], final state [N, H, K, V]), all float32. N sequences advance together."""
+    -> (o [N, T, H, V], final state [N, H, K, V]), all float32. N sequences advance together.
+    snapshots [N, >= T, H, K, V]: also receives the state after every step t (speculative verify)."""
     s = state.float().clone()
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -69,6 +78,8 @@ def kda_recurrent(
         u = beta[:, t].unsqueeze(-1) * (v[:, t] - predicted)
         s = s + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
         out[:, t] = torch.einsum("nhkv,nhk->nhv", s, q[:, t])
+        if snapshots is not None:
+            snapshots[:, t] = s
     return out, s
 
 

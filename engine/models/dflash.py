@@ -77,6 +77,11 @@ class DFlashConfig:
         return 2 * self.num_kv_heads * self.head_dim
 
     @property
+    def verify_block_size(self) -> int:
+        """Largest verify step (last token + drafts) this draft fills: block_size (slot 0 is the last token)."""
+        return self.block_size
+
+    @property
     def context_input_size(self) -> int:
         return len(self.target_layer_ids) * self.target_hidden_size
 
@@ -164,6 +169,8 @@ class DFlashLayer(nn.Module):
 
 class DFlashDraft(nn.Module):
     """The draft network; the target's embedding and LM head are applied outside."""
+
+    shifted_block = False  # block slot i predicts position n-1+i (slot 0 is the last token's own)
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()

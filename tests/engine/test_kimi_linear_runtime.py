@@ -1,5 +1,6 @@
 """Kimi Linear through the engine: state slots follow sequences (finish, abort, preemption), greedy
-generation equals transformers', TP=2 equals TP=1, and speculative decoding is refused."""
+generation equals transformers', and TP=2 equals TP=1
+(speculative decoding with KDA layers: tests/engine/test_spec_hybrid.py)."""
 from __future__ import annotations
 
 import logging
@@ -69,14 +70,6 @@ def test_preemption_recomputes_state_from_zero(kimi_dirs, caplog):
             assert llm.generate(prompts, params) == expected
             assert engine.state_pool.num_free == 4 and engine.num_free_pages == 33
     assert "preempted" in caplog.text
-
-
-def test_draft_with_kda_model_is_refused(kimi_dirs, tmp_path):
-    """A draft model with a KDA model is a clear ValueError (speculative decoding comes later)."""
-    (tmp_path / "config.json").write_text("{}")
-    config = EngineConfig(model_dir=str(kimi_dirs["base"]), attention_backend="torch", draft_model_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="speculative decoding is not supported yet"):
-        LLMEngine(config)
 
 
 def _reference_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:

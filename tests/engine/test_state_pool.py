@@ -105,3 +105,23 @@ def test_scheduler_waits_for_a_free_slot_and_frees_on_preemption():
     scheduler.remove(seqs[0])
     step = scheduler.schedule()
     assert [chunk.seq for chunk in step.prefill] == [seqs[1]] and seqs[1].state_slot == 0
+
+
+def test_commit_snapshots_picks_each_rows_step():
+    """commit_snapshots copies snapshot row i at steps[i] into slots[i] in every layer; step -1 keeps the slot;
+    the scratch grows on demand and costs steps x bytes_per_slot per sequence."""
+    pool = StatePool(_shape(num_slots=4))
+    pool.begin_snapshots(3, 4)
+    assert pool.snapshot_conv.shape == (2, 3, 4, 3, 24) and pool.snapshot_recurrent.shape == (2, 3, 4, 2, 4, 4)
+    pool.snapshot_conv.copy_(torch.randn(pool.snapshot_conv.shape))
+    pool.snapshot_recurrent.copy_(torch.randn(pool.snapshot_recurrent.shape))
+    before = pool.read_slot(0)
+    pool.commit_snapshots([2, 0, 1], [3, -1, 0])
+    assert torch.equal(pool.conv[:, 2], pool.snapshot_conv[:, 0, 3])
+    assert torch.equal(pool.recurrent[:, 1], pool.snapshot_recurrent[:, 2, 0])
+    assert torch.equal(pool.read_slot(0)[1], before[1]) and torch.equal(pool.read_slot(0)[0], before[0])
+    assert pool.snapshot_bytes_per_seq(4) == 4 * pool.shape.bytes_per_slot
+    pool.begin_snapshots(5, 2)
+    assert pool.snapshot_conv.shape[1:3] == (5, 4)
+    with pytest.raises(ValueError, match="steps"):
+        pool.commit_snapshots([0], [0, 1])

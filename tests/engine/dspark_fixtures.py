@@ -1,0 +1,41 @@
+"""A tiny Kimi K3 checkpoint with a random (deliberately poor) DSpark draft beside it, in the published layout."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engine.config import RopeConfig
+from engine.models.dflash import DFlashConfig
+from engine.models.dspark import DSparkDraft, save_dspark
+from engine.models.dspark_config import DSparkConfig
+from tests.engine.k3_checkpoint import make_k3_checkpoint
+
+YARN = RopeConfig(rope_type="yarn", theta=10000.0, factor=4.0, original_max_position_embeddings=64)
+
+
+def dspark_config_for(model_dir: Path, gamma: int = 7, target_layer_ids: tuple[int, ...] = (1, 3, 5),
+                      confidence: bool = True) -> DSparkConfig:
+    text = json.loads((model_dir / "config.json").read_text())["text_config"]
+    hidden, vocab = text["hidden_size"], text["vocab_size"]
+    backbone = DFlashConfig(
+        hidden_size=hidden, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=2 * hidden,
+        target_layer_ids=target_layer_ids, target_hidden_size=hidden, block_size=gamma, mask_token_id=vocab - 1,
+        rms_norm_eps=1e-6,
+    )
+    return DSparkConfig(backbone=backbone, vocab_size=vocab, markov_rank=8, rope=YARN, use_confidence_head=confidence)
+
+
+def add_random_dspark(model_dir: Path, gamma: int = 7, seed: int = 0, confidence: bool = True) -> Path:
+    """Writes model_dir/draft (a DSpark draft, float32) and returns it."""
+    torch.manual_seed(seed)
+    draft = DSparkDraft(dspark_config_for(model_dir, gamma, confidence=confidence))
+    save_dspark(draft, model_dir / "draft", dtype=torch.float32)
+    return model_dir / "draft"
+
+
+def make_k3_with_dspark(root: Path, gamma: int = 7, seed: int = 0) -> Path:
+    model_dir = make_k3_checkpoint(root, "k3_dspark", seed=seed)
+    add_random_dspark(model_dir, gamma, seed)
+    return model_dir
