@@ -12,9 +12,10 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
+from engine.models.causal_lm import CausalLM
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedLatentCache
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.mla import MLAAttention
 from engine.layers.mlp import DenseMLP
 from engine.layers.moe import MoE
@@ -68,26 +69,11 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     """One tensor-parallel rank of the model. Every rank gets the same batch and returns the same outputs."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        config.validate_tp(tp.size)
-        if not attention.supports_num_heads(config.num_attention_heads // tp.size):
-            raise ValueError(f"attention backend {attention.name!r} does not run "
-                             f"{config.num_attention_heads // tp.size} heads per rank")
-        self.config = config
-        self.tp = tp
-        self.dtype = dtype
-        self.model = DeepseekV3Model(config, tp, attention, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [T] -> [T, hidden]."""
-        return self.model.embed_tokens(input_ids)
+        super().__init__(config, tp, attention, dtype, DeepseekV3Model)
 
     def forward(
         self, batch: ForwardBatch, cache: PagedLatentCache, capture_layers: tuple[int, ...] = ()
@@ -104,10 +90,6 @@ class DeepseekV3ForCausalLM(nn.Module):
             if index in wanted:
                 captured[index] = h
         return ModelOutput(self.model.norm(h), tuple(captured[i] for i in capture_layers))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> [N, vocab] float32, full vocabulary on every rank."""
-        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], fp8: Fp8Loader | None = None) -> None:
         """Copies this rank's shard of each full checkpoint tensor into place. Raises ONE ValueError naming

@@ -15,10 +15,11 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
+from engine.models.causal_lm import CausalLM
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedLatentCache
 from engine.layers.attn_res import ResidualStream, is_block_start
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.latent_moe import LatentMoE, LatentMoEShape
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.mla import MLAAttention
@@ -90,30 +91,15 @@ class KimiK3Model(nn.Module):
         self.output_attn_res_proj = ReplicatedLinear(c.hidden_size, 1, dtype)
 
 
-class KimiK3ForCausalLM(nn.Module):
+class KimiK3ForCausalLM(CausalLM):
     """One tensor-parallel rank of Kimi K3 (text decoder). Every rank gets the same batch and returns the same outputs."""
 
     def __init__(self, config: KimiLinearConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
         if config.model_type != "kimi_k3":
             raise ValueError(f"KimiK3ForCausalLM needs model_type 'kimi_k3', got {config.model_type!r}")
         if config.attn_res_block_size is None:
             raise ValueError("kimi_k3 needs attn_res_block_size (Attention Residuals)")
-        config.validate_tp(tp.size)
-        if config.num_mla_layers and not attention.supports_num_heads(config.num_attention_heads // tp.size):
-            raise ValueError(f"attention backend {attention.name!r} does not run "
-                             f"{config.num_attention_heads // tp.size} heads per rank")
-        self.config = config
-        self.tp = tp
-        self.dtype = dtype
-        self.model = KimiK3Model(config, tp, attention, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [T] -> [T, hidden] (no scaling)."""
-        return self.model.embed_tokens(input_ids)
+        super().__init__(config, tp, attention, dtype, KimiK3Model, uses_attention=bool(config.num_mla_layers))
 
     def forward(
         self, batch: ForwardBatch, cache: PagedLatentCache, capture_layers: tuple[int, ...] = ()
@@ -140,10 +126,6 @@ class KimiK3ForCausalLM(nn.Module):
             nxt = layers[index + 1]
             return stream.mix(nxt.self_attention_res_proj.weight, nxt.self_attention_res_norm)
         return stream.mix(self.model.output_attn_res_proj.weight, self.model.output_attn_res_norm)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> [N, vocab] float32, full vocabulary on every rank."""
-        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies this rank's shard of each on-disk tensor into place; ONE ValueError naming every missing,

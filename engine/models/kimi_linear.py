@@ -17,7 +17,8 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.models.causal_lm import CausalLM
+from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.kda import KimiDeltaAttention
 from engine.layers.mla import MLAAttention
 from engine.layers.mlp import DenseMLP
@@ -78,18 +79,10 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     forward needs batch.state_slots and cache.state (the KDA layers' per-sequence state)."""
 
     def __init__(self, config: KimiLinearConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)
-        config.validate_tp(tp.size)
         if config.model_type != "kimi_linear":
             raise ValueError(f"KimiLinearForCausalLM needs model_type 'kimi_linear', got {config.model_type!r}")
-        heads = config.num_attention_heads // tp.size
-        if config.num_mla_layers and not attention.supports_num_heads(heads):
-            raise ValueError(f"attention backend {attention.name!r} does not run {heads} heads per rank")
-        self.config, self.tp, self.dtype = config, tp, dtype
-        self.model = KimiLinearModel(config, tp, attention, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        CausalLM.__init__(self, config, tp, attention, dtype, KimiLinearModel,
+                          uses_attention=bool(config.num_mla_layers))
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must hold (engine names), full shapes."""
