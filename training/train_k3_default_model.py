@@ -34,6 +34,7 @@ from training.corpus import load_corpus
 from training.k3_export import load_k3, save_k3
 from training.k3_model_card import write_k3_model_card
 from training.k3_shape import K3Shape, k3_config_dict
+from training.k3_warm_start import warm_start
 from training.tokenizer import BOS, EOS, MASK, PAD, encode_documents
 from training.train_dspark import DSparkTraining, capture_taps, train_dspark
 from training.train_k3_target import K3TargetTraining, train_k3_target
@@ -43,7 +44,8 @@ logger = logging.getLogger("training")
 LOSS_RATIO_THRESHOLD = 0.60
 ACCEPTANCE_THRESHOLD = 3.0
 VERIFY_BLOCK = 8  # gamma 7 drafts + the bonus token per verify step
-TOKENIZER_SOURCE = Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny" / "tokenizer.json"
+WARM_START_SOURCE = Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny"
+TOKENIZER_SOURCE = WARM_START_SOURCE / "tokenizer.json"
 TINY = {
     "max_files": 12,
     "shape": K3Shape(hidden_size=64, num_heads=4, kda_head_dim=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8,
@@ -73,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tiny", action="store_true", help="toy shapes and a few steps (smoke test)")
+    parser.add_argument("--warm-start", type=Path, default=WARM_START_SOURCE,
+                        help="initialise the shared-shape tensors from this DeepSeek-V3 default model ('' = none)")
     parser.add_argument("--target-minutes", type=float, default=None)
     parser.add_argument("--draft-minutes", type=float, default=None)
     parser.add_argument("--target-steps", type=int, default=None)
@@ -131,14 +135,18 @@ def main(argv: list[str] | None = None) -> int:
              "do_sample": False}, indent=2) + "\n")
         cfg = plan["target"]
         cfg = replace(cfg, minutes=args.target_minutes or cfg.minutes, max_steps=args.target_steps or cfg.max_steps)
-        _, summary = train_k3_target(shape, train_stream, cfg, args.seed, work, lambda net: save_k3(net, out, config))
+        source = None if args.tiny or not str(args.warm_start) else args.warm_start
+        init = None if source is None else (lambda net: warm_start(net, source))
+        _, summary = train_k3_target(shape, train_stream, cfg, args.seed, work, lambda net: save_k3(net, out, config), init)
         update_metrics(out, {
             "target_command": command, "seed": args.seed, "threads": args.threads, "shape": vars(shape),
             "python_version": corpus.python_version, "train_files": len(corpus.train),
             "held_out_files": len(corpus.held_out), "train_tokens": train_stream.numel(),
             "held_out_tokens": held_stream.numel(), "target_steps": summary["steps"],
             "target_minutes": summary["minutes"], "target_final_train_loss": summary["final_loss"],
-            "target_batch": cfg.batch_size, "target_lr": cfg.lr, "target_budget_minutes": cfg.minutes})
+            "target_batch": cfg.batch_size, "target_lr": cfg.lr, "target_budget_minutes": cfg.minutes,
+            "warm_start": None if source is None else str(source.resolve().relative_to(Path.cwd().resolve()))
+            if source.resolve().is_relative_to(Path.cwd().resolve()) else str(source)})
 
     if args.phase in ("all", "draft"):
         started = time.monotonic()

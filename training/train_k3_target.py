@@ -57,15 +57,17 @@ def make_optimizer(net: K3Net, cfg: K3TargetTraining) -> torch.optim.AdamW:
 
 def train_k3_target(
     shape: K3Shape, stream: torch.Tensor, cfg: K3TargetTraining, seed: int, work_dir: Path,
-    export: Callable[[K3Net], None],
+    export: Callable[[K3Net], None], init: Callable[[K3Net], object] | None = None,
 ) -> tuple[K3Net, dict]:
-    """Trains (resuming from work_dir/target_state.pt when present); export(net) is called at every
-    checkpoint and at the end. Returns the net and a summary {steps, minutes, final_loss}."""
+    """Trains (resuming from work_dir/target_state.pt when present; else init(net) first, e.g. a warm start);
+    export(net) is called at every checkpoint and at the end. Returns the net and {steps, minutes, final_loss}."""
     torch.manual_seed(seed)
     net = K3Net(shape)
+    state_path = work_dir / "target_state.pt"
+    if init is not None and not state_path.exists():
+        init(net)
     optimizer = make_optimizer(net, cfg)
     generator = torch.Generator().manual_seed(seed)
-    state_path = work_dir / "target_state.pt"
     step, spent = 0, 0.0
     if state_path.exists():
         saved = torch.load(state_path, weights_only=False)
