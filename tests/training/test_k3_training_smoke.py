@@ -1,0 +1,34 @@
+"""training/train_k3_default_model.py runs end to end on toy shapes, resumes a partial target run, and writes
+a K3 checkpoint + DSpark draft that the serving engine loads and speculates with."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from training.train_k3_default_model import main
+
+pytestmark = pytest.mark.slow  # trains (a few toy steps) and runs the engine
+
+
+def test_tiny_run_resumes_and_writes_a_servable_model(tmp_path: Path) -> None:
+    """A 2-step target run leaves a loadable checkpoint; a second run resumes it to step 3 and goes on to
+    the draft and the engine-measured metrics; LLM() serves the result with its DSpark draft."""
+    out, work = tmp_path / "k3", tmp_path / "work"
+    common = ["--tiny", "--out", str(out), "--work-dir", str(work)]
+    assert main([*common, "--phase", "target", "--target-steps", "2"]) == 0
+    assert json.loads((out / "training_metrics.json").read_text())["target_steps"] == 2
+    assert main([*common, "--target-steps", "3"]) == 0
+    metrics = json.loads((out / "training_metrics.json").read_text())
+    assert metrics["target_steps"] == 3  # resumed at 2, not restarted
+    for key in ("held_out_loss", "unigram_entropy", "loss_ratio", "acceptance_length", "total_megabytes"):
+        assert metrics[key] > 0, key
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "kimi_k3" and config["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    assert (out / "README.md").read_text().startswith("# pdserve-k3-tiny")
+    with LLM(str(out), device="cpu", num_threads=1, spec_block_size=8) as llm:
+        assert llm.engine.has_draft
+        outputs = llm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+        assert len(outputs[0]) == 6 and llm.acceptance_stats.num_steps > 0
