@@ -43,7 +43,11 @@ def write_k3_model_card(path: Path, m: dict, samples: dict[str, str], config: di
         f"held-out files ({m['held_out_tokens']:,} tokens). The draft trains on {m['draft_sequences']} prompts from the "
         f"training split continued greedily ({m['draft_generated']} tokens) by the saved target through the engine.",
         "", "## Training", "",
-        f"Target: AdamW float32, batch {m['target_batch']} x {t.get('max_position_embeddings') and m['eval_length']} "
+        f"Warm start: {m['warm_start']}'s embedding, LM head, final norm, layer-0 MLP and norms, MLA projections and "
+        "shared experts (the tensors whose shapes the two models share; training/k3_warm_start.py); everything K3 "
+        "adds (KDA, gates, Attention Residuals, latent routed experts) starts fresh." if m.get("warm_start") else
+        "No warm start: every tensor starts from its fresh initialisation.",
+        f"Target: AdamW float32, batch {m['target_batch']} x {m['shape']['train_length']} "
         f"tokens, lr {m['target_lr']}, cosine over a {m['target_budget_minutes']:.0f}-minute wall-clock budget: "
         f"{m['target_steps']} steps in {m['target_minutes']:.1f} min (1 thread, shared machine). Draft: "
         f"{m['draft_steps']} steps in {m['draft_train_minutes']:.1f} min (phase total {m['draft_minutes']:.1f} min).",
