@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-minutes", type=float, default=None)
     parser.add_argument("--target-steps", type=int, default=None)
     parser.add_argument("--draft-steps", type=int, default=None)
+    parser.add_argument("--draft-sequences", type=int, default=None, help="engine-generated training sequences")
     return parser.parse_args(argv)
 
 
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase in ("all", "draft"):
         started = time.monotonic()
         cfg = plan["draft"]
-        cfg = replace(cfg, minutes=args.draft_minutes or cfg.minutes, max_steps=args.draft_steps or cfg.max_steps)
+        cfg = replace(cfg, minutes=args.draft_minutes or cfg.minutes, max_steps=args.draft_steps or cfg.max_steps,
+                      num_sequences=args.draft_sequences or cfg.num_sequences)
         target = load_k3(shape, out)
         generator = torch.Generator().manual_seed(args.seed + 1)
         starts = torch.randint(0, train_stream.numel() - cfg.prompt_length, (cfg.num_sequences,), generator=generator)
