@@ -10,7 +10,8 @@ alternates each round) after one unrecorded warm-up of each.
 
 Per batch size the table shows each side's median tok/s with its min-max spread, the ratio of the medians,
 the median of the per-round ratios (each round's engine run against the transformers run beside it), whether
-the greedy outputs are identical, and the 1-minute load average seen at the end of the runs (min-max);
+the transformers / engine ratio of the median CPU seconds per run (this process's CPU time: with one thread
+the work each side does, whatever the neighbours do), whether the greedy outputs are identical, and the 1-minute load average seen at the end of the runs (min-max);
 a batch whose runs saw a load average above the core count is marked LOADED (its figures are shared-machine
 figures).
 
@@ -46,10 +47,13 @@ def spread(values: list[float]) -> str:
 
 
 def with_load(run):
-    """Wraps a variant: its metrics plus the 1-minute load average when it ends."""
+    """Wraps a variant: its metrics plus this process's CPU seconds for the run and the 1-minute load
+    average when it ends."""
 
     def timed():
+        start = time.process_time()
         metrics = run()
+        metrics["cpu_s"] = time.process_time() - start
         metrics["load"] = os.getloadavg()[0]
         return metrics
 
@@ -80,7 +84,7 @@ def main() -> None:
     table = Table(f"greedy decode tok/s, prompt {args.prompt_len} + {args.new_tokens} new tokens ({source}), "
                   f"{args.threads} threads, median (min-max) of {args.repeats} interleaved rounds",
                   ["batch", "engine tok/s", "transformers tok/s", "ratio of medians", "median per-round ratio",
-                   "identical", "load avg (min-max)", "machine"])
+                   "CPU-time ratio", "identical", "load avg (min-max)", "machine"])
     reached: dict[int, float] = {}
     for batch in args.batches:
         outputs: dict[str, list] = {}
@@ -101,11 +105,13 @@ def main() -> None:
         hf_rates = [m["tok_s"] for m in runs["transformers"]]
         loads = [m["load"] for m in runs["engine"] + runs["transformers"]]
         per_round = [e / h for e, h in zip(engine_rates, hf_rates)]
+        cpu_ratio = statistics.median(m["cpu_s"] for m in runs["transformers"]) / statistics.median(
+            m["cpu_s"] for m in runs["engine"])
         same = sum(a == b for a, b in zip(outputs["engine"], outputs["hf"]))
         reached[batch] = ratio(statistics.median(engine_rates), statistics.median(hf_rates))
         table.add(batch, spread(engine_rates), spread(hf_rates), f"{reached[batch]:.2f}x",
                   f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})",
-                  f"{same}/{batch}", f"{min(loads):.1f}-{max(loads):.1f}",
+                  f"{cpu_ratio:.2f}x", f"{same}/{batch}", f"{min(loads):.1f}-{max(loads):.1f}",
                   f"LOADED (> {cores} cores)" if max(loads) > cores else "ok")
         print(f"batch {batch} done in {time.perf_counter() - start:.0f} s", flush=True)
     print()

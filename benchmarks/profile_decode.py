@@ -54,7 +54,8 @@ def main() -> None:
     config = llm.model_config
     prompts, _ = make_prompts(args.model, args.batch, args.prompt_len, args.seed, config.vocab_size,
                               list(config.eos_token_id))
-    params = SamplingParams(max_new_tokens=args.warmup + args.steps + 8, temperature=0.0, ignore_eos=True,
+    per_step = 16 if args.spec else 1  # a verify step can emit up to a block of tokens
+    params = SamplingParams(max_new_tokens=(args.warmup + args.steps + 8) * per_step, temperature=0.0, ignore_eos=True,
                             speculative=args.spec)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profile-{i}", prompt, params)
