@@ -113,9 +113,8 @@ def main() -> None:
                   f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})",
                   f"{cpu_ratio:.2f}x", f"{same}/{batch}", f"{min(loads):.1f}-{max(loads):.1f}",
                   f"LOADED (> {cores} cores)" if max(loads) > cores else "ok")
-        print(f"batch {batch} done in {time.perf_counter() - start:.0f} s", flush=True)
-    print()
-    table.print()
+        print(f"batch {batch} done in {time.perf_counter() - start:.0f} s\n", flush=True)
+        table.print()  # after every batch size, so a run cut short still shows what it measured
     print("## Goals (issue 18)\n")
     for batch, target in GOALS.items():
         if batch in reached:
