@@ -17,24 +17,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import add_common_arguments, make_prompts, print_header
+from benchmarks.common import ForwardTimer, add_common_arguments, make_prompts, print_header
 from engine import LLM, SamplingParams
-
-
-class ForwardTimer:
-    """Wraps a ModelRunner method and records the wall time of each call (seconds)."""
-
-    def __init__(self, runner, name: str) -> None:
-        self.samples: list[float] = []
-        self._inner = getattr(runner, name)
-        setattr(runner, name, self)
-
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self._inner(*args, **kwargs)
-        finally:
-            self.samples.append(time.perf_counter() - start)
 
 
 def main() -> None:
