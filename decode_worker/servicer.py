@@ -55,14 +55,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 self._service.release_soon(request.request_id)
 
         context.add_done_callback(on_done)
-        updates = self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token, params)
+        updates = self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token,
+                                       params, request.stream_interval)
         async with contextlib.aclosing(updates) as stream:
             async for update in stream:
                 finished = update.finished
-                yield worker_pb2.DecodeResponse(
-                    token_ids=update.token_ids, logprobs=[logprob_to_proto(lp) for lp in update.logprobs],
-                    finished=update.finished, finish_reason=update.finish_reason or "", decode_steps=update.steps,
-                )
+                response = worker_pb2.DecodeResponse(token_ids=update.token_ids, finished=finished,
+                                                     finish_reason=update.finish_reason or "", decode_steps=update.steps)
+                if update.logprobs:
+                    response.logprobs.extend(logprob_to_proto(lp) for lp in update.logprobs)
+                yield response
 
     @unary
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
