@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -91,6 +92,13 @@ def thread_table(before: dict[str, float], after: dict[str, float], tokens: int)
     return "\n".join(lines)
 
 
+def scrape(address: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The named unlabelled samples of a service's GET /metrics."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=30).read().decode()
+    return {name: float(value) for name, value in re.findall(r"^(\w+) ([0-9.e+-]+)$", text, re.MULTILINE)
+            if name in names}
+
+
 async def drive(address: str, prompts: list[list[int]], output_len: int, concurrency: int, stop: threading.Event) -> int:
     channel = grpc.aio.insecure_channel(address)
     client = GatewayClient(channel, SamplingOptions(temperature=0.0, speculative=False))
@@ -119,6 +127,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--log-level", default="WARNING", help="the services' log level (INFO: per-request lines)")
     parser.add_argument("--native", action="store_true", help="include native (C/C++) frames")
     parser.add_argument("--gil", action="store_true", help="only samples of the thread holding the GIL")
     parser.add_argument("--out", type=Path, default=None, help="where the profiles go (default: a temporary folder)")
@@ -132,7 +141,7 @@ def main() -> None:
     print(f"machine: {machine_description()}\nprofiles in {out}", flush=True)
     worker_args = ("--num-threads", str(args.threads), "--kv-memory-mb", "512")
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
-                       worker_args=worker_args, log_level="WARNING")
+                       worker_args=worker_args, log_level=args.log_level)
     cluster = Cluster(spec, log_dir=out)
     address = cluster.start(timeout_s=300)
     try:
@@ -146,6 +155,9 @@ def main() -> None:
         pids = {child.role.split("-")[0]: child.process.pid for child in cluster.children}
         names = {role: python_thread_names(py_spy, pid) for role, pid in pids.items()}
         cpu_before = {role: thread_cpu(pid, names[role]) for role, pid in pids.items()}
+        counters = ("pdserve_decode_engine_steps_total", "pdserve_decode_engine_step_tokens_total")
+        metrics_address = cluster.metrics_addresses()["decode-0"]
+        steps_before = scrape(metrics_address, counters)
         driver.start()
         recorders = []
         for role in args.roles:
@@ -163,6 +175,9 @@ def main() -> None:
             print(f"\n## {role} (pid {pids[role]}, concurrency {args.concurrency})\n{summarise(raw, args.top)}")
         stop.set()
         driver.join()
+        steps = {name: value - steps_before.get(name, 0.0) for name, value in scrape(metrics_address, counters).items()}
+        print(f"\ndecode engine: {steps.get(counters[0], 0):.0f} steps, "
+              f"{steps.get(counters[1], 0) / max(steps.get(counters[0], 0), 1):.2f} tokens per step (batch occupancy)")
         for role, pid in pids.items():
             print(f"\n## {role}: {thread_table(cpu_before[role], thread_cpu(pid, names[role]), result.get('tokens', 0))}")
     finally:

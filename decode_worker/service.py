@@ -109,6 +109,8 @@ class DecodeService:
         self._reservations = 0
         self._reserving: dict[str, bool] = {}  # request id -> abandoned (cancelled / released meanwhile)
         self.lease_expiries = 0
+        self.engine_steps = 0  # engine steps that produced output, and the tokens they produced (batch occupancy)
+        self.engine_step_tokens = 0
         self.engine: Any = None
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -154,6 +156,8 @@ class DecodeService:
                 self._abort_all(engine, error)
                 outputs = []
             if outputs:
+                self.engine_steps += 1
+                self.engine_step_tokens += sum(len(output.new_token_ids) for output in outputs)
                 self._hand_over(outputs)
         self._publish(engine)
         return engine.has_work()
