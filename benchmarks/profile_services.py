@@ -92,6 +92,9 @@ def thread_table(before: dict[str, float], after: dict[str, float], tokens: int)
     return "\n".join(lines)
 
 
+STEP_COUNTERS = ("pdserve_decode_engine_steps_total", "pdserve_decode_engine_step_tokens_total")
+
+
 def scrape(address: str, names: tuple[str, ...]) -> dict[str, float]:
     """The named unlabelled samples of a service's GET /metrics."""
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=30).read().decode()
@@ -116,6 +119,31 @@ async def drive(address: str, prompts: list[list[int]], output_len: int, concurr
     return tokens
 
 
+def find_py_spy() -> str:
+    beside = Path(sys.executable).parent / "py-spy"  # the venv's, when the venv is not on PATH
+    found = str(beside) if beside.is_file() else shutil.which("py-spy")
+    if found is None:
+        raise SystemExit("py-spy is not installed (pip install py-spy; it is in the dev extra)")
+    return found
+
+
+def record(py_spy: str, pids: dict[str, int], args: argparse.Namespace, out: Path) -> None:
+    """Runs py-spy record on each role at once for --seconds, then prints each profile's summary."""
+    recorders = []
+    for role in args.roles:
+        raw = out / f"{role}.txt"
+        command = [py_spy, "record", "--pid", str(pids[role]), "--duration", str(args.seconds), "--rate",
+                   str(args.rate), "--format", "raw", "--output", str(raw),
+                   *(["--native"] if args.native else ["--nonblocking"]), *(["--gil"] if args.gil else [])]
+        recorders.append((role, raw, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    for role, raw, recorder in recorders:
+        _, error = recorder.communicate()
+        if recorder.returncode != 0:
+            print(f"py-spy on {role} failed ({recorder.returncode}): {error.decode(errors='replace')[-400:]}")
+            continue
+        print(f"\n## {role} (pid {pids[role]}, concurrency {args.concurrency})\n{summarise(raw, args.top)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -132,54 +160,36 @@ def main() -> None:
     parser.add_argument("--gil", action="store_true", help="only samples of the thread holding the GIL")
     parser.add_argument("--out", type=Path, default=None, help="where the profiles go (default: a temporary folder)")
     args = parser.parse_args()
-    beside = Path(sys.executable).parent / "py-spy"  # the venv's, when the venv is not on PATH
-    py_spy = str(beside) if beside.is_file() else shutil.which("py-spy")
-    if py_spy is None:
-        raise SystemExit("py-spy is not installed (pip install py-spy; it is in the dev extra)")
+    py_spy = find_py_spy()
     out = args.out or Path(tempfile.mkdtemp(prefix="profile-services-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine_description()}\nprofiles in {out}", flush=True)
-    worker_args = ("--num-threads", str(args.threads), "--kv-memory-mb", "512")
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
-                       worker_args=worker_args, log_level=args.log_level)
+                       worker_args=("--num-threads", str(args.threads), "--kv-memory-mb", "512"),
+                       log_level=args.log_level)
     cluster = Cluster(spec, log_dir=out)
     address = cluster.start(timeout_s=300)
     try:
         config = ModelConfig.from_pretrained(args.model)
         prompts, _ = make_prompts(args.model, max(2 * args.concurrency, 4), args.input_len, 0, config.vocab_size,
                                   list(config.eos_token_id))
-        stop = threading.Event()
-        result: dict[str, int] = {}
+        stop, result = threading.Event(), {"tokens": 0}
         driver = threading.Thread(target=lambda: result.update(tokens=asyncio.run(
             drive(address, prompts, args.output_len, args.concurrency, stop))))
         pids = {child.role.split("-")[0]: child.process.pid for child in cluster.children}
         names = {role: python_thread_names(py_spy, pid) for role, pid in pids.items()}
         cpu_before = {role: thread_cpu(pid, names[role]) for role, pid in pids.items()}
-        counters = ("pdserve_decode_engine_steps_total", "pdserve_decode_engine_step_tokens_total")
         metrics_address = cluster.metrics_addresses()["decode-0"]
-        steps_before = scrape(metrics_address, counters)
+        steps_before = scrape(metrics_address, STEP_COUNTERS)
         driver.start()
-        recorders = []
-        for role in args.roles:
-            raw = out / f"{role}.txt"
-            recorders.append((role, raw, subprocess.Popen(
-                [py_spy, "record", "--pid", str(pids[role]), "--duration", str(args.seconds), "--rate", str(args.rate),
-                 "--format", "raw", "--output", str(raw),
-                 *(["--native"] if args.native else ["--nonblocking"]), *(["--gil"] if args.gil else [])],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
-        for role, raw, recorder in recorders:
-            _, error = recorder.communicate()
-            if recorder.returncode != 0:
-                print(f"py-spy on {role} failed ({recorder.returncode}): {error.decode(errors='replace')[-400:]}")
-                continue
-            print(f"\n## {role} (pid {pids[role]}, concurrency {args.concurrency})\n{summarise(raw, args.top)}")
+        record(py_spy, pids, args, out)
         stop.set()
         driver.join()
-        steps = {name: value - steps_before.get(name, 0.0) for name, value in scrape(metrics_address, counters).items()}
-        print(f"\ndecode engine: {steps.get(counters[0], 0):.0f} steps, "
-              f"{steps.get(counters[1], 0) / max(steps.get(counters[0], 0), 1):.2f} tokens per step (batch occupancy)")
+        steps = {name: value - steps_before.get(name, 0.0) for name, value in scrape(metrics_address, STEP_COUNTERS).items()}
+        count, tokens = steps.get(STEP_COUNTERS[0], 0.0), steps.get(STEP_COUNTERS[1], 0.0)
+        print(f"\ndecode engine: {count:.0f} steps, {tokens / max(count, 1):.2f} tokens per step (batch occupancy)")
         for role, pid in pids.items():
-            print(f"\n## {role}: {thread_table(cpu_before[role], thread_cpu(pid, names[role]), result.get('tokens', 0))}")
+            print(f"\n## {role}: {thread_table(cpu_before[role], thread_cpu(pid, names[role]), result['tokens'])}")
     finally:
         cluster.stop()
 
