@@ -149,14 +149,34 @@ class ModelRunner:
     def _load(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
         """load() normally, or, with share_weights, through the node's shared weight store (the first
         worker of the node loads and publishes; the others build the model without loading and map it)."""
-        if not self.config.share_weights or self.device.type != "cpu":  # the store is CPU shared memory
+        if not self.config.share_weights:
             return load()
+        if self.device.type == "cuda":
+            return self._load_device_shared(role, model_dir, load, build_empty)
         from engine.weight_store import WeightKey, load_shared
 
         key = WeightKey(model_dir, self.config.dtype, "cpu", self.tp.size, self.tp.rank, role)
 
         model, shared = load_shared(key, load, build_empty)
         self._shared_weights.append(shared)
+        return model.eval().requires_grad_(False)
+
+    def _load_device_shared(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
+        """On a GPU: the first worker on this device loads the shard and exports IPC handles of its tensors;
+        the others open them (engine/device_weights.py). Without a usable IPC layer: a private copy."""
+        from engine.device_ipc import IpcUnavailable, ipc_for
+        from engine.device_weights import load_device_shared
+        from engine.weight_store import WeightKey
+
+        ipc = ipc_for(self.device)
+        try:
+            key = WeightKey(model_dir, self.config.dtype, ipc.device_id(self.device), self.tp.size, self.tp.rank, role)
+        except IpcUnavailable as error:  # e.g. FakeTensorMode on a CPU-only machine
+            logger.info("device weight sharing unavailable (%s): loading a private copy", error)
+            return load()
+        model, shared = load_device_shared(key, load, build_empty, ipc, self.device)
+        if shared is not None:
+            self._shared_weights.append(shared)
         return model.eval().requires_grad_(False)
 
     @property
