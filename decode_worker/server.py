@@ -10,7 +10,10 @@ import grpc
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.servicer import DecodeServicer
 from decode_worker.service import DecodeService
+from engine.device_ipc import MemfdIpc
 from kvtransfer.destination import TransportKind
+from kvtransfer.device_pool import DevicePagePool
+from kvtransfer.device_transport import DeviceReceiver
 from kvtransfer.grpc_receiver import PushReceiver
 from kvtransfer.layout import KVLayout
 from kvtransfer.grpc_servicer import KVTransferAioServicer
@@ -30,16 +33,29 @@ SERVICE_NAMES = (
 
 
 class _Receivers:
-    """Attaches the engine's per-rank pools once and builds one receiver per transport over them."""
+    """Attaches the engine's per-rank pools once and builds one receiver per transport over them: shm pools
+    serve SHM and GRPC; device pools serve DEVICE (over their control segments) and, when their pages are
+    host memory (the CPU stand-in), GRPC. A GPU device pool takes no gRPC pushes (they would need staging)."""
 
     def __init__(self) -> None:
-        self.pools: list[SharedPagePool] = []
+        self.pools: list[Any] = []
         self.push: PushReceiver | None = None
 
     def __call__(self, engine: Any) -> dict[TransportKind, Any]:
-        self.pools = [SharedPagePool.attach(name, KVLayout.from_cache_shape(engine.cache_shape)) for name in engine.pool_names]
-        self.push = PushReceiver([pool.cache for pool in self.pools])
-        return {TransportKind.SHM: ShmReceiver(self.pools), TransportKind.GRPC: self.push}
+        layout = KVLayout.from_cache_shape(engine.cache_shape)
+        if engine.config.kv_pool != "device":
+            self.pools = [SharedPagePool.attach(name, layout) for name in engine.pool_names]
+            self.push = PushReceiver([pool.cache for pool in self.pools])
+            return {TransportKind.SHM: ShmReceiver(self.pools), TransportKind.GRPC: self.push}
+        receivers: dict[TransportKind, Any] = {}
+        if engine.device.type == "cpu":
+            self.pools = [DevicePagePool.attach(name, layout, engine.device, MemfdIpc()) for name in engine.pool_names]
+            self.push = PushReceiver([pool.cache for pool in self.pools])
+            receivers[TransportKind.GRPC] = self.push
+        else:
+            self.pools = [SharedPagePool.attach(name, layout, populate=False) for name in engine.pool_names]
+        receivers[TransportKind.DEVICE] = DeviceReceiver(self.pools)
+        return receivers
 
     def close(self) -> None:
         for pool in self.pools:
@@ -55,11 +71,11 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     service = DecodeService(config, receivers)
     await service.start()
     push = receivers.push
-    assert push is not None
 
     def register(grpc_server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(service), grpc_server)
-        kv_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferAioServicer(push), grpc_server)
+        if push is not None:
+            kv_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferAioServicer(push), grpc_server)
 
     endpoints, stop_metrics = serve_metrics(config.metrics_listen, decode_registry(service))
 
@@ -70,8 +86,8 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
 
     logger.info("decode worker: tp=%d, %d pages", config.tp_size, service.load.total_pages)
     await server.serve(
-        "decode worker", config.listen, SERVICE_NAMES, register, on_stop, stop=stop, ready_file=ready_file,
+        "decode worker", config.listen, SERVICE_NAMES if push is not None else SERVICE_NAMES[:1], register, on_stop, stop=stop, ready_file=ready_file,
         endpoints=endpoints,
-        on_bound=lambda address: push.advertise([config.advertise_address or address] * len(receivers.pools)),
+        on_bound=lambda address: push is not None and push.advertise([config.advertise_address or address] * len(receivers.pools)),
         interceptors=server_interceptors(config.internal_token),
     )

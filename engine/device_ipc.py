@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from rpc.processes import start_ticks
+from rpc.processes import node_id, start_ticks
 
 _TORCH_MODULES = ("torch", "torch.storage", "torch._utils", "torch.multiprocessing.reductions", "collections")
 
@@ -75,14 +75,6 @@ class CudaIpc:
             raise IpcUnavailable(f"cannot open a CUDA IPC handle: {error}") from error
 
 
-def _node_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
-            return file.read().strip()
-    except OSError:
-        return os.uname().nodename
-
-
 class MemfdIpc:
     """The CPU stand-in: memory in a memfd owned by the exporting process (see the module docstring)."""
 
@@ -96,7 +88,7 @@ class MemfdIpc:
         self._keep = []
 
     def device_id(self, device: torch.device) -> str:
-        return f"cpu:{_node_id()}"
+        return f"cpu:{node_id()}"
 
     def share(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bytes]:
         if tensor.device.type != "cpu":
@@ -139,6 +131,13 @@ def _tensor_over(mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...])
         warnings.simplefilter("ignore")
         flat = torch.frombuffer(mapping, dtype=dtype, count=count) if count else torch.empty(0, dtype=dtype)
     return flat.view(shape)
+
+
+def handle_device(handle: bytes) -> str:
+    """The device id recorded in a handle of either layer (the memory's device, as device_id() names it)."""
+    if handle[:1] == b"{":
+        return str(json.loads(handle)["device"])
+    return str(_TorchOnlyUnpickler(io.BytesIO(handle)).load()[0])
 
 
 def ipc_for(device: torch.device | str) -> DeviceIpc:
