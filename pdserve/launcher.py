@@ -64,6 +64,11 @@ class ClusterSpec:
             raise ValueError(f"model directory {self.model_dir!r} has no config.json")
 
 
+def kv_pool_flags(transport: str) -> tuple[str, ...]:
+    """The decode workers' --kv-pool for a forced transport (auto / grpc: the decode worker's own default)."""
+    return {"shm": ("--kv-pool", "shm"), "device": ("--kv-pool", "device")}.get(transport, ())
+
+
 @dataclass
 class Child:
     role: str
@@ -172,7 +177,8 @@ class Cluster:
         self._interrupt = interrupt
         deadline = time.monotonic() + timeout_s
         try:
-            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(f"decode-{i}", self.spec.decode_tp, self.spec.decode_args))
+            decode_args = (*kv_pool_flags(self.spec.transport), *self.spec.decode_args)
+            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(f"decode-{i}", self.spec.decode_tp, decode_args))
                       for i in range(self.spec.num_decode)]
             prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(f"prefill-{i}", self.spec.prefill_tp, self.spec.prefill_args))
                        for i in range(self.spec.num_prefill)]

@@ -63,11 +63,6 @@ def _check_device(args: argparse.Namespace) -> None:
                              "(exported over IPC), so it takes device handoffs only; use --transport auto or device")
 
 
-def kv_pool_flags(transport: str) -> tuple[str, ...]:
-    """The decode workers' --kv-pool for a forced transport (auto: the decode worker's own default)."""
-    return {"shm": ("--kv-pool", "shm"), "device": ("--kv-pool", "device")}.get(transport, ())
-
-
 def run(args: argparse.Namespace) -> int:
     configure_logging("up", 0, args.log_level)
     from pdserve.launcher import Cluster, ClusterSpec
@@ -84,7 +79,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.share_weights:
         worker_args += ("--no-shared-weights",)
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
-    decode_args += kv_pool_flags(args.transport)
     try:
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen, http_listen=args.http_listen,
