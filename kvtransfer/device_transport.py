@@ -15,6 +15,7 @@ import torch
 from kvtransfer.device_pool import DevicePagePool, current_device
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.layout import KVLayout, SegmentKind
+from kvtransfer.page_spans import page_runs
 from kvtransfer.shm_receiver import ShmReceiver
 from kvtransfer.shm_transport import ShmWriteHandle, ShmWriter
 from engine.device_ipc import ipc_for
@@ -31,8 +32,8 @@ class DeviceWriteHandle(ShmWriteHandle):
         self.check_data(kind, layer, first_index, data)
         count = data.shape[0]
         target = self.cache.layer(layer) if kind == SegmentKind.TARGET else self.cache.draft_layer(layer)
-        pages = torch.tensor(self.destination.page_ids[first_index : first_index + count], dtype=torch.int64)
-        target.index_copy_(0, pages.to(target.device), data.to(target.device, non_blocking=True))
+        for index, first_page, run in page_runs(self.destination.page_ids[first_index : first_index + count]):
+            target[first_page : first_page + run].copy_(data[index : index + run], non_blocking=True)
         self._written[self._segments[(kind, layer)], first_index : first_index + count] = True
 
     def _checksum(self) -> tuple[int, int]:
