@@ -10,10 +10,11 @@ import grpc
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.servicer import DecodeServicer
 from decode_worker.service import DecodeService
-from engine.device_ipc import MemfdIpc
+from engine.device_ipc import ipc_for
 from kvtransfer.destination import TransportKind
 from kvtransfer.device_pool import DevicePagePool
 from kvtransfer.device_transport import DeviceReceiver
+from kvtransfer.staged_receiver import StagedPushReceiver
 from kvtransfer.grpc_receiver import PushReceiver
 from kvtransfer.layout import KVLayout
 from kvtransfer.grpc_servicer import KVTransferAioServicer
@@ -34,8 +35,8 @@ SERVICE_NAMES = (
 
 class _Receivers:
     """Attaches the engine's per-rank pools once and builds one receiver per transport over them: shm pools
-    serve SHM and GRPC; device pools serve DEVICE (over their control segments) and, when their pages are
-    host memory (the CPU stand-in), GRPC. A GPU device pool takes no gRPC pushes (they would need staging)."""
+    serve SHM and GRPC; device pools serve DEVICE (over their control segments) and GRPC (straight into
+    host pages on the CPU stand-in; through a host mirror and a copy to the device on a GPU)."""
 
     def __init__(self) -> None:
         self.pools: list[Any] = []
@@ -47,15 +48,10 @@ class _Receivers:
             self.pools = [SharedPagePool.attach(name, layout) for name in engine.pool_names]
             self.push = PushReceiver([pool.cache for pool in self.pools])
             return {TransportKind.SHM: ShmReceiver(self.pools), TransportKind.GRPC: self.push}
-        receivers: dict[TransportKind, Any] = {}
-        if engine.device.type == "cpu":
-            self.pools = [DevicePagePool.attach(name, layout, engine.device, MemfdIpc()) for name in engine.pool_names]
-            self.push = PushReceiver([pool.cache for pool in self.pools])
-            receivers[TransportKind.GRPC] = self.push
-        else:
-            self.pools = [SharedPagePool.attach(name, layout, populate=False) for name in engine.pool_names]
-        receivers[TransportKind.DEVICE] = DeviceReceiver(self.pools)
-        return receivers
+        self.pools = [DevicePagePool.attach(name, layout, engine.device, ipc_for(engine.device)) for name in engine.pool_names]
+        caches = [pool.cache for pool in self.pools]
+        self.push = PushReceiver(caches) if engine.device.type == "cpu" else StagedPushReceiver(caches)
+        return {TransportKind.DEVICE: DeviceReceiver(self.pools), TransportKind.GRPC: self.push}
 
     def close(self) -> None:
         for pool in self.pools:
@@ -71,11 +67,11 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     service = DecodeService(config, receivers)
     await service.start()
     push = receivers.push
+    assert push is not None
 
     def register(grpc_server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(service), grpc_server)
-        if push is not None:
-            kv_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferAioServicer(push), grpc_server)
+        kv_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferAioServicer(push), grpc_server)
 
     endpoints, stop_metrics = serve_metrics(config.metrics_listen, decode_registry(service))
 
@@ -86,8 +82,8 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
 
     logger.info("decode worker: tp=%d, %d pages", config.tp_size, service.load.total_pages)
     await server.serve(
-        "decode worker", config.listen, SERVICE_NAMES if push is not None else SERVICE_NAMES[:1], register, on_stop, stop=stop, ready_file=ready_file,
+        "decode worker", config.listen, SERVICE_NAMES, register, on_stop, stop=stop, ready_file=ready_file,
         endpoints=endpoints,
-        on_bound=lambda address: push is not None and push.advertise([config.advertise_address or address] * len(receivers.pools)),
+        on_bound=lambda address: push.advertise([config.advertise_address or address] * len(receivers.pools)),
         interceptors=server_interceptors(config.internal_token),
     )

@@ -58,9 +58,9 @@ def _check_device(args: argparse.Namespace) -> None:
     if args.device == "cuda" and resolve_device(args.device) == "cuda":
         for tp in {args.prefill_tp, args.decode_tp}:
             check_gpus(tp, options["gpus"], gpu_count())
-        if args.transport in ("shm", "grpc"):
-            raise ValueError(f"--transport {args.transport} with --device cuda: the decode pool lives on the GPU "
-                             "(exported over IPC), so it takes device handoffs only; use --transport auto or device")
+        if args.transport == "shm":
+            raise ValueError("--transport shm with --device cuda: the decode pool lives on the GPU (exported over "
+                             "IPC); use --transport auto, device or grpc")
 
 
 def run(args: argparse.Namespace) -> int:

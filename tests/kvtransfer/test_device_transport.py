@@ -153,3 +153,32 @@ def test_factory_creates_device_pools_and_attaches_both_kinds():
         created.unlink()
         plain.close()
         plain.unlink()
+
+
+def test_grpc_push_into_a_device_pool_goes_through_the_host_mirror():
+    """StagedPushReceiver (gRPC into a GPU pool): a real Push lands in the host mirror, and only admit() copies
+    the request's pages into the device cache (here a CPU cache standing in); other pages stay untouched."""
+    from kvtransfer.grpc_servicer import serve
+    from kvtransfer.grpc_transport import GrpcWriter
+    from kvtransfer.staged_receiver import StagedPushReceiver
+    from engine.kv_cache import PagedLatentCache
+
+    device_cache = PagedLatentCache(SMALL_WITH_DRAFT.to_cache_shape(8))
+    device_cache.buffer.view(torch.uint8).fill_(0x11)
+    receiver = StagedPushReceiver([device_cache])
+    server, port = serve(receiver)
+    try:
+        receiver.advertise([f"127.0.0.1:{port}"])
+        source = random_cache(SMALL_WITH_DRAFT, 3, seed=5)
+        destination = receiver.expect(LeaseTable().grant("r", [6, 1, 2], ttl_s=60), 40)
+        writer = GrpcWriter(SMALL_WITH_DRAFT)
+        writer.push(source, [0, 1, 2], destination)
+        assert device_cache.buffer.view(torch.uint8).eq(0x11).all(), "nothing reaches the device before admit"
+        receiver.admit("r", timeout_s=30)
+        for kind, layer in SMALL_WITH_DRAFT.segments():
+            received = _segment(device_cache, kind, layer)[[6, 1, 2]].view(torch.uint8)
+            assert torch.equal(received, _segment(source, kind, layer)[:3].contiguous().view(torch.uint8))
+            assert _segment(device_cache, kind, layer)[[0, 3, 4, 5, 7]].view(torch.uint8).eq(0x11).all()
+        writer.close()
+    finally:
+        server.stop(0).wait()
