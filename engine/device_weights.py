@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.device_ipc import DeviceIpc, IpcUnavailable
 from engine.weight_store import (
-    HEADER_BYTES, READY, SHM_DIR, WeightKey, _bind, _claim, _named_tensors, _owner_alive, _read_header,
+    HEADER_BYTES, READY, SHM_DIR, WeightKey, _bind, _claim, _named_tensors, load_claimed, _owner_alive, _read_header,
     _unlink, _wait_ready, _write_header,
 )
 
@@ -173,13 +173,7 @@ def load_device_shared(key: WeightKey, load: Callable[[], nn.Module], build_empt
     while True:
         fd = _claim(name)
         if fd is not None:
-            try:
-                model = load()
-                nbytes = _export(fd, name, model, ipc)
-            except BaseException:
-                os.close(fd)
-                _unlink(name)
-                raise
+            model, nbytes = load_claimed(fd, name, load, lambda claimed, loaded: _export(claimed, name, loaded, ipc))
             logger.info("weights %s: loaded on %s and exported over IPC (%.1f MiB)", name, device, nbytes / 2**20)
             return model, DeviceWeights(name, fd, True, nbytes, linger_s)
         fd = _wait_ready(name, timeout_s)
