@@ -112,7 +112,8 @@ class DevicePoolFactory:
     gpus: tuple[int, ...] = ()
 
     def _device(self, rank: int) -> torch.device:
-        return rank_device(self.device_type, self.gpus or (rank,), rank) if self.device_type == "cuda" else torch.device("cpu")
+        gpus = self.gpus or tuple(range(rank + 1))  # no list: rank r on GPU r
+        return rank_device(self.device_type, gpus, rank) if self.device_type == "cuda" else torch.device("cpu")
 
     def create(self, cache_shape: CacheShape, num_pages: int, rank: int, tag: str) -> DevicePagePool:
         device = self._device(rank)

@@ -58,6 +58,13 @@ def push_pages(writer: KVWriter, destination: Destination, target: torch.Tensor,
     return total
 
 
+def writes_in_place(pool_device_ids: Sequence[str], rank_device_ids: Sequence[str]) -> bool:
+    """Device transport: prefill rank r runs its forward straight into the pool it writes (pool_device_ids[r])
+    only when both are one device, for every rank; otherwise the pages are computed locally and copied."""
+    return len(pool_device_ids) == len(rank_device_ids) and all(
+        local and pool == local for pool, local in zip(pool_device_ids, rank_device_ids))
+
+
 def rank_device_ids(device: str, gpus: Sequence[int], tp_size: int) -> tuple[str, ...]:
     """The device id (engine.device_ipc naming) of each prefill rank: equal to a pool's id means in place."""
     ipc = ipc_for(device)

@@ -28,7 +28,8 @@ from rpc.engine_thread import EngineThread
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from rpc.interceptors import token_metadata
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages, rank_device_ids, stage_to_host
+from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages, rank_device_ids, stage_to_host,
+                                     writes_in_place
 from prefill_worker.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
@@ -297,7 +298,7 @@ class PrefillService:
             return False
         assert self._device is not None
         pools = prefill_pool_names(destination, self.config.tp_size)
-        return all(self._device.pool(name).device_id == local for name, local in zip(pools, self._device_ids))
+        return writes_in_place([self._device.pool(name).device_id for name in pools], self._device_ids)
 
     def _should_stop(self, job: _Job) -> bool:
         """Asked by the engine thread between chunks: the RPC was cancelled, or the lease ran out or is no
