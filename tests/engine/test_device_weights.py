@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine import device_weights
-from engine.device_ipc import IpcUnavailable, MemfdIpc
+from engine.device_ipc import IpcUnavailable, MemfdIpc, ipc_for
 from engine.device_weights import live_users, load_device_shared
 from engine.weight_store import SHM_DIR, WeightKey, _unlink
 
@@ -43,8 +43,11 @@ def _must_not_load() -> Tiny:
     raise AssertionError("an importer must not read the checkpoint")
 
 
-def _key(model_dir: str) -> WeightKey:
-    return WeightKey(model_dir, "float32", MemfdIpc().device_id(CPU), 1, 0)
+def _key(model_dir: str, device: torch.device = CPU) -> WeightKey:
+    return WeightKey(model_dir, "float32", ipc_for(device).device_id(device), 1, 0)
+
+
+DEVICES = [pytest.param("cpu", id="memfd"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture
@@ -58,43 +61,50 @@ def _exists(model_dir: str) -> bool:
     return os.path.exists(os.path.join(SHM_DIR, _key(model_dir).segment_name))
 
 
-def _owner_process(model_dir: str, ready, poke, poked, closing, closed) -> None:
-    model, share = load_device_shared(_key(model_dir), _loaded, _empty, MemfdIpc(), CPU)
+def _owner_process(model_dir: str, ready, poke, poked, closing, closed, device_name: str = "cpu") -> None:
+    device = torch.device(device_name, 0) if device_name == "cuda" else CPU
+    model, share = load_device_shared(_key(model_dir, device), lambda: _loaded().to(device), _empty, ipc_for(device), device)
     assert share is not None and share.owner
     ready.set()
     if poke is None:
         signal.pause()  # killed by the test
     poke.wait(60)
     model.proj.weight[0, 0] = 42.0  # the exporter writes its memory; importers must see it
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     poked.set()
     closing.set()
     share.close()
     closed.set()
 
 
-def _start_owner(model_dir: str, kill: bool = False):
+def _start_owner(model_dir: str, kill: bool = False, device_name: str = "cpu"):
     context = multiprocessing.get_context("spawn")
     events = [context.Event() for _ in range(5)]
     ready, poke, poked, closing, closed = events
     process = context.Process(target=_owner_process, daemon=True,
-                              args=(model_dir, ready, None if kill else poke, poked, closing, closed))
+                              args=(model_dir, ready, None if kill else poke, poked, closing, closed, device_name))
     process.start()
     assert ready.wait(120), "the owner process did not export its weights"
     return process, events
 
 
 @pytest.mark.slow
-def test_importer_maps_the_owners_memory_and_the_owner_outlives_it(model_dir):
+@pytest.mark.parametrize("device_name", DEVICES)
+def test_importer_maps_the_owners_memory_and_the_owner_outlives_it(model_dir, device_name):
     """A second process opens the exporter's tensors (no load, same bytes, writes visible both ways); the owner's
-    close() unlinks the name at once but returns only after the importer has left."""
-    process, (_ready, poke, poked, closing, closed) = _start_owner(model_dir)
+    close() unlinks the name at once but returns only after the importer has left. memfd: the CPU stand-in;
+    cuda: real CUDA / HIP IPC on GPU 0."""
+    device = torch.device(device_name, 0) if device_name == "cuda" else CPU
+    process, (_ready, poke, poked, closing, closed) = _start_owner(model_dir, device_name=device_name)
     try:
-        model, share = load_device_shared(_key(model_dir), _must_not_load, _empty, MemfdIpc(), CPU)
+        model, share = load_device_shared(_key(model_dir, device), _must_not_load, _empty, ipc_for(device), device)
         assert share is not None and not share.owner
+        assert model.proj.weight.device.type == device.type
         reference = _loaded()
         for name, tensor in reference.state_dict().items():
-            assert torch.equal(model.state_dict()[name], tensor), name
-        assert torch.equal(model.scale, reference.scale)
+            assert torch.equal(model.state_dict()[name].cpu(), tensor), name
+        assert torch.equal(model.scale.cpu(), reference.scale)
         assert model.head.weight.data_ptr() == model.embed.weight.data_ptr(), "tied weights opened once"
         poke.set()
         assert poked.wait(60)
@@ -111,6 +121,7 @@ def test_importer_maps_the_owners_memory_and_the_owner_outlives_it(model_dir):
     finally:
         process.kill()
         process.join(30)
+        _unlink(_key(model_dir, device).segment_name)
 
 
 @pytest.mark.slow
