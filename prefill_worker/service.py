@@ -28,8 +28,9 @@ from rpc.engine_thread import EngineThread
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from rpc.interceptors import token_metadata
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages, rank_device_ids, stage_to_host,
-                                     writes_in_place
+from prefill_worker.kv_export import (
+    finish_shm, prefill_pool_names, push_pages, rank_device_ids, stage_to_host, writes_in_place,
+)
 from prefill_worker.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
