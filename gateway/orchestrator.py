@@ -136,17 +136,15 @@ class RequestRun:
         job, params = self.job, self.job.params
         if not self._pool.polled.is_set():
             await asyncio.wait_for(self._pool.polled.wait(), remaining(self._deadline))
-        prefill = self._pool.pick_prefill()  # first: the KV transport depends on where both ends are
         self._decode, destination = await self._pool.reserve(
-            self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=job.request_id,
-            prefill=prefill)
+            self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=job.request_id)
         self._decode_state = "reserved"
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         self.admitted = True
         if self._observer is not None:
             self._observer.admitted(time.perf_counter() - self._arrival, len(job.prompt_ids))
         sampling = sampling_to_proto(params)
-        response = await self._run_prefill(destination, sampling, prefill)
+        response = await self._run_prefill(destination, sampling)
         self._ttft_ms = (time.perf_counter() - self._arrival) * 1000
         first = response.first_token
         logprobs = [response.first_logprob] if response.HasField("first_logprob") else []
@@ -170,12 +168,11 @@ class RequestRun:
                 return
         raise Unavailable(f"decode stream of {job.request_id} ended without finishing")
 
-    async def _run_prefill(self, destination: Any, sampling: Any, first: Any) -> Any:
-        """Prefill on `first` (the least loaded worker when the request was reserved); if that worker becomes
-        unreachable (UNAVAILABLE: it died) the prompt is sent once more, to another reachable prefill
-        worker, into the same destination."""
+    async def _run_prefill(self, destination: Any, sampling: Any) -> Any:
+        """Prefill on the least loaded worker; if that worker becomes unreachable (UNAVAILABLE: it died)
+        the prompt is sent once more, to another reachable prefill worker, into the same destination."""
         try:
-            return await self._prefill_on(first, destination, sampling)
+            return await self._prefill_on(self._pool.pick_prefill(), destination, sampling)
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.UNAVAILABLE:
                 raise

@@ -7,6 +7,9 @@ or the one forced by --transport. Pure: tested without workers.
         prefill on the CPU                                -> shm (in place)
         prefill on a GPU                                  -> grpc (its pages are staged through pinned memory)
     different nodes, or a worker not yet polled           -> grpc
+
+The gateway picks the prefill worker after Reserve (by load, as before), so it passes the placement all its
+reachable prefill workers share; prefill workers in different places make that None, hence grpc.
 """
 from __future__ import annotations
 

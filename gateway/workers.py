@@ -163,17 +163,22 @@ class WorkerPool:
         except grpc.aio.AioRpcError as error:
             logger.warning("could not release the reservation of request %s: %s", request_id, error.code().name)
 
-    def transport_for(self, prefill: PrefillWorker | None, decode: DecodeWorker) -> int:
-        """The Transport of a request between these two workers (gateway/transport_choice.py)."""
-        name = choose_transport(self.config.transport, prefill.state.placement if prefill else None, decode.state.placement)
-        return TRANSPORT_VALUES[name]
+    def prefill_placement(self) -> Placement | None:
+        """Where the prefill side of a request will be: the placement every reachable prefill worker shares
+        (the worker itself is picked after Reserve, by load), or None when they differ (auto then takes grpc,
+        which works from any of them)."""
+        placements = {w.state.placement for w in self.prefill if w.state.healthy}
+        return placements.pop() if len(placements) == 1 else None
+
+    def transport_for(self, decode: DecodeWorker) -> int:
+        """The Transport of a request reserved on `decode` (gateway/transport_choice.py)."""
+        return TRANSPORT_VALUES[choose_transport(self.config.transport, self.prefill_placement(), decode.state.placement)]
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
-                      deadline: float | None, trace_id: str | None = None,
-                      prefill: PrefillWorker | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
-        """Reserve on the best decode worker; on RESOURCE_EXHAUSTED tries the others, then waits and retries
-        until the admission timeout (or the request's deadline). trace_id: the x-request-id to send
-        (default: request_id). prefill: the worker that will prefill (the transport depends on both ends)."""
+                      deadline: float | None, trace_id: str | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
+        """Reserve on the best decode worker, with the transport chosen for it; on RESOURCE_EXHAUSTED tries the
+        others, then waits and retries until the admission timeout (or the request's deadline). trace_id:
+        the x-request-id to send (default: request_id)."""
         trace_id = trace_id or request_id
         give_up = time.monotonic() + self.config.admission_timeout_s
         if deadline is not None:
@@ -186,7 +191,7 @@ class WorkerPool:
             for index in order:
                 worker = self.decode[index]
                 request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                                    max_new_tokens=max_new_tokens, transport=self.transport_for(prefill, worker))
+                                                    max_new_tokens=max_new_tokens, transport=self.transport_for(worker))
                 call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
                                                                   metadata=self._metadata_for(trace_id)))
                 try:
