@@ -9,6 +9,7 @@ import grpc
 from decode_worker.service import DecodeService
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import TransportKind
+from rpc.processes import node_id
 from rpc.convert import logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, streaming, unary
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
@@ -76,5 +77,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         return worker_pb2.GetDecodeLoadResponse(
             free_pages=load.free_pages, total_pages=load.total_pages, running=load.running, waiting=load.waiting,
             leases=load.leases, leased_pages=load.leased_pages, page_size=load.page_size, tp_size=load.tp_size,
-            headroom_pages=load.headroom_pages, requests_total=load.requests_total,
+            headroom_pages=load.headroom_pages, requests_total=load.requests_total, node_id=node_id(),
+            kv_pool=self._service.config.engine.kv_pool,
         )
