@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_engine import hf_generate, hf_model
-from benchmarks.common import Table, goal_line, interleave, make_prompts, print_header, ratio, timed_generate
+from benchmarks.common import Table, goal_line, interleave, make_prompts, print_header, ratio, spread, timed_generate
 from engine import LLM, SamplingParams
 
 GOALS = {1: 1.2, 16: 1.5}  # engine / transformers (issue 18)
@@ -40,10 +40,6 @@ def ensure_checkpoint(model_dir: Path, seed: int) -> None:
 
         print(f"writing the 85M checkpoint to {model_dir} ...", flush=True)
         write_checkpoint(model_dir, M85, torch.float32, seed)
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):,.1f} ({min(values):,.1f}-{max(values):,.1f})"
 
 
 def with_load(run):
