@@ -18,16 +18,12 @@ import argparse
 import os
 
 from benchmarks.bench_spec import spec_variant
-from benchmarks.common import REPO_ROOT, Table, goal_line, interleave, make_prompts, median, print_header, ratio
+from benchmarks.common import (REPO_ROOT, ForwardTimer, Table, goal_line, interleave, make_prompts, median,
+                               print_header, ratio, spread)
 from engine import LLM, SamplingParams
 
 K3_DEFAULT = REPO_ROOT / "models" / "pdserve-k3-tiny"
 GOAL = 1.5
-
-
-def spread(samples: list[dict], key: str) -> str:
-    values = [s[key] for s in samples]
-    return f"{min(values):.1f}..{max(values):.1f}"
 
 
 def main() -> None:
@@ -61,21 +57,22 @@ def main() -> None:
     table = Table(f"K3 speculative decoding, greedy, prompt {args.prompt_len} + {args.new_tokens} new tokens "
                   f"({source}), median of {args.repeats} interleaved repetitions", columns + ["identical"])
     single: dict[int, float] = {}
+    timers = (ForwardTimer(llm.engine.runner, "forward_target"), ForwardTimer(llm.engine.runner, "forward_draft"))
     for concurrency in args.concurrency:
         group = prompts[: max(concurrency, args.min_prompts)]
         outputs: dict[str, list] = {}
         variants = {"off": spec_variant(llm, group, concurrency, SamplingParams(
-            max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, speculative=False), outputs, "off")}
+            max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, speculative=False), outputs, "off", timers)}
         for block in args.blocks:
             params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True,
                                     speculative=True, block_size=block)
-            variants[f"B={block}"] = spec_variant(llm, group, concurrency, params, outputs, f"B={block}")
+            variants[f"B={block}"] = spec_variant(llm, group, concurrency, params, outputs, f"B={block}", timers)
         runs = interleave(variants, args.repeats)
         off = median(runs["off"], "tok_s")
-        cells: list[object] = [concurrency, len(group), f"{off:.1f} ({spread(runs['off'], 'tok_s')})"]
+        cells: list[object] = [concurrency, len(group), spread([r["tok_s"] for r in runs["off"]])]
         for block in args.blocks:
             on = median(runs[f"B={block}"], "tok_s")
-            cells += [f"{on:.1f} ({spread(runs[f'B={block}'], 'tok_s')})", f"{ratio(on, off):.2f}x",
+            cells += [spread([r["tok_s"] for r in runs[f"B={block}"]]), f"{ratio(on, off):.2f}x",
                       median(runs[f"B={block}"], "accept_len")]
             if concurrency == 1:
                 single[block] = ratio(on, off)
