@@ -39,7 +39,7 @@ class LLMEngine:
         dtype = DTYPES[config.torch_dtype_name]
         probe = cache_shape_for(self.model_config, self.draft_config, 1, config.page_size, dtype)
         state_probe = self.model_config.state_shape(config.tp_size, 1, dtype)
-        slot_bytes = state_probe.bytes_per_slot if state_probe is not None else 0
+        slot_bytes = state_probe.slot_stride if state_probe is not None else 0
         use_graphs = config.use_graphs and config.resolved_device == "cuda"
         num_pages, num_slots = split_memory_budget(config.kv_memory_bytes, probe.bytes_per_page, slot_bytes,
                                                    config.max_running)

@@ -159,7 +159,7 @@ class GetDecodeLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDecodeLoadResponse(_message.Message):
-    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "tp_size", "headroom_pages", "requests_total")
+    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "tp_size", "headroom_pages", "requests_total", "free_state_slots", "total_state_slots")
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,8 @@ class GetDecodeLoadResponse(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     free_pages: int
     total_pages: int
     running: int
@@ -180,4 +182,6 @@ class GetDecodeLoadResponse(_message.Message):
     tp_size: int
     headroom_pages: int
     requests_total: int
-    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
+    free_state_slots: int
+    total_state_slots: int
+    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ...) -> None: ...
