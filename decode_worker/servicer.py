@@ -75,4 +75,5 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             free_pages=load.free_pages, total_pages=load.total_pages, running=load.running, waiting=load.waiting,
             leases=load.leases, leased_pages=load.leased_pages, page_size=load.page_size, tp_size=load.tp_size,
             headroom_pages=load.headroom_pages, requests_total=load.requests_total,
+            free_state_slots=load.free_state_slots, total_state_slots=load.total_state_slots,
         )

@@ -13,7 +13,7 @@ from engine.distributed import TPGroup
 from engine.forward_batch import build_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
 from engine.page_pool import PagePool, PagePoolFactory
-from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, TargetPlan
+from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, ReadStatePlan, TargetPlan
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +196,8 @@ class ModelRunner:
         if isinstance(plan, AttachPoolsPlan):
             self._cache_for(plan.pool_names)
             return None
+        if isinstance(plan, ReadStatePlan):  # a collective: every rank's slot row, gathered in rank order
+            return self.tp.all_gather(self.cache.state.raw[plan.slot : plan.slot + 1].clone(), dim=0)
         raise TypeError(f"unknown plan {type(plan).__name__}")
 
     @torch.inference_mode()

@@ -39,7 +39,10 @@ def _align(nbytes: int) -> int:
 
 
 class OutOfStateSlots(RuntimeError):
-    """Every state slot is owned by a running sequence."""
+    """Every state slot is owned by a running sequence (or a decode reservation; rpc.status reports the
+    grpc_status name)."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
 
 
 @dataclass(frozen=True)
