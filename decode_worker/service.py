@@ -229,6 +229,8 @@ class DecodeService:
                 f"decode pool full: {engine.num_free_pages} pages free, "
                 f"{headroom(engine.num_running, block, page_size)} kept for running requests"
             )
+        if engine.num_state_slots and not engine.num_free_state_slots:
+            raise ResourceExhausted(f"decode state slots full: all {engine.num_state_slots} are in use or leased")
         reservation = engine.allocate_reservation(num_tokens)
         self._publish(engine)
         return reservation
