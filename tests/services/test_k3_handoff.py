@@ -68,6 +68,13 @@ async def test_k3_gateway_outputs_equal_in_process_and_free_everything(k3_model,
                                              speculative=True), timeout=600)
                 for prompt in PROMPTS))
         assert [r.token_ids for r in results] == k3_reference
+        async with gateway_stub(cluster.gateway_address) as stub:  # a client that leaves mid-decode
+            call = stub.Generate(build_request(PROMPTS[-1], max_tokens=400, temperature=0.0, ignore_eos=True,
+                                               speculative=True), timeout=600)
+            async for response in call:
+                if response.WhichOneof("kind") == "chunk" and response.chunk.token_ids:
+                    break
+            call.cancel()
         after = await _idle(decode)
         assert (after.free_pages, after.free_state_slots) == (idle.free_pages, idle.total_state_slots)
         log = Path(tmp_path, "prefill-0.log").read_text()
@@ -75,3 +82,25 @@ async def test_k3_gateway_outputs_equal_in_process_and_free_everything(k3_model,
     finally:
         await asyncio.to_thread(cluster.stop)
     assert not existing_segments(segments)
+
+
+async def test_k3_state_layout_mismatch_is_failed_precondition(k3_model, tmp_path):
+    """Prefill at TP=1 holds all 24 KDA heads per rank, decode at TP=2 twelve: their layout hashes differ
+    (the state shapes), so the request is refused with FAILED_PRECONDITION naming the layout mismatch before
+    any byte moves, and decode gets its pages and state slot back."""
+    import grpc
+
+    cluster: Cluster = await asyncio.to_thread(launch, k3_model, tmp_path, prefill_tp=1, decode_tp=2)
+    try:
+        decode = worker_address(cluster, "decode-0")
+        idle = await _idle(decode)
+        async with gateway_stub(cluster.gateway_address) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for _ in stub.Generate(build_request(PROMPTS[5], max_tokens=4, temperature=0.0), timeout=120):
+                    pass
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "layout mismatch" in error.value.details().lower()
+        after = await _idle(decode)
+        assert (after.free_pages, after.free_state_slots) == (idle.free_pages, idle.total_state_slots)
+    finally:
+        await asyncio.to_thread(cluster.stop)
