@@ -7,7 +7,7 @@ GrpcWriter.push of 1 MiB checksummed chunks over loopback into the pool + admit)
 state runs beside it (interleaved), so "state" = median(with) - median(without). The gRPC server runs in
 this process (it shares the GIL with the sender: a pessimistic figure; bench_kvtransfer.py uses a child).
 
-Run: .venv/bin/python benchmarks/bench_state_handoff.py [--repeats 7]
+Run: .venv/bin/python -m benchmarks.bench_state_handoff [--repeats 7]
 """
 from __future__ import annotations
 
