@@ -1,11 +1,12 @@
 """The decode worker's request handling, independent of gRPC.
 
-reserve  -> allocates the prompt's pages (and, for linear attention, a state slot) under a lease and registers it with the KV receiver of the
-            requested transport (its Destination tells prefill where to write).
+reserve  -> allocates the prompt's pages (and, for linear attention, a state slot) under a lease and
+            registers it with the KV receiver of the requested transport (its Destination tells
+            prefill where to write).
 decode   -> claims the lease, waits for the KV to be complete and verified, hands the request to the
             engine (add_prefilled) and yields its tokens as the engine thread produces them.
 release  -> frees whatever the request holds (unclaimed lease or running request). Idempotent.
-A sweeper frees the pages of leases nobody claimed in time.
+A sweeper frees the pages (and state slots) of leases nobody claimed in time.
 
 Page-exhaustion policy: reserve keeps `headroom_pages` free for the running requests to grow (one
 speculative block each) and answers ResourceExhausted instead of eating into them; if growth still runs

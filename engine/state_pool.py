@@ -84,7 +84,8 @@ class StateShape:
     @property
     def bytes_per_slot(self) -> int:
         """Bytes one sequence's state takes on this rank (every KDA layer, conv + recurrent)."""
-        return self.conv_numel_per_slot * self.conv_dtype.itemsize + self.recurrent_numel_per_slot * self.ssm_dtype.itemsize
+        conv = self.conv_numel_per_slot * self.conv_dtype.itemsize
+        return conv + self.recurrent_numel_per_slot * self.ssm_dtype.itemsize
 
     @property
     def slot_stride(self) -> int:

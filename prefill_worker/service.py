@@ -3,8 +3,8 @@
 prefill() queues a job; the engine thread takes queued jobs in arrival order up to `batch_tokens` prompt
 tokens and runs them in one engine.prefill call (chunked inside the engine), writing KV straight into the
 decode pools (shm) or into local pages (grpc); for models with linear attention the KDA state goes with
-them (straight into decode's reserved state slot on shm; from a local slot, pushed, on grpc). The KV export (completion records / push) then runs off
-the engine thread, so the next batch can start. cancel() drops a queued job, or stops a running one
+them (straight into decode's reserved state slot on shm; from a local slot, pushed, on grpc). The KV
+export (completion records / push) then runs off the engine thread, so the next batch can start. cancel() drops a queued job, or stops a running one
 between two chunks (the engine asks before each chunk) and waits until it no longer touches its
 destination pages."""
 from __future__ import annotations
