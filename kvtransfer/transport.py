@@ -36,7 +36,10 @@ class TransferResult:
 
 
 class KVWriteHandle(ABC):
-    """One request's write session on one TP rank. Use as a context manager: an exception aborts it."""
+    """One request's write session on one TP rank. Use as a context manager: an exception aborts it.
+    host_only: page data must be CPU tensors (every transport but the device one)."""
+
+    host_only = True
 
     def __init__(self, destination: Destination, rank: int, layout: KVLayout) -> None:
         self.destination = destination
@@ -56,8 +59,8 @@ class KVWriteHandle(ABC):
         if data.dim() != 1 + len(expected) or tuple(data.shape[1:]) != expected or data.dtype != dtype:
             raise BadChunk(f"{kind.name.lower()} data must be [n, {', '.join(map(str, expected))}] {dtype}, got "
                            f"{list(data.shape)} {data.dtype}")
-        if data.device.type != "cpu":
-            raise BadChunk("page data must be on the CPU (GPU pools: kvtransfer.gpu_ipc)")
+        if self.host_only and data.device.type != "cpu":
+            raise BadChunk("page data must be on the CPU (device pools: kvtransfer.device_transport)")
         count = len(self.destination.units(kind))
         if first_index < 0 or first_index + data.shape[0] > count:
             raise BadChunk(f"{kind.name.lower()} units {first_index}..{first_index + data.shape[0] - 1} outside the "
