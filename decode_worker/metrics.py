@@ -24,6 +24,10 @@ class DecodeCollector(Collector):
             ("pdserve_kv_pages_leased", "Pages held by leases not yet claimed by a Decode call", load.leased_pages),
             ("pdserve_decode_requests_running", "Requests decoding in the engine", load.running),
             ("pdserve_decode_requests_waiting", "Requests the engine holds but does not run (e.g. preempted)", load.waiting),
+            ("pdserve_state_slots_free", "Linear-attention (KDA) state slots free (0 for pure-MLA models)",
+             load.free_state_slots),
+            ("pdserve_state_slots_used", "KDA state slots in use (running requests and leases)",
+             load.total_state_slots - load.free_state_slots),
         )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)

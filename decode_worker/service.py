@@ -1,11 +1,12 @@
 """The decode worker's request handling, independent of gRPC.
 
-reserve  -> allocates the prompt's pages under a lease and registers it with the KV receiver of the
-            requested transport (its Destination tells prefill where to write).
+reserve  -> allocates the prompt's pages (and, for linear attention, a state slot) under a lease and
+            registers it with the KV receiver of the requested transport (its Destination tells
+            prefill where to write).
 decode   -> claims the lease, waits for the KV to be complete and verified, hands the request to the
             engine (add_prefilled) and yields its tokens as the engine thread produces them.
 release  -> frees whatever the request holds (unclaimed lease or running request). Idempotent.
-A sweeper frees the pages of leases nobody claimed in time.
+A sweeper frees the pages (and state slots) of leases nobody claimed in time.
 
 Page-exhaustion policy: reserve keeps `headroom_pages` free for the running requests to grow (one
 speculative block each) and answers ResourceExhausted instead of eating into them; if growth still runs
@@ -45,6 +46,8 @@ class LoadSnapshot:
     tp_size: int = 1
     headroom_pages: int = 0
     requests_total: int = 0
+    free_state_slots: int = 0  # linear attention: state slots neither used nor leased (0 for pure MLA)
+    total_state_slots: int = 0
 
 
 class _Mailbox:
@@ -144,6 +147,7 @@ class DecodeService:
             free_pages=engine.num_free_pages, total_pages=engine.allocator.num_pages, running=running,
             waiting=engine.num_waiting, page_size=engine.config.page_size, tp_size=engine.config.tp_size,
             headroom_pages=headroom(running, self.config.spec_block_size, engine.config.page_size),
+            free_state_slots=engine.num_free_state_slots, total_state_slots=engine.num_state_slots,
         )
 
     def _work(self, engine: Any) -> bool:
@@ -234,13 +238,13 @@ class DecodeService:
         """Allocates, leases and registers; runs to completion even when its Reserve is cancelled, and
         then (or when Release arrived meanwhile) gives everything back at once."""
         try:
-            page_ids = await self._engine.call(lambda engine: self._allocate(engine, num_prompt_tokens))
-            lease = self._leases.grant(request_id, page_ids, ttl_s)
+            page_ids, slot = await self._engine.call(lambda engine: self._allocate(engine, num_prompt_tokens))
+            lease = self._leases.grant(request_id, page_ids, ttl_s, slot)
             try:
                 destination = receiver.expect(lease, num_prompt_tokens)
             except BaseException:
                 self._leases.release(lease.lease_id)
-                self._engine.post(lambda engine: (engine.free_pages(page_ids), self._publish(engine)))
+                self._free_lease(lease)
                 raise
             self._entries[request_id] = _Entry(lease, receiver, num_prompt_tokens)
             self._reservations += 1
@@ -265,16 +269,24 @@ class DecodeService:
         if self._release_lease(request_id, lease_id):
             logger.info("reservation of %s was not delivered; freed it", request_id)
 
-    def _allocate(self, engine: Any, num_tokens: int) -> list[int]:
+    def _allocate(self, engine: Any, num_tokens: int) -> tuple[list[int], int | None]:
+        """The prompt's pages and, for a model with linear attention, its state slot."""
         page_size, block = engine.config.page_size, self.config.spec_block_size
         if not admits(engine.num_free_pages, num_tokens, engine.num_running, block, page_size):
             raise ResourceExhausted(
                 f"decode pool full: {engine.num_free_pages} pages free, "
                 f"{headroom(engine.num_running, block, page_size)} kept for running requests"
             )
-        pages = engine.allocate_pages(num_tokens)
+        if engine.num_state_slots and not engine.num_free_state_slots:
+            raise ResourceExhausted(f"decode state slots full: all {engine.num_state_slots} are in use or leased")
+        reservation = engine.allocate_reservation(num_tokens)
         self._publish(engine)
-        return pages
+        return reservation
+
+    def _free_lease(self, lease: Lease) -> None:
+        """Gives a lease's pages and state slot back (on the engine thread)."""
+        pages, slot = list(lease.page_ids), lease.state_slot
+        self._engine.post(lambda engine: (engine.free_reservation(pages, slot), self._publish(engine)))
 
     async def decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
                      params: SamplingParams, stream_interval: int = 1) -> AsyncIterator[DecodeUpdate]:
@@ -304,13 +316,13 @@ class DecodeService:
         except BaseException:  # cancelled while waiting: the claimed pages are still ours to free
             self._drop(request_id, entry, free=True)
             raise
-        pages = list(entry.lease.page_ids)
+        pages, slot = list(entry.lease.page_ids), entry.lease.state_slot
 
         def add(engine: Any) -> None:
             try:
-                engine.add_prefilled(request_id, list(prompt_ids), first_token, pages, params)
+                engine.add_prefilled(request_id, list(prompt_ids), first_token, pages, params, slot)
             except Exception:
-                engine.free_pages(pages)
+                engine.free_reservation(pages, slot)
                 raise
             self._force_step = True  # emits the request even if it finished on its first token
 
@@ -364,8 +376,7 @@ class DecodeService:
         self._entries.pop(request_id, None)
         entry.receiver.cancel(request_id)
         if free:
-            pages = list(entry.lease.page_ids)
-            self._engine.post(lambda engine: (engine.free_pages(pages), self._publish(engine)))
+            self._free_lease(entry.lease)
 
     async def release(self, request_id: str) -> bool:
         entry = self._entries.get(request_id)
@@ -395,8 +406,7 @@ class DecodeService:
                 if entry is not None and entry.lease.lease_id == lease.lease_id:
                     self._drop(lease.request_id, entry, free=True)
                 else:
-                    pages = list(lease.page_ids)
-                    self._engine.post(lambda engine, pages=pages: engine.free_pages(pages))
+                    self._free_lease(lease)
 
 
 def _build_engine(config: DecodeWorkerConfig) -> Any:

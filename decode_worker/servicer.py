@@ -79,4 +79,5 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             leases=load.leases, leased_pages=load.leased_pages, page_size=load.page_size, tp_size=load.tp_size,
             headroom_pages=load.headroom_pages, requests_total=load.requests_total, node_id=node_id(),
             kv_pool=self._service.config.engine.kv_pool,
+            free_state_slots=load.free_state_slots, total_state_slots=load.total_state_slots,
         )

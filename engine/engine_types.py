@@ -107,6 +107,7 @@ class PrefillJob:
     params: SamplingParams
     page_ids: list[int]
     pool_names: tuple[str, ...] | None = None
+    state_slot: int | None = None  # models with linear attention: the slot (of the pools named) the state goes to
 
 
 @dataclass(frozen=True)

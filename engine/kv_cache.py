@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.state_pool import StatePool
+from engine.state_pool import SLOT_ALIGN, StatePool, StateShape
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,8 @@ class CacheShape:
     target pages: [num_layers, num_pages, page_size, latent_dim + rope_dim]
     draft pages:  [draft_layers, num_pages, page_size, draft_dim] (the draft model's context K/V,
                   sharing page ids with the target; draft_layers == 0 when there is no draft)
+    state:        models with linear attention: this rank's state slots (engine/state_pool.py), kept in
+                  the same flat buffer after the pages, from byte state_offset on (None: no state)
     """
 
     num_layers: int
@@ -26,6 +28,7 @@ class CacheShape:
     dtype: torch.dtype
     draft_layers: int = 0
     draft_dim: int = 0
+    state: StateShape | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_pages", "page_size", "latent_dim"):
@@ -33,6 +36,19 @@ class CacheShape:
                 raise ValueError(f"CacheShape.{name} must be positive, got {getattr(self, name)}")
         if self.rope_dim < 0 or self.draft_layers < 0 or self.draft_dim < 0:
             raise ValueError("CacheShape dims must be non-negative")
+
+    @property
+    def state_offset(self) -> int:
+        """Byte offset of the state slots in the flat buffer: after the pages, aligned to SLOT_ALIGN."""
+        size = self.dtype.itemsize
+        return -(-(self.target_numel + self.draft_numel) * size // SLOT_ALIGN) * SLOT_ALIGN
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the whole flat buffer: pages, then (with state) the padding and the state slots."""
+        if self.state is None:
+            return (self.target_numel + self.draft_numel) * self.dtype.itemsize
+        return self.state_offset + self.state.pool_bytes
 
     @property
     def entry_dim(self) -> int:
@@ -70,12 +86,17 @@ class PagedLatentCache:
         device: torch.device | str = "cpu",
     ) -> None:
         total = shape.target_numel + shape.draft_numel
+        size = shape.dtype.itemsize
+        numel = -(-shape.buffer_bytes // size)
         if buffer is None:
-            buffer = torch.zeros(total, dtype=shape.dtype, device=device)
-        if buffer.numel() < total or buffer.dtype != shape.dtype:
-            raise ValueError(f"cache buffer of {buffer.numel()} {buffer.dtype} cannot hold {total} {shape.dtype}")
+            buffer = torch.zeros(numel, dtype=shape.dtype, device=device)
+        if buffer.numel() < numel or buffer.dtype != shape.dtype:
+            raise ValueError(f"cache buffer of {buffer.numel()} {buffer.dtype} cannot hold {numel} {shape.dtype}")
         self.shape = shape
         self.buffer = buffer
+        if state is None and shape.state is not None:  # the state slots live in the buffer, after the pages
+            raw = buffer[:numel].view(torch.uint8)[shape.state_offset : shape.buffer_bytes]
+            state = StatePool(shape.state, raw=raw.view(shape.state.num_slots, shape.state.slot_stride))
         self.state = state
         self.kv = buffer[: shape.target_numel].view(shape.num_layers, shape.num_pages, shape.page_size, shape.entry_dim)
         if shape.draft_layers:

@@ -20,7 +20,7 @@ from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
 from engine.spec_verify import AcceptanceStats
 from engine.state_pool import split_memory_budget
-from engine.step_plan import CommitStatePlan, TargetPlan
+from engine.step_plan import CommitStatePlan, ReadStatePlan, TargetPlan
 from engine.tp_launcher import TPLeader, default_threads
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class LLMEngine:
         dtype = DTYPES[config.torch_dtype_name]
         probe = cache_shape_for(self.model_config, self.draft_config, 1, config.page_size, dtype)
         state_probe = self.model_config.state_shape(config.tp_size, 1, dtype)
-        slot_bytes = state_probe.bytes_per_slot if state_probe is not None else 0
+        slot_bytes = state_probe.slot_stride if state_probe is not None else 0
         use_graphs = config.use_graphs and config.resolved_device == "cuda"
         num_pages, num_slots = split_memory_budget(config.kv_memory_bytes, probe.bytes_per_page, slot_bytes,
                                                    config.max_running)
@@ -163,20 +163,51 @@ class LLMEngine:
     def free_pages(self, page_ids: list[int]) -> None:
         self.allocator.free(page_ids)
 
-    def _refuse_state_handoff(self) -> None:
-        if self.state_pool is not None:
-            raise ValueError("prefill/decode handoff is not supported yet for models with KDA (linear attention) "
-                             "layers: their per-sequence state is not transferred")
+    @property
+    def num_free_state_slots(self) -> int:
+        return self.state_pool.num_free if self.state_pool is not None else 0
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.state_pool.num_slots if self.state_pool is not None else 0
+
+    def allocate_reservation(self, num_tokens: int) -> tuple[list[int], int | None]:
+        """Pages for num_tokens and, for a model with linear attention, a state slot (zeroed): what a
+        prefill handoff writes into. Raises OutOfPages / OutOfStateSlots, holding nothing."""
+        slot = self.state_pool.alloc() if self.state_pool is not None else None
+        try:
+            return self.allocate_pages(num_tokens), slot
+        except BaseException:
+            if slot is not None:
+                self.state_pool.free(slot)
+            raise
+
+    def free_reservation(self, page_ids: list[int], state_slot: int | None) -> None:
+        self.free_pages(page_ids)
+        if state_slot is not None:
+            self.state_pool.free(state_slot)
+
+    def read_state(self, slot: int) -> torch.Tensor:
+        """Every rank's copy of a state slot, on the host: uint8 [tp_size, slot bytes] (StatePool.raw rows)."""
+        if self.state_pool is None:
+            raise ValueError("this model has no linear-attention state")
+        return self.leader.execute(ReadStatePlan(slot)).cpu()
 
     def add_prefilled(
-        self, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int], params: SamplingParams,
+        state_slot: int | None = None,
     ) -> None:
-        """A request whose prompt KV (and draft context) another worker wrote into page_ids."""
-        self._refuse_state_handoff()
+        """A request whose prompt KV (and draft context, and for linear attention the KDA state in
+        state_slot, allocated by allocate_reservation) another worker wrote. On success the sequence owns
+        the pages and the slot; on a ValueError the caller still does."""
         self.validate_prompt(prompt_ids, params)
         if len(page_ids) * self.config.page_size < len(prompt_ids):
             raise ValueError(f"{len(page_ids)} pages cannot hold a prompt of {len(prompt_ids)} tokens")
+        if (self.state_pool is not None) != (state_slot is not None):
+            raise ValueError("a prefilled request of a model with linear attention needs its state slot "
+                             "(and one without, none)")
         seq = self._new_sequence(request_id, prompt_ids, params, pages=page_ids)
+        seq.state_slot = state_slot
         seq.num_cached = len(prompt_ids)
         if seq.generator is not None and not params.greedy:
             # The prefill worker drew the first token from the same seed: skip those draws so the
@@ -397,7 +428,6 @@ class LLMEngine:
         should_stop(request_id) -> bool is asked between chunks; a prompt it stops gets None."""
         from engine.prefill_jobs import run_prefill_jobs
 
-        self._refuse_state_handoff()
         return run_prefill_jobs(self, jobs, should_stop)
 
     def read_pages(self, page_ids: list[int]):

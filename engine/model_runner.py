@@ -13,7 +13,7 @@ from engine.distributed import TPGroup
 from engine.forward_batch import build_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
 from engine.page_pool import PagePool, PagePoolFactory
-from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, TargetPlan
+from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, ReadStatePlan, TargetPlan
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,13 @@ class RunnerConfig:
         return DTYPES[self.dtype]
 
 
-def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, dtype: torch.dtype) -> CacheShape:
+def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, dtype: torch.dtype,
+                    tp_size: int = 1, num_state_slots: int = 0) -> CacheShape:
+    """One rank's cache geometry; models with linear attention add num_state_slots state slots (sharded
+    over tp_size ranks), which live in the same buffer after the pages."""
+    state = None
+    if model_config.has_linear_attention and num_state_slots > 0:
+        state = model_config.state_shape(tp_size, num_state_slots, dtype)
     return CacheShape(
         num_layers=model_config.num_cache_layers,
         num_pages=num_pages,
@@ -72,6 +78,7 @@ def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, 
         dtype=dtype,
         draft_layers=draft_config.num_layers if draft_config is not None else 0,
         draft_dim=draft_config.draft_dim if draft_config is not None else 0,
+        state=state,
     )
 
 
@@ -112,7 +119,8 @@ class ModelRunner:
             self.draft.eval()
         self.capture_layers: tuple[int, ...] = tuple(self.draft.config.target_layer_ids) if self.draft else ()
         self.cache_shape = cache_shape_for(
-            self.model_config, self.draft.config if self.draft else None, config.num_pages, config.page_size, dtype
+            self.model_config, self.draft.config if self.draft else None, config.num_pages, config.page_size, dtype,
+            tp.size, config.num_state_slots,
         )
         self.pool: PagePool | None = None
         self._attached: dict[str, PagePool] = {}
@@ -121,11 +129,6 @@ class ModelRunner:
             self.cache = self.pool.cache
         else:
             self.cache = PagedLatentCache(self.cache_shape, device=self.device)
-        if self.model_config.has_linear_attention:
-            from engine.state_pool import StatePool
-
-            self.cache.state = StatePool(self.model_config.state_shape(tp.size, config.num_state_slots, dtype),
-                                         device=self.device)
         self.graphs = self._capture_graphs() if config.use_graphs else None
         logger.info(
             "rank %d/%d ready on %s: %d pages x %d tokens (%s), %d state slots, draft=%s",
@@ -214,6 +217,8 @@ class ModelRunner:
         if isinstance(plan, AttachPoolsPlan):
             self._cache_for(plan.pool_names)
             return None
+        if isinstance(plan, ReadStatePlan):  # a collective: every rank's slot row, gathered in rank order
+            return self.tp.all_gather(self.cache.state.raw[plan.slot : plan.slot + 1].clone(), dim=0)
         raise TypeError(f"unknown plan {type(plan).__name__}")
 
     @torch.inference_mode()

@@ -1,8 +1,11 @@
 """The prefill service's entry point: prompts prefilled into pages chosen by someone else (the decode
 worker's shared-memory pools, or this engine's own pool for the grpc transport), in chunks of at most
-max_batched_tokens per forward, several prompts per forward; returns each prompt's first token."""
+max_batched_tokens per forward, several prompts per forward; returns each prompt's first token.
+Models with linear attention: each job's KDA state runs in its state slot of the same pools (zeroed
+before its first chunk), so on shm it ends up straight in the slot decode reserved."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -20,6 +23,9 @@ def _group_by_destination(engine: LLMEngine, jobs: list[PrefillJob]) -> dict[tup
         engine.validate_prompt(job.prompt_ids)
         if len(job.page_ids) * engine.config.page_size < len(job.prompt_ids):
             raise ValueError(f"{len(job.page_ids)} pages cannot hold a prompt of {len(job.prompt_ids)} tokens")
+        if (engine.state_pool is not None) != (job.state_slot is not None):
+            raise ValueError(f"prefill job {job.request_id}: a model with linear attention needs a state slot "
+                             "(and one without, none)")
         groups.setdefault(job.pool_names, []).append(job)
     return groups
 
@@ -40,7 +46,7 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
                 if all(progress[job.request_id] == len(job.prompt_ids) for job in group):
                     break
             budget = engine.config.max_batched_tokens
-            items, stepping = [], []
+            items, stepping, slots, fresh = [], [], [], []
             for job in group:
                 done = progress[job.request_id]
                 left = len(job.prompt_ids) - done
@@ -50,7 +56,12 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
                 budget -= take
                 items.append((job.prompt_ids, done, take, job.page_ids, done + take == len(job.prompt_ids)))
                 stepping.append((job, take))
+                slots.append(job.state_slot)
+                if done == 0:
+                    fresh.append(job.state_slot)
             plan, _, needs = engine._prefill_plan(items, pool_names)
+            if engine.state_pool is not None:  # the KDA state runs in the job's slot (decode's, for shm)
+                plan = dataclasses.replace(plan, state_slots=slots, reset_slots=tuple(fresh))
             logits = engine.leader.execute(plan)
             finishing = [job for (job, _), need in zip(stepping, needs) if need]
             if finishing:

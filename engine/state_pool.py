@@ -13,6 +13,11 @@ Pool tensors: conv [num_kda_layers, num_slots, conv_width, conv_channels] (bf16 
 here conv_dtype) and recurrent [num_kda_layers, num_slots, num_heads, head_k_dim, head_v_dim] (fp32 by
 default). A freshly allocated slot is zero, which is the state of an empty sequence.
 
+Storage is slot-major: one byte buffer raw [num_slots, slot_stride], each row one slot = every layer's
+conv state, padded to SLOT_ALIGN bytes, then every layer's recurrent state, padded again; conv and
+recurrent are strided views of it. So one slot is one contiguous byte range, which the KV handoff moves
+like a page (kvtransfer: segment kind STATE), and the buffer can live in shared memory (raw given).
+
 Speculative verify (K3_SPEC 5.1, snapshot path): a verify forward over [last, d1..d(B-1)] does not touch
 the slots; each KDA layer writes its state after every verify position into the pool's scratch
 (snapshot_conv [layers, n, B, W-1, C], snapshot_recurrent [layers, n, B, H, K, V], row i = the step's
@@ -26,9 +31,18 @@ from dataclasses import dataclass
 
 import torch
 
+SLOT_ALIGN = 64  # bytes: each slot's conv and recurrent parts start at a multiple of this
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
 
 class OutOfStateSlots(RuntimeError):
-    """Every state slot is owned by a running sequence."""
+    """Every state slot is owned by a running sequence (or a decode reservation; rpc.status reports the
+    grpc_status name)."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
 
 
 @dataclass(frozen=True)
@@ -63,11 +77,24 @@ class StateShape:
         return self.num_kda_layers * self.num_heads * self.head_k_dim * self.head_v_dim
 
     @property
+    def conv_bytes_per_slot(self) -> int:
+        """Bytes of one slot's conv state (every KDA layer), padded to SLOT_ALIGN."""
+        return _align(self.conv_numel_per_slot * self.conv_dtype.itemsize)
+
+    @property
     def bytes_per_slot(self) -> int:
         """Bytes one sequence's state takes on this rank (every KDA layer, conv + recurrent)."""
-        conv = self.conv_numel_per_slot * torch.tensor([], dtype=self.conv_dtype).element_size()
-        recurrent = self.recurrent_numel_per_slot * torch.tensor([], dtype=self.ssm_dtype).element_size()
-        return conv + recurrent
+        conv = self.conv_numel_per_slot * self.conv_dtype.itemsize
+        return conv + self.recurrent_numel_per_slot * self.ssm_dtype.itemsize
+
+    @property
+    def slot_stride(self) -> int:
+        """Bytes of one row of the pool's slot-major buffer: conv and recurrent, each padded to SLOT_ALIGN."""
+        return self.conv_bytes_per_slot + _align(self.recurrent_numel_per_slot * self.ssm_dtype.itemsize)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_slots * self.slot_stride
 
     @staticmethod
     def slots_for_budget(budget_bytes: int, bytes_per_slot: int) -> int:
@@ -80,16 +107,23 @@ class StateShape:
 class StatePool:
     """The state tensors of every slot and the free list; lowest free slot is handed out first."""
 
-    def __init__(self, shape: StateShape, device: torch.device | str = "cpu") -> None:
-        self.shape = shape
-        s = shape
-        self.conv = torch.zeros(
-            (s.num_kda_layers, s.num_slots, s.conv_width, s.conv_channels), dtype=s.conv_dtype, device=device
-        )
-        self.recurrent = torch.zeros(
-            (s.num_kda_layers, s.num_slots, s.num_heads, s.head_k_dim, s.head_v_dim), dtype=s.ssm_dtype,
-            device=device,
-        )
+    def __init__(self, shape: StateShape, device: torch.device | str = "cpu", raw: torch.Tensor | None = None) -> None:
+        """raw: uint8 [num_slots, slot_stride] to keep the slots in (e.g. a shared-memory view); None:
+        a zeroed buffer of its own on `device`."""
+        self.shape = s = shape
+        if raw is None:
+            raw = torch.zeros((s.num_slots, s.slot_stride), dtype=torch.uint8, device=device)
+        if raw.dtype != torch.uint8 or tuple(raw.shape) != (s.num_slots, s.slot_stride) or raw.stride(1) != 1:
+            raise ValueError(f"state buffer must be uint8 [{s.num_slots}, {s.slot_stride}] with contiguous rows, "
+                             f"got {raw.dtype} {list(raw.shape)}")
+        self.raw = raw
+        conv_bytes = s.conv_numel_per_slot * s.conv_dtype.itemsize
+        ssm_bytes = s.recurrent_numel_per_slot * s.ssm_dtype.itemsize
+        conv = raw[:, :conv_bytes].view(s.conv_dtype)
+        recurrent = raw[:, s.conv_bytes_per_slot : s.conv_bytes_per_slot + ssm_bytes].view(s.ssm_dtype)
+        self.conv = conv.view(s.num_slots, s.num_kda_layers, s.conv_width, s.conv_channels).transpose(0, 1)
+        self.recurrent = recurrent.view(
+            s.num_slots, s.num_kda_layers, s.num_heads, s.head_k_dim, s.head_v_dim).transpose(0, 1)
         self._free = list(range(s.num_slots))
         self._owned: set[int] = set()
         self.snapshot_conv: torch.Tensor | None = None
@@ -120,8 +154,7 @@ class StatePool:
 
     def reset(self, slot: int) -> None:
         """Zeroes one slot in every layer (a sequence that recomputes from scratch)."""
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()
+        self.raw[slot].zero_()
 
     def begin_snapshots(self, num_seqs: int, steps: int) -> None:
         """Scratch for one verify step of num_seqs sequences with up to `steps` positions each (grown on

@@ -56,6 +56,14 @@ class CommitStatePlan:
 
 
 @dataclass(frozen=True)
+class ReadStatePlan:
+    """Every rank contributes its copy of one state slot (its KDA heads' share); the leader gets them
+    all, rank order: uint8 [tp_size, slot bytes] (a prefill handoff sends row r to decode rank r)."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
 class AttachPoolsPlan:
     """Every rank maps its shared-memory pool (rank r takes pool_names[r])."""
 

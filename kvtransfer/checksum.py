@@ -5,7 +5,8 @@ zlib.crc32 (~4 GiB/s). The algorithm travels with every checksum, so a reader ve
 chose; crc32 is always available on both ends.
 
 Request checksum (documented in docs/kvtransfer.md): for each segment (kind, layer) in layer-major order
-(target layers 0..L-1, then draft layers 0..D-1) take the digest of that layer's bytes of the request's
+(target layers 0..L-1, then draft layers 0..D-1, then the state slot for models with linear attention)
+take the digest of that layer's bytes of the request's
 pages in page-list order; the request checksum is the digest of those segment digests, each written as
 8 little-endian bytes. Per-segment digests let a writer hash each layer as it writes it (chunked prefill
 writes layers in any order), and let a reader hash layers independently.
@@ -84,11 +85,13 @@ def spans_digest(view: memoryview, spans: Sequence[Span], algorithm: Algorithm) 
 
 
 def request_checksum(
-    view: memoryview, layout: KVLayout, num_pages: int, page_ids: Sequence[int], algorithm: Algorithm
+    view: memoryview, layout: KVLayout, num_pages: int, page_ids: Sequence[int], algorithm: Algorithm,
+    state_slot: int | None = None,
 ) -> tuple[int, int]:
-    """(checksum, bytes covered) of a request's pages read from a pool's byte view (see module doc)."""
+    """(checksum, bytes covered) of a request's pages (and state slot, for a layout with state: the last
+    segment) read from a pool's byte view (see module doc)."""
     digests, nbytes = [], 0
-    for spans in request_spans(layout, num_pages, page_ids):
+    for spans in request_spans(layout, num_pages, page_ids, state_slot):
         digests.append(spans_digest(view, spans, algorithm))
         nbytes += sum(span.nbytes for span in spans)
     return combine(digests, algorithm), nbytes

@@ -23,7 +23,8 @@ _PAYLOAD_KEY = bytes([PAYLOAD_FIELD << 3 | 2])  # field number, wire type 2 (len
 
 
 # SegmentKind <-> KVSegmentKind on the wire (the proto's zero value is KV_SEGMENT_KIND_UNSPECIFIED).
-_KIND_TO_WIRE = {SegmentKind.TARGET: kv_pb2.KV_SEGMENT_KIND_TARGET, SegmentKind.DRAFT: kv_pb2.KV_SEGMENT_KIND_DRAFT}
+_KIND_TO_WIRE = {SegmentKind.TARGET: kv_pb2.KV_SEGMENT_KIND_TARGET, SegmentKind.DRAFT: kv_pb2.KV_SEGMENT_KIND_DRAFT,
+                 SegmentKind.STATE: kv_pb2.KV_SEGMENT_KIND_STATE}
 _KIND_FROM_WIRE = {wire: kind for kind, wire in _KIND_TO_WIRE.items()}
 
 
@@ -139,7 +140,7 @@ class ChunkEncoder:
                 checksum = hasher.intdigest()
             header = kv_pb2.PushRequest(
                 rank=self.rank, sequence=self.sequence, kind=kind_to_wire(kind), layer=layer,
-                page_ids=dest.page_ids[first_index + first : first_index + first + count],
+                page_ids=dest.units(kind)[first_index + first : first_index + first + count],
                 first_page_offset=offset, checksum=checksum, checksum_algorithm=int(self.algorithm),
             )
             if self.sequence == 0:

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass
 
 from kvtransfer.errors import BadChunk, LeaseExpired
-from kvtransfer.layout import KVLayout, check_layout
+from kvtransfer.layout import KVLayout, SegmentKind, check_layout
+from kvtransfer.page_spans import unit_ids
 
 
 class TransportKind(enum.IntEnum):
@@ -23,11 +24,12 @@ def now_ms() -> int:
 
 
 def lease_binding(lease_id: str, transport: TransportKind | int, page_ids: tuple[int, ...] | list[int],
-                  num_tokens: int) -> str:
+                  num_tokens: int, state_slot: int | None = None) -> str:
     """What a completion slot's lease key fingerprints: the secret lease id together with the transport,
-    the pages and the token count, so a destination naming other pages (or another transport) under a
-    real lease id matches no slot, and prefill refuses it before writing."""
-    return f"{lease_id}/{int(transport)}/{num_tokens}/{','.join(map(str, page_ids))}"
+    the pages, the token count and the state slot, so a destination naming other pages (or another slot,
+    or transport) under a real lease id matches no slot, and prefill refuses it before writing."""
+    binding = f"{lease_id}/{int(transport)}/{num_tokens}/{','.join(map(str, page_ids))}"
+    return binding if state_slot is None else f"{binding}/state={state_slot}"
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Destination:
     completion_sequence: int = 0
     data_addresses: tuple[int, ...] = ()
     record_addresses: tuple[int, ...] = ()
+    state_slot: int | None = None  # models with linear attention: the decode state slot reserved with the pages
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", TransportKind(self.transport))
@@ -66,6 +69,8 @@ class Destination:
             raise ValueError(f"page id {max(self.page_ids)} outside a pool of {self.pool_num_pages} pages")
         if self.num_tokens <= 0:
             raise ValueError("Destination.num_tokens must be positive")
+        if self.state_slot is not None and self.state_slot < 0:
+            raise ValueError(f"Destination.state_slot must be non-negative, got {self.state_slot}")
         if self.transport == TransportKind.MOONCAKE and not (
             len(self.data_addresses) == len(self.record_addresses) == len(self.targets)
         ):
@@ -73,7 +78,7 @@ class Destination:
 
     @property
     def binding(self) -> str:
-        return lease_binding(self.lease_id, self.transport, self.page_ids, self.num_tokens)
+        return lease_binding(self.lease_id, self.transport, self.page_ids, self.num_tokens, self.state_slot)
 
     @property
     def num_ranks(self) -> int:
@@ -90,11 +95,19 @@ class Destination:
             raise LeaseExpired(f"lease {self.lease_id} of request {self.request_id} expired")
 
     def check_against(self, layout: KVLayout, where: str) -> None:
-        """Layout hash and page count (ceil(num_tokens / page_size) pages) must fit the local layout."""
+        """Layout hash and page count (ceil(num_tokens / page_size) pages) must fit the local layout, and a
+        layout with linear-attention state needs a state slot (one without state, none)."""
         check_layout(layout, self.layout_hash, where)
         need = layout.pages_for_tokens(self.num_tokens)
         if need != len(self.page_ids):
             raise BadChunk(f"{self.num_tokens} tokens need {need} pages of {layout.page_size}, got {len(self.page_ids)}")
+        if layout.has_state != (self.state_slot is not None):
+            raise BadChunk(f"{where}: the layout {'has' if layout.has_state else 'has no'} linear-attention state "
+                           f"but the destination {'names no' if self.state_slot is None else 'names a'} state slot")
+
+    def units(self, kind: SegmentKind) -> tuple[int, ...]:
+        """The destination "pages" of a segment kind: page ids, or (STATE) the one state slot."""
+        return unit_ids(kind, self.page_ids, self.state_slot)
 
     # --- protobuf ---------------------------------------------------------------------------------------
     def to_proto(self):
@@ -106,7 +119,7 @@ class Destination:
             lease_deadline_unix_ms=self.lease_deadline_unix_ms, num_tokens=self.num_tokens,
             pool_num_pages=self.pool_num_pages, completion_slot=self.completion_slot,
             completion_sequence=self.completion_sequence, data_addresses=self.data_addresses,
-            record_addresses=self.record_addresses,
+            record_addresses=self.record_addresses, state_slot=self.state_slot,
         )
 
     @classmethod
@@ -120,4 +133,5 @@ class Destination:
             num_tokens=message.num_tokens, pool_num_pages=message.pool_num_pages,
             completion_slot=message.completion_slot, completion_sequence=message.completion_sequence,
             data_addresses=tuple(message.data_addresses), record_addresses=tuple(message.record_addresses),
+            state_slot=message.state_slot if message.HasField("state_slot") else None,
         )

@@ -14,6 +14,7 @@ import torch
 
 from kvtransfer.device_pool import DevicePagePool, current_device
 from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.errors import BadChunk
 from kvtransfer.layout import KVLayout, SegmentKind
 from kvtransfer.page_spans import page_runs
 from kvtransfer.shm_receiver import ShmReceiver
@@ -30,18 +31,19 @@ class DeviceWriteHandle(ShmWriteHandle):
         """data [n, page_size, row_dim] on any device: copied into the pool's device (peer copy between GPUs)."""
         self.destination.check_lease()
         self.check_data(kind, layer, first_index, data)
+        if kind == SegmentKind.STATE:
+            raise BadChunk("the device transport does not carry linear-attention (KDA) state yet")
         count = data.shape[0]
         target = self.cache.layer(layer) if kind == SegmentKind.TARGET else self.cache.draft_layer(layer)
         for index, first_page, run in page_runs(self.destination.page_ids[first_index : first_index + count]):
             target[first_page : first_page + run].copy_(data[index : index + run], non_blocking=True)
-        self._written[self._segments[(kind, layer)], first_index : first_index + count] = True
+        self._written[self._segments[(kind, layer)]][first_index : first_index + count] = True
 
     def _checksum(self) -> tuple[int, int]:
         buffer = self.cache.buffer
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)  # the pages are written before the record says so
-        count = len(self.destination.page_ids)
-        return 0, sum(count * self.layout.page_bytes(kind) for kind, _layer in self._segments)
+        return 0, sum(len(units) * self.layout.page_bytes(kind) for (kind, _), units in zip(self._segments, self._units))
 
 
 class DeviceWriter(ShmWriter):

@@ -36,6 +36,7 @@ class PushReceiver(KVReceiver):
         if not views or any(view[:2] != views[0][:2] for view in views):
             raise LayoutMismatch("PushReceiver needs at least one cache, all of the same layout and size")
         self.layout, self.num_pages = views[0][0], views[0][1]
+        self.num_state_slots = caches[0].shape.state.num_slots if caches[0].shape.state is not None else 0
         self._views = [view[2] for view in views]
         self.addresses = tuple(addresses)
         self.on_failed = on_failed
@@ -57,10 +58,13 @@ class PushReceiver(KVReceiver):
             transport=self.transport, layout_hash=self.layout.hash, request_id=lease.request_id,
             lease_id=lease.lease_id, page_ids=lease.page_ids, targets=self.addresses,
             lease_deadline_unix_ms=lease.deadline_unix_ms, num_tokens=num_tokens, pool_num_pages=self.num_pages,
+            state_slot=lease.state_slot,
         )
         destination.check_against(self.layout, "PushReceiver.expect")
         if max(lease.page_ids) >= self.num_pages:
             raise ValueError(f"page {max(lease.page_ids)} outside the pool of {self.num_pages} pages")
+        if lease.state_slot is not None and lease.state_slot >= self.num_state_slots:
+            raise ValueError(f"state slot {lease.state_slot} outside the pool of {self.num_state_slots} slots")
         with self._lock:
             if lease.request_id in self._requests:
                 raise ValueError(f"request {lease.request_id} is already expected")

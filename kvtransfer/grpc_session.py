@@ -32,6 +32,7 @@ class PendingPush:
     def __init__(self, destination: Destination, num_ranks: int) -> None:
         self.destination = destination
         self.page_index = {page: index for index, page in enumerate(destination.page_ids)}
+        self.state_index = {destination.state_slot: 0} if destination.state_slot is not None else {}
         self.done_ranks: set[int] = set()
         self.open_ranks: set[int] = set()
         self.error: KVTransferError | None = None
@@ -117,7 +118,12 @@ class PushSession:
         self.request = request
         receiver.open_rank(request, chunk.rank)
         self.rank = chunk.rank
-        self._coverage = [[PageCoverage() for _ in request.page_index] for _ in self._segments]
+        self._coverage = [[PageCoverage() for _ in self._index(request, kind)] for kind, _ in self._segments]
+
+    @staticmethod
+    def _index(request: PendingPush, kind: SegmentKind) -> dict[int, int]:
+        """Unit id -> index in the request, for a segment kind: its pages, or (STATE) its state slot."""
+        return request.state_index if kind == SegmentKind.STATE else request.page_index
 
     def _write(self, chunk: kv_pb2.PushRequest, payload) -> None:
         request, layout = self.request, self.receiver.layout
@@ -130,7 +136,7 @@ class PushSession:
         if kind is None or (kind, chunk.layer) not in self._segments:
             raise BadChunk(f"no segment kind {chunk.kind} layer {chunk.layer} in this layout")
         page_bytes = layout.page_bytes(kind)
-        indices = [request.page_index.get(page, -1) for page in chunk.page_ids]
+        indices = [self._index(request, kind).get(page, -1) for page in chunk.page_ids]
         if not indices or min(indices) < 0:
             raise BadChunk(f"chunk pages {list(chunk.page_ids)} are not all in the lease of request {dest.request_id}")
         size, start = len(payload), chunk.first_page_offset
@@ -178,8 +184,8 @@ class PushSession:
                     raise IncompleteTransfer(
                         f"request {self.request.destination.request_id} rank {self.rank}: short write, "
                         f"{kind.name.lower()} layer {layer} has {sum(page.received for page in coverage)} of "
-                        f"{pages * layout.page_bytes(kind)} bytes"
-                        f" ({self.bytes} of {pages * layout.bytes_per_page} in all)"
+                        f"{len(coverage) * layout.page_bytes(kind)} bytes"
+                        f" ({self.bytes} of {layout.request_bytes(pages)} in all)"
                     )
         except KVTransferError as error:
             self.abort(error)

@@ -23,7 +23,7 @@ from kvtransfer.errors import (
     UnknownTransfer,
 )
 from kvtransfer.layout import KVLayout, SegmentKind
-from kvtransfer.page_spans import byte_view, cache_view, segment_offset
+from kvtransfer.page_spans import byte_view, cache_view, segment_offset, unit_ids
 from kvtransfer.transport import KVWriteHandle, KVWriter, TransferResult
 from rpc.status import error_reason
 
@@ -156,8 +156,9 @@ class GrpcWriter(KVWriter):
                                self.max_chunk, self.queue_depth, self.timeout_s)
 
     def push(self, cache: PagedLatentCache, source_page_ids: Sequence[int], destination: Destination,
-             rank: int = 0) -> TransferResult:
-        """Streams the request's pages straight from the local cache: each chunk is built when gRPC pulls it."""
+             rank: int = 0, source_state_slot: int | None = None) -> TransferResult:
+        """Streams the request's pages (and, with linear-attention state, the cache's state slot
+        source_state_slot) straight from the local cache: each chunk is built when gRPC pulls it."""
         layout, num_pages, view = cache_view(cache)
         if layout != self.layout:
             raise LayoutMismatch(f"local cache layout {layout.hash} is not the writer's {self.layout.hash}")
@@ -171,7 +172,8 @@ class GrpcWriter(KVWriter):
             try:
                 for kind, layer in layout.segments():
                     base, page_bytes = segment_offset(layout, num_pages, kind, layer), layout.page_bytes(kind)
-                    yield from encoder.encode(kind, layer, 0, view, [base + page * page_bytes for page in source_page_ids])
+                    sources = unit_ids(kind, source_page_ids, source_state_slot)
+                    yield from encoder.encode(kind, layer, 0, view, [base + page * page_bytes for page in sources])
             except KVTransferError as error:  # e.g. the lease expired mid-stream: end it, report this error
                 stopped.append(error)
 

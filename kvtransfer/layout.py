@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import CacheShape
+from engine.state_pool import SLOT_ALIGN, StateShape
 from kvtransfer.errors import LayoutMismatch
 
 # The dtypes a pool may hold, by their torch name without the "torch." prefix.
@@ -20,13 +21,16 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 HASH_VERSION = "pdserve-kv-layout-v1"
+_STATE_INTS = ("state_layers", "conv_width", "conv_channels", "state_heads", "head_k_dim", "head_v_dim")
 
 
 class SegmentKind(enum.IntEnum):
-    """Which page tensor: the target model's latent pages or the draft model's context pages."""
+    """Which part of a pool: the target model's latent pages, the draft model's context pages, or the
+    linear-attention state slots (one "page" of that kind = one slot, every KDA layer; layer 0 only)."""
 
     TARGET = 0
     DRAFT = 1
+    STATE = 2
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -42,6 +46,9 @@ class KVLayout:
 
     target pages: [num_layers, num_pages, page_size, latent_dim + rope_dim]
     draft pages:  [draft_layers, num_pages, page_size, draft_dim]
+    state slots:  models with linear attention (state_layers > 0): per slot, every KDA layer's conv
+                  [conv_width, conv_channels] conv_dtype then recurrent [state_heads, head_k_dim,
+                  head_v_dim] ssm_dtype (engine/state_pool.py's slot-major row), after the pages
     """
 
     num_layers: int
@@ -51,6 +58,14 @@ class KVLayout:
     dtype: str = "bfloat16"
     draft_layers: int = 0
     draft_dim: int = 0
+    state_layers: int = 0
+    conv_width: int = 0
+    conv_channels: int = 0
+    state_heads: int = 0
+    head_k_dim: int = 0
+    head_v_dim: int = 0
+    conv_dtype: str = ""
+    ssm_dtype: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "latent_dim", "page_size"):
@@ -62,10 +77,23 @@ class KVLayout:
             raise ValueError("KVLayout: draft_layers and draft_dim must both be zero or both positive")
         if self.dtype not in DTYPES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        state = [getattr(self, name) for name in _STATE_INTS]
+        if self.state_layers:
+            if min(state) <= 0 or self.conv_dtype not in DTYPES or self.ssm_dtype not in DTYPES:
+                raise ValueError(f"KVLayout: a state layout needs positive {', '.join(_STATE_INTS)} and known "
+                                 f"conv / ssm dtypes, got {state} {self.conv_dtype!r} {self.ssm_dtype!r}")
+        elif any(state) or self.conv_dtype or self.ssm_dtype:
+            raise ValueError("KVLayout: state fields must all be zero / empty when state_layers is 0")
 
     # --- conversions ----------------------------------------------------------------------------------
     @classmethod
     def from_cache_shape(cls, shape: CacheShape) -> KVLayout:
+        state = shape.state
+        state_fields = {} if state is None else dict(
+            state_layers=state.num_kda_layers, conv_width=state.conv_width, conv_channels=state.conv_channels,
+            state_heads=state.num_heads, head_k_dim=state.head_k_dim, head_v_dim=state.head_v_dim,
+            conv_dtype=dtype_name(state.conv_dtype), ssm_dtype=dtype_name(state.ssm_dtype),
+        )
         return cls(
             num_layers=shape.num_layers,
             latent_dim=shape.latent_dim,
@@ -74,9 +102,24 @@ class KVLayout:
             dtype=dtype_name(shape.dtype),
             draft_layers=shape.draft_layers,
             draft_dim=shape.draft_dim if shape.draft_layers else 0,
+            **state_fields,
         )
 
-    def to_cache_shape(self, num_pages: int) -> CacheShape:
+    @property
+    def has_state(self) -> bool:
+        return self.state_layers > 0
+
+    def state_shape(self, num_slots: int) -> StateShape | None:
+        """The state pool geometry of num_slots slots (None without state)."""
+        if not self.has_state:
+            return None
+        return StateShape(self.state_layers, num_slots, self.conv_width, self.conv_channels, self.state_heads,
+                          self.head_k_dim, self.head_v_dim, DTYPES[self.conv_dtype], DTYPES[self.ssm_dtype])
+
+    def to_cache_shape(self, num_pages: int, num_slots: int = 0) -> CacheShape:
+        """num_slots: state slots (a layout with state needs at least one)."""
+        if self.has_state and num_slots <= 0:
+            raise ValueError("a KV layout with linear-attention state needs num_slots > 0")
         return CacheShape(
             num_layers=self.num_layers,
             num_pages=num_pages,
@@ -86,6 +129,7 @@ class KVLayout:
             dtype=self.torch_dtype,
             draft_layers=self.draft_layers,
             draft_dim=self.draft_dim,
+            state=self.state_shape(num_slots),
         )
 
     def to_proto(self):
@@ -94,8 +138,11 @@ class KVLayout:
         return kv_pb2.KVLayout(
             num_layers=self.num_layers, latent_dim=self.latent_dim, rope_dim=self.rope_dim,
             page_size=self.page_size, dtype=self.dtype, draft_layers=self.draft_layers,
-            draft_dim=self.draft_dim, hash=self.hash,
+            draft_dim=self.draft_dim, hash=self.hash, **self._state_fields(),
         )
+
+    def _state_fields(self) -> dict:
+        return {name: getattr(self, name) for name in (*_STATE_INTS, "conv_dtype", "ssm_dtype")}
 
     @classmethod
     def from_proto(cls, message) -> KVLayout:
@@ -103,6 +150,7 @@ class KVLayout:
             num_layers=message.num_layers, latent_dim=message.latent_dim, rope_dim=message.rope_dim,
             page_size=message.page_size, dtype=message.dtype, draft_layers=message.draft_layers,
             draft_dim=message.draft_dim,
+            **{name: getattr(message, name) for name in (*_STATE_INTS, "conv_dtype", "ssm_dtype")},
         )
         check_layout(layout, message.hash or layout.hash, "KVLayout message")
         return layout
@@ -111,11 +159,14 @@ class KVLayout:
     @property
     def canonical(self) -> str:
         """The text the hash is taken over: fixed field order, decimal integers, the dtype's torch name."""
-        return (
+        text = (
             f"{HASH_VERSION}|num_layers={self.num_layers}|latent_dim={self.latent_dim}|rope_dim={self.rope_dim}"
             f"|page_size={self.page_size}|dtype={self.dtype}|draft_layers={self.draft_layers}"
             f"|draft_dim={self.draft_dim}"
         )
+        if self.has_state:  # (pure-MLA layouts keep the text, and so the hash, they always had)
+            text += "".join(f"|{name}={value}" for name, value in self._state_fields().items())
+        return text
 
     @property
     def hash(self) -> str:
@@ -136,19 +187,32 @@ class KVLayout:
         return self.latent_dim + self.rope_dim
 
     def segments(self) -> list[tuple[SegmentKind, int]]:
-        """(kind, layer) of every page tensor in layer-major transfer order: target layers, then draft layers."""
+        """(kind, layer) of every page tensor in layer-major transfer order: target layers, then draft
+        layers, then (with state) the state slot as one segment (STATE, 0)."""
         return [(SegmentKind.TARGET, layer) for layer in range(self.num_layers)] + [
             (SegmentKind.DRAFT, layer) for layer in range(self.draft_layers)
-        ]
+        ] + ([(SegmentKind.STATE, 0)] if self.has_state else [])
 
     def num_segment_layers(self, kind: SegmentKind) -> int:
+        if kind == SegmentKind.STATE:
+            return 1 if self.has_state else 0
         return self.num_layers if kind == SegmentKind.TARGET else self.draft_layers
 
     def row_dim(self, kind: SegmentKind) -> int:
+        if kind == SegmentKind.STATE:
+            raise ValueError("state slots have no row dimension (see state_bytes)")
         return self.entry_dim if kind == SegmentKind.TARGET else self.draft_dim
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one state slot on one rank, its alignment padding included (0 without state)."""
+        shape = self.state_shape(1)
+        return shape.slot_stride if shape is not None else 0
+
     def page_bytes(self, kind: SegmentKind) -> int:
-        """Bytes of one page of one layer of the given kind."""
+        """Bytes of one page of one layer of the given kind (STATE: one whole slot)."""
+        if kind == SegmentKind.STATE:
+            return self.state_bytes
         return self.page_size * self.row_dim(kind) * self.element_size
 
     @property
@@ -158,8 +222,18 @@ class KVLayout:
             SegmentKind.DRAFT
         )
 
-    def pool_bytes(self, num_pages: int) -> int:
-        return num_pages * self.bytes_per_page
+    def request_bytes(self, num_pages: int) -> int:
+        """Bytes one request moves per rank: its pages and (with state) its state slot."""
+        return num_pages * self.bytes_per_page + self.state_bytes
+
+    def state_offset(self, num_pages: int) -> int:
+        """Byte offset of state slot 0 in a pool of num_pages pages (CacheShape.state_offset)."""
+        return -(-self.pool_bytes(num_pages) // SLOT_ALIGN) * SLOT_ALIGN
+
+    def pool_bytes(self, num_pages: int, num_slots: int = 0) -> int:
+        """Bytes of a pool's flat buffer: num_pages pages and, with state, num_slots slots after them."""
+        pages = num_pages * self.bytes_per_page
+        return self.state_offset(num_pages) + num_slots * self.state_bytes if self.has_state and num_slots else pages
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -16,6 +16,7 @@ class Lease:
     request_id: str
     page_ids: tuple[int, ...]
     deadline_unix_ms: int
+    state_slot: int | None = None  # models with linear attention: the state slot reserved with the pages
 
 
 class LeaseTable:
@@ -37,10 +38,11 @@ class LeaseTable:
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
 
-    def grant(self, request_id: str, page_ids: Sequence[int], ttl_s: float) -> Lease:
+    def grant(self, request_id: str, page_ids: Sequence[int], ttl_s: float, state_slot: int | None = None) -> Lease:
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
-        lease = Lease(secrets.token_hex(16), request_id, tuple(page_ids), self._now_ms() + int(ttl_s * 1000))
+        lease = Lease(secrets.token_hex(16), request_id, tuple(page_ids), self._now_ms() + int(ttl_s * 1000),
+                      state_slot)
         with self._lock:
             self._leases[lease.lease_id] = lease
         return lease

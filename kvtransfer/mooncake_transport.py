@@ -70,6 +70,8 @@ class MooncakeReceiver(ShmReceiver):
 
     def __init__(self, pools: Sequence[SharedPagePool], engine, hostname: str, **kwargs) -> None:
         super().__init__(pools, **kwargs)
+        if self.layout.has_state:
+            raise ValueError("the mooncake transport does not carry linear-attention state yet (use shm or grpc)")
         self.engine = engine
         self.session = f"{hostname}:{engine.get_rpc_port()}"
         for pool in self.pools:
@@ -92,6 +94,8 @@ class MooncakeWriteHandle(KVWriteHandle):
 
     def __init__(self, writer: MooncakeWriter, destination: Destination, rank: int) -> None:
         super().__init__(destination, rank, writer.layout)
+        if writer.layout.has_state:
+            raise BadChunk("the mooncake transport does not carry linear-attention state yet (use shm or grpc)")
         self.writer = writer
         self._segments = {segment: i for i, segment in enumerate(writer.layout.segments())}
         self._hashers = [Hasher(writer.algorithm) for _ in self._segments]

@@ -38,6 +38,8 @@ def segment_offset(layout: KVLayout, num_pages: int, kind: SegmentKind, layer: i
     """Byte offset of page 0 of (kind, layer) in a pool of num_pages pages (target block, then draft block)."""
     if not 0 <= layer < layout.num_segment_layers(kind):
         raise ValueError(f"{kind.name.lower()} layer {layer} out of range")
+    if kind == SegmentKind.STATE:  # the state slots follow the pages (aligned); a "page" is a slot
+        return layout.state_offset(num_pages)
     if kind == SegmentKind.TARGET:
         return layer * num_pages * layout.page_bytes(SegmentKind.TARGET)
     target_block = layout.num_layers * num_pages * layout.page_bytes(SegmentKind.TARGET)
@@ -51,24 +53,39 @@ def page_offset(layout: KVLayout, num_pages: int, kind: SegmentKind, layer: int,
 
 
 def segment_spans(
-    layout: KVLayout, num_pages: int, kind: SegmentKind, layer: int, page_ids: Sequence[int], start_index: int = 0
+    layout: KVLayout, num_pages: int, kind: SegmentKind, layer: int, page_ids: Sequence[int], start_index: int = 0,
+    num_slots: int | None = None,
 ) -> list[Span]:
-    """Spans of one layer for page_ids (whose first entry sits at start_index of the request's page list)."""
+    """Spans of one layer for page_ids (whose first entry sits at start_index of the request's page list).
+    kind STATE: page_ids are state slots, checked against num_slots when given."""
     page_bytes = layout.page_bytes(kind)
     base = segment_offset(layout, num_pages, kind, layer)
+    limit = (num_slots if num_slots is not None else 1 << 62) if kind == SegmentKind.STATE else num_pages
     spans = []
     for index, first_page, count in page_runs(page_ids):
-        if first_page < 0 or first_page + count > num_pages:
-            raise ValueError(f"pages {first_page}..{first_page + count - 1} out of range for {num_pages} pages")
+        if first_page < 0 or first_page + count > limit:
+            raise ValueError(f"{kind.name.lower()} units {first_page}..{first_page + count - 1} out of range for {limit}")
         spans.append(
             Span(kind, layer, start_index + index, first_page, count, base + first_page * page_bytes, count * page_bytes)
         )
     return spans
 
 
-def request_spans(layout: KVLayout, num_pages: int, page_ids: Sequence[int]) -> list[list[Span]]:
-    """For each segment in layer-major order (layout.segments()), the spans of the request's pages."""
-    return [segment_spans(layout, num_pages, kind, layer, page_ids) for kind, layer in layout.segments()]
+def request_spans(layout: KVLayout, num_pages: int, page_ids: Sequence[int], state_slot: int | None = None,
+                  num_slots: int | None = None) -> list[list[Span]]:
+    """For each segment in layer-major order (layout.segments()), the spans of the request's pages (and,
+    for the STATE segment of a layout with state, of its state slot)."""
+    return [segment_spans(layout, num_pages, kind, layer, unit_ids(kind, page_ids, state_slot), 0, num_slots)
+            for kind, layer in layout.segments()]
+
+
+def unit_ids(kind: SegmentKind, page_ids: Sequence[int], state_slot: int | None) -> tuple[int, ...]:
+    """What a request's "pages" of a segment kind are: its page ids, or (STATE) its one state slot."""
+    if kind != SegmentKind.STATE:
+        return tuple(page_ids)
+    if state_slot is None:
+        raise ValueError("a layout with linear-attention state needs the request's state slot")
+    return (state_slot,)
 
 
 def byte_view(buffer: torch.Tensor) -> memoryview:
@@ -79,7 +96,8 @@ def byte_view(buffer: torch.Tensor) -> memoryview:
 
 
 def cache_view(cache: PagedLatentCache) -> tuple[KVLayout, int, memoryview]:
-    """(layout, num_pages, bytes of the page region) of a cache built over a flat buffer."""
+    """(layout, num_pages, bytes of the page region and the state slots after it) of a cache built over a
+    flat buffer."""
     shape = cache.shape
-    total = shape.target_numel + shape.draft_numel
-    return KVLayout.from_cache_shape(shape), shape.num_pages, byte_view(cache.buffer[:total])
+    numel = -(-shape.buffer_bytes // shape.dtype.itemsize)
+    return KVLayout.from_cache_shape(shape), shape.num_pages, byte_view(cache.buffer[:numel])

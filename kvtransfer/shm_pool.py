@@ -50,22 +50,28 @@ class SharedPagePool:
         self.completions = CompletionTable(whole[HEADER_BYTES : HEADER_BYTES + header.num_slots * SLOT_BYTES], header.num_slots)
         numel = header.data_bytes // layout.element_size
         self.tensor: torch.Tensor | None = torch.frombuffer(mapping, dtype=layout.torch_dtype, count=numel, offset=header.data_offset)
-        self.cache: PagedLatentCache | None = PagedLatentCache(layout.to_cache_shape(header.num_pages), self.tensor)
+        shape = layout.to_cache_shape(header.num_pages, header.num_state_slots)
+        self.cache: PagedLatentCache | None = PagedLatentCache(shape, self.tensor)  # (its state slots: in the segment too)
         self._closed = False
 
     # --- construction -------------------------------------------------------------------------------
     @classmethod
     def create(
         cls, layout: KVLayout, num_pages: int, rank: int = 0, owner_tag: str = "", *,
-        num_slots: int | None = None, prefix: str = SEGMENT_PREFIX, populate: bool = True,
+        num_slots: int | None = None, prefix: str = SEGMENT_PREFIX, populate: bool = True, num_state_slots: int = 0,
     ) -> SharedPagePool:
+        """num_slots: completion record slots; num_state_slots: linear-attention state slots (a layout with
+        state needs at least one), kept after the pages."""
         if num_pages <= 0:
             raise ValueError("num_pages must be positive")
+        if layout.has_state != (num_state_slots > 0):
+            raise ValueError(f"num_state_slots={num_state_slots} does not fit a layout "
+                             f"{'with' if layout.has_state else 'without'} linear-attention state")
         slots = num_slots if num_slots is not None else min(num_pages, MAX_SLOTS)
         if not 0 < slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be in 1..{MAX_SLOTS}")
         data_offset = -(-(HEADER_BYTES + slots * SLOT_BYTES) // DATA_ALIGN) * DATA_ALIGN
-        data_bytes = layout.pool_bytes(num_pages)
+        data_bytes = layout.pool_bytes(num_pages, num_state_slots)
         name = f"{prefix}{secrets.token_hex(16)}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -82,7 +88,7 @@ class SharedPagePool:
         pid = os.getpid()
         header = PoolHeader(
             pid, start_ticks(pid) or 0, num_pages, data_offset, data_bytes, slots, rank, layout.hash,
-            owner_tag, layout.canonical,
+            owner_tag, layout.canonical, num_state_slots,
         )
         mapping[: HEADER.size] = header.pack()
         logger.info("created KV pool %s: rank %d, %d pages, %.1f MiB", name, rank, num_pages, data_bytes / 2**20)
@@ -118,6 +124,10 @@ class SharedPagePool:
     @property
     def num_pages(self) -> int:
         return self.header.num_pages
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.header.num_state_slots
 
     @property
     def rank(self) -> int:
@@ -189,7 +199,9 @@ class ShmPoolFactory:
     """engine.page_pool.PagePoolFactory over shared memory: what the workers hand their engine (picklable)."""
 
     def create(self, cache_shape: CacheShape, num_pages: int, rank: int, tag: str) -> SharedPagePool:
-        return SharedPagePool.create(KVLayout.from_cache_shape(cache_shape), num_pages, rank, tag)
+        state_slots = cache_shape.state.num_slots if cache_shape.state is not None else 0
+        return SharedPagePool.create(KVLayout.from_cache_shape(cache_shape), num_pages, rank, tag,
+                                     num_state_slots=state_slots)
 
     def attach(self, name: str, cache_shape: CacheShape) -> SharedPagePool:
         return SharedPagePool.attach(name, KVLayout.from_cache_shape(cache_shape))

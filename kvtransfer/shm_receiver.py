@@ -63,13 +63,16 @@ class ShmReceiver(KVReceiver):
         need = self.layout.pages_for_tokens(num_tokens)
         if need != len(lease.page_ids):
             raise ValueError(f"{num_tokens} tokens need {need} pages, the lease holds {len(lease.page_ids)}")
+        if self.layout.has_state != (lease.state_slot is not None):
+            raise ValueError(f"the pool {'has' if self.layout.has_state else 'has no'} linear-attention state: "
+                             f"the lease must {'hold' if self.layout.has_state else 'not hold'} a state slot")
         with self._lock:
             if lease.request_id in self._pending:
                 raise ValueError(f"request {lease.request_id} is already expected")
             if not self._free_slots:
                 raise OutOfSlots(f"all {self.pools[0].header.num_slots} completion slots are in use")
             slot = self._free_slots.pop()
-            binding = lease_binding(lease.lease_id, self.transport, lease.page_ids, num_tokens)
+            binding = lease_binding(lease.lease_id, self.transport, lease.page_ids, num_tokens, lease.state_slot)
             base = max(pool.completions.sequence(slot) for pool in self.pools)
             for pool in self.pools:
                 sequence = pool.completions.reserve(slot, lease.request_id, binding, at_least=base)
@@ -77,7 +80,7 @@ class ShmReceiver(KVReceiver):
                 transport=self.transport, layout_hash=self.layout.hash, request_id=lease.request_id,
                 lease_id=lease.lease_id, page_ids=lease.page_ids, lease_deadline_unix_ms=lease.deadline_unix_ms,
                 num_tokens=num_tokens, pool_num_pages=self.pools[0].num_pages, completion_slot=slot,
-                completion_sequence=sequence, **self._destination_extras(slot),
+                completion_sequence=sequence, state_slot=lease.state_slot, **self._destination_extras(slot),
             )
             self._pending[lease.request_id] = _Pending(destination)
         return destination
@@ -113,7 +116,7 @@ class ShmReceiver(KVReceiver):
                 self.on_failed(request_id)
             raise
         self._forget(request_id)
-        nbytes = len(destination.page_ids) * self.layout.bytes_per_page * len(self.pools)
+        nbytes = self.layout.request_bytes(len(destination.page_ids)) * len(self.pools)
         return TransferResult(request_id, nbytes, checksum, len(self.pools))
 
     def _verify(self, pool: SharedPagePool, rank: int, destination: Destination) -> int:
@@ -125,7 +128,7 @@ class ShmReceiver(KVReceiver):
             raise TransferAborted(f"{where}: the writer aborted the transfer")
         if record.layout_hash != self.layout.hash:
             raise LayoutMismatch(f"{where}: record layout {record.layout_hash}, pool layout {self.layout.hash}")
-        expected_bytes = len(destination.page_ids) * self.layout.bytes_per_page
+        expected_bytes = self.layout.request_bytes(len(destination.page_ids))
         if record.bytes_written != expected_bytes or record.num_tokens != destination.num_tokens:
             raise IncompleteTransfer(
                 f"{where}: short write: {record.bytes_written} of {expected_bytes} bytes, "
@@ -133,7 +136,8 @@ class ShmReceiver(KVReceiver):
             )
         if self.verify_checksum:
             actual, _ = request_checksum(
-                pool.data_view, self.layout, pool.num_pages, destination.page_ids, Algorithm(record.algorithm)
+                pool.data_view, self.layout, pool.num_pages, destination.page_ids, Algorithm(record.algorithm),
+                destination.state_slot,
             )
             if actual != record.checksum:
                 raise ChecksumMismatch(f"{where}: page checksum {actual:#x} != recorded {record.checksum:#x}")

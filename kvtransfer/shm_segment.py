@@ -18,7 +18,8 @@ SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdserve-kv-"
 MAGIC = b"PDSKVP01"
 HEADER_BYTES = 4096  # the header struct, padded; completion slots follow
-HEADER = struct.Struct("<8sIQQQQQIII16s32s256s")
+HEADER = struct.Struct("<8sIQQQQQIII16s32s256sI")
+VERSION = 2  # 2: num_state_slots (linear-attention state slots after the pages)
 
 
 @dataclass(frozen=True)
@@ -33,25 +34,26 @@ class PoolHeader:
     layout_hash: str
     owner_tag: str
     layout_canonical: str
+    num_state_slots: int = 0
 
     def pack(self) -> bytes:
         return HEADER.pack(
-            MAGIC, 1, self.owner_pid, self.owner_start_ticks, self.num_pages, self.data_offset, self.data_bytes,
+            MAGIC, VERSION, self.owner_pid, self.owner_start_ticks, self.num_pages, self.data_offset, self.data_bytes,
             self.num_slots, SLOT_BYTES, self.rank, self.layout_hash.encode("ascii"),
-            self.owner_tag.encode("utf-8")[:32], self.layout_canonical.encode("ascii")[:256],
+            self.owner_tag.encode("utf-8")[:32], self.layout_canonical.encode("ascii")[:256], self.num_state_slots,
         )
 
     @classmethod
     def unpack(cls, raw: bytes, name: str) -> PoolHeader:
         if len(raw) < HEADER.size:
             raise SegmentError(f"shm segment {name} is too short for a pool header")
-        magic, version, pid, started, pages, offset, nbytes, slots, slot_bytes, rank, lhash, tag, canon = (
+        magic, version, pid, started, pages, offset, nbytes, slots, slot_bytes, rank, lhash, tag, canon, states = (
             HEADER.unpack_from(raw)
         )
-        if magic != MAGIC or version != 1 or slot_bytes != SLOT_BYTES:
+        if magic != MAGIC or version != VERSION or slot_bytes != SLOT_BYTES:
             raise SegmentError(f"shm segment {name} is not a pdserve KV pool (bad magic or version)")
         strip = lambda value: value.rstrip(b"\0").decode("utf-8", "replace")  # noqa: E731
-        return cls(pid, started, pages, offset, nbytes, slots, rank, strip(lhash), strip(tag), strip(canon))
+        return cls(pid, started, pages, offset, nbytes, slots, rank, strip(lhash), strip(tag), strip(canon), states)
 
     def owner_alive(self) -> bool:
         try:

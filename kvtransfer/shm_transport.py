@@ -41,8 +41,8 @@ class ShmWriteHandle(KVWriteHandle):
         self.algorithm = Algorithm(algorithm)
         self.in_place = in_place
         self._segments = {segment: i for i, segment in enumerate(pool.layout.segments())}
-        count = len(destination.page_ids)
-        self._written = np.zeros((len(self._segments), count), dtype=bool)
+        self._units = [destination.units(kind) for kind, _ in self._segments]  # page ids, or (STATE) the slot
+        self._written = [np.zeros(len(units), dtype=bool) for units in self._units]
         self._hashers = [Hasher(self.algorithm) for _ in self._segments]
         self._next_index = [0] * len(self._segments)  # pages hashed in order so far, per segment
         self._in_order = [True] * len(self._segments)
@@ -52,12 +52,13 @@ class ShmWriteHandle(KVWriteHandle):
         self.check_data(kind, layer, first_index, data)
         segment = self._segments[(kind, layer)]
         count = data.shape[0]
-        pages = self.destination.page_ids[first_index : first_index + count]
+        pages = self._units[segment][first_index : first_index + count]
         view = self.pool.data_view
         source = byte_view(data) if data.is_contiguous() else None
-        tensor = self.cache.layer(layer) if kind == SegmentKind.TARGET else self.cache.draft_layer(layer)
+        tensor = self._tensor(kind, layer)
         hasher = self._hashers[segment]
-        for span in segment_spans(self.layout, self.pool.num_pages, kind, layer, pages, first_index):
+        for span in segment_spans(self.layout, self.pool.num_pages, kind, layer, pages, first_index,
+                                  self.pool.num_state_slots):
             local = span.first_index - first_index
             target = view[span.offset : span.offset + span.nbytes]
             in_order = self._in_order[segment] = self._in_order[segment] and span.first_index == self._next_index[segment]
@@ -74,19 +75,26 @@ class ShmWriteHandle(KVWriteHandle):
                     hasher.update(target)
             if in_order:
                 self._next_index[segment] += span.num_pages
-        self._written[segment, first_index : first_index + count] = True
+        self._written[segment][first_index : first_index + count] = True
+
+    def _tensor(self, kind: SegmentKind, layer: int) -> torch.Tensor:
+        """The pool tensor of a segment, indexed by page id (STATE: raw slots [num_slots, slot bytes])."""
+        if kind == SegmentKind.STATE:
+            return self.cache.state.raw
+        return self.cache.layer(layer) if kind == SegmentKind.TARGET else self.cache.draft_layer(layer)
 
     def finish(self) -> TransferResult:
         if self.done:
             raise UnknownTransfer(f"request {self.destination.request_id} already finished or aborted")
         try:
             self.destination.check_lease()
-            if not self.in_place and not self._written.all():
-                segment, index = (int(v) for v in np.argwhere(~self._written)[0])
+            missing = [(segment, int(np.argmin(done))) for segment, done in enumerate(self._written) if not done.all()]
+            if not self.in_place and missing:
+                segment, index = missing[0]
                 kind, layer = self.layout.segments()[segment]
                 raise IncompleteTransfer(
                     f"request {self.destination.request_id}: page {index} of {kind.name.lower()} layer {layer} "
-                    f"was never written ({int((~self._written).sum())} layer-pages missing)"
+                    f"was never written ({sum(int((~done).sum()) for done in self._written)} layer-pages missing)"
                 )
             checksum, nbytes = self._checksum()
         except BaseException as error:
@@ -103,14 +111,14 @@ class ShmWriteHandle(KVWriteHandle):
 
     def _checksum(self) -> tuple[int, int]:
         digests, nbytes = [], 0
-        count = len(self.destination.page_ids)
         for (kind, layer), segment in self._segments.items():
-            if not self.in_place and self._in_order[segment] and self._next_index[segment] == count:
+            units = self._units[segment]
+            if not self.in_place and self._in_order[segment] and self._next_index[segment] == len(units):
                 digests.append(self._hashers[segment].intdigest())
             else:
-                spans = segment_spans(self.layout, self.pool.num_pages, kind, layer, self.destination.page_ids)
+                spans = segment_spans(self.layout, self.pool.num_pages, kind, layer, units, 0, self.pool.num_state_slots)
                 digests.append(spans_digest(self.pool.data_view, spans, self.algorithm))
-            nbytes += count * self.layout.page_bytes(kind)
+            nbytes += len(units) * self.layout.page_bytes(kind)
         return combine(digests, self.algorithm), nbytes
 
     def abort(self, reason: str) -> None:
@@ -170,6 +178,8 @@ class ShmWriter(KVWriter):
             raise BadChunk(f"page {max(destination.page_ids)} outside pool {pool.name} of {pool.num_pages} pages")
         if not 0 <= destination.completion_slot < pool.header.num_slots:
             raise BadChunk(f"completion slot {destination.completion_slot} outside pool {pool.name}")
+        if destination.state_slot is not None and destination.state_slot >= pool.num_state_slots:
+            raise BadChunk(f"state slot {destination.state_slot} outside pool {pool.name} of {pool.num_state_slots}")
         return pool
 
     def open(self, destination: Destination, rank: int = 0, in_place: bool = False) -> ShmWriteHandle:

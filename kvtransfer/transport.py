@@ -48,18 +48,23 @@ class KVWriteHandle(ABC):
         self.done = False
 
     def check_data(self, kind: SegmentKind, layer: int, first_index: int, data: torch.Tensor) -> None:
-        """data: [n, page_size, row_dim] for destination pages first_index .. first_index + n - 1."""
+        """data: [n, page_size, row_dim] for destination pages first_index .. first_index + n - 1;
+        kind STATE: the state slot's bytes, uint8 [1, state_bytes] (engine StatePool.raw rows)."""
         if not 0 <= layer < self.layout.num_segment_layers(kind):
             raise BadChunk(f"{kind.name.lower()} layer {layer} out of range")
-        expected = (self.layout.page_size, self.layout.row_dim(kind))
-        if data.dim() != 3 or tuple(data.shape[1:]) != expected or data.dtype != self.layout.torch_dtype:
-            raise BadChunk(f"page data must be [n, {expected[0]}, {expected[1]}] {self.layout.dtype}, got "
+        if kind == SegmentKind.STATE:
+            expected, dtype = (self.layout.state_bytes,), torch.uint8
+        else:
+            expected, dtype = (self.layout.page_size, self.layout.row_dim(kind)), self.layout.torch_dtype
+        if data.dim() != 1 + len(expected) or tuple(data.shape[1:]) != expected or data.dtype != dtype:
+            raise BadChunk(f"{kind.name.lower()} data must be [n, {', '.join(map(str, expected))}] {dtype}, got "
                            f"{list(data.shape)} {data.dtype}")
         if self.host_only and data.device.type != "cpu":
             raise BadChunk("page data must be on the CPU (device pools: kvtransfer.device_transport)")
-        if first_index < 0 or first_index + data.shape[0] > len(self.destination.page_ids):
-            raise BadChunk(f"pages {first_index}..{first_index + data.shape[0] - 1} outside the request's "
-                           f"{len(self.destination.page_ids)} pages")
+        count = len(self.destination.units(kind))
+        if first_index < 0 or first_index + data.shape[0] > count:
+            raise BadChunk(f"{kind.name.lower()} units {first_index}..{first_index + data.shape[0] - 1} outside the "
+                           f"request's {count}")
 
     @abstractmethod
     def write_pages(self, kind: SegmentKind, layer: int, first_index: int, data: torch.Tensor) -> None:
@@ -93,14 +98,21 @@ class KVWriter(ABC):
         ...
 
     def push(
-        self, cache: PagedLatentCache, source_page_ids: Sequence[int], destination: Destination, rank: int = 0
+        self, cache: PagedLatentCache, source_page_ids: Sequence[int], destination: Destination, rank: int = 0,
+        source_state_slot: int | None = None,
     ) -> TransferResult:
         """Copies a request's pages from a local cache (source_page_ids, in token order) into the destination,
-        layer-major, one run of consecutive source pages at a time (views: no staging copy)."""
+        layer-major, one run of consecutive source pages at a time (views: no staging copy); with
+        linear-attention state, then the cache's state slot source_state_slot."""
         if len(source_page_ids) != len(destination.page_ids):
             raise BadChunk(f"{len(source_page_ids)} source pages for {len(destination.page_ids)} destination pages")
         with self.open(destination, rank) as handle:
             for kind, layer in handle.layout.segments():
+                if kind == SegmentKind.STATE:
+                    if source_state_slot is None or cache.state is None:
+                        raise BadChunk("this layout carries linear-attention state: push() needs source_state_slot")
+                    handle.write_pages(kind, 0, 0, cache.state.raw[source_state_slot : source_state_slot + 1])
+                    continue
                 pages = cache.layer(layer) if kind == SegmentKind.TARGET else cache.draft_layer(layer)
                 for index, first, count in page_runs(source_page_ids):
                     handle.write_pages(kind, layer, index, pages[first : first + count])

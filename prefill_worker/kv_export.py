@@ -2,7 +2,8 @@
 
 shm / device on the pool's device: the engine already wrote the pages in place into the decode pools
       (pool_names); here we only make every decode rank's pool hold them (copying when decode has more TP
-      ranks than prefill) and write each rank's completion record (checksum over the pages for shm).
+      ranks than prefill) and write each rank's completion record (checksum over the pages for shm and, for
+      linear attention, the state slot the engine ran the prompt's KDA state in).
 device from another device: the engine wrote into its own local pages; they are copied device to device
       into every decode rank's IPC-mapped pool.
 grpc: the engine wrote into its own local pages; their copies (staged through pinned host memory when they
@@ -16,6 +17,7 @@ import torch
 from engine.device_ipc import IpcUnavailable, ipc_for
 from engine.devices import rank_device
 from kvtransfer.destination import Destination
+from kvtransfer.errors import LayoutMismatch
 from kvtransfer.layout import SegmentKind
 from kvtransfer.shm_transport import ShmWriter
 from kvtransfer.transport import KVWriter
@@ -30,6 +32,9 @@ def prefill_pool_names(destination: Destination, prefill_tp: int) -> tuple[str, 
 
 def finish_shm(writer: ShmWriter, destination: Destination, prefill_tp: int) -> int:
     """Completes an in-place write on every decode rank (shm, or device: a DeviceWriter); returns bytes covered."""
+    if writer.layout.has_state and prefill_tp != destination.num_ranks:  # (the layout hashes differ too)
+        raise LayoutMismatch(f"linear-attention state is sharded: prefill TP {prefill_tp} cannot hand it to "
+                             f"decode TP {destination.num_ranks}")
     total = 0
     for rank in range(destination.num_ranks):
         if rank < prefill_tp:
@@ -45,14 +50,22 @@ def finish_shm(writer: ShmWriter, destination: Destination, prefill_tp: int) -> 
     return total
 
 
-def push_pages(writer: KVWriter, destination: Destination, target: torch.Tensor, draft: torch.Tensor | None) -> int:
+def push_pages(writer: KVWriter, destination: Destination, target: torch.Tensor, draft: torch.Tensor | None,
+               states: torch.Tensor | None = None) -> int:
     """Sends page copies to every decode rank. target: [layers, pages, page_size, D];
-    draft: [draft_layers, pages, page_size, Dd] or None. Returns bytes sent."""
+    draft: [draft_layers, pages, page_size, Dd] or None; states (linear attention): uint8 [prefill TP,
+    slot bytes], row r to decode rank r. Returns bytes sent."""
+    if writer.layout.has_state and (states is None or states.shape[0] != destination.num_ranks):
+        raise LayoutMismatch(f"linear-attention state is sharded: {0 if states is None else states.shape[0]} "
+                             f"prefill ranks cannot hand it to decode TP {destination.num_ranks}")
     total = 0
     for rank in range(destination.num_ranks):
         with writer.open(destination, rank) as handle:
             for kind, layer in handle.layout.segments():
-                data = target[layer] if kind == SegmentKind.TARGET else draft[layer]  # type: ignore[index]
+                if kind == SegmentKind.STATE:
+                    data = states[rank : rank + 1]  # type: ignore[index]
+                else:
+                    data = target[layer] if kind == SegmentKind.TARGET else draft[layer]  # type: ignore[index]
                 handle.write_pages(kind, layer, 0, data.contiguous())
             total += handle.finish().bytes
     return total

@@ -2,8 +2,9 @@
 
 prefill() queues a job; the engine thread takes queued jobs in arrival order up to `batch_tokens` prompt
 tokens and runs them in one engine.prefill call (chunked inside the engine), writing KV straight into the
-decode pools (shm) or into local pages (grpc). The KV export (completion records / push) then runs off
-the engine thread, so the next batch can start. cancel() drops a queued job, or stops a running one
+decode pools (shm) or into local pages (grpc); for models with linear attention the KDA state goes with
+them (straight into decode's reserved state slot on shm; from a local slot, pushed, on grpc). The KV
+export (completion records / push) then runs off the engine thread, so the next batch can start. cancel() drops a queued job, or stops a running one
 between two chunks (the engine asks before each chunk) and waits until it no longer touches its
 destination pages."""
 from __future__ import annotations
@@ -60,6 +61,7 @@ class _Job:
     state: str = "queued"  # queued -> running -> done | dropped
     started: float = 0.0
     local_pages: list[int] = field(default_factory=list)
+    local_slot: int | None = None  # grpc, linear attention: this engine's state slot for the prompt
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: bool = False
     task: asyncio.Task[Any] | None = None
@@ -67,11 +69,13 @@ class _Job:
 
 @dataclass(frozen=True)
 class _Computed:
-    """What the engine thread hands back: the result and, for grpc, the page copies to push."""
+    """What the engine thread hands back: the result and, for grpc, the page copies to push (and the
+    state slot's rows of every rank, for linear attention)."""
 
     result: Any
     prefill_ms: float
     pages: tuple[Any, Any] | None = None
+    states: Any = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,9 @@ class PrefillService:
         if destination.num_tokens != len(prompt_ids):
             raise InvalidArgument("destination.num_tokens", f"{destination.num_tokens} != prompt length {len(prompt_ids)}")
         destination.check_against(self.layout, f"prefill of request {request_id}")
+        if destination.transport == TransportKind.DEVICE and self.layout.has_state:
+            raise FailedPrecondition("the device transport does not carry linear-attention (KDA) state yet; "
+                                     "use shm or grpc")
         destination.check_lease()
         self._confirm(destination)
         self.engine.validate_prompt(prompt_ids)
@@ -182,7 +189,8 @@ class PrefillService:
                 num_bytes = await asyncio.to_thread(push_pages, self._device, job.destination, *computed.pages)
             else:
                 target, draft = stage_to_host(computed.pages)
-                num_bytes = await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft)
+                num_bytes = await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft,
+                                                    computed.states)
             transfer_s = time.perf_counter() - started
             result = computed.result
             logger.info("prefilled %d tokens: queue %.1f ms, prefill %.1f ms, %s handoff of %d bytes in %.1f ms",
@@ -251,16 +259,17 @@ class PrefillService:
             try:
                 job.destination.check_lease()
                 self._confirm(job.destination)  # again: the lease may have been released while queued
-                if self._in_place(job.destination):
+                if self._in_place(job.destination):  # pages and (linear attention) state slot: decode's
                     pages, pools = list(job.destination.page_ids), prefill_pool_names(job.destination, engine.config.tp_size)
+                    slot = job.destination.state_slot
                 else:
-                    job.local_pages = engine.allocate_pages(len(job.prompt_ids))
-                    pages, pools = job.local_pages, None
+                    job.local_pages, job.local_slot = engine.allocate_reservation(len(job.prompt_ids))
+                    pages, pools, slot = job.local_pages, None, job.local_slot
             except Exception as error:  # noqa: BLE001 - reported on the job's RPC
                 self._fail(job, error)
                 continue
             runnable.append(job)
-            engine_jobs.append(PrefillJob(job.request_id, job.prompt_ids, job.params, pages, pools))
+            engine_jobs.append(PrefillJob(job.request_id, job.prompt_ids, job.params, pages, pools, slot))
         if not runnable:
             return True
         started = time.perf_counter()
@@ -282,12 +291,13 @@ class PrefillService:
                 self._fail(job, asyncio.CancelledError() if job.cancelled else
                            LeaseExpired(f"the lease of request {job.request_id} ended during its prefill"))
                 continue
-            pages = None
+            pages = states = None
             if job.local_pages:
                 pages = engine.read_pages(job.local_pages)
+                states = engine.read_state(job.local_slot) if job.local_slot is not None else None
                 self._free_local(engine, job)
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(_resolve, job.future, _Computed(result, prefill_ms, pages))
+            self._loop.call_soon_threadsafe(_resolve, job.future, _Computed(result, prefill_ms, pages, states))
         return True
 
     def _confirm(self, destination: Destination) -> None:
@@ -327,8 +337,8 @@ class PrefillService:
     @staticmethod
     def _free_local(engine: Any, job: _Job) -> None:
         if job.local_pages:
-            engine.free_pages(job.local_pages)
-            job.local_pages = []
+            engine.free_reservation(job.local_pages, job.local_slot)
+            job.local_pages, job.local_slot = [], None
 
     def _fail(self, job: _Job, error: BaseException) -> None:
         assert self._loop is not None

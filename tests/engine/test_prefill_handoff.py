@@ -53,3 +53,36 @@ def test_prefill_into_shared_pool_then_decode_equals_one_engine(tmp_path, params
         assert decode.num_free_pages == baseline
     assert [out[0] for out in got] == [result.first_token for result in results]
     assert got == expected
+
+
+def test_k3_prefill_runs_the_kda_state_in_decodes_slot(tmp_path):
+    """Kimi K3 with its DSpark draft: the prefill engine runs each prompt's KDA state straight in the state
+    slot the decode engine reserved in its shared pool (max_batched_tokens 16: several chunks, the state
+    carried between them), the decode engine continues from there with speculation and produces exactly the
+    single-engine greedy tokens; every page and every state slot returns to the pool. (TP=2: two TP groups
+    cannot share one process; tests/services/test_k3_handoff.py runs it across processes.)"""
+    from tests.engine.dspark_fixtures import make_k3_with_dspark
+
+    model_dir = make_k3_with_dspark(tmp_path / "k3")
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(model_dir=str(model_dir), attention_backend="torch", max_batched_tokens=16,
+                  page_pools=ShmPoolFactory(), kv_memory_bytes=16 * 2**20, max_running=8)
+    with LLMEngine(EngineConfig(**common, kv_pool="shm")) as decode, LLMEngine(EngineConfig(**common)) as prefill:
+        assert decode.state_pool is not None and decode.has_draft
+        expected = _run_alone(decode, PROMPTS, params)
+        baseline = (decode.num_free_pages, decode.num_free_state_slots)
+        jobs = []
+        for index, prompt in enumerate(PROMPTS):
+            pages, slot = decode.allocate_reservation(len(prompt) + 1)
+            jobs.append(PrefillJob(f"r{index}", prompt, params, pages, decode.pool_names, slot))
+        results = prefill.prefill(jobs)
+        assert prefill.num_free_state_slots == prefill.num_state_slots  # prefill used decode's slots, not its own
+        for job, result in zip(jobs, results):
+            decode.add_prefilled(job.request_id, job.prompt_ids, result.first_token, job.page_ids, params,
+                                 job.state_slot)
+        outputs: dict[str, list[int]] = {f"r{index}": [] for index in range(len(PROMPTS))}
+        while decode.has_work():
+            for out in decode.step():
+                outputs[out.request_id].extend(out.new_token_ids)
+        assert (decode.num_free_pages, decode.num_free_state_slots) == baseline
+    assert [outputs[f"r{index}"] for index in range(len(PROMPTS))] == expected

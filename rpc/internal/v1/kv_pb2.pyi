@@ -20,6 +20,7 @@ class KVSegmentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_SEGMENT_KIND_UNSPECIFIED: _ClassVar[KVSegmentKind]
     KV_SEGMENT_KIND_TARGET: _ClassVar[KVSegmentKind]
     KV_SEGMENT_KIND_DRAFT: _ClassVar[KVSegmentKind]
+    KV_SEGMENT_KIND_STATE: _ClassVar[KVSegmentKind]
 
 class KVChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,12 +35,13 @@ TRANSPORT_DEVICE: Transport
 KV_SEGMENT_KIND_UNSPECIFIED: KVSegmentKind
 KV_SEGMENT_KIND_TARGET: KVSegmentKind
 KV_SEGMENT_KIND_DRAFT: KVSegmentKind
+KV_SEGMENT_KIND_STATE: KVSegmentKind
 KV_CHECKSUM_ALGORITHM_UNSPECIFIED: KVChecksumAlgorithm
 KV_CHECKSUM_ALGORITHM_XXH3_64: KVChecksumAlgorithm
 KV_CHECKSUM_ALGORITHM_CRC32: KVChecksumAlgorithm
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "latent_dim", "rope_dim", "page_size", "dtype", "draft_layers", "draft_dim", "hash")
+    __slots__ = ("num_layers", "latent_dim", "rope_dim", "page_size", "dtype", "draft_layers", "draft_dim", "hash", "state_layers", "conv_width", "conv_channels", "state_heads", "head_k_dim", "head_v_dim", "conv_dtype", "ssm_dtype")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
     ROPE_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +50,14 @@ class KVLayout(_message.Message):
     DRAFT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DIM_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
+    STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CONV_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    CONV_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    STATE_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_K_DIM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_V_DIM_FIELD_NUMBER: _ClassVar[int]
+    CONV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SSM_DTYPE_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     latent_dim: int
     rope_dim: int
@@ -56,10 +66,18 @@ class KVLayout(_message.Message):
     draft_layers: int
     draft_dim: int
     hash: str
-    def __init__(self, num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., rope_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., draft_layers: _Optional[int] = ..., draft_dim: _Optional[int] = ..., hash: _Optional[str] = ...) -> None: ...
+    state_layers: int
+    conv_width: int
+    conv_channels: int
+    state_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_dtype: str
+    ssm_dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., rope_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., draft_layers: _Optional[int] = ..., draft_dim: _Optional[int] = ..., hash: _Optional[str] = ..., state_layers: _Optional[int] = ..., conv_width: _Optional[int] = ..., conv_channels: _Optional[int] = ..., state_heads: _Optional[int] = ..., head_k_dim: _Optional[int] = ..., head_v_dim: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("transport", "layout_hash", "page_ids", "targets", "request_id", "lease_id", "lease_deadline_unix_ms", "num_tokens", "pool_num_pages", "completion_slot", "completion_sequence", "data_addresses", "record_addresses")
+    __slots__ = ("transport", "layout_hash", "page_ids", "targets", "request_id", "lease_id", "lease_deadline_unix_ms", "num_tokens", "pool_num_pages", "completion_slot", "completion_sequence", "data_addresses", "record_addresses", "state_slot")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +91,7 @@ class KVDestination(_message.Message):
     COMPLETION_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     RECORD_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     layout_hash: str
     page_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -86,7 +105,8 @@ class KVDestination(_message.Message):
     completion_sequence: int
     data_addresses: _containers.RepeatedScalarFieldContainer[int]
     record_addresses: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., layout_hash: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., targets: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., pool_num_pages: _Optional[int] = ..., completion_slot: _Optional[int] = ..., completion_sequence: _Optional[int] = ..., data_addresses: _Optional[_Iterable[int]] = ..., record_addresses: _Optional[_Iterable[int]] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., layout_hash: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., targets: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., pool_num_pages: _Optional[int] = ..., completion_slot: _Optional[int] = ..., completion_sequence: _Optional[int] = ..., data_addresses: _Optional[_Iterable[int]] = ..., record_addresses: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "layout_hash", "rank", "sequence", "kind", "layer", "page_ids", "first_page_offset", "payload", "checksum", "checksum_algorithm")
