@@ -65,7 +65,7 @@ def fp32_tiny_parity(device: str, variants: tuple[str, ...] | None = None, work_
 
 def bf16_default_model_greedy(device: str) -> dict:
     """The embedded model (its draft on: greedy speculative decoding stays exact) in bf16."""
-    from engine.engine_types import DEFAULT_MODEL_DIR
+    from engine.paths import DSV3_MODEL_DIR as DEFAULT_MODEL_DIR
 
     prompts = [_prompt(4096, seed, length=24) for seed in range(4)]
     return _compare(Path(DEFAULT_MODEL_DIR), device, "bfloat16", prompts, check_logits=False)

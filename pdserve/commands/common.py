@@ -13,7 +13,7 @@ DEFAULT_HTTP = "127.0.0.1:8000"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL_DIR, help="model directory (default: the embedded pdserve-tiny)")
+    parser.add_argument("--model", default=DEFAULT_MODEL_DIR, help="model directory (default: the embedded K3-shaped pdserve-k3-tiny)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int) -> None:

@@ -18,7 +18,7 @@ logger = logging.getLogger("pdserve.up")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL_DIR, help="model directory (default: the embedded pdserve-tiny)")
+    parser.add_argument("--model", default=DEFAULT_MODEL_DIR, help="model directory (default: the embedded K3-shaped pdserve-k3-tiny)")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers")
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks per prefill worker")

@@ -19,7 +19,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine import devices, engine_types, llm_engine, spec_decode
-from engine.engine_types import DEFAULT_MODEL_DIR, EngineConfig
+from engine.engine_types import EngineConfig
+from engine.paths import DSV3_MODEL_DIR as DEFAULT_MODEL_DIR  # the DeepSeek-V3 model + DFlash draft
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 

@@ -8,6 +8,7 @@ import torch
 
 from engine import llm_engine
 from engine.llm import LLM
+from engine.paths import DSV3_MODEL_DIR
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +19,7 @@ PROMPTS = [[5, 17, 300, 42, 7], [9, 8, 7, 6, 5, 4, 3, 2], [100, 200, 300]]
 def _generate(use_graphs: bool, draft: str | None, params: SamplingParams) -> list[list[int]]:
     # float32: the captured decode kernel splits its key range for the longest context, eager for the
     # current one; in bf16 that different summation order could flip a near-tie argmax.
-    with LLM(device="cuda", dtype="float32", use_graphs=use_graphs, draft_model=draft, max_running=8) as llm:
+    with LLM(str(DSV3_MODEL_DIR), device="cuda", dtype="float32", use_graphs=use_graphs, draft_model=draft, max_running=8) as llm:
         assert llm.engine.device.type == "cuda"
         assert (llm.engine.runner.graphs is not None) == (use_graphs and llm.engine.runner.attention.graph_safe)
         return llm.generate(PROMPTS, params)
@@ -35,7 +36,7 @@ def test_seeded_request_is_reproducible_whatever_the_batch():
     """A seeded sampled request gives the same tokens alone and next to other requests."""
     seeded = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
     other = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True)
-    with LLM(device="cuda", draft_model="") as llm:
+    with LLM(str(DSV3_MODEL_DIR), device="cuda", draft_model="") as llm:
         alone = llm.generate([PROMPTS[0]], seeded)[0]
         batched = llm.generate(PROMPTS, [seeded, other, other])[0]
     assert alone == batched
@@ -46,7 +47,7 @@ def test_a_decode_step_fetches_once(monkeypatch):
     fetched = []
     original = llm_engine.fetch_to_host
     monkeypatch.setattr(llm_engine, "fetch_to_host", lambda tensor: fetched.append(tensor.device) or original(tensor))
-    with LLM(device="cuda", draft_model="") as llm:
+    with LLM(str(DSV3_MODEL_DIR), device="cuda", draft_model="") as llm:
         engine = llm.engine
         engine.add_request("r", PROMPTS[1], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
         engine.step()  # prefill

@@ -1,4 +1,4 @@
-"""The shipped default model (models/pdserve-tiny) meets the goals stated in its model card."""
+"""The shipped DeepSeek-V3-shaped model (models/pdserve-tiny) meets the goals stated in its model card."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from tokenizers import Tokenizer
 from transformers import DeepseekV3ForCausalLM
 
 from engine.models.dflash import load_draft
-from engine.paths import DEFAULT_MODEL_DIR
+from engine.paths import DSV3_MODEL_DIR
 from training import evaluate
 from training.corpus import load_corpus
 from training.tokenizer import encode_documents
 
 pytestmark = pytest.mark.slow  # evaluates the trained model: held-out loss and draft acceptance
 
-MODEL_DIR = DEFAULT_MODEL_DIR
+MODEL_DIR = DSV3_MODEL_DIR
 
 
 def card_value(key: str) -> float:

@@ -1,4 +1,4 @@
-"""The shipped default model through the engine: what a fresh clone serves."""
+"""The shipped DeepSeek-V3-shaped model (models/pdserve-tiny, no longer the default) through the engine."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,16 +8,16 @@ import torch
 from tokenizers import Tokenizer
 
 from engine import LLM, SamplingParams
-from engine.paths import DEFAULT_MODEL_DIR
+from engine.paths import DSV3_MODEL_DIR
 from training.corpus import load_corpus
 from training.tokenizer import encode_documents
 
-MODEL_DIR = DEFAULT_MODEL_DIR
+MODEL_DIR = DSV3_MODEL_DIR
 
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM() as model:  # the default model and its draft
+    with LLM(str(MODEL_DIR)) as model:  # with its draft/ folder
         yield model
 
 
@@ -30,8 +30,8 @@ def held_out_prompts() -> list[list[int]]:
     return [stream[i * stride : i * stride + 32] for i in range(12)]
 
 
-def test_llm_defaults_to_the_shipped_model_and_draft(llm):
-    """LLM() with no arguments loads models/pdserve-tiny with its draft (speculation on)."""
+def test_llm_loads_the_shipped_model_and_draft(llm):
+    """LLM(models/pdserve-tiny) loads it with its draft/ (speculation on)."""
     assert Path(llm.engine.config.model_dir).resolve() == MODEL_DIR.resolve()
     assert llm.engine.has_draft
 

@@ -78,3 +78,12 @@ def test_tensor_parallel_two_ranks_match_one() -> None:
         got = two.logits(ids)
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
 
+
+def test_llm_defaults_to_the_k3_model_and_its_dspark_draft() -> None:
+    """LLM() with no model directory serves models/pdserve-k3-tiny (kimi_k3) with its DSpark draft."""
+    from engine.paths import DEFAULT_MODEL_DIR
+
+    assert DEFAULT_MODEL_DIR.resolve() == MODEL_DIR.resolve()
+    with LLM(device="cpu", num_threads=1) as llm:
+        assert llm.model_config.model_type == "kimi_k3" and llm.engine.has_draft
+        assert type(llm.engine.runner.draft).__name__ == "DSparkDraft"

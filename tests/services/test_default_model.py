@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.paths import DEFAULT_MODEL_DIR
+from engine.paths import DSV3_MODEL_DIR
 from engine.sampling_params import SamplingParams
 from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
 from tests.services.conftest import launch
 from tests.services.helpers import gateway_stub
 
-DEFAULT_MODEL = DEFAULT_MODEL_DIR
+DEFAULT_MODEL = DSV3_MODEL_DIR  # the K3 default through the services: the K3 state handoff's tests
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (DEFAULT_MODEL / "config.json").is_file() or not (DEFAULT_MODEL / "draft" / "config.json").is_file(),
     reason="models/pdserve-tiny (with draft/) is not built in this checkout")]
