@@ -198,6 +198,7 @@ def test_triton_rejects_unpadded_head_counts(triton_backend):
         bare.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.25)
 
 
+@pytest.mark.slow  # Triton lowers three kernels for two GPU targets: ~27 s of CPU
 def test_kernels_compile_for_gpu_targets():
     """Both kernels (decode also in its split-KV form) lower to machine code for an H100/H200 (sm90) and an
     MI300 (gfx942) at DeepSeek-V3 dims with bf16 tensor-core dots: no interpreter-only constructs. Runs without a GPU, in a fresh process
