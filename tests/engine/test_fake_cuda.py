@@ -141,6 +141,7 @@ def _assert_on_cuda(engine: LLMEngine) -> None:
         assert tensor.device.type == "cuda", f"{name} is on {tensor.device}"
 
 
+@pytest.mark.slow  # the whole engine (target + draft) under FakeTensorMode: ~3.5 s of CPU
 def test_engine_steps_on_fake_cuda_stay_on_device(fake_gpu, monkeypatch):
     """Prefill, draft, verify (greedy and sampled) and plain decode run on "cuda" with every weight, cache
     page and metadata tensor there, no device mismatch, and the host reads device memory only through
