@@ -5,16 +5,20 @@ eos, same prompts). Reported: output tok/s (wall time of the whole generate, pre
 over "off" at the same batch size, and the acceptance length (mean tokens emitted per verify step, bonus
 token included) read from the engine's acceptance counters. Greedy speculation must not change the output;
 the "identical" column checks it.
-Goal (issue 4): single-stream speed-up >= 2.0x on the trained default model.
+A second table splits one decode step of every variant into the target forward (decode or verify), the draft
+forward and the rest (planning, sampling, verification, bookkeeping), and gives its cost over a plain step.
+Goal (issue 4): single-stream speed-up >= 2.0x on the trained default model; issue 18: a spec step <= 1.3x a
+plain step.
 
 Run: .venv/bin/python -m benchmarks.bench_spec [--model DIR] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 
-from benchmarks.common import (Table, add_common_arguments, goal_line, interleave, make_prompts, median,
-                               print_header, ratio, timed_groups)
+from benchmarks.common import (ForwardTimer, Table, add_common_arguments, goal_line, interleave, make_prompts,
+                               median, print_header, ratio, timed_groups)
 from engine import LLM, SamplingParams
 
 
@@ -23,15 +27,22 @@ def acceptance_counts(llm: LLM) -> tuple[int, int, list[int], list[int]]:
     return stats.num_steps, stats.num_accepted_drafts, list(stats.position_attempted), list(stats.position_accepted)
 
 
-def spec_variant(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams, outputs: dict, key: str):
-    """A run (the prompts in groups of `batch`) that also reports the acceptance length of its verify steps."""
+def spec_variant(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams, outputs: dict, key: str,
+                 timers: tuple[ForwardTimer, ForwardTimer]):
+    """A run (the prompts in groups of `batch`) that also reports the acceptance length of its verify steps and
+    the median wall time of its target forwards (decode or verify; prefill calls are few) and draft forwards."""
 
     def run():
         steps0, accepted0, _, _ = acceptance_counts(llm)
+        for timer in timers:
+            timer.take()
         timed = timed_groups(llm.engine, prompts, params, batch)
         steps, accepted, _, _ = acceptance_counts(llm)
         outputs[key] = timed.outputs
         metrics = timed.metrics()
+        target, draft = (timer.take() for timer in timers)
+        metrics["target_ms"] = 1e3 * statistics.median(target)
+        metrics["draft_ms"] = 1e3 * statistics.median(draft) if draft else 0.0
         if steps > steps0:
             metrics["accept_len"] = (accepted - accepted0 + steps - steps0) / (steps - steps0)
         return metrics
@@ -73,16 +84,21 @@ def main() -> None:
                   ["batch", "prompts", "off tok/s"]
                   + [c for b in blocks for c in (f"B={b} tok/s", f"B={b} speed-up", f"B={b} accept len")]
                   + ["identical"])
+    split = Table("one decode step, split (ms; step = mean decode-step wall time, forwards = medians of the run's "
+                  "target / draft forward calls, rest = step - target - draft: planning, sampling, verification, "
+                  "bookkeeping)", ["batch", "variant", "step ms", "target forward ms", "draft forward ms", "rest ms",
+                                   "step / plain step"])
+    timers = (ForwardTimer(llm.engine.runner, "forward_target"), ForwardTimer(llm.engine.runner, "forward_draft"))
     single: dict[int, float] = {}
     for batch in args.batches:
         outputs: dict[str, list] = {}
         batch_prompts = prompts[: batch * max(1, args.min_prompts // batch)]
         variants = {"off": spec_variant(llm, batch_prompts, batch, SamplingParams(
-            max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, speculative=False), outputs, "off")}
+            max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, speculative=False), outputs, "off", timers)}
         for block in blocks:
             params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True,
                                     speculative=True, block_size=block)
-            variants[f"B={block}"] = spec_variant(llm, batch_prompts, batch, params, outputs, f"B={block}")
+            variants[f"B={block}"] = spec_variant(llm, batch_prompts, batch, params, outputs, f"B={block}", timers)
         runs = interleave(variants, args.repeats)
         off = median(runs["off"], "tok_s")
         cells: list[object] = [batch, off]
@@ -91,6 +107,10 @@ def main() -> None:
             cells += [on, f"{ratio(on, off):.2f}x", median(runs[f"B={block}"], "accept_len")]
             if batch == 1:
                 single[block] = ratio(on, off)
+        plain_step = median(runs["off"], "step_ms")
+        for name, samples in runs.items():
+            step, target, draft = (median(samples, key) for key in ("step_ms", "target_ms", "draft_ms"))
+            split.add(batch, name, step, target, draft, step - target - draft, f"{ratio(step, plain_step):.2f}x")
         same = sum(all(outputs[f"B={b}"][i] == outputs["off"][i] for b in blocks)
                    for i in range(len(batch_prompts)))
         cells.append(f"{same}/{len(batch_prompts)}")
@@ -98,6 +118,7 @@ def main() -> None:
         print(f"batch {batch} done", flush=True)
     print()
     table.print()
+    split.print()
     stats = llm.acceptance_stats
     rates = ", ".join(f"{rate:.2f}" for rate in stats.per_position_acceptance)
     print(f"per-position acceptance over every verify step of this run (all block sizes): {rates}\n")

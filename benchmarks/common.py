@@ -216,6 +216,27 @@ def timed_groups(engine, prompts: list[list[int]], params, group_size: int) -> T
     return merged
 
 
+class ForwardTimer:
+    """Wraps a ModelRunner method and records the wall time of each call (seconds)."""
+
+    def __init__(self, runner, name: str) -> None:
+        self.samples: list[float] = []
+        self._inner = getattr(runner, name)
+        setattr(runner, name, self)
+
+    def take(self) -> list[float]:
+        """The samples recorded since the last take()."""
+        samples, self.samples = self.samples, []
+        return samples
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            self.samples.append(time.perf_counter() - start)
+
+
 # --- prompts ----------------------------------------------------------------------------------------
 def held_out_python_text(max_chars: int = 400_000) -> str:
     """The default model's held-out split of the standard library sources (never trained on)."""

@@ -1,9 +1,11 @@
 """Writes a random DeepSeek-V3-shaped checkpoint (HF layout: config.json from transformers'
 DeepseekV3Config + model.safetensors) for GPU benchmarks. Default: ~1.2B parameters - hidden 2048,
 16 layers, 32 heads, 64 routed experts top-6 (moe_intermediate 128), 1 shared expert, first layer dense.
---tiny writes a few-MB model of the same family (for the CPU dry run of scripts/gpu_check.py).
+--tiny writes a few-MB model of the same family (for the CPU dry run of scripts/gpu_check.py); --shape 85m the
+~88M-parameter CPU benchmark model of issue 18 (hidden 1024, 4 layers, all MoE, 24 heads, q_lora 256, kv_lora 128,
+8 routed experts top-2 with intermediate 512 + 1 shared, vocab 4096; use --dtype float32).
 
-    python benchmarks/write_random_checkpoint.py OUT_DIR [--tiny] [--dtype bfloat16] [--seed 0]
+    python benchmarks/write_random_checkpoint.py OUT_DIR [--shape 1b|85m|tiny] [--tiny] [--dtype bfloat16] [--seed 0]
 """
 from __future__ import annotations
 
@@ -29,6 +31,13 @@ TINY = dict(
     v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=1024,
 )
+M85 = dict(
+    vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=24, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+    first_k_dense_replace=0, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=4096,
+)
+SHAPES = {"1b": ONE_B, "85m": M85, "tiny": TINY}
 COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, rope_interleave=True, bos_token_id=0, eos_token_id=1,
               rope_theta=10000.0)
 
@@ -74,12 +83,13 @@ def write_checkpoint(out_dir: Path, shape: dict, dtype: torch.dtype, seed: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--tiny", action="store_true", help="a few-MB model of the same family")
+    parser.add_argument("--shape", default="1b", choices=sorted(SHAPES), help="model shape (default: 1b)")
+    parser.add_argument("--tiny", action="store_true", help="a few-MB model of the same family (= --shape tiny)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    write_checkpoint(args.out_dir, TINY if args.tiny else ONE_B, getattr(torch, args.dtype), args.seed)
+    write_checkpoint(args.out_dir, TINY if args.tiny else SHAPES[args.shape], getattr(torch, args.dtype), args.seed)
 
 
 if __name__ == "__main__":

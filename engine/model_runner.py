@@ -264,10 +264,13 @@ class ModelRunner:
         page_size = self.config.page_size
         count = num_seqs or len(plan.last_tokens)
         width = max_ctx or max(plan.context_lens)
-        slots = [0] * (count * width)
-        for i, (length, pages) in enumerate(zip(plan.context_lens, plan.page_tables)):
-            for pos in range(length):
-                slots[i * width + pos] = pages[pos // page_size] * page_size + pos % page_size
+        slots: list[int] = []
+        for length, pages in zip(plan.context_lens, plan.page_tables):
+            row: list[int] = []
+            for page in pages[: -(-length // page_size)]:  # whole pages at a time, cut to the length
+                row.extend(range(page * page_size, (page + 1) * page_size))
+            slots += row[:length] + [0] * (width - length)
+        slots += [0] * ((count - len(plan.context_lens)) * width)
         pad = count - len(plan.last_tokens)
         values = list(plan.last_tokens) + [0] * pad + list(plan.context_lens) + [0] * pad + slots
         packed = host_to_device(values, torch.int64, self.device)

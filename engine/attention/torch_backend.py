@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.attention.torch_decode import DecodeGroup, build_decode_layout, decode_attention
 from engine.forward_batch import AttentionMetadata
 
 
@@ -34,14 +35,6 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         scores.masked_fill_(cols > rows, float("-inf"))
         out[:, start:end] = torch.matmul(torch.softmax(scores, dim=-1), values)
     return out.transpose(0, 1)
-
-
-def gather_context(kv_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """kv_cache: [num_pages, page_size, D], block_table_row: [max_pages] -> the first kv_len entries [kv_len, D]."""
-    page_size = kv_cache.shape[1]
-    num_pages = -(-kv_len // page_size)
-    pages = block_table_row[:num_pages].long()
-    return kv_cache.index_select(0, pages).reshape(num_pages * page_size, kv_cache.shape[-1])[:kv_len]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -85,6 +78,9 @@ class TorchAttentionBackend(AttentionBackend):
             ).to(q.dtype)
         return out
 
+    def __init__(self) -> None:
+        self._layout: tuple[AttentionMetadata, int, tuple[DecodeGroup, ...]] | None = None
+
     def decode(
         self,
         q: torch.Tensor,
@@ -94,76 +90,14 @@ class TorchAttentionBackend(AttentionBackend):
         latent_dim: int,
     ) -> torch.Tensor:
         """q: [T, H, latent_dim + rope_dim], kv_cache: [num_pages, page_size, latent_dim + rope_dim]
-        -> [T, H, latent_dim] in q's dtype."""
-        if attn.num_seqs > 1:
-            return _batched_decode(q, kv_cache, attn, softmax_scale, latent_dim)
-        out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
-        start = 0
-        for i, (q_len, kv_len) in enumerate(zip(attn.q_lens_cpu, attn.kv_lens_cpu)):
-            context = gather_context(kv_cache, attn.block_table[i], kv_len)  # [kv_len, D]
-            out[start : start + q_len] = _causal_attention(
-                q[start : start + q_len], context, context[:, :latent_dim], softmax_scale
-            ).to(q.dtype)
-            start += q_len
-        return out
-
-
-def _batched_decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float, latent_dim: int
-) -> torch.Tensor:
-    """Decode for many sequences at once: each group of sequences is padded to its longest context
-    and query count, masked (padding and bottom-right causal), and computed with batched matmuls.
-    Same maths as the per-sequence path; groups keep the float32 score tensor within _SCORE_BUDGET."""
-    heads, dim = q.shape[1], kv_cache.shape[-1]
-    page_size = kv_cache.shape[1]
-    flat_cache = kv_cache.reshape(-1, dim)
-    out = torch.empty(q.shape[0], heads, latent_dim, dtype=q.dtype, device=q.device)
-    q_lens, kv_lens = attn.q_lens_cpu, attn.kv_lens_cpu
-    starts = [0]
-    for length in q_lens:
-        starts.append(starts[-1] + length)
-    first = 0
-    while first < len(q_lens):
-        last = first + 1
-        while last < len(q_lens):
-            width = max(kv_lens[first : last + 1]) * max(q_lens[first : last + 1]) * heads
-            if (last + 1 - first) * width > _SCORE_BUDGET:
-                break
-            last += 1
-        _decode_group(q, flat_cache, page_size, attn, range(first, last), starts, scale, latent_dim, out)
-        first = last
-    return out
-
-
-def _decode_group(q, flat_cache, page_size, attn, group, starts, scale, latent_dim, out) -> None:
-    device = q.device
-    seqs = list(group)
-    q_lens = [attn.q_lens_cpu[i] for i in seqs]
-    kv_lens = [attn.kv_lens_cpu[i] for i in seqs]
-    q_max, kv_max = max(q_lens), max(kv_lens)
-    positions = torch.arange(kv_max, device=device)
-    table = attn.block_table[seqs[0] : seqs[-1] + 1].long()
-    pages = table[:, (positions // page_size).clamp_max(table.shape[1] - 1)]
-    slots = pages * page_size + positions % page_size  # [S, kv_max]
-    context = flat_cache.index_select(0, slots.reshape(-1)).view(len(seqs), kv_max, -1).float()  # [S, L, D]
-    rows = torch.tensor(
-        [starts[i] + min(j, q_len - 1) for i, q_len in zip(seqs, q_lens) for j in range(q_max)], device=device
-    )
-    heads = q.shape[1]
-    # Heads folded into the query axis: plain batched matmuls, no broadcast copies of the context.
-    queries = q.index_select(0, rows).view(len(seqs), q_max, heads, -1).float().transpose(1, 2)  # [S, H, Q, D]
-    queries = queries.reshape(len(seqs), heads * q_max, -1)
-    scores = torch.bmm(queries, context.transpose(1, 2)).mul_(scale).view(len(seqs), heads, q_max, kv_max)
-    q_len_t = torch.tensor(q_lens, device=device).view(-1, 1, 1)
-    kv_len_t = torch.tensor(kv_lens, device=device).view(-1, 1, 1)
-    query_pos = torch.arange(q_max, device=device).view(1, -1, 1)
-    visible = positions.view(1, 1, -1) <= kv_len_t - q_len_t + query_pos  # [S, Q, L]
-    scores.masked_fill_(~visible.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(len(seqs), heads * q_max, kv_max)
-    result = torch.bmm(probs, context[:, :, :latent_dim]).view(len(seqs), heads, q_max, latent_dim)
-    result = result.transpose(1, 2)  # [S, Q, H, latent]
-    for index, (i, q_len) in enumerate(zip(seqs, q_lens)):
-        out[starts[i] : starts[i] + q_len] = result[index, :q_len].to(out.dtype)
+        -> [T, H, latent_dim] in q's dtype. Padded batched matmuls (engine/attention/torch_decode.py); the
+        step's layout is built by the first layer that sees `attn` and reused by the others."""
+        heads = q.shape[1]
+        cached = self._layout
+        if cached is None or cached[0] is not attn or cached[1] != heads:
+            cached = (attn, heads, build_decode_layout(attn, heads, _SCORE_BUDGET))
+            self._layout = cached
+        return decode_attention(q, kv_cache, cached[2], softmax_scale, latent_dim)
 
 
 def _prefill_group(q, k, v, seqs, q_lens, k_lens, q_starts, k_starts, scale, out) -> None:

@@ -9,7 +9,8 @@ Shapes: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; weights [T, k] float32; lo
 (expert id minus this rank's first expert) -> [T, H] float32.
 
 - moe_loop: one pass per expert over a boolean mask (transformers' style); the test oracle.
-- moe_grouped: assignments sorted by expert, one matmul per ACTIVE expert over all its tokens.
+- moe_grouped: assignments sorted by expert, one matmul per ACTIVE expert over all its tokens (or, when every
+  expert is active and padding is cheap, all experts padded to one count in two batched matmuls).
 - moe_dense: every expert on every token in two batched matmuls, unrouted pairs weighted zero;
   cheaper only when dispatch overhead outweighs the wasted FLOPs (see use_dense_moe).
 """
@@ -51,7 +52,9 @@ def moe_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights
 
 def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                 local_ids: torch.Tensor) -> torch.Tensor:
-    """Only the selected experts: (token, slot) pairs sorted by expert, one matmul pair per active expert."""
+    """Only the selected experts: (token, slot) pairs sorted by expert, then either one padded batched
+    matmul pair over all experts (when every local expert has tokens and padding wastes little: see
+    use_padded_experts) or one matmul pair per active expert."""
     num_tokens, top_k = local_ids.shape
     num_experts = gate_up.shape[0]
     flat_ids = local_ids.reshape(-1)
@@ -59,7 +62,11 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
     if assignments.numel() == 0:
         return torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     assignments = assignments[torch.argsort(flat_ids[assignments], stable=True)]  # grouped by expert
-    counts = torch.bincount(flat_ids[assignments], minlength=num_experts).tolist()
+    sorted_ids = flat_ids[assignments]
+    counts_tensor = torch.bincount(sorted_ids, minlength=num_experts)
+    counts = counts_tensor.tolist()
+    if use_padded_experts(counts):
+        return _padded_experts(x, gate_up, down, weights, assignments, sorted_ids, counts_tensor, max(counts))
     inputs = x.index_select(0, assignments // top_k)
     results = torch.empty(inputs.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     offset = 0
@@ -74,6 +81,47 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
     per_slot = torch.zeros(num_tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
     per_slot.index_copy_(0, assignments, results)
     return per_slot.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+# Padded rows per expert below which a row costs about nothing (the matmul streams the expert's weights
+# either way), and the padding waste allowed above it.
+PADDED_FREE_ROWS = 16
+PADDED_MAX_WASTE = 2.0
+
+
+def use_padded_experts(counts: list[int]) -> bool:
+    """Whether one padded batched matmul pair over all experts (each padded to the busiest one's count)
+    beats a matmul pair per expert: only when every expert has tokens (the padded path reads every
+    expert's weights) and the padding is cheap (few rows, or at most PADDED_MAX_WASTE x the real rows)."""
+    busiest = max(counts)
+    if min(counts) == 0:
+        return False
+    return busiest <= PADDED_FREE_ROWS or len(counts) * busiest <= PADDED_MAX_WASTE * sum(counts)
+
+
+def _padded_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                    assignments: torch.Tensor, sorted_ids: torch.Tensor, counts: torch.Tensor,
+                    capacity: int) -> torch.Tensor:
+    """Every expert's rows padded to `capacity` and run as two batched matmuls.
+    assignments [n] (flat token * k + slot, grouped by expert), sorted_ids [n] their experts, counts [E]
+    -> [T, H] float32. Padding rows read a zero input row and are dropped."""
+    num_tokens, top_k = weights.shape
+    num_experts, hidden = gate_up.shape[0], x.shape[1]
+    pad_slot = num_tokens * top_k
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(assignments.numel(), device=x.device) - starts.index_select(0, sorted_ids)
+    table = torch.full((num_experts, capacity), pad_slot, dtype=torch.int64, device=x.device)
+    table[sorted_ids, rank] = assignments  # [E, C] flat (token, slot) per padded row
+    flat_table = table.view(-1)
+    padded_x = torch.cat([x, x.new_zeros(1, hidden)])
+    inputs = padded_x.index_select(0, torch.clamp(flat_table // top_k, max=num_tokens)).view(num_experts, capacity, hidden)
+    gate, up = torch.bmm(inputs, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(F.silu(gate) * up, down.transpose(1, 2)).float().view(-1, hidden)
+    row_weights = torch.cat([weights.reshape(-1).float(), weights.new_zeros(1, dtype=torch.float32)])
+    out.mul_(row_weights.index_select(0, flat_table).unsqueeze(1))
+    per_slot = torch.zeros(pad_slot + 1, hidden, dtype=torch.float32, device=x.device)
+    per_slot.index_copy_(0, flat_table, out)  # every padding row lands on the spare row, dropped below
+    return per_slot[:pad_slot].view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def routing_matrix(weights: torch.Tensor, local_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ class RotaryEmbedding(nn.Module):
         self.interleave = interleave
         self.scaling = rope.cos_sin_scale
         self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> cos, sin: [T, dim // 2] (the angle of each rotated pair)."""
@@ -61,6 +62,14 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_pe: [T, H, dim], k_pe: [T, dim] -> rotated (interleaved input pairs come out half-split)."""
-        cos, sin = self.cos_sin(positions, q_pe.dtype)
+        """q_pe: [T, H, dim], k_pe: [T, dim] -> rotated (interleaved input pairs come out half-split).
+
+        cos/sin are computed once per positions tensor: layers sharing this module (one per model) reuse
+        the first layer's angles for the rest of the step."""
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] == q_pe.dtype:
+            cos, sin = memo[2], memo[3]
+        else:
+            cos, sin = self.cos_sin(positions, q_pe.dtype)
+            self._memo = (positions, q_pe.dtype, cos, sin)
         return self._rotate(q_pe, cos[:, None, :], sin[:, None, :]), self._rotate(k_pe, cos, sin)

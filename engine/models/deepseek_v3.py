@@ -66,6 +66,8 @@ class DeepseekV3Model(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp, attention, dtype) for i in range(config.num_hidden_layers)
         )
+        for layer in self.layers[1:]:  # one RoPE module: its cos/sin are computed once per step
+            layer.self_attn.rotary = self.layers[0].self_attn.rotary
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 

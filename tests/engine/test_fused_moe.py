@@ -9,7 +9,7 @@ import torch
 
 from engine.kernels.moe_align import align_by_expert, max_padded_rows
 from engine.kernels.moe_paths import moe_function
-from engine.kernels.moe_torch import moe_dense, moe_grouped, moe_loop, use_dense_moe
+from engine.kernels.moe_torch import moe_dense, moe_grouped, moe_loop, use_dense_moe, use_padded_experts
 
 
 def _case(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: int, foreign: bool = False,
@@ -41,6 +41,20 @@ def test_torch_paths_equal_the_loop(case, function):
     tokens, hidden, inter, experts, top_k, foreign = case
     args = _case(tokens, hidden, inter, experts, top_k, seed=tokens, foreign=foreign)
     torch.testing.assert_close(function(*args), moe_loop(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_path_pads_only_when_every_expert_is_busy_and_padding_is_cheap():
+    """The padded batched form runs only when no expert is idle (it reads every expert's weights) and the
+    padding is small (few rows, or at most 2x the real rows); the CASES above exercise both forms."""
+    assert use_padded_experts([5, 3, 2, 1, 4, 4, 3, 4])  # a 16-token decode step, top-2 of 8
+    assert not use_padded_experts([0, 0, 1, 0, 0, 0, 0, 1])  # one token: only its two experts run
+    assert not use_padded_experts([200, 1, 1, 1])  # a skewed prefill chunk: padding would be ~4x
+    assert use_padded_experts([40, 35, 30, 45])
+    counts = []
+    for tokens, hidden, inter, experts, top_k, foreign in CASES:
+        ids = _case(tokens, hidden, inter, experts, top_k, seed=tokens, foreign=foreign)[4].reshape(-1)
+        counts.append(torch.bincount(ids[(ids >= 0) & (ids < experts)], minlength=experts).tolist())
+    assert any(use_padded_experts(c) for c in counts) and not all(use_padded_experts(c) for c in counts)
 
 
 def test_no_local_assignment_gives_zero():
