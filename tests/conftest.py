@@ -7,6 +7,12 @@ import os
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread (before torch is first imported; subprocesses inherit it): the suite's tensors are tiny, and
+# on a loaded 2-core machine two OpenMP threads spin at every barrier waiting for each other to be scheduled
+# (measured: 17x the CPU seconds and 10x the wall time of one thread on the engine-vs-transformers tests).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+pytest_plugins = ["tests.cpu_durations"]
 
 # Fixtures that start a deployment of worker processes: every test using one is `slow` (not in the fast loop).
 PROCESS_CLUSTER_FIXTURES = frozenset({"cluster", "tp2_cluster", "mixed_tp_cluster", "live_gateway"})

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from bench import load
 from bench.load import LoadPlan, arrival_gaps, run_load, send_offsets
 from bench.record import RequestRecord
 from bench.workload import BenchRequest
@@ -68,16 +70,39 @@ async def test_concurrency_cap_is_reached_but_never_exceeded():
     assert result.duration_s >= 4 * 0.01
 
 
-async def test_request_rate_paces_the_sends():
-    """At 100 req/s the 20th request is sent about 0.19 s (19 mean gaps) after the first."""
+class _FakeClock:
+    """bench.load's perf_counter and asyncio.sleep on a clock that only sleeping advances."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    async def sleep(self, delay: float) -> None:
+        await asyncio.sleep(0)  # what is ready runs before the time passes, as in a real sleep
+        self.now += delay
+
+
+async def test_request_rate_paces_the_sends(monkeypatch: pytest.MonkeyPatch):
+    """At 100 req/s the 20th request is sent about 0.19 s (19 mean gaps) after the first: each request is
+    sent exactly at its offset on a fake clock, and never before it on the real one (a loaded machine may
+    only make it late, so lateness is not asserted)."""
 
     async def send(request: BenchRequest) -> RequestRecord:
         return RequestRecord(prompt_tokens=1, expected_output_tokens=1)
 
     plan = LoadPlan(request_rate=100.0, burstiness=1000.0, seed=1)  # near-regular gaps
-    result = await run_load(_requests(20), send, plan)
-    starts = [r.start_s for r in result.records]
+    offsets = send_offsets(20, plan).tolist()
+    assert offsets[-1] == pytest.approx(0.19, rel=0.1)
+    real = await run_load(_requests(20), send, plan)
+    starts = [r.start_s for r in real.records]
     assert starts == sorted(starts)
-    expected = send_offsets(20, plan)[-1]
-    assert expected == pytest.approx(0.19, rel=0.1)
-    assert starts[-1] == pytest.approx(expected, abs=0.05)
+    assert all(start >= offset - 1e-3 for start, offset in zip(starts, offsets)), (starts, offsets)
+    clock = _FakeClock()
+    monkeypatch.setattr(load, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(load, "asyncio", SimpleNamespace(Semaphore=asyncio.Semaphore, create_task=asyncio.create_task,
+                                                         gather=asyncio.gather, sleep=clock.sleep))
+    faked = await run_load(_requests(20), send, plan)
+    assert [r.start_s for r in faked.records] == pytest.approx(offsets, abs=1e-9)
+    assert faked.duration_s == pytest.approx(offsets[-1], abs=1e-9)

@@ -27,7 +27,7 @@ def test_serving_server_passes(health_server, capsys):
     """Exit 0 only when the server answers SERVING."""
     address, servicer = health_server
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    assert main([address, "--timeout", "2"]) == 0
+    assert main([address, "--timeout", "30"]) == 0
     assert "SERVING" in capsys.readouterr().out
 
 
@@ -35,9 +35,9 @@ def test_not_serving_and_unknown_service_fail(health_server, capsys):
     """NOT_SERVING, or a service the server does not know, exits 1 with one line on stderr."""
     address, servicer = health_server
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    assert main([address, "--timeout", "2"]) == 1
+    assert main([address, "--timeout", "30"]) == 1
     assert "NOT_SERVING" in capsys.readouterr().err
-    assert main([address, "--service", "pdserve.v1.Nothing", "--timeout", "2"]) == 1
+    assert main([address, "--service", "pdserve.v1.Nothing", "--timeout", "30"]) == 1
     err = capsys.readouterr().err
     assert "NOT_FOUND" in err and len(err.strip().splitlines()) == 1
 

@@ -87,7 +87,8 @@ def _varlen_batch(generator, heads, dqk, dv, q_lens, extra_context):
 
 @pytest.mark.parametrize(
     ("heads", "dqk", "dv", "seed"),
-    [(16, 48, 32, 0), (12, 48, 32, 1), (12, 40, 24, 2), (32, 24, 16, 3)],
+    [(16, 48, 32, 0), (12, 48, 32, 1), (12, 40, 24, 2),
+     pytest.param(32, 24, 16, 3, marks=pytest.mark.slow)],  # 32 heads in the interpreter: ~3.5 s of CPU
 )
 def test_triton_prefill_matches_torch(triton_backend, heads, dqk, dv, seed):
     """Varlen causal prefill (fresh and chunked: k_len > q_len) matches the reference within 1e-3 in fp32,
@@ -198,6 +199,7 @@ def test_triton_rejects_unpadded_head_counts(triton_backend):
         bare.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.25)
 
 
+@pytest.mark.slow  # Triton lowers three kernels for two GPU targets: ~27 s of CPU
 def test_kernels_compile_for_gpu_targets():
     """Both kernels (decode also in its split-KV form) lower to machine code for an H100/H200 (sm90) and an
     MI300 (gfx942) at DeepSeek-V3 dims with bf16 tensor-core dots: no interpreter-only constructs. Runs without a GPU, in a fresh process
@@ -236,6 +238,7 @@ def test_registry_refuses_unknown_or_unavailable_backends(name, message):
         get_attention_backend(name, num_heads=12, device="cpu")
 
 
+@pytest.mark.slow  # a child interpreter that imports the engine (torch): ~2.5 s of CPU
 def test_importing_engine_attention_loads_neither_triton_nor_aiter():
     """The registry imports kernels lazily: `import engine.attention` pulls in no triton / aiter module."""
     code = (

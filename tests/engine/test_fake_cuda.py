@@ -5,11 +5,13 @@ sampler's single door) fails the test.
 
 A CPU-only torch build has no CUDA device guard, which indexing and copies take even for fake
 tensors (torch._C._ensureCUDADeviceGuardSet does not help in 2.13): fake_cuda_guard.cpp registers a
-no-op one, compiled once per session with the system C++ compiler (about 10 s)."""
+no-op one, compiled with the system C++ compiler (about 10 s) once per machine and cached."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -94,20 +96,33 @@ def _preload_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dflash, "load_file", lambda path: {name: _fake_cuda_like(t) for name, t in draft.items()})
 
 
+def _compiled_guard(compiler: str) -> Path:
+    """The guard's shared library, built once per (source, torch, compiler) and kept in the user's cache
+    directory (written under a temporary name and renamed, so concurrent sessions never load half a file)."""
+    torch_dir = Path(torch.__file__).parent
+    source = Path(__file__).with_name("fake_cuda_guard.cpp")
+    command = [compiler, "-O0", "-shared", "-fPIC", "-std=c++17", f"-I{torch_dir / 'include'}", str(source),
+               f"-L{torch_dir / 'lib'}", "-lc10"]
+    key = hashlib.sha256("\0".join([source.read_text(), torch.__version__, str(torch_dir), *command]).encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve-tests"
+    library = cache / f"fake_cuda_guard-{key.hexdigest()[:16]}.so"
+    if not library.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cache / f"{library.name}.{os.getpid()}.partial"
+        subprocess.run([*command, "-o", str(partial)], check=True, timeout=600)
+        partial.replace(library)
+    return library
+
+
 @pytest.fixture(scope="session")
-def cuda_guard_for_fake_tensors(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Compiles and loads the no-op CUDA device guard (only on a torch without CUDA)."""
+def cuda_guard_for_fake_tensors() -> None:
+    """Compiles (once per machine) and loads the no-op CUDA device guard (only on a torch without CUDA)."""
     if torch.backends.cuda.is_built():
         return
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         pytest.skip("needs a C++ compiler to register a fake CUDA device guard on this CPU-only torch")
-    torch_dir = Path(torch.__file__).parent
-    library = tmp_path_factory.mktemp("fake_cuda_guard") / "fake_cuda_guard.so"
-    source = Path(__file__).with_name("fake_cuda_guard.cpp")
-    subprocess.run([compiler, "-O0", "-shared", "-fPIC", "-std=c++17", f"-I{torch_dir / 'include'}", str(source),
-                    f"-L{torch_dir / 'lib'}", "-lc10", "-o", str(library)], check=True, timeout=600)
-    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(str(_compiled_guard(compiler)), mode=ctypes.RTLD_GLOBAL)
 
 
 @pytest.fixture()
@@ -127,6 +142,7 @@ def _assert_on_cuda(engine: LLMEngine) -> None:
         assert tensor.device.type == "cuda", f"{name} is on {tensor.device}"
 
 
+@pytest.mark.slow  # the whole engine (target + draft) under FakeTensorMode: ~3.5 s of CPU
 def test_engine_steps_on_fake_cuda_stay_on_device(fake_gpu, monkeypatch):
     """Prefill, draft, verify (greedy and sampled) and plain decode run on "cuda" with every weight, cache
     page and metadata tensor there, no device mismatch, and the host reads device memory only through

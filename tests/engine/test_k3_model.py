@@ -40,7 +40,8 @@ def _model(path: Path) -> KimiK3ForCausalLM:
     return load_model(path, TPGroup(), TorchAttentionBackend(), torch.float32)[1]
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [  # the float64 reference costs ~2 s of CPU a variant: hybrid in the fast loop
+    pytest.param(name, marks=() if name == "hybrid" else pytest.mark.slow) for name in VARIANTS])
 def test_engine_matches_reference(k3_dirs: dict[str, Path], variant: str) -> None:
     """Prefill, a decode step and a continuation chunk give the reference logits within 1e-4, for two
     sequences batched together (different lengths)."""
@@ -66,6 +67,7 @@ def _chunked(model: KimiK3ForCausalLM, tokens: list[int], chunk: int) -> tuple[t
     return torch.cat(logits), runner.state_of(0)
 
 
+@pytest.mark.slow  # 92 forward steps (chunks of 1 and 7 over 80 tokens): ~3 s of CPU
 def test_prefill_chunk_sizes_agree(k3_dirs: dict[str, Path]) -> None:
     """Prefill in chunks of 1, 7 and 64 tokens gives the same logits (1e-4) and the same final KDA state."""
     model = _model(k3_dirs["hybrid"])

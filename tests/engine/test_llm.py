@@ -33,6 +33,8 @@ def _reference_greedy(model_dir, prompts, max_new_tokens):
     return outputs, logits
 
 
+@pytest.mark.slow  # transformers generate() of 3 x 64 tokens per variant: ~7 s of CPU (test_model_vs_transformers
+# checks the logits of every variant in the fast loop)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_and_greedy_match_transformers(checkpoints, variant):
     """llm.logits is within 1e-4 of DeepseekV3ForCausalLM and greedy generate of 64 tokens is token-identical."""

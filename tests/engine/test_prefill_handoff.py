@@ -23,15 +23,21 @@ def _run_alone(engine: LLMEngine, prompts, params) -> list[list[int]]:
     return [outputs[f"alone-{index}"] for index in range(len(prompts))]
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The heads24 tiny checkpoint with a random block-4 draft, written once for both parametrisations."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("handoff") / "m", "heads24")
+    add_random_draft(path, block_size=4)
+    return path
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
     SamplingParams(max_new_tokens=24, temperature=0.8, top_k=40, seed=7, ignore_eos=True),
 ], ids=["greedy", "seeded-sampling"])
-def test_prefill_into_shared_pool_then_decode_equals_one_engine(tmp_path, params):
+def test_prefill_into_shared_pool_then_decode_equals_one_engine(model_dir, params):
     """Prefill engine -> decode engine's shm pages -> add_prefilled gives the single-engine tokens
     (greedy and seeded sampling, with speculative decoding), and every page returns to the pool."""
-    model_dir = make_tiny_checkpoint(tmp_path / "m", "heads24")
-    add_random_draft(model_dir, block_size=4)
     common = dict(model_dir=str(model_dir), attention_backend="torch", spec_block_size=4, max_batched_tokens=16,
                   page_pools=ShmPoolFactory())
     with LLMEngine(EngineConfig(**common, kv_pool="shm")) as decode, LLMEngine(EngineConfig(**common)) as prefill:

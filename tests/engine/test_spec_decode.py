@@ -29,6 +29,7 @@ def reference(model_dir):
         return llm.generate(PROMPTS, params)
 
 
+@pytest.mark.slow  # four engines x 40 generations of 16 tokens: ~10 s of CPU
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_greedy_spec_decoding_is_token_identical(model_dir, reference, block_size):
     """For 20 prompts, alone (batch 1) and 8 at a time, spec decoding with block size B emits exactly

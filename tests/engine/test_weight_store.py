@@ -71,6 +71,7 @@ def test_second_loader_maps_the_first_ones_bytes(key):
     assert torch.equal(second(ids), reference(ids)), "the mapping outlives the name"
 
 
+@pytest.mark.slow  # a child interpreter that loads weights (torch): ~2 s of CPU
 def test_a_segment_whose_loader_died_is_reclaimed(key):
     """A segment left LOADING by a dead process is removed and loaded again by the next worker."""
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
@@ -85,6 +86,7 @@ def test_a_segment_whose_loader_died_is_reclaimed(key):
     shared.close()
 
 
+@pytest.mark.slow  # a child interpreter that loads weights (torch): ~2 s of CPU
 def test_stale_segments_are_removed_and_live_ones_kept(key):
     """remove_stale_segments drops segments of dead owners only."""
     model, shared = load_shared(key, _loaded, _empty)

@@ -146,7 +146,7 @@ async def test_disconnect_mid_stream_cancels_the_run(front):
         response = await session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True})
         assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
         response.close()  # drop the connection while the run waits for more tokens
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not run.cancelled:
         assert time.monotonic() < deadline, "the run was not cancelled after the client disconnected"
         await asyncio.sleep(0.01)

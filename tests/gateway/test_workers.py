@@ -109,7 +109,7 @@ async def test_cancel_during_reserve_releases_what_it_reserved():
     slow = _SlowDecode()
     pool.decode[0].stub = slow
     task = asyncio.create_task(pool.reserve("r", 10, 5, deadline=None))
-    await asyncio.wait_for(slow.entered.wait(), timeout=10)
+    await asyncio.wait_for(slow.entered.wait(), timeout=60)
     task.cancel()
     for _ in range(20):  # let the cancellation reach reserve() (in-process fakes: no I/O to wait for)
         await asyncio.sleep(0)

@@ -62,7 +62,8 @@ def decode(push_server):
         pool.unlink()
 
 
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+def wait_for(predicate, timeout_s: float = 60.0) -> bool:
+    """Polls predicate every millisecond; False (the caller asserts) if it never held within timeout_s."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:

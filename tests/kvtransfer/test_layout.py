@@ -31,6 +31,7 @@ def test_deepseek_v3_page_bytes():
     assert DEEPSEEK_V3.bytes_per_page // 64 == 61 * 576 * 2
 
 
+@pytest.mark.slow  # a child interpreter that imports kvtransfer (torch): ~2 s of CPU
 def test_hash_is_stable_across_processes():
     """A fresh interpreter computes the same hash (no dependence on PYTHONHASHSEED or process state)."""
     code = ("from kvtransfer.layout import KVLayout;"

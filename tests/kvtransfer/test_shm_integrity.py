@@ -140,7 +140,8 @@ def test_expired_lease_frees_pages_and_blocks_writers(decode):
     and its pages return to the allocator."""
     pool, receiver, allocator, reserve, failed = decode
     destination = reserve("r", 30, ttl_s=0.001)
-    time.sleep(0.01)
+    while time.time() * 1000 <= destination.lease_deadline_unix_ms:  # until the deadline has passed
+        time.sleep(0.001)
     with pytest.raises(LeaseExpired):
         ShmWriter(LAYOUT).open(destination)
     expired = reserve.leases.expire()

@@ -109,6 +109,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child interpreter that imports kvtransfer (torch): ~2 s of CPU
 def test_segments_of_a_sigkilled_owner_are_cleaned_at_next_start(shm_leak_guard):
     """A child creates two pools and is SIGKILLed (no atexit); cleanup_stale_segments removes exactly those,
     and leaves a live owner's segment alone."""

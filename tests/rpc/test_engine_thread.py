@@ -34,7 +34,7 @@ def _work(engine: _FakeEngine) -> bool:
 async def test_calls_run_on_the_engine_thread_in_order():
     """Results come back in submission order, every call on the thread that built the engine."""
     runner = EngineThread(_FakeEngine, _work)
-    engine = runner.start(timeout=10)
+    engine = runner.start(timeout=60)
     results = [await runner.call(lambda e, i=i: (e.calls.append(i), threading.get_ident())[1]) for i in range(5)]
     assert engine.calls == list(range(5)) and set(results) == {engine.thread} != {threading.get_ident()}
     runner.stop()
@@ -44,11 +44,11 @@ async def test_calls_run_on_the_engine_thread_in_order():
 async def test_errors_propagate_and_work_runs_until_idle():
     """An exception raised by a call is re-raised to its caller; queued work is done before sleeping."""
     runner = EngineThread(_FakeEngine, _work)
-    engine = runner.start(timeout=10)
+    engine = runner.start(timeout=60)
     with pytest.raises(ZeroDivisionError):
         await runner.call(lambda e: 1 / 0)
     await runner.call(lambda e: setattr(e, "pending", 3))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while engine.pending:  # no command arrives meanwhile: only work() can make progress
         assert time.monotonic() < deadline, "work() did not drain the pending steps"
         await asyncio.sleep(0.01)
@@ -62,4 +62,4 @@ def test_start_reports_construction_errors():
         raise ValueError("no model")
 
     with pytest.raises(RuntimeError, match="no model"):
-        EngineThread(broken, _work).start(timeout=10)
+        EngineThread(broken, _work).start(timeout=60)

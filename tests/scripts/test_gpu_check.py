@@ -41,6 +41,7 @@ def test_gpu_check_dry_run_writes_its_reports(tmp_path):
         assert all(variant["tok_s"] > 0 for variant in row.values())
 
 
+@pytest.mark.slow  # a child interpreter that imports torch: ~2 s of CPU
 def test_gpu_check_without_gpu_and_without_dry_run_exits_2(tmp_path):
     """On a machine with no GPU the real check refuses in one line (exit 2) instead of pretending."""
     pytest.importorskip("torch")

@@ -23,7 +23,7 @@ def token_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB_LIMIT) for _ in range(length)] for length in lengths]
 
 
-async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     """Polls predicate until it holds; raises AssertionError naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -44,12 +44,12 @@ async def gateway_stub(address: str) -> AsyncIterator[gateway_pb2_grpc.GatewaySe
 
 async def decode_load(address: str) -> worker_pb2.GetDecodeLoadResponse:
     async with grpc.aio.insecure_channel(address) as channel:
-        return await worker_pb2_grpc.DecodeServiceStub(channel).GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=5)
+        return await worker_pb2_grpc.DecodeServiceStub(channel).GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=30)
 
 
 async def prefill_load(address: str) -> worker_pb2.GetPrefillLoadResponse:
     async with grpc.aio.insecure_channel(address) as channel:
-        return await worker_pb2_grpc.PrefillServiceStub(channel).GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=5)
+        return await worker_pb2_grpc.PrefillServiceStub(channel).GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=30)
 
 
 async def idle_free_pages(address: str, timeout: float = 30.0) -> int:
@@ -64,7 +64,7 @@ async def idle_free_pages(address: str, timeout: float = 30.0) -> int:
         await asyncio.sleep(0.05)
 
 
-async def wait_for_free_pages(address: str, expected: int, timeout: float = 15.0) -> worker_pb2.GetDecodeLoadResponse:
+async def wait_for_free_pages(address: str, expected: int, timeout: float = 60.0) -> worker_pb2.GetDecodeLoadResponse:
     """Polls GetDecodeLoad until free_pages == expected; returns the last Load either way."""
     deadline = time.monotonic() + timeout
     load = await decode_load(address)

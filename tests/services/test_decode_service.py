@@ -101,9 +101,9 @@ async def test_reserve_abandoned_while_allocating_frees_its_pages(service, how):
 
     total = await _engine_free_pages(service)
     gate = threading.Event()
-    service._engine.post(lambda engine: gate.wait(10))  # the engine thread is busy: the allocation waits
+    service._engine.post(lambda engine: gate.wait(60))  # the engine thread is busy: the allocation waits
     task = asyncio.create_task(service.reserve("r3", 40, 8, TransportKind.SHM))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: "r3" in service._reserving, "the Reserve to start its allocation")
     if how == "cancel":
         task.cancel()
     else:

@@ -35,7 +35,7 @@ class _BlockingEngine:
         """Two chunks per prompt: the first before `release` is set, then (like the engine) should_stop
         is asked before the second; a stopped prompt gets None."""
         self.batches.append([job.request_id for job in jobs])
-        assert self.release.wait(10)
+        assert self.release.wait(60)
         stopped = {job.request_id for job in jobs if should_stop is not None and should_stop(job.request_id)}
         self.stopped.extend(sorted(stopped))
         return [None if job.request_id in stopped else PrefillResult(job.request_id, 7, None, len(job.prompt_ids), 0.0)
@@ -97,4 +97,4 @@ async def test_duplicate_and_expired_requests_are_refused(prefill):
     with pytest.raises(Exception, match="expired"):
         await service.prefill("E", [5] * 4, greedy(4), expired)
     engine.release.set()
-    await asyncio.wait([first], timeout=5)
+    await asyncio.wait([first], timeout=60)

@@ -1,0 +1,64 @@
+"""`--cpu-durations=N`: the N tests that used the most CPU (this process and the children it waited for),
+beside their wall time.
+
+On a shared, loaded machine wall time measures the neighbours as much as the test; CPU seconds are what
+the test costs on an idle machine (where wall time is about CPU time / cores used). Process clusters
+started by session fixtures are reaped at session end, so their CPU shows up in the teardown of the last
+test that used them, and their per-test cost only as wall time."""
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+
+@dataclass
+class Usage:
+    """CPU and wall seconds spent by one test (setup + call + teardown)."""
+
+    nodeid: str
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_USAGE: dict[str, Usage] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="list the N tests that used the most CPU seconds (0: all)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if item.config.getoption("cpu_durations") is None:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    usage = _USAGE.setdefault(item.nodeid, Usage(item.nodeid))
+    usage.cpu_s += _cpu_seconds() - cpu
+    usage.wall_s += time.monotonic() - wall
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    count = config.getoption("cpu_durations")
+    if count is None or not _USAGE:
+        return
+    ranked = sorted(_USAGE.values(), key=lambda usage: usage.cpu_s, reverse=True)
+    total_cpu = sum(usage.cpu_s for usage in ranked)
+    total_wall = sum(usage.wall_s for usage in ranked)
+    terminalreporter.write_sep("=", f"CPU seconds per test (pid {os.getpid()}, load {os.getloadavg()[0]:.2f})")
+    terminalreporter.write_line(f"total: {total_cpu:.1f} CPU s, {total_wall:.1f} wall s over {len(ranked)} tests")
+    for usage in ranked[:count] if count else ranked:
+        terminalreporter.write_line(f"{usage.cpu_s:8.2f} cpu {usage.wall_s:8.2f} wall  {usage.nodeid}")
