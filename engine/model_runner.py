@@ -41,6 +41,8 @@ class RunnerConfig:
     share_weights: bool = False  # map the node's one shared copy of this rank's weights (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
     num_state_slots: int = 0  # per-sequence state slots (models with linear attention)
+    snapshot_rows: int = 0  # speculative verify scratch: sequences x positions, allocated at start (0: none)
+    snapshot_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -124,7 +126,8 @@ class ModelRunner:
             from engine.state_pool import StatePool
 
             self.cache.state = StatePool(self.model_config.state_shape(tp.size, config.num_state_slots, dtype),
-                                         device=self.device)
+                                         device=self.device, snapshot_rows=config.snapshot_rows,
+                                         snapshot_steps=config.snapshot_steps)
         self.graphs = self._capture_graphs() if config.use_graphs else None
         logger.info(
             "rank %d/%d ready on %s: %d pages x %d tokens (%s), %d state slots, draft=%s",

@@ -39,3 +39,23 @@ def make_k3_with_dspark(root: Path, gamma: int = 7, seed: int = 0) -> Path:
     model_dir = make_k3_checkpoint(root, "k3_dspark", seed=seed)
     add_random_dspark(model_dir, gamma, seed)
     return model_dir
+
+
+def make_small_vocab_k3_with_dspark(root: Path, vocab_size: int = 16, gamma: int = 3, seed: int = 0,
+                                    logit_gain: float = 12.0, markov_gain: float = 4.0) -> Path:
+    """A tiny K3 with a `vocab_size`-token vocabulary (so token distributions can be tested exactly) and a random
+    DSpark draft. logit_gain sharpens the target's next-token distributions (prompt-dependent, far from uniform);
+    markov_gain makes the Markov bias large, so drafts chosen with and without it differ."""
+    from tests.engine.k3_checkpoint import k3_config, k3_state_dict, write_k3_checkpoint
+
+    config = k3_config(vocab_size=vocab_size)
+    config.update(bos_token_id=0, eos_token_id=1, pad_token_id=vocab_size - 1, media_placeholder_token_id=vocab_size - 2)
+    tensors = k3_state_dict(config, seed)
+    tensors["language_model.lm_head.weight"] *= logit_gain
+    model_dir = write_k3_checkpoint(Path(root) / f"k3_vocab{vocab_size}-{seed}", config, tensors)
+    torch.manual_seed(seed)
+    draft = DSparkDraft(dspark_config_for(model_dir, gamma, confidence=False))
+    with torch.no_grad():
+        draft.markov_head.markov_w2.weight.mul_(markov_gain)
+    save_dspark(draft, model_dir / "draft", dtype=torch.float32)
+    return model_dir
