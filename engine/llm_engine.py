@@ -78,7 +78,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
                                    self.state_pool)
         self.acceptance_stats = AcceptanceStats()
-        self._markov = getattr(self.runner.draft, "markov_bias", None)  # DSpark: Markov head used when proposing
+        self._markov = getattr(self.runner.draft, "markov_head", None)  # DSpark: Markov head used when proposing
         self.num_preemptions = 0  # running sequences preempted for lack of pages, since start
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
