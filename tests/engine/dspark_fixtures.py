@@ -61,13 +61,17 @@ def make_small_vocab_k3_with_dspark(root: Path, vocab_size: int = 16, gamma: int
     markov_gain makes the Markov bias large, so drafts chosen with and without it differ."""
     from tests.engine.k3_checkpoint import k3_config, k3_state_dict, write_k3_checkpoint
 
-    config = k3_config(vocab_size=vocab_size)
+    # A smaller K3 than the default (4 layers: 3 KDA + 1 MLA, 4 heads of each kind, 4 experts): the statistical
+    # test runs 20k sequences, and per-sequence prefill work scales with the KDA layer count.
+    config = k3_config(vocab_size=vocab_size, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                       num_experts=4, linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4],
+                                                          "num_heads": 4})
     config.update(bos_token_id=0, eos_token_id=1, pad_token_id=vocab_size - 1, media_placeholder_token_id=vocab_size - 2)
     tensors = k3_state_dict(config, seed)
     tensors["language_model.lm_head.weight"] *= logit_gain
     model_dir = write_k3_checkpoint(Path(root) / f"k3_vocab{vocab_size}-{seed}", config, tensors)
     torch.manual_seed(seed)
-    draft = DSparkDraft(dspark_config_for(model_dir, gamma, confidence=False))
+    draft = DSparkDraft(dspark_config_for(model_dir, gamma, target_layer_ids=(1, 3), confidence=False))
     with torch.no_grad():
         draft.markov_head.markov_w2.weight.mul_(markov_gain)
     save_dspark(draft, model_dir / "draft", dtype=torch.float32)

@@ -24,9 +24,10 @@ BLOCK = 3  # verify [t1, d1, d2]: t2 and t3 both come from the first verify step
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     model_dir = make_small_vocab_k3_with_dspark(tmp_path_factory.mktemp("k3_sampled"), VOCAB, gamma=BLOCK - 1)
-    # A few hundred sequences per engine step: 20k requests take ~40 steps of prefill and verify.
+    # A few hundred sequences per engine step: 20k requests take ~40 rounds of prefill and verify steps. One
+    # torch thread: the ops are tiny, and on a shared 2-core machine intra-op threads mostly wait for each other.
     with LLM(str(model_dir), attention_backend="torch", spec_block_size=BLOCK, max_running=512,
-             max_batched_tokens=4 * 512, kv_memory_bytes=1 << 30) as engine:
+             max_batched_tokens=4 * 512, kv_memory_bytes=1 << 29, num_threads=1) as engine:
         yield engine
 
 
@@ -67,7 +68,7 @@ def test_sampled_spec_on_k3_matches_exact_target_marginal(llm, exact_joint):
     p_value = chi_square_pvalue(counts, exact_joint, min_expected=5)
     print(f"K3 sampled spec chi-square p-value {p_value:.4f}; accepted {accepted}/{drafts} drafts in {steps} steps")
     assert steps >= SAMPLES  # every request verified at least once
-    assert 0.05 < accepted / drafts < 0.9  # both the accept and the resample paths carry weight
+    assert 0.02 < accepted / drafts < 0.9  # both the accept and the resample paths carry weight
     assert p_value > 1e-3
 
 
