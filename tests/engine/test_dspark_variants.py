@@ -147,7 +147,7 @@ VARIANTS = {"mla+vanilla": (TINY_MLA, "vanilla"), "dense+gated": (None, "gated")
 
 
 def _check_greedy_spec(model_dir, prompts, blocks) -> None:
-    with LLM(str(model_dir), attention_backend="torch", spec_block_size=8) as llm:
+    with LLM(str(model_dir), attention_backend="torch", spec_block_size=8, num_threads=1) as llm:
         plain = llm.generate(prompts, dataclasses.replace(GREEDY, speculative=False))
         for block in blocks:
             assert llm.generate(prompts, dataclasses.replace(GREEDY, block_size=block)) == plain, f"block {block}"
