@@ -9,6 +9,7 @@ import grpc
 from decode_worker.service import DecodeService
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import TransportKind
+from rpc.processes import node_id
 from rpc.convert import logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, streaming, unary
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
@@ -55,14 +56,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 self._service.release_soon(request.request_id)
 
         context.add_done_callback(on_done)
-        updates = self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token, params)
+        updates = self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token,
+                                       params, request.stream_interval)
         async with contextlib.aclosing(updates) as stream:
             async for update in stream:
                 finished = update.finished
-                yield worker_pb2.DecodeResponse(
-                    token_ids=update.token_ids, logprobs=[logprob_to_proto(lp) for lp in update.logprobs],
-                    finished=update.finished, finish_reason=update.finish_reason or "", decode_steps=update.steps,
-                )
+                response = worker_pb2.DecodeResponse(token_ids=update.token_ids, finished=finished,
+                                                     finish_reason=update.finish_reason or "", decode_steps=update.steps)
+                if update.logprobs:
+                    response.logprobs.extend(logprob_to_proto(lp) for lp in update.logprobs)
+                yield response
 
     @unary
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
@@ -74,5 +77,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         return worker_pb2.GetDecodeLoadResponse(
             free_pages=load.free_pages, total_pages=load.total_pages, running=load.running, waiting=load.waiting,
             leases=load.leases, leased_pages=load.leased_pages, page_size=load.page_size, tp_size=load.tp_size,
-            headroom_pages=load.headroom_pages, requests_total=load.requests_total,
+            headroom_pages=load.headroom_pages, requests_total=load.requests_total, node_id=node_id(),
+            kv_pool=self._service.config.engine.kv_pool,
         )

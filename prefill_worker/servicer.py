@@ -5,6 +5,7 @@ import grpc
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination
+from rpc.processes import node_id
 from rpc.convert import logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, unary
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -45,4 +46,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def GetPrefillLoad(self, request: worker_pb2.GetPrefillLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetPrefillLoadResponse:
         load = self._service.load
         return worker_pb2.GetPrefillLoadResponse(queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
-                                      tp_size=load.tp_size, requests_total=load.requests_total)
+                                      tp_size=load.tp_size, requests_total=load.requests_total,
+                                      node_id=node_id(), device=self._service.config.engine.device)
