@@ -32,6 +32,7 @@ class EngineConfig:
     page_size: int = 16
     kv_memory_bytes: int = 512 * 2**20
     max_running: int = 64
+    state_memory_fraction: float = 0.5  # the most of kv_memory_bytes KDA state slots + verify scratch may take
     max_batched_tokens: int = 2048
     kv_pool: str = "local"
     num_threads: int | None = None
@@ -58,6 +59,8 @@ class EngineConfig:
                                  "kv_pool 'local' or 'device' (a device pool exported over IPC)")
         if self.spec_block_size < 2:
             raise ValueError(f"spec_block_size must be >= 2, got {self.spec_block_size}")
+        if not 0.0 < self.state_memory_fraction < 1.0:
+            raise ValueError(f"state_memory_fraction must be in (0, 1), got {self.state_memory_fraction}")
         if self.page_size <= 0 or self.kv_memory_bytes <= 0:
             raise ValueError("page_size and kv_memory_bytes must be positive")
         if self.kv_pool not in KV_POOLS:

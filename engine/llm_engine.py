@@ -41,8 +41,12 @@ class LLMEngine:
         state_probe = self.model_config.state_shape(config.tp_size, 1, dtype)
         slot_bytes = state_probe.slot_stride if state_probe is not None else 0
         use_graphs = config.use_graphs and config.resolved_device == "cuda"
-        num_pages, num_slots = split_memory_budget(config.kv_memory_bytes, probe.bytes_per_page, slot_bytes,
-                                                   config.max_running)
+        # With a draft, a verify step keeps the KDA state after each of its <= spec_block_size positions for every
+        # running sequence: that scratch is part of the budget too.
+        split = split_memory_budget(config.kv_memory_bytes, probe.bytes_per_page, slot_bytes, config.max_running,
+                                    snapshot_steps=config.spec_block_size if draft_dir else 0,
+                                    state_fraction=config.state_memory_fraction)
+        num_pages, num_slots = split.num_pages, split.num_slots
         num_pages = max(2 if use_graphs else 1, num_pages)
         runner_config = RunnerConfig(
             model_dir=config.model_dir,
@@ -61,6 +65,8 @@ class LLMEngine:
             graph_query_lens=(1, min(config.spec_block_size, self.draft_config.verify_block_size)) if draft_dir else (1,),
             share_weights=config.share_weights,
             num_state_slots=num_slots,
+            snapshot_rows=split.snapshot_rows,
+            snapshot_steps=split.snapshot_steps,
         )
         self.leader = TPLeader(runner_config, config.tp_size)
         self.runner = self.leader.runner
@@ -72,14 +78,15 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
                                    self.state_pool)
         self.acceptance_stats = AcceptanceStats()
-        self._markov = getattr(self.runner.draft, "markov_bias", None)  # DSpark: Markov head used when proposing
+        self._markov = getattr(self.runner.draft, "markov_head", None)  # DSpark: Markov head used when proposing
         self.num_preemptions = 0  # running sequences preempted for lack of pages, since start
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self.eos_ids = set(self.model_config.eos_token_id)
-        logger.info("engine ready on %s (%s): %d pages (%d B), %d state slots (%d B), draft=%s, tp=%d", self.device,
-                    config.torch_dtype_name, num_pages, num_pages * probe.bytes_per_page, num_slots,
-                    num_slots * slot_bytes, bool(draft_dir), config.tp_size)
+        logger.info("engine ready on %s (%s): %d pages (%d B), %d state slots (%d B), verify scratch %d x %d (%d B), "
+                    "draft=%s, tp=%d", self.device, config.torch_dtype_name, num_pages, num_pages * probe.bytes_per_page,
+                    num_slots, num_slots * slot_bytes, split.snapshot_rows, split.snapshot_steps,
+                    split.snapshot_rows * split.snapshot_steps * slot_bytes, bool(draft_dir), config.tp_size)
 
     # --- properties the services read -------------------------------------------------------------
     @property

@@ -42,6 +42,8 @@ class RunnerConfig:
     share_weights: bool = False  # map the node's one shared copy of this rank's weights (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
     num_state_slots: int = 0  # per-sequence state slots (models with linear attention)
+    snapshot_rows: int = 0  # speculative verify scratch: sequences x positions, allocated at start (0: none)
+    snapshot_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -129,6 +131,8 @@ class ModelRunner:
             self.cache = self.pool.cache
         else:
             self.cache = PagedLatentCache(self.cache_shape, device=self.device)
+        if self.cache.state is not None and config.snapshot_rows:
+            self.cache.state.reserve_snapshots(config.snapshot_rows, config.snapshot_steps)
         self.graphs = self._capture_graphs() if config.use_graphs else None
         logger.info(
             "rank %d/%d ready on %s: %d pages x %d tokens (%s), %d state slots, draft=%s",
@@ -253,15 +257,16 @@ class ModelRunner:
         return self.model.compute_logits(out.hidden.index_select(0, rows))
 
     @torch.inference_mode()
-    def run_draft(self, plan: DraftPlan) -> torch.Tensor:
-        """-> draft logits [num_seqs * (block_size - 1), vocab] float32 for block positions 1 .. B-1."""
+    def run_draft(self, plan: DraftPlan) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """-> draft logits [num_seqs * (block_size - 1), vocab] float32 for block positions 1 .. B-1
+        (plan.with_hidden: and the hidden states they come from, [num_seqs * (block_size - 1), hidden])."""
         assert self.draft is not None
-        if self.graphs is not None:
+        if self.graphs is not None and not plan.with_hidden:
             logits = self.graphs.run_draft(plan)
             if logits is not None:
                 return logits
         last, starts, slots = self.draft_inputs(plan)
-        return self.forward_draft(last, starts, slots, plan.block_size)
+        return self.forward_draft(last, starts, slots, plan.block_size, plan.with_hidden)
 
     def draft_inputs(self, plan: DraftPlan, num_seqs: int | None = None, max_ctx: int | None = None):
         """(last tokens [S], context starts [S], context slots [S, max_ctx]) on the device, one H2D copy.
@@ -282,8 +287,10 @@ class ModelRunner:
         last, starts, flat = torch.split(packed, [count, count, count * width])
         return last, starts, flat.view(count, width)
 
-    def forward_draft(self, last: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, block: int) -> torch.Tensor:
-        """The device part of a draft step: last/starts [S], slots [S, max_ctx] -> logits [S * (block - 1), vocab]."""
+    def forward_draft(self, last: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, block: int,
+                      with_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The device part of a draft step: last/starts [S], slots [S, max_ctx] -> logits [S * (block - 1), vocab]
+        (with_hidden: and the hidden rows [S * (block - 1), hidden])."""
         num_seqs, max_ctx = slots.shape
         shifted = self.draft.shifted_block  # DSpark: block-1 slots, slot k predicts position start+k+1
         width = block - 1 if shifted else block
@@ -294,8 +301,9 @@ class ModelRunner:
         draft_cache = self.cache.draft.view(self.cache_shape.draft_layers, -1, self.cache_shape.draft_dim)
         context = draft_cache[:, slots.view(-1)].view(self.cache_shape.draft_layers, num_seqs, max_ctx, -1)
         hidden = self.draft(embeds, positions, context.to(embeds.dtype), starts)
-        hidden = hidden if shifted else hidden[:, 1:]
-        return self.model.compute_logits(hidden.reshape(num_seqs * (block - 1), -1))
+        hidden = (hidden if shifted else hidden[:, 1:]).reshape(num_seqs * (block - 1), -1)
+        logits = self.model.compute_logits(hidden)
+        return (logits, hidden) if with_hidden else logits
 
     def read_pages(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copies of this rank's pages: target [layers, n, page_size, D], draft [draft_layers, n, page_size, Dd]."""

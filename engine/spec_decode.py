@@ -21,8 +21,10 @@ Proposals = dict[str, tuple[list[int], torch.Tensor | None]]
 
 def _markov_drafts(logits: torch.Tensor, last: list[int], markov, choose) -> tuple[torch.Tensor, torch.Tensor]:
     """DSpark: drafts formed left to right with the Markov bias (K3_SPEC 5.3 step 3).
-    logits [n, k, vocab] base; markov(prev [n]) -> [n, vocab]; choose(rows [n, vocab]) -> (tokens [n], q or None).
-    -> (tokens [n, k], the Markov-corrected rows the tokens were chosen from [n, k, vocab] (q when sampled))."""
+    logits [n, k, vocab] base; markov(prev [n]) -> [n, vocab], called once per slot in order (a MarkovSteps:
+    it knows the slot's hidden state and carries an rnn head's state); choose(rows [n, vocab]) -> (tokens [n],
+    q or None). -> (tokens [n, k], the Markov-corrected rows the tokens were chosen from [n, k, vocab] (q when
+    sampled))."""
     prev = torch.tensor(last, dtype=torch.int64, device=logits.device)
     tokens, rows = [], []
     for k in range(logits.shape[1]):
@@ -35,23 +37,34 @@ def _markov_drafts(logits: torch.Tensor, last: list[int], markov, choose) -> tup
 
 def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposals:
     """Runs the draft once for sequences sharing a block size. execute(plan) -> draft logits
-    [len(group) * (block - 1), vocab]. Sequences near max_new_tokens get fewer drafts; none with 0.
-    markov(prev ids [n]) -> logit bias [n, vocab]: a DSpark draft's Markov head, applied left to right."""
+    [len(group) * (block - 1), vocab] (and hidden rows when the plan asks for them). Sequences near
+    max_new_tokens get fewer drafts; none with 0. markov: a DSpark draft's Markov head
+    (engine/models/dspark_markov.py), applied left to right; None for a DFlash draft."""
     remaining = [min(block - 1, s.params.max_new_tokens - s.num_generated) for s in group]
     plan = DraftPlan(
         block_size=block,
         last_tokens=[s.last_token for s in group],
         context_lens=[s.num_cached for s in group],
         page_tables=[list(s.page_table.pages) for s in group],
+        with_hidden=bool(markov is not None and markov.needs_hidden),
     )
-    logits = execute(plan).view(len(group), block - 1, -1)
+    out = execute(plan)
+    logits, hidden = out if isinstance(out, tuple) else (out, None)
+    logits = logits.view(len(group), block - 1, -1)
+    if hidden is not None:
+        hidden = hidden.view(len(group), block - 1, -1)
+
+    def steps(rows: list[int]):
+        return markov.steps(hidden[rows] if hidden is not None else None)
+
     active = [(i, seq, max(0, remaining[i])) for i, seq in enumerate(group) if remaining[i] > 0]
     greedy = [(i, seq, count) for i, seq, count in active if seq.params.greedy]
     sampled = [(i, seq, count) for i, seq, count in active if not seq.params.greedy]
     pieces, q = [], None
     if greedy and markov is not None:
-        picked, _ = _markov_drafts(logits[[i for i, _, _ in greedy]], [s.last_token for _, s, _ in greedy], markov,
-                                   lambda rows: (rows.argmax(dim=-1), None))
+        rows = [i for i, _, _ in greedy]
+        picked, _ = _markov_drafts(logits[rows], [s.last_token for _, s, _ in greedy], steps(rows),
+                                   lambda corrected: (corrected.argmax(dim=-1), None))
         pieces.append(torch.cat([picked[j, :count] for j, (_, _, count) in enumerate(greedy)]))
     elif greedy:
         pieces.append(torch.cat([logits[i, :count].argmax(dim=-1) for i, _, count in greedy]))
@@ -64,8 +77,8 @@ def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposal
                 probs = batch.probs(rows)
                 return sample(probs, batch.generators), probs
 
-            picked, probs = _markov_drafts(logits[[i for i, _, _ in sampled]], [s.last_token for _, s, _ in sampled],
-                                           markov, choose)
+            rows = [i for i, _, _ in sampled]
+            picked, probs = _markov_drafts(logits[rows], [s.last_token for _, s, _ in sampled], steps(rows), choose)
             q = torch.cat([probs[j, :count] for j, (_, _, count) in enumerate(sampled)])
             pieces.append(torch.cat([picked[j, :count] for j, (_, _, count) in enumerate(sampled)]))
         else:

@@ -23,11 +23,14 @@ the slots; each KDA layer writes its state after every verify position into the 
 (snapshot_conv [layers, n, B, W-1, C], snapshot_recurrent [layers, n, B, H, K, V], row i = the step's
 sequence i), and commit_snapshots copies position accepted (commit_len - 1) into each sequence's slot.
 The scratch belongs to the step, not to a slot: abort or preemption between steps leaves nothing behind.
+The engine sizes the scratch once, for max_running sequences x the largest verify step, and counts it in
+its cache budget (split_memory_budget), so speculation at full batch never allocates past the budget.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -107,9 +110,10 @@ class StateShape:
 class StatePool:
     """The state tensors of every slot and the free list; lowest free slot is handed out first."""
 
-    def __init__(self, shape: StateShape, device: torch.device | str = "cpu", raw: torch.Tensor | None = None) -> None:
+    def __init__(self, shape: StateShape, device: torch.device | str = "cpu", raw: torch.Tensor | None = None,
+                 snapshot_rows: int = 0, snapshot_steps: int = 0) -> None:
         """raw: uint8 [num_slots, slot_stride] to keep the slots in (e.g. a shared-memory view); None:
-        a zeroed buffer of its own on `device`."""
+        a zeroed buffer of its own on `device`. snapshot_rows / snapshot_steps: see reserve_snapshots."""
         self.shape = s = shape
         if raw is None:
             raw = torch.zeros((s.num_slots, s.slot_stride), dtype=torch.uint8, device=device)
@@ -128,6 +132,19 @@ class StatePool:
         self._owned: set[int] = set()
         self.snapshot_conv: torch.Tensor | None = None
         self.snapshot_recurrent: torch.Tensor | None = None
+        self.fixed_snapshots = False
+        self.reserve_snapshots(snapshot_rows, snapshot_steps)
+
+    def reserve_snapshots(self, snapshot_rows: int, snapshot_steps: int) -> None:
+        """snapshot_rows x snapshot_steps > 0: the verify scratch is allocated now, at that size, and never grows
+        (the engine counts it in its memory budget); 0: it is allocated by the first verify step and grows on
+        demand."""
+        if snapshot_rows < 0 or snapshot_steps < 0 or (snapshot_rows > 0) != (snapshot_steps > 0):
+            raise ValueError(f"snapshot_rows ({snapshot_rows}) and snapshot_steps ({snapshot_steps}) must both be "
+                             "positive or both 0")
+        self.fixed_snapshots = snapshot_rows > 0
+        if self.fixed_snapshots:
+            self._allocate_snapshots(snapshot_rows, snapshot_steps)
 
     @property
     def num_free(self) -> int:
@@ -156,19 +173,27 @@ class StatePool:
         """Zeroes one slot in every layer (a sequence that recomputes from scratch)."""
         self.raw[slot].zero_()
 
+    def _allocate_snapshots(self, num_seqs: int, steps: int) -> None:
+        s = self.shape
+        self.snapshot_conv = torch.zeros((s.num_kda_layers, num_seqs, steps, s.conv_width, s.conv_channels),
+                                         dtype=s.conv_dtype, device=self.conv.device)
+        self.snapshot_recurrent = torch.zeros((s.num_kda_layers, num_seqs, steps, s.num_heads, s.head_k_dim,
+                                               s.head_v_dim), dtype=s.ssm_dtype, device=self.recurrent.device)
+
     def begin_snapshots(self, num_seqs: int, steps: int) -> None:
-        """Scratch for one verify step of num_seqs sequences with up to `steps` positions each (grown on
-        demand, reused across steps; its rows are only meaningful until the step's commit)."""
-        s, conv, rec = self.shape, self.snapshot_conv, self.snapshot_recurrent
-        if conv is None or conv.shape[1] < num_seqs or conv.shape[2] < steps:
-            n = max(num_seqs, conv.shape[1] if conv is not None else 0)
-            b = max(steps, conv.shape[2] if conv is not None else 0)
-            self.snapshot_conv = torch.zeros((s.num_kda_layers, n, b, s.conv_width, s.conv_channels),
-                                             dtype=s.conv_dtype, device=self.conv.device)
-            self.snapshot_recurrent = torch.zeros((s.num_kda_layers, n, b, s.num_heads, s.head_k_dim, s.head_v_dim),
-                                                  dtype=s.ssm_dtype, device=self.recurrent.device)
-        elif rec is None:
+        """Scratch for one verify step of num_seqs sequences with up to `steps` positions each (reused across
+        steps; its rows are only meaningful until the step's commit). A fixed scratch (snapshot_rows given)
+        refuses a step larger than itself; otherwise the scratch grows on demand."""
+        conv, rec = self.snapshot_conv, self.snapshot_recurrent
+        if conv is not None and rec is None:
             raise RuntimeError("snapshot buffers are half allocated")
+        if conv is not None and conv.shape[1] >= num_seqs and conv.shape[2] >= steps:
+            return
+        if self.fixed_snapshots:
+            raise RuntimeError(f"a verify step of {num_seqs} sequences x {steps} positions exceeds the state pool's "
+                               f"snapshot scratch ({conv.shape[1]} x {conv.shape[2]}) counted in the memory budget")
+        self._allocate_snapshots(max(num_seqs, conv.shape[1] if conv is not None else 0),
+                                 max(steps, conv.shape[2] if conv is not None else 0))
 
     def commit_snapshots(self, slots: list[int], steps: list[int]) -> None:
         """After verification: slot slots[i] takes the state after verify position steps[i] of row i
@@ -199,20 +224,44 @@ class StatePool:
         self.recurrent[:, slot].copy_(recurrent)
 
 
-def split_memory_budget(budget_bytes: int, bytes_per_page: int, bytes_per_slot: int, max_running: int) -> tuple[int, int]:
-    """(num_pages, num_slots) for a cache budget shared by latent pages and state slots.
+class MemorySplit(NamedTuple):
+    """How a cache budget is used: latent pages, state slots, and the speculative verify scratch
+    (snapshot_rows sequences x snapshot_steps positions, each position one slot's worth of bytes)."""
 
-    Every running sequence needs a slot, so slots = max_running (+1 spare for a sequence being set up),
-    capped at half the budget; the pages take the rest. bytes_per_slot 0 (no linear attention): no slots."""
-    if budget_bytes <= 0 or bytes_per_page <= 0 or max_running <= 0 or bytes_per_slot < 0:
+    num_pages: int
+    num_slots: int
+    snapshot_rows: int = 0
+    snapshot_steps: int = 0
+
+
+def split_memory_budget(budget_bytes: int, bytes_per_page: int, bytes_per_slot: int, max_running: int,
+                        snapshot_steps: int = 0, state_fraction: float = 0.5) -> MemorySplit:
+    """Splits a cache budget between latent pages, state slots and the verify scratch so that the three
+    together never exceed it.
+
+    Every running sequence needs a slot and, when speculation is on (snapshot_steps = the largest verify step,
+    in positions), snapshot_steps slots' worth of scratch in a verify step. So slots = max_running (+1 spare for
+    a sequence being set up) and scratch rows = min(max_running, slots), reduced until slots + scratch fit in
+    state_fraction of the budget; the pages take the rest. bytes_per_slot 0 (no linear attention): pages only."""
+    if budget_bytes <= 0 or bytes_per_page <= 0 or max_running <= 0 or bytes_per_slot < 0 or snapshot_steps < 0:
         raise ValueError("memory budget, page size and max_running must be positive")
+    if not 0.0 < state_fraction < 1.0:
+        raise ValueError(f"state_fraction must be in (0, 1), got {state_fraction}")
     if bytes_per_slot == 0:
-        return max(1, budget_bytes // bytes_per_page), 0
-    slots = min(max_running + 1, (budget_bytes // 2) // bytes_per_slot)
+        return MemorySplit(max(1, budget_bytes // bytes_per_page), 0)
+    state_budget = int(budget_bytes * state_fraction)
+
+    def state_bytes(slots: int) -> int:
+        return (slots + min(max_running, slots) * snapshot_steps) * bytes_per_slot
+
+    slots = min(max_running + 1, state_budget // bytes_per_slot)
+    while slots > 0 and state_bytes(slots) > state_budget:
+        slots -= 1
     if slots < 1:
         raise ValueError(f"kv_memory_bytes={budget_bytes} cannot hold one state slot of {bytes_per_slot} B "
-                         "in half the budget")
-    pages = (budget_bytes - slots * bytes_per_slot) // bytes_per_page
+                         f"(+ {snapshot_steps} positions of verify scratch) in {state_fraction:g} of the budget")
+    pages = (budget_bytes - state_bytes(slots)) // bytes_per_page
     if pages < 1:
         raise ValueError(f"kv_memory_bytes={budget_bytes} leaves no room for a KV page after {slots} state slots")
-    return pages, slots
+    rows = min(max_running, slots) if snapshot_steps else 0
+    return MemorySplit(pages, slots, rows, snapshot_steps if rows else 0)

@@ -44,6 +44,7 @@ class DraftPlan:
     last_tokens: list[int]
     context_lens: list[int]
     page_tables: list[list[int]]
+    with_hidden: bool = False  # also return the draft's hidden states (a gated / rnn DSpark Markov head reads them)
 
 
 @dataclass(frozen=True)

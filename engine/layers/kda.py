@@ -26,6 +26,25 @@ from engine.sharding import shard_weight
 CHUNK_SIZE = 64
 
 
+def kda_weight_shapes(hidden: int, heads: int, head_dim: int, conv_width: int,
+                      full_rank_gate: bool) -> dict[str, tuple[int, ...]]:
+    """A KDA layer's tensors: name under self_attn. -> full on-disk shape. A_log is listed as [H] (its other
+    accepted layouts: KimiDeltaAttention.accepts_shape). Pure: the capacity planner counts parameters with it."""
+    proj, dim = heads * head_dim, head_dim
+    shapes = {
+        "q_proj.weight": (proj, hidden), "k_proj.weight": (proj, hidden), "v_proj.weight": (proj, hidden),
+        "q_conv1d.weight": (proj, 1, conv_width), "k_conv1d.weight": (proj, 1, conv_width),
+        "v_conv1d.weight": (proj, 1, conv_width), "f_a_proj.weight": (dim, hidden),
+        "f_b_proj.weight": (proj, dim), "dt_bias": (proj,), "A_log": (heads,), "b_proj.weight": (heads, hidden),
+        "o_norm.weight": (dim,), "o_proj.weight": (hidden, proj),
+    }
+    if full_rank_gate:
+        shapes["g_proj.weight"] = (proj, hidden)
+    else:
+        shapes.update({"g_a_proj.weight": (dim, hidden), "g_b_proj.weight": (proj, dim)})
+    return shapes
+
+
 class KimiDeltaAttention(nn.Module):
     """x [T, hidden] -> [T, hidden]; linear_attn.num_heads / tp heads on this rank."""
 
@@ -67,20 +86,9 @@ class KimiDeltaAttention(nn.Module):
 
     # ---- weights ----
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Local name -> full on-disk shape. A_log is listed as [H]; accepts_shape also takes its other layouts."""
-        proj, dim, heads, hidden = self.total_heads * self.head_dim, self.head_dim, self.total_heads, self.hidden_size
-        shapes = {
-            "q_proj.weight": (proj, hidden), "k_proj.weight": (proj, hidden), "v_proj.weight": (proj, hidden),
-            "q_conv1d.weight": (proj, 1, self.conv_width), "k_conv1d.weight": (proj, 1, self.conv_width),
-            "v_conv1d.weight": (proj, 1, self.conv_width), "f_a_proj.weight": (dim, hidden),
-            "f_b_proj.weight": (proj, dim), "dt_bias": (proj,), "A_log": (heads,), "b_proj.weight": (heads, hidden),
-            "o_norm.weight": (dim,), "o_proj.weight": (hidden, proj),
-        }
-        if self.full_rank_gate:
-            shapes["g_proj.weight"] = (proj, hidden)
-        else:
-            shapes.update({"g_a_proj.weight": (dim, hidden), "g_b_proj.weight": (proj, dim)})
-        return shapes
+        """Local name -> full on-disk shape (kda_weight_shapes)."""
+        return kda_weight_shapes(self.hidden_size, self.total_heads, self.head_dim, self.conv_width,
+                                 self.full_rank_gate)
 
     def accepts_shape(self, local_name: str, shape: tuple[int, ...]) -> bool:
         """A_log: [H], transformers' [1, 1, H, 1] or K3's zero-padded [n >= H]; every other tensor its exact shape."""

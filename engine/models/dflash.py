@@ -172,12 +172,13 @@ class DFlashDraft(nn.Module):
 
     shifted_block = False  # block slot i predicts position n-1+i (slot 0 is the last token's own)
 
-    def __init__(self, config: DFlashConfig) -> None:
+    def __init__(self, config: DFlashConfig, make_layer=None) -> None:
+        """make_layer() -> a layer with DFlashLayer's interface (context_entry, forward); default DFlashLayer."""
         super().__init__()
         self.config = config
         self.fc = nn.Linear(config.context_input_size, config.hidden_size, bias=False)
         self.context_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList((make_layer or (lambda: DFlashLayer(config)))() for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         exponent = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
         self.register_buffer("inv_freq", 1.0 / config.rope_theta**exponent, persistent=False)

@@ -1,20 +1,22 @@
-"""DSpark draft (K3_SPEC 5.2-5.3): the DFlash block-parallel backbone with Qwen3-style layers + a Markov head.
+"""DSpark draft (K3_SPEC 5.2-5.3): the DFlash block-parallel backbone + a Markov head (+ a confidence head).
 
 Backbone: ctx = hidden_norm(fc(concat target taps)); each layer's context K/V come from ctx (k/v proj,
 per-head k RMSNorm, RoPE at the token's position); the block [bonus, MASK x (n-1)] attends non-causally
 to the request's context and the whole block; final norm; the TARGET's embedding and LM head. This is
 DFlashDraft's computation (reused), with the published names, YaRN RoPE when configured, and the
-"DeepSpec" slot convention: slot k predicts position L+k+1 (shifted_block).
+"DeepSpec" slot convention: slot k predicts position L+k+1 (shifted_block). Layers are Qwen3-style
+(q/k/v/o, q_norm / k_norm), or K3 MLA in the KimiK3DSparkMLADraftModel variant (engine/models/dspark_mla.py).
 
-Markov head (vanilla, rank r): bias(prev) = W2 . E1[prev]; drafts are formed left to right,
-logits_k = base_k + bias(prev_k), prev_0 = bonus, prev_{k+1} = the draft chosen at k (greedy argmax or
-sampled), so verification against these Markov-corrected probabilities is exact.
+Markov head (engine/models/dspark_markov.py: vanilla, gated or rnn): drafts are formed left to right,
+logits_k = base_k + bias_k(prev_k[, h_k]), prev_0 = bonus, prev_{k+1} = the draft chosen at k (greedy
+argmax or sampled), so verification against these Markov-corrected probabilities is exact.
 Confidence head (optional): c_k = sigmoid(w . [h_k ; E1[prev_k]] + b), float32 (not used to shorten
 verification here: every draft is verified).
 
-Published tensor names <-> module names: layers.{i}.self_attn.{q,k,v,o}_proj / {q,k}_norm,
+Published tensor names <-> module names: layers.{i}.self_attn.{q,k,v,o}_proj / {q,k}_norm (MLA:
+q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj),
 layers.{i}.mlp.{gate,up,down}_proj, layers.{i}.{input,post_attention}_layernorm, fc, hidden_norm, norm,
-markov_head.markov_w1 (embedding) / markov_w2 (linear), confidence_head.proj (weight + bias).
+markov_head.markov_w1 (embedding) / markov_w2 (linear) (+ gate_proj or joint_proj), confidence_head.proj.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from torch import Tensor, nn
 from engine.layers.rotary import rope_inv_freq
 from engine.models.dflash import DFlashDraft
 from engine.models.dspark_config import DSparkConfig, read_dspark_config
+from engine.models.dspark_markov import ConfidenceHead, build_markov_head
+from engine.models.dspark_mla import DSparkMLALayer
 
 SKIPPED_PREFIXES = ("embed_tokens.", "lm_head.", "rotary_emb.")
 _RENAMES = (
@@ -38,7 +42,8 @@ _RENAMES = (
     (r"^hidden_norm\.", "context_norm."),
 )
 _MODULE_TO_PUBLISHED = (
-    (r"^layers\.(\d+)\.([qkvo]_proj|[qk]_norm)\.", r"layers.\1.self_attn.\2."),
+    (r"^layers\.(\d+)\.([qkvo]_proj|[qk]_norm|q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|"
+     r"kv_b_proj)\.", r"layers.\1.self_attn.\2."),
     (r"^layers\.(\d+)\.(gate_proj|up_proj|down_proj)\.", r"layers.\1.mlp.\2."),
     (r"^layers\.(\d+)\.input_norm\.", r"layers.\1.input_layernorm."),
     (r"^layers\.(\d+)\.post_attention_norm\.", r"layers.\1.post_attention_layernorm."),
@@ -54,36 +59,22 @@ def _rename(name: str, rules) -> str:
     return name
 
 
-class MarkovHead(nn.Module):
-    """Vanilla rank-r Markov logit bias: bias(prev) = markov_w2(markov_w1[prev])."""
-
-    def __init__(self, vocab_size: int, rank: int) -> None:
-        super().__init__()
-        self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
-
-    def forward(self, prev: Tensor) -> Tensor:
-        """prev: [n] token ids -> [n, vocab] float32."""
-        return self.markov_w2(self.markov_w1(prev)).float()
-
-
-class ConfidenceHead(nn.Module):
-    def __init__(self, hidden_size: int, rank: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(hidden_size + rank, 1, dtype=torch.float32)
-
-
 class DSparkDraft(DFlashDraft):
     """The DSpark network; the target's embedding and LM head are applied outside (engine/model_runner.py)."""
 
     shifted_block = True  # slot k predicts position L+k+1
 
     def __init__(self, config: DSparkConfig, confidence: bool | None = None) -> None:
-        super().__init__(config.backbone)
+        b = config.backbone
+        make_layer = None
+        if config.mla is not None:  # the MLA-layer variant (engine/models/dspark_mla.py)
+            make_layer = lambda: DSparkMLALayer(b.hidden_size, b.intermediate_size, b.rms_norm_eps,  # noqa: E731
+                                                config.mla, config.rope)
+        super().__init__(b, make_layer)
         self.config = config  # type: ignore[assignment]  (a DSparkConfig: same fields the engine reads)
-        self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.backbone.head_dim), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config.rope, b.head_dim), persistent=False)
         self.rope_scale = config.rope.cos_sin_scale
-        self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
+        self.markov_head = build_markov_head(config.markov_kind, config.vocab_size, config.markov_rank, b.hidden_size)
         use_confidence = config.use_confidence_head if confidence is None else confidence
         self.confidence_head = ConfidenceHead(config.hidden_size, config.markov_rank) if use_confidence else None
 
@@ -91,10 +82,6 @@ class DSparkDraft(DFlashDraft):
         angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)
         return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
-
-    def markov_bias(self, prev: Tensor) -> Tensor:
-        """prev: [n] -> [n, vocab] float32 logit bias for the next draft slot."""
-        return self.markov_head(prev)
 
     def confidence(self, hidden: Tensor, prev: Tensor) -> Tensor:
         """hidden: [n, hidden] (final-normed), prev: [n] -> [n] acceptance confidence in (0, 1)."""

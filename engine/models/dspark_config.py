@@ -1,4 +1,5 @@
-"""DSpark draft configuration (K3_SPEC 5.2): a Qwen3-style DFlash backbone + a Markov logit-bias head.
+"""DSpark draft configuration (K3_SPEC 5.2): a DFlash backbone (Qwen3-style layers, or K3 MLA layers in the
+KimiK3DSparkMLADraftModel variant) + a Markov logit-bias head (vanilla, gated or rnn).
 
 Read from a published draft's config.json (transformers-style keys: hidden_size, num_hidden_layers,
 num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rms_norm_eps, rope_theta,
@@ -18,10 +19,61 @@ from typing import Any
 
 from engine.config import RopeConfig
 from engine.models.dflash import DFlashConfig
+from engine.models.dspark_markov import MARKOV_KINDS
 
-MARKOV_KINDS = ("vanilla",)
 DRAFT_KEYS = ("target_layer_ids", "block_size", "mask_token_id", "markov_rank", "markov_head_type",
               "target_hidden_size", "use_confidence_head")
+MLA_ARCHITECTURE = "KimiK3DSparkMLADraftModel"
+
+
+@dataclass(frozen=True)
+class MlaDraftShape:
+    """The MLA-layer variant's attention (K3 MLA with RoPE on the rope part, no output gate): q through
+    q_a_proj / q_a_layernorm / q_b_proj (q_lora_rank None: one q_proj), kv_a_proj_with_mqa -> latent
+    kv_lora_rank (kv_a_layernorm) + rope part, kv_b_proj -> per head [k_nope | v]. rope_interleave: pairs
+    (2i, 2i+1) rotate together (K3's checkpoints); False: half-split."""
+
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one context-cache entry: [kv_a_layernorm(c_kv) | RoPE(k_pe)]."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MlaDraftShape:
+        missing = [k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if d.get(k) is None]
+        if missing:
+            raise ValueError(f"DSpark MLA draft config is missing {missing}")
+        q_lora = d.get("q_lora_rank")
+        return cls(num_heads=int(d["num_attention_heads"]), q_lora_rank=None if q_lora is None else int(q_lora),
+                   kv_lora_rank=int(d["kv_lora_rank"]), qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+                   qk_rope_head_dim=int(d["qk_rope_head_dim"]), v_head_dim=int(d["v_head_dim"]),
+                   rope_interleave=bool(d.get("rope_interleave", True)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+                "v_head_dim": self.v_head_dim, "rope_interleave": self.rope_interleave}
 
 
 @dataclass(frozen=True)
@@ -34,6 +86,7 @@ class DSparkConfig:
     rope: RopeConfig
     markov_kind: str = "vanilla"
     use_confidence_head: bool | None = None
+    mla: MlaDraftShape | None = None  # the MLA-layer variant (KimiK3DSparkMLADraftModel); None: Qwen3-style layers
 
     def __post_init__(self) -> None:
         if self.vocab_size <= 0:
@@ -52,7 +105,7 @@ class DSparkConfig:
 
     @property
     def draft_dim(self) -> int:
-        return self.backbone.draft_dim
+        return self.mla.latent_dim if self.mla is not None else self.backbone.draft_dim
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -85,11 +138,13 @@ class DSparkConfig:
         if missing:
             raise ValueError(f"DSpark config is missing {missing}")
         heads = int(d["num_attention_heads"])
-        head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
+        mla = MlaDraftShape.from_dict(d) if is_mla_draft_config(d) else None
+        # The MLA variant's backbone "head_dim" is its RoPE width (the draft's rotary tables are built for it).
+        head_dim = mla.qk_rope_head_dim if mla else int(d.get("head_dim") or int(d["hidden_size"]) // heads)
         theta = float(d.get("rope_theta", 10000.0))
         backbone = DFlashConfig(
             hidden_size=int(d["hidden_size"]), num_layers=int(d["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=head_dim,
+            num_kv_heads=heads if mla else int(d.get("num_key_value_heads") or heads), head_dim=head_dim,
             intermediate_size=int(d["intermediate_size"]), target_layer_ids=tuple(d["target_layer_ids"]),
             target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
             block_size=int(d["block_size"]), mask_token_id=int(d["mask_token_id"]),
@@ -99,8 +154,8 @@ class DSparkConfig:
                                   int(d.get("max_position_embeddings", 32768)))
         confidence = d.get("use_confidence_head")
         return cls(backbone=backbone, vocab_size=int(d["vocab_size"]), markov_rank=int(d["markov_rank"]), rope=rope,
-                   markov_kind=str(d.get("markov_head_type", "vanilla")),
-                   use_confidence_head=None if confidence is None else bool(confidence))
+                   markov_kind=str(d.get("markov_head_type", "vanilla")).lower(),
+                   use_confidence_head=None if confidence is None else bool(confidence), mla=mla)
 
     def to_dict(self) -> dict[str, Any]:
         """The published layout's config.json."""
@@ -120,11 +175,19 @@ class DSparkConfig:
                                    "beta_fast": self.rope.beta_fast, "beta_slow": self.rope.beta_slow}
         if self.use_confidence_head is not None:
             out["use_confidence_head"] = self.use_confidence_head
+        if self.mla is not None:
+            out.update(self.mla.to_dict(), architectures=[MLA_ARCHITECTURE])
+            del out["head_dim"], out["num_key_value_heads"]
         return out
 
 
+def is_mla_draft_config(data: dict[str, Any]) -> bool:
+    return MLA_ARCHITECTURE in (data.get("architectures") or ()) or data.get("kv_lora_rank") is not None
+
+
 def is_dspark_config(data: dict[str, Any]) -> bool:
-    return data.get("model_type") == "dspark" or "DSparkDraftModel" in (data.get("architectures") or ())
+    architectures = data.get("architectures") or ()
+    return data.get("model_type") == "dspark" or "DSparkDraftModel" in architectures or MLA_ARCHITECTURE in architectures
 
 
 def read_dspark_config(draft_dir: str | Path) -> DSparkConfig:

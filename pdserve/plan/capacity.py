@@ -93,7 +93,7 @@ def group_bits(quantization: Quantization) -> dict[str, float]:
     return {
         "embedding": UNQUANTISED_BITS, "lm_head": UNQUANTISED_BITS, "router": UNQUANTISED_BITS,
         "norms": UNQUANTISED_BITS, "attention_sharded": linear, "attention_replicated": linear,
-        "dense_mlp": linear, "shared_experts": linear, "routed_experts": experts,
+        "dense_mlp": linear, "shared_experts": linear, "routed_experts": experts, "latent_projections": linear,
     }
 
 

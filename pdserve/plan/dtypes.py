@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCALE_BITS = {"bf16": 16, "fp16": 16, "fp32": 32}
+SCALE_BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "ue8m0": 8}
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
-WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int4")
+WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int4", "mxfp4")
+MXFP4_GROUP = 32  # OCP MXFP4: one UE8M0 (power-of-two) scale byte per 32 FP4 E2M1 values
 FP8_BLOCK = 128 * 128  # DeepSeek-V3 / Kimi-K2 FP8: one fp32 scale (weight_scale_inv) per 128x128 block
 UNQUANTISED_BITS = 16  # embedding, lm_head, router and norms stay bf16 in every shipped checkpoint
 
@@ -39,17 +40,22 @@ class WeightFormat:
         if self.name == "int4":
             scale = {16: "16-bit", 32: "fp32"}.get(self.scale_bits, f"{self.scale_bits}-bit")
             return f"int4, group {self.group_size}, {scale} scales ({self.bits_per_weight:.2f} bits)"
+        if self.name == "mxfp4":
+            return f"mxfp4 (fp4 e2m1, a ue8m0 scale per {self.group_size}: {self.bits_per_weight:.2f} bits)"
         if self.name == "fp8":
             return f"fp8, 128x128 block scales ({self.bits_per_weight:.3f} bits)"
         return f"{self.name} ({self.bits_per_weight:g} bits)"
 
 
 def weight_format(name: str, group_size: int = 32, scale_dtype: str = "bf16") -> WeightFormat:
-    """bf16 | fp16 | fp8 (128x128 fp32 block scales) | int4 (a scale_dtype scale per group_size weights)."""
+    """bf16 | fp16 | fp8 (128x128 fp32 block scales) | int4 (a scale_dtype scale per group_size weights) |
+    mxfp4 (4.25 bits: Kimi K3's routed experts)."""
     if name in ("bf16", "fp16"):
         return WeightFormat(name, 16)
     if name == "fp8":
         return WeightFormat("fp8", 8, FP8_BLOCK, 32)
+    if name == "mxfp4":
+        return WeightFormat("mxfp4", 4, MXFP4_GROUP, SCALE_BITS["ue8m0"])
     if name == "int4":
         if scale_dtype not in SCALE_BITS:
             raise ValueError(f"unknown scale dtype {scale_dtype!r} (known: {', '.join(SCALE_BITS)})")
@@ -62,7 +68,8 @@ def weight_format(name: str, group_size: int = 32, scale_dtype: str = "bf16") ->
 @dataclass(frozen=True)
 class Quantization:
     """How a checkpoint stores its weights: `linear` for attention, dense MLPs and shared experts,
-    `experts` for the routed experts (int4 experts + bf16 rest is how Kimi K2-Thinking ships).
+    `experts` for the routed experts (int4 experts + bf16 rest is how Kimi K2-Thinking ships, MXFP4 experts +
+    bf16 rest Kimi K3).
     Embedding, lm_head, router and norms are UNQUANTISED_BITS wide."""
 
     linear: WeightFormat

@@ -18,7 +18,7 @@ class ModelSource:
 
     name: str
     source: str
-    config: ModelConfig
+    config: Any  # engine.config.ModelConfig, or KimiLinearConfig for Kimi K3
     quantization: Quantization
     hybrid: HybridAttention | None = None
 
@@ -32,12 +32,33 @@ def quantization_from_hf(hf_config: dict[str, Any]) -> Quantization:
         return Quantization(bf16, bf16)
     if quant.get("quant_method") == "fp8":
         return Quantization(weight_format("fp8"), weight_format("fp8"))
+    if "mxfp4" in str(quant.get("format", "")):  # compressed-tensors mxfp4-pack-quantized (Kimi K3)
+        return Quantization(bf16, weight_format("mxfp4"))
     for group in (quant.get("config_groups") or {}).values():
         weights = group.get("weights") if isinstance(group, dict) else None
         if isinstance(weights, dict) and weights.get("num_bits") == 4:
             group_size = weights.get("group_size") or 32
             return Quantization(bf16, weight_format("int4", group_size=int(group_size)))
     return Quantization(bf16, bf16)
+
+
+KIMI_MODEL_TYPES = ("kimi_k3",)
+
+
+def parse_config(hf_config: dict[str, Any]) -> tuple[Any, Quantization, HybridAttention | None]:
+    """(engine config, quantization as shipped, hybrid attention) of a whole config.json: Kimi K3 through the
+    engine's K3 parser (text_config nested), anything else as a DeepSeek-V3-architecture config."""
+    if hf_config.get("model_type") in KIMI_MODEL_TYPES:
+        from engine.model_configs.kimi_linear import KimiLinearConfig
+
+        text = hf_config["text_config"] if isinstance(hf_config.get("text_config"), dict) else {}
+        quant = {"quantization_config": text.get("quantization_config") or hf_config.get("quantization_config")}
+        return KimiLinearConfig.from_hf_dict(hf_config), quantization_from_hf(quant), HybridAttention.from_hf(text)
+    if hf_config.get("model_type") == "kimi_linear":
+        raise ValueError("Kimi Linear (model_type kimi_linear) is not planned yet; Kimi K3 (kimi_k3) is")
+    if isinstance(hf_config.get("text_config"), dict):  # other multimodal wrappers nest the language model
+        hf_config = {**hf_config["text_config"], "quantization_config": hf_config.get("quantization_config")}
+    return ModelConfig.from_hf_dict(hf_config), quantization_from_hf(hf_config), HybridAttention.from_hf(hf_config)
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -50,8 +71,6 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{file} is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
-    if isinstance(data.get("text_config"), dict):  # multimodal wrappers nest the language model
-        data = {**data["text_config"], "quantization_config": data.get("quantization_config")}
     return data
 
 
@@ -59,16 +78,16 @@ def load_model(spec: str) -> ModelSource:
     """spec: a preset name (case-insensitive) or a path to config.json or to the folder holding it."""
     preset = PRESETS.get(spec.strip().lower())
     if preset is not None:
-        return ModelSource(preset.name, f"preset: {preset.description}",
-                           ModelConfig.from_hf_dict(preset.hf_config), preset.quantization, preset.hybrid)
+        config, quantization, hybrid = parse_config(preset.hf_config)
+        return ModelSource(preset.name, f"preset: {preset.description}", config,
+                           preset.quantization or quantization, preset.hybrid or hybrid)
     path = Path(spec)
     hf_config = _read_config(path)
     try:
-        config = ModelConfig.from_hf_dict(hf_config)
+        config, quantization, hybrid = parse_config(hf_config)
     except (TypeError, KeyError, AttributeError) as error:
-        raise ValueError(f"{path}: not a DeepSeek-V3-style config ({error})") from None
+        raise ValueError(f"{path}: not a DeepSeek-V3-style or Kimi K3 config ({error})") from None
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
     name = path.name if path.is_dir() else path.parent.name or path.name
-    return ModelSource(name, f"config.json: {path}", config, quantization_from_hf(hf_config),
-                       HybridAttention.from_hf(hf_config))
+    return ModelSource(name, f"config.json: {path}", config, quantization, hybrid)

@@ -6,8 +6,9 @@ from dataclasses import dataclass, fields, replace
 
 from engine.config import ModelConfig
 
-# Groups every TP rank holds in full (MLA's down-projections, the router, the norms); the rest is split.
-REPLICATED_GROUPS = ("attention_replicated", "router", "norms")
+# Groups every TP rank holds in full (MLA's down-projections, the router, the norms, LatentMoE's latent
+# projections); the rest is split.
+REPLICATED_GROUPS = ("attention_replicated", "router", "norms", "latent_projections")
 
 
 @dataclass(frozen=True)
@@ -17,13 +18,14 @@ class ParamBreakdown:
 
     embedding: int
     lm_head: int
-    attention_sharded: int  # q_b_proj (or q_proj), kv_b_proj, o_proj: split over heads
-    attention_replicated: int  # q_a_proj, kv_a_proj_with_mqa: the same on every rank
+    attention_sharded: int  # q_b_proj (or q_proj), kv_b_proj, o_proj (+ K3: output gate, KDA q/k/v/f_b/b, convs)
+    attention_replicated: int  # q_a_proj, kv_a_proj_with_mqa (+ K3's KDA f_a_proj): the same on every rank
     dense_mlp: int
     shared_experts: int
-    routed_experts: int
+    routed_experts: int  # logical weights (an MXFP4 byte holds two)
     router: int  # gate weight + e_score_correction_bias
-    norms: int
+    norms: int  # RMSNorm weights (+ K3's Attention-Residual score vectors)
+    latent_projections: int = 0  # K3 LatentMoE: routed_expert_down_proj / up_proj, replicated
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -75,12 +77,49 @@ def weight_group(name: str) -> str:
     raise ValueError(f"no parameter group for weight {name!r}")
 
 
-def count_parameters(config: ModelConfig) -> ParamBreakdown:
-    """Counts the weights the engine loads for `config` (engine.weights.expected_weight_shapes: the layout
-    of transformers' DeepseekV3ForCausalLM, no MTP layer), by group."""
-    from engine.weights import expected_weight_shapes  # torch: only when counting
+_K3_ATTENTION_REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "f_a_proj", "g_a_proj")
 
+
+def k3_weight_group(name: str) -> str | None:
+    """The group of one Kimi K3 tensor (an engine name of engine.models.kimi_k3_weights.expected_k3_tensors);
+    None for MXFP4 scales (their bits are in the expert format's bits per weight)."""
+    if name.endswith(".weight_scale"):
+        return None
+    if name.endswith(("norm.weight", "_res_proj.weight")):
+        return "norms"
+    if ".mlp.experts." in name:
+        return "routed_experts"
+    if ".mlp.routed_expert_" in name:
+        return "latent_projections"
+    if ".self_attn." in name:
+        module = name.split(".self_attn.", 1)[1].split(".", 1)[0]
+        return "attention_replicated" if module in _K3_ATTENTION_REPLICATED else "attention_sharded"
+    return weight_group(name)
+
+
+def _k3_tensors(config) -> dict[str, tuple[int, ...]]:
+    from engine.layers.kda import kda_weight_shapes
+    from engine.models.kimi_k3_weights import expected_k3_tensors
+
+    linear = config.linear_attn
+    kda = kda_weight_shapes(config.hidden_size, linear.num_heads, linear.head_dim, linear.short_conv_kernel_size,
+                            linear.use_full_rank_gate)
+    return {name: shape for name, (shape, _) in expected_k3_tensors(config, lambda layer: kda).items()}
+
+
+def count_parameters(config) -> ParamBreakdown:
+    """Counts the weights the engine loads for `config`, by group: a DeepSeek-V3 ModelConfig through
+    engine.weights.expected_weight_shapes (transformers' DeepseekV3ForCausalLM layout, no MTP layer), Kimi K3
+    through engine.models.kimi_k3_weights.expected_k3_tensors (MXFP4 experts: two weights per packed byte)."""
     groups = dict.fromkeys((item.name for item in fields(ParamBreakdown)), 0)
-    for name, shape in expected_weight_shapes(config).items():
-        groups[weight_group(name)] += math.prod(shape)
+    if isinstance(config, ModelConfig):
+        from engine.weights import expected_weight_shapes  # torch: only when counting
+
+        for name, shape in expected_weight_shapes(config).items():
+            groups[weight_group(name)] += math.prod(shape)
+        return ParamBreakdown(**groups)
+    for name, shape in _k3_tensors(config).items():
+        group = k3_weight_group(name)
+        if group is not None:
+            groups[group] += math.prod(shape) * (2 if name.endswith(".weight_packed") else 1)
     return ParamBreakdown(**groups)

@@ -1,22 +1,23 @@
-"""Model presets: HF config.json fields of well-known DeepSeek-V3-architecture models and how they ship."""
+"""Model presets: HF config.json fields of well-known models (DeepSeek-V3 architecture, Kimi K3) and how they ship."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.plan.dtypes import Quantization, weight_format
-from pdserve.plan.hybrid import KIMI_K3_ATTENTION, HybridAttention
+from pdserve.plan.hybrid import HybridAttention
+from pdserve.plan.kimi_k3_config import KIMI_K3_CONFIG
 
 
 @dataclass(frozen=True)
 class Preset:
-    """hf_config holds the config.json fields the planner reads; parameter counts are computed from
-    them like any config.json, never stored."""
+    """hf_config is a whole config.json (Kimi K3: text_config nested); parameter counts are computed from it
+    like any config.json, never stored. quantization / hybrid None: read from hf_config."""
 
     name: str
     description: str
     hf_config: dict[str, Any]
-    quantization: Quantization
+    quantization: Quantization | None = None
     hybrid: HybridAttention | None = None
 
 
@@ -28,11 +29,6 @@ _DEEPSEEK_V3 = {
 }
 _KIMI_K2 = dict(_DEEPSEEK_V3, vocab_size=163840, num_attention_heads=64, n_routed_experts=384,
                 first_k_dense_replace=1, n_group=1, topk_group=1)
-# Not Moonshot's published K3 config: a DeepSeek-V3-architecture stand-in sized to the seed's figures
-# (about 2.8T parameters, 96 heads, MLA latent 512 + 64, int4 experts -> about 1.56 TB). Its cache and
-# state are K3's own: 24 MLA layers cache latents, 69 KDA layers hold a fixed-size state per request.
-_KIMI_K3 = dict(_KIMI_K2, num_attention_heads=96, num_hidden_layers=62, n_routed_experts=1024)
-
 _FP8 = Quantization(weight_format("fp8"), weight_format("fp8"))
 _INT4_EXPERTS = Quantization(weight_format("bf16"), weight_format("int4", group_size=32, scale_dtype="bf16"))
 
@@ -43,7 +39,7 @@ PRESETS: dict[str, Preset] = {
         Preset("kimi-k2", "Kimi K2 (~1.03T), FP8 weights as shipped", _KIMI_K2, _FP8),
         Preset("kimi-k2-thinking", "Kimi K2-Thinking (~1.03T): int4 routed experts (group 32, bf16 scales), "
                "the rest bf16", _KIMI_K2, _INT4_EXPERTS),
-        Preset("kimi-k3", "Kimi-K3-shaped (~2.8T, 96 heads): int4 routed experts (group 32, bf16 scales), "
-               "the rest bf16; 24 MLA + 69 KDA layers", _KIMI_K3, _INT4_EXPERTS, KIMI_K3_ATTENTION),
+        Preset("kimi-k3", "Kimi K3 (~2.8T) from its published config.json: 69 KDA + 24 gated MLA layers, "
+               "LatentMoE with 896 routed experts top-16 in MXFP4, the rest bf16", KIMI_K3_CONFIG),
     )
 }

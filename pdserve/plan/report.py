@@ -29,6 +29,12 @@ def _padding_note(heads: HeadPlan) -> str:
     return ", no padding needed"
 
 
+def _hybrid_note(model: dict, kv: dict) -> str:
+    if not model["kda_layers"]:
+        return ""
+    return f" ({model['kda_layers']} KDA with {model['kda_heads']} heads + {kv['mla_layers']} MLA)"
+
+
 def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
     model, gpu, deploy, weights, kv, scale, cost = (plan.model, plan.gpu, plan.deployment, plan.weights,
                                                      plan.kv, plan.scale, plan.cost)
@@ -38,8 +44,10 @@ def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
     rows = [
         ("model", f"{model['name']} ({model['source']})"),
         ("parameters", f"{_params(model['params_total'])}, {params_note}"),
-        ("shape", f"{model['layers']} layers, {model['attention_heads']} heads, {model['routed_experts']} "
-                  f"routed experts, MLA latent {model['kv_lora_rank']} + {model['rope_dim']}"),
+        ("shape", f"{model['layers']} layers{_hybrid_note(model, kv)}, {model['attention_heads']} heads, "
+                  f"{model['routed_experts']} routed experts top-{model['experts_per_token']}"
+                  + (f" (LatentMoE, width {model['latent_moe_width']})" if model["latent_moe_width"] else "")
+                  + f", MLA latent {model['kv_lora_rank']} + {model['rope_dim']}"),
         ("GPU", f"{gpu['name']}, {_gb(gpu['memory_bytes'])} each"),
         ("deployment", f"{deploy['gpus']} GPUs = {deploy['replicas']} x TP{deploy['tp_size']} on "
                        f"{deploy['nodes']} node(s) of {deploy['gpus_per_node']}"

@@ -46,9 +46,25 @@ def test_groups_partition_the_engines_weights():
     config = ModelConfig.from_hf_dict(SMALL)
     shapes = expected_weight_shapes(config)
     assert count_parameters(config).total == sum(math.prod(shape) for shape in shapes.values())
-    assert {weight_group(name) for name in shapes} == set(count_parameters(config).as_dict())
+    assert {weight_group(name) for name in shapes} == set(count_parameters(config).as_dict()) - {"latent_projections"}
     with pytest.raises(ValueError, match="no parameter group"):
         weight_group("model.layers.0.self_attn.rotary_emb.inv_freq")
+
+
+def test_k3_groups_partition_the_engines_k3_tensors():
+    """Every tensor of the engine's K3 list (but the MXFP4 scales) falls in a group, every group (the latent
+    projections too) is used, and the groups sum to all weights with an MXFP4 byte counted as two weights."""
+    from pdserve.plan.model_source import load_model
+    from pdserve.plan.params import _k3_tensors, k3_weight_group
+
+    config = load_model("kimi-k3").config
+    tensors = _k3_tensors(config)
+    groups = {k3_weight_group(name) for name in tensors}
+    assert groups - {None} == set(count_parameters(config).as_dict())
+    assert {name for name in tensors if k3_weight_group(name) is None} == {n for n in tensors if n.endswith("_scale")}
+    expected = sum(math.prod(shape) * (2 if name.endswith("_packed") else 1) for name, shape in tensors.items()
+                   if not name.endswith("_scale"))
+    assert count_parameters(config).total == expected
 
 def test_tied_embeddings_drop_the_lm_head():
     """tie_word_embeddings: the LM head reuses the embedding, so it adds no parameters."""

@@ -81,8 +81,8 @@ def test_config_keys_nested_and_refusals(dspark_dir):
     assert config.target_layer_ids == (1, 3, 5) and config.block_size == 7 and config.verify_block_size == 8
     assert config.rope.rope_type == "yarn" and config.rope.factor == 4.0
     assert isinstance(read_any_draft_config(dspark_dir), DSparkConfig)
-    with pytest.raises(ValueError, match="markov_head_type 'rnn'"):
-        DSparkConfig.from_dict({**data, "markov_head_type": "rnn"})
+    with pytest.raises(ValueError, match="markov_head_type 'lstm'"):
+        DSparkConfig.from_dict({**data, "markov_head_type": "lstm"})
     with pytest.raises(ValueError, match="markov_rank"):
         DSparkConfig.from_dict({k: v for k, v in data.items() if k != "markov_rank"})
 

@@ -76,11 +76,43 @@ def test_split_memory_budget():
     """Slots = max_running + 1 within half the budget, pages take the rest; no slots without linear attention."""
     from engine.state_pool import split_memory_budget
 
-    assert split_memory_budget(10_000, 100, 0, 4) == (100, 0)
-    assert split_memory_budget(10_000, 100, 1000, 4) == (50, 5)
-    assert split_memory_budget(10_000, 100, 2000, 4) == (60, 2)  # capped at half the budget
+    assert split_memory_budget(10_000, 100, 0, 4) == (100, 0, 0, 0)
+    assert split_memory_budget(10_000, 100, 1000, 4) == (50, 5, 0, 0)
+    assert split_memory_budget(10_000, 100, 2000, 4) == (60, 2, 0, 0)  # capped at half the budget
     with pytest.raises(ValueError, match="kv_memory_bytes"):
         split_memory_budget(1000, 100, 600, 4)
+
+
+@pytest.mark.parametrize("budget,max_running,steps,fraction", [
+    (100_000, 4, 3, 0.5), (100_000, 64, 8, 0.5), (37_000, 4, 2, 0.5), (1_000_000, 3, 8, 0.95), (20_000, 8, 4, 0.9),
+])
+def test_split_memory_budget_counts_verify_scratch(budget, max_running, steps, fraction):
+    """With speculation, pages + slots + the scratch for every running sequence (rows x steps slots' worth)
+    never exceed the budget, state stays within its fraction, and every running sequence gets a scratch row."""
+    from engine.state_pool import split_memory_budget
+
+    page, slot = 100, 1000
+    split = split_memory_budget(budget, page, slot, max_running, snapshot_steps=steps, state_fraction=fraction)
+    state = (split.num_slots + split.snapshot_rows * split.snapshot_steps) * slot
+    assert split.num_pages * page + state <= budget
+    assert state <= budget * fraction
+    assert split.snapshot_steps == steps and split.snapshot_rows == min(max_running, split.num_slots)
+    plain = split_memory_budget(budget, page, slot, max_running, state_fraction=fraction)
+    assert plain.num_pages * page + plain.num_slots * slot + min(max_running, plain.num_slots) * steps * slot > budget
+
+
+def test_split_memory_budget_exact_figures():
+    """4 running, 3 verify positions, slot 1000 B in half of 100 kB: 5 slots + 4 x 3 scratch = 17 kB of state,
+    the pages get the other 83 kB; with 8 positions in half of 20 kB only one slot + its scratch fit; a budget
+    too small for one slot and its scratch is refused."""
+    from engine.state_pool import split_memory_budget
+
+    assert split_memory_budget(100_000, 100, 1000, 4, snapshot_steps=3) == (830, 5, 4, 3)
+    assert split_memory_budget(20_000, 100, 1000, 4, snapshot_steps=8) == (110, 1, 1, 8)  # 1 + 8 slots in 10 kB
+    with pytest.raises(ValueError, match="verify scratch"):
+        split_memory_budget(20_000, 100, 1000, 4, snapshot_steps=10)
+    with pytest.raises(ValueError, match="state_fraction"):
+        split_memory_budget(10_000, 100, 1000, 4, state_fraction=1.0)
 
 
 def test_scheduler_waits_for_a_free_slot_and_frees_on_preemption():
@@ -123,5 +155,21 @@ def test_commit_snapshots_picks_each_rows_step():
     assert pool.snapshot_bytes_per_seq(4) == 4 * pool.shape.bytes_per_slot
     pool.begin_snapshots(5, 2)
     assert pool.snapshot_conv.shape[1:3] == (5, 4)
+
+
+def test_fixed_snapshot_scratch_is_allocated_once_and_never_grows():
+    """A pool built with snapshot_rows x snapshot_steps holds that scratch from the start, serves smaller verify
+    steps from it, and refuses a larger one instead of allocating past the memory budget."""
+    pool = StatePool(_shape(num_slots=4), snapshot_rows=3, snapshot_steps=4)
+    conv, rec = pool.snapshot_conv, pool.snapshot_recurrent
+    assert conv.shape == (2, 3, 4, 3, 24) and rec.shape == (2, 3, 4, 2, 4, 4)
+    pool.begin_snapshots(2, 3)
+    assert pool.snapshot_conv is conv and pool.snapshot_recurrent is rec
+    with pytest.raises(RuntimeError, match="exceeds the state pool's snapshot scratch"):
+        pool.begin_snapshots(4, 2)
+    with pytest.raises(RuntimeError, match="exceeds"):
+        pool.begin_snapshots(1, 5)
+    with pytest.raises(ValueError, match="snapshot_rows"):
+        StatePool(_shape(), snapshot_rows=2, snapshot_steps=0)
     with pytest.raises(ValueError, match="steps"):
         pool.commit_snapshots([0], [0, 1])
