@@ -26,7 +26,8 @@ from kvtransfer.errors import KVTransferError, LeaseExpired, UnknownTransfer
 from kvtransfer.leases import Lease, LeaseTable
 from kvtransfer.transport import KVReceiver
 from rpc.engine_thread import EngineThread
-from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rpc.status import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError,
+                        Unavailable)
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ class _Entry:
     done: bool = False
 
 
-class _EngineFailed(Exception):
-    pass
+class _EngineFailed(ServiceError):
+    """Ends a Decode stream: the engine step failed (INTERNAL), or the worker is shutting down."""
 
 
 class DecodeService:
@@ -95,7 +96,7 @@ class DecodeService:
             self._sweeper.cancel()
         for entry in list(self._entries.values()):
             if entry.queue is not None:
-                entry.queue.put_nowait(_EngineFailed("decode worker shutting down"))
+                entry.queue.put_nowait(Unavailable("decode worker shutting down"))
         await asyncio.to_thread(self._engine.stop)
 
     @property
@@ -150,7 +151,7 @@ class DecodeService:
         for request_id in request_ids:
             entry = self._entries.get(request_id)
             if entry is not None and entry.queue is not None:
-                entry.queue.put_nowait(_EngineFailed(f"engine step failed: {error}"))
+                entry.queue.put_nowait(_EngineFailed(f"engine step failed: {type(error).__name__}: {error}"))
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       transport: TransportKind, ttl_s: float | None = None) -> Destination:
@@ -284,7 +285,7 @@ class DecodeService:
                 while not entry.queue.empty():  # the reader fell behind: merge what piled up
                     items.append(entry.queue.get_nowait())
                 for item in items:
-                    if isinstance(item, _EngineFailed):
+                    if isinstance(item, ServiceError):
                         entry.done = True
                         raise item
                 update = merge_outputs(items, skip_first)

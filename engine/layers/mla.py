@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.distributed import TPGroup
 from engine.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
 from engine.kv_cache import PagedLatentCache
@@ -153,9 +153,8 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_local_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        return self.attention.prefill(
-            q, k, v.contiguous(), attn.cu_seqlens_q, cu_seqlens_k, attn.q_lens_cpu, attn.kv_lens_cpu, self.softmax_scale
-        )
+        spans = VarlenSpans(attn.cu_seqlens_q, cu_seqlens_k, attn.q_lens_cpu, attn.kv_lens_cpu)
+        return self.attention.prefill(q, k, v.contiguous(), spans, self.softmax_scale)
 
     def _absorbed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata
