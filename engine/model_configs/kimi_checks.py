@@ -3,20 +3,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, check_int_fields
+
 if TYPE_CHECKING:
     from engine.model_configs.kimi_linear import KimiLinearConfig
 
-_POSITIVE = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "intermediate_size", "moe_layer_freq",
+_POSITIVE = MLA_POSITIVE + (
+    "vocab_size", "num_hidden_layers", "max_position_embeddings", "intermediate_size", "moe_layer_freq",
     "num_experts", "num_experts_per_token", "moe_intermediate_size", "num_expert_group", "topk_group",
 )
 _NON_NEGATIVE = ("first_k_dense_replace", "num_shared_experts", "num_nextn_predict_layers")
-_OPTIONAL_POSITIVE = ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_OPTIONAL_POSITIVE = MLA_OPTIONAL_POSITIVE + ("routed_expert_hidden_size", "attn_res_block_size")
 
 
 def check_kimi_config(c: KimiLinearConfig) -> None:
@@ -24,16 +21,7 @@ def check_kimi_config(c: KimiLinearConfig) -> None:
 
     if c.model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {c.model_type!r}")
-    for name in _POSITIVE:
-        if not _is_int(getattr(c, name)) or getattr(c, name) <= 0:
-            raise ValueError(f"{name} must be a positive int, got {getattr(c, name)!r}")
-    for name in _NON_NEGATIVE:
-        if not _is_int(getattr(c, name)) or getattr(c, name) < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {getattr(c, name)!r}")
-    for name in _OPTIONAL_POSITIVE:
-        value = getattr(c, name)
-        if value is not None and (not _is_int(value) or value <= 0):
-            raise ValueError(f"{name} must be a positive int or null, got {value!r}")
+    check_int_fields(c, _POSITIVE, _NON_NEGATIVE, _OPTIONAL_POSITIVE)
     c.linear_attn.check_layers(c.num_hidden_layers)
     if not c.mla_use_nope:
         raise ValueError("mla_use_nope=false (rotary MLA in a Kimi model) is not supported")
