@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.forward_batch import ForwardMode
+from engine.forward_batch import ForwardMode, StepLayout, pack_step_inputs
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,13 @@ class TargetPlan:
     state_slots: list[int] | None = None
     reset_slots: tuple[int, ...] = ()
     snapshot_state: bool = False
+
+
+def pack_target_plan(plan: TargetPlan, page_size: int, max_pages: int | None = None) -> tuple[list[int], StepLayout]:
+    """The plan's tokens, attention metadata and logit rows as one flat list of ints and its layout
+    (forward_batch.pack_step_inputs): what one host-to-device copy moves."""
+    return pack_step_inputs(plan.input_ids, plan.positions, plan.q_lens, plan.kv_lens, plan.page_tables, page_size,
+                            plan.logit_rows, max_pages)
 
 
 @dataclass(frozen=True)

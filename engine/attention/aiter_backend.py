@@ -78,14 +78,8 @@ class AiterAttentionBackend(AttentionBackend):
         )
         return out[0] if isinstance(out, tuple) else out
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        softmax_scale: float,
-        latent_dim: int,
-    ) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, softmax_scale: float,
+               latent_dim: int) -> torch.Tensor:
         """q: [T, H, latent+rope] (H one of mla_decode_fwd's head counts; bf16 / fp8 q and cache) -> [T, H, latent].
 
         AITER lays multi-token queries out as [num_seqs, max_seqlen_q], so sequences are run in

@@ -72,14 +72,8 @@ class AttentionBackend(abc.ABC):
         each sequence as `spans` says, causal bottom-right."""
 
     @abc.abstractmethod
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        softmax_scale: float,
-        latent_dim: int,
-    ) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, softmax_scale: float,
+               latent_dim: int) -> torch.Tensor:
         """q: [T, H, latent_dim + rope_dim] (absorbed), kv_cache: [num_pages, page_size, latent_dim + rope_dim]
         (one layer; the latent is both key (all dims) and value (first latent_dim dims))
         -> out [T, H, latent_dim] (dtype of q), causal bottom-right per sequence."""

@@ -84,14 +84,8 @@ class HeadPaddedBackend(AttentionBackend):
         out = self.inner.prefill(pad_heads(q, padded), pad_heads(k, padded), pad_heads(v, padded), spans, softmax_scale)
         return out if padded == heads else out[:, :heads].contiguous()
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        softmax_scale: float,
-        latent_dim: int,
-    ) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, softmax_scale: float,
+               latent_dim: int) -> torch.Tensor:
         """q: [T, H, latent+rope] -> [T, H, latent]; only q is padded (the latent cache has one shared head)."""
         heads = q.shape[1]
         padded = self.padded_heads(heads, "decode")

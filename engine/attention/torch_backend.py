@@ -74,16 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
             ).to(q.dtype)
         return out
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        softmax_scale: float,
-        latent_dim: int,
-    ) -> torch.Tensor:
-        """q: [T, H, latent_dim + rope_dim], kv_cache: [num_pages, page_size, latent_dim + rope_dim]
-        -> [T, H, latent_dim] in q's dtype."""
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, softmax_scale: float,
+               latent_dim: int) -> torch.Tensor:
         if attn.num_seqs > 1:
             return _batched_decode(q, kv_cache, attn, softmax_scale, latent_dim)
         out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)

@@ -43,16 +43,8 @@ class TritonAttentionBackend(AttentionBackend):
         return prefill_kernels.flash_prefill(q, k, v, spans.cu_seqlens_q, spans.cu_seqlens_k, spans.max_q_len,
                                              softmax_scale, head_block=self.head_block)
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        softmax_scale: float,
-        latent_dim: int,
-    ) -> torch.Tensor:
-        """q: [T, H, latent_dim + rope_dim], kv_cache: [num_pages, page_size, latent_dim + rope_dim]
-        -> [T, H, latent_dim] in q's dtype."""
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, softmax_scale: float,
+               latent_dim: int) -> torch.Tensor:
         self._check_device(q)
         return decode_kernels.paged_decode(
             q, kv_cache, attn.cu_seqlens_q, attn.kv_lens, attn.block_table, attn.max_q_len, attn.max_kv_len,
