@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, MLAShape, check_int_fields
+from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, MLAShape, check_expert_groups, check_int_fields
 
 ROPE_TYPES = ("default", "yarn")
 TOPK_METHODS = ("noaux_tc", "greedy")
@@ -153,18 +153,8 @@ class ModelConfig(MLAShape):
             raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts")
-        if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_group={self.n_group} does not divide n_routed_experts={self.n_routed_experts}")
-        if self.topk_group > self.n_group:
-            raise ValueError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
-        per_group = self.n_routed_experts // self.n_group
-        if self.topk_method == "noaux_tc":
-            if per_group < 2:
-                raise ValueError(f"n_group={self.n_group} leaves fewer than 2 experts per group (noaux_tc scores top-2)")
-            if self.num_experts_per_tok > self.topk_group * per_group:
-                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in topk_group groups")
+        check_expert_groups(self, "n_routed_experts", "num_experts_per_tok", "n_group",
+                            grouped_top2=self.topk_method == "noaux_tc")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if not self.routed_scaling_factor > 0:

@@ -28,6 +28,28 @@ def check_int_fields(config: object, positive: Iterable[str] = (), non_negative:
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
+def check_expert_groups(config: object, experts: str, per_token: str, groups: str, topk_group: str = "topk_group",
+                        grouped_top2: bool = True) -> None:
+    """Grouped top-k routing: `per_token` of `experts` experts split in `groups` groups, routed within the best
+    `topk_group` groups. grouped_top2 (noaux_tc): groups are scored by their top-2 experts, so each holds at
+    least 2 and the chosen groups must hold `per_token` experts. Arguments are field names of `config`, so
+    the ValueError names the config's own fields."""
+    num_experts, num_per_token = getattr(config, experts), getattr(config, per_token)
+    num_groups, num_topk_groups = getattr(config, groups), getattr(config, topk_group)
+    if num_per_token > num_experts:
+        raise ValueError(f"{per_token}={num_per_token} exceeds {experts}={num_experts}")
+    if num_experts % num_groups:
+        raise ValueError(f"{groups}={num_groups} does not divide {experts}={num_experts}")
+    if num_topk_groups > num_groups:
+        raise ValueError(f"{topk_group}={num_topk_groups} exceeds {groups}={num_groups}")
+    per_group = num_experts // num_groups
+    if grouped_top2:
+        if per_group < 2:
+            raise ValueError(f"{groups}={num_groups} leaves fewer than 2 experts per group (noaux_tc scores top-2)")
+        if num_per_token > num_topk_groups * per_group:
+            raise ValueError(f"{per_token}={num_per_token} exceeds the experts in {topk_group} groups")
+
+
 @dataclass(frozen=True)
 class MLAShape:
     """Multi-head latent attention dimensions (field names are the checkpoints' config.json names).

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, check_int_fields
+from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, check_expert_groups, check_int_fields
 
 if TYPE_CHECKING:
     from engine.model_configs.kimi_linear import KimiLinearConfig
@@ -36,14 +36,7 @@ def check_kimi_config(c: KimiLinearConfig) -> None:
         raise ValueError(f"moe_router_activation_func must be 'sigmoid', got {c.moe_router_activation_func!r}")
     if c.topk_method != "noaux_tc":
         raise ValueError(f"topk_method must be 'noaux_tc', got {c.topk_method!r}")
-    if c.num_experts_per_token > c.num_experts:
-        raise ValueError(f"num_experts_per_token={c.num_experts_per_token} exceeds num_experts={c.num_experts}")
-    if c.num_experts % c.num_expert_group:
-        raise ValueError(f"num_expert_group={c.num_expert_group} does not divide num_experts={c.num_experts}")
-    if c.topk_group > c.num_expert_group:
-        raise ValueError(f"topk_group={c.topk_group} exceeds num_expert_group={c.num_expert_group}")
-    if c.num_experts // c.num_expert_group < 2:
-        raise ValueError(f"num_expert_group={c.num_expert_group} leaves fewer than 2 experts per group")
+    check_expert_groups(c, "num_experts", "num_experts_per_token", "num_expert_group")  # noaux_tc (checked above)
     if c.latent_moe_use_norm and c.routed_expert_hidden_size is None:
         raise ValueError("latent_moe_use_norm=true needs routed_expert_hidden_size")
     if c.num_nextn_predict_layers:
