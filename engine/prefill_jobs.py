@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from engine.engine_types import PrefillJob, PrefillResult
 from engine.sampling import make_generator
+from engine.step_plan import PrefillItem, prefill_plan
+from engine.step_results import sample_tokens, token_logprobs
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -48,18 +50,18 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
                     continue
                 take = min(left, budget)
                 budget -= take
-                items.append((job.prompt_ids, done, take, job.page_ids, done + take == len(job.prompt_ids)))
+                items.append(PrefillItem(job.prompt_ids, done, take, job.page_ids, done + take == len(job.prompt_ids)))
                 stepping.append((job, take))
-            plan, _, needs = engine._prefill_plan(items, pool_names)
+            plan = prefill_plan(items, pool_names, write_draft_context=engine.has_draft)
             logits = engine.leader.execute(plan)
-            finishing = [job for (job, _), need in zip(stepping, needs) if need]
+            finishing = [job for (job, _), item in zip(stepping, items) if item.needs_logits]
             if finishing:
                 generators = [make_generator(job.params.seed, engine.device) for job in finishing]
-                tokens = engine._sample([job.params for job in finishing], generators, logits)
+                tokens = sample_tokens([job.params for job in finishing], generators, logits)
                 for row, job in enumerate(finishing):
                     logprob = None
                     if job.params.logprobs:
-                        logprob = engine._logprobs(logits[row : row + 1], [tokens[row]], job.params.logprobs)[0]
+                        logprob = token_logprobs(logits[row : row + 1], [tokens[row]], job.params.logprobs)[0]
                     results[job.request_id] = PrefillResult(
                         job.request_id, tokens[row], logprob, len(job.prompt_ids), time.perf_counter() - started
                     )
