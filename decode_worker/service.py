@@ -13,12 +13,14 @@ out, the engine preempts the newest running request and recomputes it later (its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from decode_worker.admission import DecodeUpdate, admits, fits_ever, headroom, merge_outputs
+from decode_worker.admission import DecodeUpdate, admits, fits_ever, headroom
+from decode_worker.streams import EngineStepFailed, TokenStreams
 from decode_worker.config import DecodeWorkerConfig
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination, TransportKind
@@ -52,16 +54,13 @@ class _Entry:
     receiver: KVReceiver
     num_prompt_tokens: int
     first_token: int | None = None  # set once claimed (running)
-    queue: asyncio.Queue[Any] | None = None
-    done: bool = False
-
-
-class _EngineFailed(ServiceError):
-    """Ends a Decode stream: the engine step failed (INTERNAL), or the worker is shutting down."""
+    done: bool = False  # its stream ended on the engine's side (finished, or failed)
 
 
 class DecodeService:
-    """receivers_factory(engine) -> {transport: KVReceiver}, built once the engine (and its pools) exist."""
+    """Leases and admission (reserve, release, the lease sweeper) and the engine thread's side of decoding;
+    the token streams themselves are decode_worker.streams.TokenStreams.
+    receivers_factory(engine) -> {transport: KVReceiver}, built once the engine (and its pools) exist."""
 
     def __init__(self, config: DecodeWorkerConfig, receivers_factory: Callable[[Any], Mapping[TransportKind, KVReceiver]],
                  engine_factory: Callable[[], Any] | None = None) -> None:
@@ -70,6 +69,7 @@ class DecodeService:
         self.receivers: Mapping[TransportKind, KVReceiver] = {}
         self._leases = LeaseTable(grace_s=config.lease_grace_s)
         self._entries: dict[str, _Entry] = {}
+        self._streams = TokenStreams()
         self._force_step = False  # engine thread only
         factory = engine_factory or (lambda: _build_engine(config))
         self._engine: EngineThread[Any] = EngineThread(factory, self._work, name="decode-engine")
@@ -94,9 +94,7 @@ class DecodeService:
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for entry in list(self._entries.values()):
-            if entry.queue is not None:
-                entry.queue.put_nowait(Unavailable("decode worker shutting down"))
+        self._streams.fail_all(Unavailable("decode worker shutting down"))
         await asyncio.to_thread(self._engine.stop)
 
     @property
@@ -126,7 +124,7 @@ class DecodeService:
                 outputs = []
             if outputs:
                 assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                self._loop.call_soon_threadsafe(self._streams.dispatch, outputs)
         self._publish(engine)
         return engine.has_work()
 
@@ -138,20 +136,10 @@ class DecodeService:
             except Exception:  # noqa: BLE001
                 logger.exception("abort of %s failed", request_id)
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_streams, failed, error)
+            failure = EngineStepFailed(f"engine step failed: {type(error).__name__}: {error}")
+            self._loop.call_soon_threadsafe(self._streams.fail, failed, failure)
 
     # --- event loop ---------------------------------------------------------------------------------
-    def _dispatch(self, outputs: list[Any]) -> None:
-        for output in outputs:
-            entry = self._entries.get(output.request_id)
-            if entry is not None and entry.queue is not None:
-                entry.queue.put_nowait(output)
-
-    def _fail_streams(self, request_ids: list[str], error: Exception) -> None:
-        for request_id in request_ids:
-            entry = self._entries.get(request_id)
-            if entry is not None and entry.queue is not None:
-                entry.queue.put_nowait(_EngineFailed(f"engine step failed: {type(error).__name__}: {error}"))
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       transport: TransportKind, ttl_s: float | None = None) -> Destination:
@@ -245,7 +233,7 @@ class DecodeService:
             self._drop(request_id, entry, free=isinstance(error, LeaseExpired))
             raise FailedPrecondition(f"lease of request {request_id}: {error}") from error
         entry.first_token = first_token
-        entry.queue = asyncio.Queue()
+        self._streams.open(request_id)
         try:
             await asyncio.to_thread(entry.receiver.admit, request_id, self.config.admit_timeout_s)
         except KVTransferError as error:
@@ -268,34 +256,26 @@ class DecodeService:
             await self._engine.call(add)
         except asyncio.CancelledError:  # the command still runs: abort after it (FIFO) frees the pages
             self._entries.pop(request_id, None)
+            self._streams.close(request_id)
             self._engine.post(lambda engine: self._abort(engine, request_id))
             raise
         except Exception:
             self._entries.pop(request_id, None)
+            self._streams.close(request_id)
             raise
         async for update in self._stream(request_id, entry):
             yield update
 
     async def _stream(self, request_id: str, entry: _Entry) -> AsyncIterator[DecodeUpdate]:
-        assert entry.queue is not None
-        skip_first = True
+        """The request's updates; when the caller leaves before the end, the request is aborted."""
         try:
-            while True:
-                items = [await entry.queue.get()]
-                while not entry.queue.empty():  # the reader fell behind: merge what piled up
-                    items.append(entry.queue.get_nowait())
-                for item in items:
-                    if isinstance(item, ServiceError):
-                        entry.done = True
-                        raise item
-                update = merge_outputs(items, skip_first)
-                skip_first = skip_first and not any(output.new_token_ids for output in items)
-                entry.done = update.finished
-                if update.finished:  # logged before the last chunk leaves, so the line precedes the reply
-                    logger.info("decode finished (%s)", update.finish_reason)
-                yield update
-                if update.finished:
-                    return
+            async with contextlib.aclosing(self._streams.read(request_id)) as updates:
+                async for update in updates:
+                    entry.done = update.finished
+                    yield update
+        except ServiceError:  # the engine's side ended it (step failure, shutdown): nothing left to abort
+            entry.done = True
+            raise
         finally:
             self._entries.pop(request_id, None)
             if not entry.done:  # the caller went away (cancel / release): stop generating, free the pages
