@@ -40,6 +40,8 @@ def build_request(request: BenchRequest, options: SamplingOptions) -> gateway_pb
         message.speculative = options.speculative
     if options.block_size is not None:
         message.block_size = options.block_size
+    if options.stream_interval is not None:
+        message.stream_interval = options.stream_interval
     return message
 
 

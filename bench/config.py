@@ -20,6 +20,7 @@ class SamplingOptions:
     speculative: bool | None = None
     block_size: int | None = None
     timeout_s: float | None = None
+    stream_interval: int | None = None  # tokens per streamed chunk (None: the server's default, every step)
 
     def __post_init__(self) -> None:
         if self.temperature is not None and not 0.0 <= self.temperature < float("inf"):
@@ -30,6 +31,8 @@ class SamplingOptions:
             raise ValueError(f"--top-k must be -1 (off) or >= 0, got {self.top_k}")
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"--block-size must be >= 2, got {self.block_size}")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.timeout_s is not None and not 0.0 < self.timeout_s < float("inf"):
             raise ValueError(f"--request-timeout must be positive, got {self.timeout_s}")
 

@@ -9,15 +9,20 @@ same prompts (held-out Python token ids, fixed input/output lengths, greedy, ign
              p50 (gateway: send -> first streamed token; in process: add_request -> the step that
              produced the first token).
   spec       speculation on vs off at concurrency 1, 4, 16, 64, through the gateway and in process.
-Variants take turns; medians of --repeats. Goals (issue 6): gateway >= 95% of in-process throughput at
-concurrency 16, <= 5 ms added TTFT at p50.
+Variants take turns; medians of --repeats (default 5); ratios and added TTFT are taken per round and shown as
+median (min..max), with the load averages the runs ended at. The CPU table sets the decode worker's CPU per
+output token against the in-process engine's (all steps, as issue 18 states the goal, and decode steps only:
+the decode worker runs no prefill). Goals (issue 18): gateway >= 95% of in-process throughput at
+concurrency 16 and >= 85% at 1, <= 5 ms added TTFT p50 at 1, decode worker CPU per token <= 1.1x.
 
-Run: .venv/bin/python -m benchmarks.bench_gateway [--model DIR] [--quick]
+Run: .venv/bin/python -m benchmarks.bench_gateway --threads 1 [--spec-concurrency] [--stream-interval N]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -28,8 +33,8 @@ from bench.client import GatewayClient, SamplingOptions
 from bench.load import LoadPlan, run_load
 from bench.metrics import compute_metrics
 from bench.workload import BenchRequest
-from benchmarks.common import (Metrics, Table, add_common_arguments, goal_line, interleave, make_prompts, median,
-                               print_header, process_cpu_seconds, ratio, timed_groups)
+from benchmarks.common import (Metrics, Table, add_common_arguments, goal_line, interleave, load_note, make_prompts,
+                               median, paired, print_header, process_cpu_seconds, ratio, spread, timed_groups)
 from engine import LLM, SamplingParams
 from pdserve.launcher import Cluster, ClusterSpec
 
@@ -53,19 +58,21 @@ class GatewayRunner:
         await GatewayClient(channel).model_info(address, 60.0)
         return channel
 
-    def run(self, prompts: list[list[int]], output_len: int, concurrency: int, speculative: bool) -> Metrics:
+    def run(self, prompts: list[list[int]], output_len: int, concurrency: int, speculative: bool,
+            stream_interval: int | None = None) -> Metrics:
         """Also reports each process's CPU milliseconds per output token (cpu_<role>, the client included)."""
         before = {role: process_cpu_seconds(pid) for role, pid in self.pids.items()}
         client_before = time.process_time()
-        metrics = self.loop.run_until_complete(self._run(prompts, output_len, concurrency, speculative))
+        metrics = self.loop.run_until_complete(self._run(prompts, output_len, concurrency, speculative, stream_interval))
         tokens = metrics.pop("tokens")
         metrics["cpu_client"] = 1e3 * (time.process_time() - client_before) / tokens
         for role, pid in self.pids.items():
             metrics[f"cpu_{role}"] = 1e3 * (process_cpu_seconds(pid) - before[role]) / tokens
         return metrics
 
-    async def _run(self, prompts, output_len, concurrency, speculative) -> Metrics:
-        client = GatewayClient(self.channel, SamplingOptions(temperature=0.0, speculative=speculative))
+    async def _run(self, prompts, output_len, concurrency, speculative, stream_interval) -> Metrics:
+        client = GatewayClient(self.channel, SamplingOptions(temperature=0.0, speculative=speculative,
+                                                             stream_interval=stream_interval))
         requests = [BenchRequest(output_len=output_len, ignore_eos=True, token_ids=tuple(p)) for p in prompts]
         outcome = await run_load(requests, client.send, LoadPlan(max_concurrency=concurrency))
         failed = [r.error for r in outcome.records if not r.success]
@@ -103,12 +110,15 @@ def in_process(llm: LLM, prompts: list[list[int]], output_len: int, concurrency:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_arguments(parser, repeats=3)
+    add_common_arguments(parser, repeats=5)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--overhead-concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--spec-concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--spec-concurrency", type=int, nargs="*", default=[1, 4, 16, 64],
+                        help="concurrencies of the speculation table (none: skip it)")
     parser.add_argument("--kv-memory-mb", type=int, default=512)
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="> 1: also run the gateway with GenerateRequest.stream_interval N (chunks of N tokens)")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
     args = parser.parse_args()
     if args.quick:
@@ -135,7 +145,9 @@ def main() -> None:
                                            list(config.eos_token_id))
             print(f"prompts: {source}, {args.input_len} tokens in, {args.output_len} out\n", flush=True)
             overhead = bench_overhead(args, llm, gateway, prompts, source)
-            if llm.engine.has_draft:
+            if not args.spec_concurrency:
+                print("spec: skipped (--spec-concurrency with no values)\n")
+            elif llm.engine.has_draft:
                 bench_spec(args, llm, gateway, prompts, source)
             else:
                 print("spec: the model has no draft; skipped\n")
@@ -150,31 +162,55 @@ def main() -> None:
 
 
 def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> list[str]:
-    cpu = Table("CPU milliseconds per output token in the runs above (user + system, all threads of each process)",
-                ["concurrency", "in process", "bench client", "gateway", "prefill worker", "decode worker",
-                 "gateway path (no client)"])
-    table = Table(f"gateway vs in process, speculation off, {args.input_len} in / {args.output_len} out ({source})",
-                  ["concurrency", "requests", "in-process tok/s", "gateway tok/s", "gateway / in-process",
-                   "in-process TTFT p50 ms", "gateway TTFT p50 ms", "added TTFT ms"])
+    """Gateway vs in process at each concurrency (and, with --stream-interval N > 1, the gateway with chunks of
+    N tokens). Ratios and added TTFT are per round (runs that took turns), shown as median (min..max)."""
+    table = Table(f"gateway vs in process, speculation off, {args.input_len} in / {args.output_len} out ({source}); "
+                  f"{args.repeats} interleaved rounds, median (min..max) of per-round figures",
+                  ["concurrency", "variant", "requests", "in-process tok/s", "variant tok/s", "variant / in-process",
+                   "in-process TTFT p50 ms", "variant TTFT p50 ms", "added TTFT p50 ms", "load average"])
+    cpu = Table("CPU milliseconds per output token in the runs above (user + system, all threads of each process; "
+                "in process: all steps, and decode steps only, the engine thread's CPU)",
+                ["concurrency", "variant", "in process", "in process, decode steps", "bench client", "gateway",
+                 "prefill worker", "decode worker", "decode worker / in process", "decode worker / in-process decode"])
+    variants = {"gateway": None} | ({f"gateway, stream_interval {args.stream_interval}": args.stream_interval}
+                                    if args.stream_interval > 1 else {})
     goals = []
     for concurrency in args.overhead_concurrency:
         batch = prompts[: request_count(concurrency)]
-        runs = interleave({
-            "in-process": lambda: in_process(llm, batch, args.output_len, concurrency),
-            "gateway": lambda: gateway.run(batch, args.output_len, concurrency, speculative=False),
-        }, args.repeats)
-        local, remote = median(runs["in-process"], "tok_s"), median(runs["gateway"], "tok_s")
-        local_ttft, remote_ttft = median(runs["in-process"], "ttft_ms"), median(runs["gateway"], "ttft_ms")
-        table.add(concurrency, len(batch), local, remote, f"{100 * ratio(remote, local):.1f}%", local_ttft,
-                  remote_ttft, remote_ttft - local_ttft)
-        roles = [median(runs["gateway"], f"cpu_{role}") for role in ("gateway", "prefill", "decode")]
-        cpu.add(concurrency, median(runs["in-process"], "cpu_in_process"), median(runs["gateway"], "cpu_client"),
-                *roles, sum(roles))
-        if concurrency == 16:
-            goals.append(goal_line("gateway throughput / in-process at concurrency 16", 100 * ratio(remote, local),
-                                   95.0, unit="%"))
-        goals.append(goal_line(f"added TTFT p50 at concurrency {concurrency}", remote_ttft - local_ttft, 5.0,
-                               unit=" ms", higher_is_better=False))
+        runs = interleave({"in-process": lambda: in_process(llm, batch, args.output_len, concurrency)} | {
+            name: (lambda interval=interval: gateway.run(batch, args.output_len, concurrency, speculative=False,
+                                                         stream_interval=interval))
+            for name, interval in variants.items()}, args.repeats)
+        local = runs["in-process"]
+        for name in variants:
+            remote = runs[name]
+            throughput = paired(remote, local, "tok_s")
+            added = paired(remote, local, "ttft_ms", combine=lambda a, b: a - b)
+            table.add(concurrency, name, len(batch), median(local, "tok_s"), median(remote, "tok_s"),
+                      spread(throughput, 100, "%"), median(local, "ttft_ms"), median(remote, "ttft_ms"), spread(added),
+                      load_note({"in-process": local, name: remote}))
+            roles = {role: median(remote, f"cpu_{role}") for role in ("gateway", "prefill", "decode")}
+            all_steps, decode_steps = median(local, "cpu_in_process"), median(local, "decode_cpu_ms_per_token")
+            cpu.add(concurrency, name, all_steps, decode_steps, median(remote, "cpu_client"), *roles.values(),
+                    f"{ratio(roles['decode'], all_steps):.2f}x", f"{ratio(roles['decode'], decode_steps):.2f}x")
+            if name != "gateway":
+                continue
+            loaded = max(m["load"] for m in local + remote) > (os.cpu_count() or 1)
+            wall = []
+            if concurrency in (1, 16):
+                target = 95.0 if concurrency == 16 else 85.0
+                wall.append(goal_line(f"gateway throughput / in-process at concurrency {concurrency} (median of "
+                                      f"{len(throughput)} rounds)", 100 * statistics.median(throughput), target,
+                                      unit="%"))
+            if concurrency == 1:
+                wall.append(goal_line("added TTFT p50 at concurrency 1", statistics.median(added), 5.0, unit=" ms",
+                                      higher_is_better=False))
+            # Above the core count the in-process engine (one thread) and the services (four processes) get
+            # different shares of a machine others use: wall-clock ratios then say nothing about overhead.
+            goals += [f"{line} - NOT JUDGED: load average above {os.cpu_count()} cores" if loaded else line
+                      for line in wall]
+            goals.append(goal_line(f"decode worker CPU per output token / in process at concurrency {concurrency}",
+                                   ratio(roles["decode"], all_steps), 1.1, higher_is_better=False))
     table.print()
     cpu.print()
     return goals

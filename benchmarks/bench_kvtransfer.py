@@ -1,6 +1,6 @@
 """KV handoff throughput: an 8k-token prompt in DeepSeek-V3's layout (61 layers x 576 bf16, ~549 MiB).
 
-Rows (best of --repeat runs each; compared rows take turns):
+Rows (median of --repeat runs each, with the min-max spread; compared rows take turns):
   plain copy    torch copy_ of the same bytes between two local tensors (the floor for any copy)
   shm write     ShmWriter.push: memcpy into the mapped decode pool + per-layer checksum + completion record
   shm in-place  prefill ran its forward into the pool pages: only finish() (checksum + record)
@@ -8,14 +8,20 @@ Rows (best of --repeat runs each; compared rows take turns):
   raw grpc      1 MiB bytes messages, client-streamed over loopback; no protobuf, no pool, no checksum
   grpc push     GrpcWriter.push -> KVTransferService.Push into the decode process's shm pool (chunks, checksums,
                 coverage), then admit
+  device copy   DeviceWriter.push into a device pool (kvtransfer.device_pool): the copy a prefill rank on another
+                device makes (on --device cuda a device-to-device copy on one GPU; on the CPU the memfd
+                stand-in, i.e. a host memcpy)
+  device in-place  prefill ran its forward into the IPC-mapped pool: only finish() (device sync + record)
 The gRPC server runs in a child process (the decode worker), as in deployment: sender and receiver do
 not share a GIL. Goals: shm write >= 70% of plain copy; grpc push >= 80% of raw grpc.
 
-Run: .venv/bin/python benchmarks/bench_kvtransfer.py [--tokens 8192] [--repeat 7]
+Run: .venv/bin/python benchmarks/bench_kvtransfer.py [--tokens 8192] [--repeat 7] [--device cpu|cuda]
 """
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -45,17 +51,17 @@ CHUNK = 1 << 20
 identity = lambda data: data  # noqa: E731
 
 
-def interleaved(repeat: int, rows: list[tuple[str, Callable[[], None], Callable[[], None]]]) -> list[tuple[str, float]]:
-    """Best time of each (name, run, untimed setup) row; the rows take turns, so that every ratio compares
+def interleaved(repeat: int, rows: list[tuple[str, Callable[[], None], Callable[[], None]]]) -> list[tuple[str, list[float]]]:
+    """Times of each (name, run, untimed setup) row; the rows take turns, so that every ratio compares
     runs made under the same background load."""
-    best = {name: float("inf") for name, _, _ in rows}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in rows}
     for _ in range(repeat):
         for name, run, setup in rows:
             setup()
             start = time.perf_counter()
             run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return list(best.items())
+            times[name].append(time.perf_counter() - start)
+    return list(times.items())
 
 
 nothing = lambda: None  # noqa: E731
@@ -171,10 +177,40 @@ def shm_rows(source: PagedLatentCache, source_pages: list[int], tokens: int, rep
         pool.unlink()
 
 
+def device_rows(source: PagedLatentCache, source_pages: list[int], tokens: int, repeat: int,
+                device: torch.device) -> list[tuple[str, list[float]]]:
+    from engine.device_ipc import ipc_for
+    from kvtransfer.device_pool import DevicePagePool
+    from kvtransfer.device_transport import DeviceReceiver, DeviceWriter
+
+    local = PagedLatentCache(source.shape, source.buffer.to(device))
+    pool = DevicePagePool.create(LAYOUT, FIRST_PAGE + len(source_pages) + 16, 0, "bench", device, ipc_for(device))
+    try:
+        receiver, writer, leases = DeviceReceiver([pool]), DeviceWriter(LAYOUT, device.type), LeaseTable()
+        state: dict = {}
+
+        def next_request() -> None:
+            if "destination" in state:
+                receiver.admit(state.pop("destination").request_id)
+            lease = leases.grant(f"d{time.monotonic_ns()}", range(FIRST_PAGE, FIRST_PAGE + len(source_pages)), 600)
+            state["destination"] = receiver.expect(lease, tokens)
+
+        rows = interleaved(repeat, [
+            ("device copy", lambda: writer.push(local, source_pages, state["destination"]), next_request),
+            ("device in-place", lambda: writer.open(state["destination"], in_place=True).finish(), next_request),
+        ])
+        writer.close()
+        return rows
+    finally:
+        pool.close()
+        pool.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the device-transport rows run")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -188,13 +224,17 @@ def main() -> None:
     nbytes = num_pages * LAYOUT.bytes_per_page
     rows = shm_rows(source, source_pages, args.tokens, args.repeat)
     rows += grpc_rows(source, source_pages, args.tokens, args.repeat)
+    rows += device_rows(source, source_pages, args.tokens, args.repeat, torch.device(args.device))
 
-    seconds = dict(rows)
+    seconds = {name: statistics.median(times) for name, times in rows}
     print(f"KV of {args.tokens} tokens, {LAYOUT.num_layers} layers x {LAYOUT.entry_dim} {LAYOUT.dtype}: "
-          f"{nbytes / 2**20:.1f} MiB; checksum {DEFAULT_ALGORITHM.name}; torch threads {torch.get_num_threads()}")
-    print(f"{'path':<14}{'ms':>10}{'GiB/s':>10}")
-    for name, elapsed in rows:
-        print(f"{name:<14}{elapsed * 1e3:>10.1f}{nbytes / elapsed / 2**30:>10.2f}")
+          f"{nbytes / 2**20:.1f} MiB; checksum {DEFAULT_ALGORITHM.name}; torch threads {torch.get_num_threads()}; "
+          f"device rows on {args.device}; load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"{'path':<16}{'median ms':>10}{'min-max ms':>16}{'GiB/s':>8}   (n={args.repeat} each)")
+    for name, times in rows:
+        median = statistics.median(times)
+        spread = f"{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}"
+        print(f"{name:<16}{median * 1e3:>10.1f}{spread:>16}{nbytes / median / 2**30:>8.2f}")
     print(f"shm write / plain copy = {seconds['plain copy'] / seconds['shm write']:.0%} (goal >= 70%)")
     print(f"grpc push / raw grpc   = {seconds['raw grpc'] / seconds['grpc push']:.0%} (goal >= 80%)")
 

@@ -90,8 +90,34 @@ def interleave(variants: dict[str, Callable[[], Metrics]], repeats: int,
     results: dict[str, list[Metrics]] = {name: [] for name in names}
     for round_index in range(repeats):
         for name in names if round_index % 2 == 0 else reversed(names):
-            results[name].append(variants[name]())
+            metrics = variants[name]()
+            metrics.setdefault("load", os.getloadavg()[0])  # the 1-minute load average as the run ended
+            results[name].append(metrics)
     return results
+
+
+def paired(numerators: Sequence[Metrics], denominators: Sequence[Metrics], key: str,
+           combine: Callable[[float, float], float] = lambda a, b: a / b if b else float("nan")) -> list[float]:
+    """combine(numerator, denominator) of `key` for each round of an interleave() (round r with round r):
+    ratios (or differences) from runs that took turns, so slow drifts of the machine cancel out."""
+    return [combine(a[key], b[key]) for a, b in zip(numerators, denominators) if key in a and key in b]
+
+
+def spread(values: Sequence[float], scale: float = 1.0, unit: str = "") -> str:
+    """'median (min..max)' of values times scale, e.g. '94.1% (90.2..97.0)'."""
+    if not values:
+        return "-"
+    low, mid, high = (scale * v for v in (min(values), statistics.median(values), max(values)))
+    return f"{mid:.1f}{unit} ({low:.1f}..{high:.1f})"
+
+
+def load_note(runs: dict[str, list[Metrics]]) -> str:
+    """The load averages the runs ended at, 'min..max', with how many runs saw more load than cores."""
+    loads = [m["load"] for samples in runs.values() for m in samples if "load" in m]
+    if not loads:
+        return "-"
+    over = sum(load > (os.cpu_count() or 1) for load in loads)
+    return f"{min(loads):.1f}..{max(loads):.1f}" + (f" ({over}/{len(loads)} runs above {os.cpu_count()} cores)" if over else "")
 
 
 def median(samples: Sequence[Metrics], key: str) -> float:
@@ -120,6 +146,7 @@ class TimedRun:
     decode_s: float = 0.0
     decode_tokens: int = 0
     decode_steps: int = 0
+    decode_cpu_s: float = 0.0  # CPU time of the calling thread in decode steps (the engine's, at 1 torch thread)
     ttft_s: list[float] = field(default_factory=list)
 
     @property
@@ -132,6 +159,7 @@ class TimedRun:
             "decode_tok_s": self.decode_tokens / self.decode_s if self.decode_s else float("nan"),
             "ttft_ms": 1e3 * statistics.median(self.ttft_s) if self.ttft_s else float("nan"),
             "step_ms": 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan"),
+            "decode_cpu_ms_per_token": 1e3 * self.decode_cpu_s / self.decode_tokens if self.decode_tokens else float("nan"),
             "seconds": self.total_s,
         }
 
@@ -151,9 +179,9 @@ def timed_generate(engine, prompts: list[list[int]], params) -> TimedRun:
     run = TimedRun(outputs=[], total_s=0.0)
     while engine.has_work():
         is_decode = engine.num_waiting == 0 and len(first) == len(ids)
-        step_start = time.perf_counter()
+        step_start, cpu_start = time.perf_counter(), time.thread_time()
         step_outputs = engine.step()
-        now = time.perf_counter()
+        now, cpu_end = time.perf_counter(), time.thread_time()
         produced = 0
         for out in step_outputs:
             if out.request_id in outputs:
@@ -163,6 +191,7 @@ def timed_generate(engine, prompts: list[list[int]], params) -> TimedRun:
                     first[out.request_id] = now - start
         if is_decode:
             run.decode_s += now - step_start
+            run.decode_cpu_s += cpu_end - cpu_start
             run.decode_tokens += produced
             run.decode_steps += 1
     run.total_s = time.perf_counter() - start
@@ -182,6 +211,7 @@ def timed_groups(engine, prompts: list[list[int]], params, group_size: int) -> T
         merged.decode_s += run.decode_s
         merged.decode_tokens += run.decode_tokens
         merged.decode_steps += run.decode_steps
+        merged.decode_cpu_s += run.decode_cpu_s
         merged.ttft_s += run.ttft_s
     return merged
 

@@ -42,6 +42,12 @@ class DecodeUpdate:
     steps: int  # engine steps that produced these tokens
 
 
+def new_tokens(outputs: Sequence[Any], skip_first_token: bool) -> int:
+    """How many tokens merge_outputs(outputs, skip_first_token) would carry."""
+    count = sum(len(output.new_token_ids) for output in outputs)
+    return count - 1 if skip_first_token and count else count
+
+
 def merge_outputs(outputs: Sequence[Any], skip_first_token: bool) -> DecodeUpdate:
     """Merges one request's StepOutputs (in order) into one update. skip_first_token: drop the first token
     of the first non-empty output (add_prefilled re-emits the token prefill already returned). The

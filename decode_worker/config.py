@@ -5,7 +5,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.engine_types import EngineConfig
+from engine.devices import serving_device
 from engine.role_config import EmbedsEngineConfig, worker_engine_config
+from kvtransfer.device_pool import DevicePoolFactory
 from kvtransfer.shm_pool import ShmPoolFactory
 
 
@@ -31,16 +33,24 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lease_grace_s < 0:
             raise ValueError("lease_grace_s must be non-negative")
-        if self.engine.kv_pool != "shm":
-            raise ValueError("a decode worker's pages live in a shared pool (engine kv_pool 'shm')")
+        if self.engine.kv_pool not in ("shm", "device"):
+            raise ValueError("a decode worker's pages live in a shared pool (engine kv_pool 'shm' or 'device')")
 
     @classmethod
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", lease_ttl_s: float = 60.0,
               lease_grace_s: float = 1.0, lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
-              advertise_address: str | None = None, internal_token: str | None = None,
+              advertise_address: str | None = None, internal_token: str | None = None, kv_pool: str = "auto",
               **engine: Any) -> DecodeWorkerConfig:
         """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
-        write into (ShmPoolFactory)."""
-        return cls(worker_engine_config(engine, kv_pool="shm", page_pools=ShmPoolFactory()), listen, metrics_listen,
+        write into: kv_pool "shm" (CPU shared memory, ShmPoolFactory), "device" (device memory exported over
+        IPC, DevicePoolFactory; on the CPU the memfd stand-in) or "auto" (device on a GPU, else shm)."""
+        if kv_pool not in ("auto", "shm", "device"):
+            raise ValueError(f"kv_pool must be auto, shm or device, got {kv_pool!r}")
+        device = serving_device(engine.get("device", "auto"))
+        if kv_pool == "auto":
+            kv_pool = "device" if device == "cuda" else "shm"
+        factory = (DevicePoolFactory(device, tuple(engine.get("gpus") or ())) if kv_pool == "device"
+                   else ShmPoolFactory())
+        return cls(worker_engine_config(engine, kv_pool=kv_pool, page_pools=factory), listen, metrics_listen,
                    lease_ttl_s, lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address,
                    internal_token)

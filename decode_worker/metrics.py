@@ -35,6 +35,9 @@ class DecodeCollector(Collector):
              self._service.lease_expiries),
             ("pdserve_preemptions", "Running requests preempted for lack of pages (recomputed later)",
              getattr(engine, "num_preemptions", 0)),
+            ("pdserve_decode_engine_steps", "Engine steps that produced tokens", self._service.engine_steps),
+            ("pdserve_decode_engine_step_tokens", "Tokens those steps produced (per step: the batch's tokens)",
+             self._service.engine_step_tokens),
         ]
         if stats is not None:
             counters += [

@@ -10,7 +10,11 @@ import grpc
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.servicer import DecodeServicer
 from decode_worker.service import DecodeService
+from engine.device_ipc import ipc_for
 from kvtransfer.destination import TransportKind
+from kvtransfer.device_pool import DevicePagePool
+from kvtransfer.device_transport import DeviceReceiver
+from kvtransfer.staged_receiver import StagedPushReceiver
 from kvtransfer.grpc_receiver import PushReceiver
 from kvtransfer.layout import KVLayout
 from kvtransfer.grpc_servicer import KVTransferAioServicer
@@ -30,16 +34,24 @@ SERVICE_NAMES = (
 
 
 class _Receivers:
-    """Attaches the engine's per-rank pools once and builds one receiver per transport over them."""
+    """Attaches the engine's per-rank pools once and builds one receiver per transport over them: shm pools
+    serve SHM and GRPC; device pools serve DEVICE (over their control segments) and GRPC (straight into
+    host pages on the CPU stand-in; through a host mirror and a copy to the device on a GPU)."""
 
     def __init__(self) -> None:
-        self.pools: list[SharedPagePool] = []
+        self.pools: list[Any] = []
         self.push: PushReceiver | None = None
 
     def __call__(self, engine: Any) -> dict[TransportKind, Any]:
-        self.pools = [SharedPagePool.attach(name, KVLayout.from_cache_shape(engine.cache_shape)) for name in engine.pool_names]
-        self.push = PushReceiver([pool.cache for pool in self.pools])
-        return {TransportKind.SHM: ShmReceiver(self.pools), TransportKind.GRPC: self.push}
+        layout = KVLayout.from_cache_shape(engine.cache_shape)
+        if engine.config.kv_pool != "device":
+            self.pools = [SharedPagePool.attach(name, layout) for name in engine.pool_names]
+            self.push = PushReceiver([pool.cache for pool in self.pools])
+            return {TransportKind.SHM: ShmReceiver(self.pools), TransportKind.GRPC: self.push}
+        self.pools = [DevicePagePool.attach(name, layout, engine.device, ipc_for(engine.device)) for name in engine.pool_names]
+        caches = [pool.cache for pool in self.pools]
+        self.push = PushReceiver(caches) if engine.device.type == "cpu" else StagedPushReceiver(caches)
+        return {TransportKind.DEVICE: DeviceReceiver(self.pools), TransportKind.GRPC: self.push}
 
     def close(self) -> None:
         for pool in self.pools:

@@ -13,23 +13,22 @@ out, the engine preempts the newest running request and recomputes it later (its
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from decode_worker.admission import DecodeUpdate, admits, fits_ever, headroom
-from decode_worker.streams import EngineStepFailed, TokenStreams
+from decode_worker.admission import DecodeUpdate, admits, fits_ever, headroom, merge_outputs, new_tokens
 from decode_worker.config import DecodeWorkerConfig
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import KVTransferError, LeaseExpired, UnknownTransfer
 from kvtransfer.leases import Lease, LeaseTable
 from kvtransfer.transport import KVReceiver
+from rpc.convert import MAX_STREAM_INTERVAL
 from rpc.engine_thread import EngineThread
-from rpc.status import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError,
-                        Unavailable)
+from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +47,47 @@ class LoadSnapshot:
     requests_total: int = 0
 
 
+class _Mailbox:
+    """What the engine produced for one stream and its reader has not taken yet: a list and at most one
+    waiting reader (lighter than an asyncio.Queue: one wake-up per engine step, whatever piled up)."""
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[Any]:
+        """Everything queued so far (waits for at least one item)."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
 @dataclass
 class _Entry:
     lease: Lease
     receiver: KVReceiver
     num_prompt_tokens: int
     first_token: int | None = None  # set once claimed (running)
-    done: bool = False  # its stream ended on the engine's side (finished, or failed)
+    mailbox: _Mailbox | None = None
+    done: bool = False
+
+
+class _EngineFailed(Exception):
+    pass
 
 
 class DecodeService:
-    """Leases and admission (reserve, release, the lease sweeper) and the engine thread's side of decoding;
-    the token streams themselves are decode_worker.streams.TokenStreams.
-    receivers_factory(engine) -> {transport: KVReceiver}, built once the engine (and its pools) exist."""
+    """receivers_factory(engine) -> {transport: KVReceiver}, built once the engine (and its pools) exist."""
 
     def __init__(self, config: DecodeWorkerConfig, receivers_factory: Callable[[Any], Mapping[TransportKind, KVReceiver]],
                  engine_factory: Callable[[], Any] | None = None) -> None:
@@ -69,8 +96,10 @@ class DecodeService:
         self.receivers: Mapping[TransportKind, KVReceiver] = {}
         self._leases = LeaseTable(grace_s=config.lease_grace_s)
         self._entries: dict[str, _Entry] = {}
-        self._streams = TokenStreams()
         self._force_step = False  # engine thread only
+        self._outbox: list[Any] = []  # step outputs the event loop has not dispatched yet
+        self._outbox_lock = threading.Lock()
+        self._dispatch_scheduled = False  # under _outbox_lock: a _dispatch is queued on the loop
         factory = engine_factory or (lambda: _build_engine(config))
         self._engine: EngineThread[Any] = EngineThread(factory, self._work, name="decode-engine")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,6 +109,8 @@ class DecodeService:
         self._reservations = 0
         self._reserving: dict[str, bool] = {}  # request id -> abandoned (cancelled / released meanwhile)
         self.lease_expiries = 0
+        self.engine_steps = 0  # engine steps that produced output, and the tokens they produced (batch occupancy)
+        self.engine_step_tokens = 0
         self.engine: Any = None
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -94,7 +125,9 @@ class DecodeService:
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        self._streams.fail_all(Unavailable("decode worker shutting down"))
+        for entry in list(self._entries.values()):
+            if entry.mailbox is not None:
+                entry.mailbox.put(_EngineFailed("decode worker shutting down"))
         await asyncio.to_thread(self._engine.stop)
 
     @property
@@ -123,10 +156,21 @@ class DecodeService:
                 self._abort_all(engine, error)
                 outputs = []
             if outputs:
-                assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._streams.dispatch, outputs)
+                self.engine_steps += 1
+                self.engine_step_tokens += sum(len(output.new_token_ids) for output in outputs)
+                self._hand_over(outputs)
         self._publish(engine)
         return engine.has_work()
+
+    def _hand_over(self, outputs: list[Any]) -> None:
+        """Queues a step's outputs for the event loop, waking it only when no dispatch is pending yet
+        (a loop that fell behind takes several steps' outputs in one wake-up)."""
+        with self._outbox_lock:
+            self._outbox += outputs
+            wake, self._dispatch_scheduled = not self._dispatch_scheduled, True
+        if wake:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._dispatch)
 
     def _abort_all(self, engine: Any, error: Exception) -> None:
         failed = [request_id for request_id, entry in self._entries.items() if entry.first_token is not None]
@@ -136,10 +180,24 @@ class DecodeService:
             except Exception:  # noqa: BLE001
                 logger.exception("abort of %s failed", request_id)
         if self._loop is not None:
-            failure = EngineStepFailed(f"engine step failed: {type(error).__name__}: {error}")
-            self._loop.call_soon_threadsafe(self._streams.fail, failed, failure)
+            self._loop.call_soon_threadsafe(self._fail_streams, failed, error)
 
     # --- event loop ---------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        with self._outbox_lock:
+            outputs, self._outbox, self._dispatch_scheduled = self._outbox, [], False
+        entries = self._entries
+        for output in outputs:
+            entry = entries.get(output.request_id)
+            if entry is not None and entry.mailbox is not None:
+                entry.mailbox.put(output)
+
+    def _fail_streams(self, request_ids: list[str], error: Exception) -> None:
+        self._dispatch()  # outputs of earlier steps go first
+        for request_id in request_ids:
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.mailbox is not None:
+                entry.mailbox.put(_EngineFailed(f"engine step failed: {error}"))
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       transport: TransportKind, ttl_s: float | None = None) -> Destination:
@@ -219,7 +277,11 @@ class DecodeService:
         return pages
 
     async def decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
-                     params: SamplingParams) -> AsyncIterator[DecodeUpdate]:
+                     params: SamplingParams, stream_interval: int = 1) -> AsyncIterator[DecodeUpdate]:
+        """Yields the request's tokens: an update after every engine step that produced some, or (with
+        stream_interval > 1) once at least that many tokens are ready, and always when it finishes."""
+        if not 0 <= stream_interval <= MAX_STREAM_INTERVAL:
+            raise InvalidArgument("stream_interval", f"must be in 0..{MAX_STREAM_INTERVAL}, got {stream_interval}")
         entry = self._entries.get(request_id)
         if entry is None or entry.lease.lease_id != lease_id:
             raise NotFound(f"no reservation {lease_id!r} for request {request_id}")
@@ -233,7 +295,7 @@ class DecodeService:
             self._drop(request_id, entry, free=isinstance(error, LeaseExpired))
             raise FailedPrecondition(f"lease of request {request_id}: {error}") from error
         entry.first_token = first_token
-        self._streams.open(request_id)
+        entry.mailbox = _Mailbox()
         try:
             await asyncio.to_thread(entry.receiver.admit, request_id, self.config.admit_timeout_s)
         except KVTransferError as error:
@@ -256,26 +318,37 @@ class DecodeService:
             await self._engine.call(add)
         except asyncio.CancelledError:  # the command still runs: abort after it (FIFO) frees the pages
             self._entries.pop(request_id, None)
-            self._streams.close(request_id)
             self._engine.post(lambda engine: self._abort(engine, request_id))
             raise
         except Exception:
             self._entries.pop(request_id, None)
-            self._streams.close(request_id)
             raise
-        async for update in self._stream(request_id, entry):
+        async for update in self._stream(request_id, entry, max(1, stream_interval)):
             yield update
 
-    async def _stream(self, request_id: str, entry: _Entry) -> AsyncIterator[DecodeUpdate]:
-        """The request's updates; when the caller leaves before the end, the request is aborted."""
+    async def _stream(self, request_id: str, entry: _Entry, interval: int) -> AsyncIterator[DecodeUpdate]:
+        assert entry.mailbox is not None
+        skip_first = True
+        items: list[Any] = []
         try:
-            async with contextlib.aclosing(self._streams.read(request_id)) as updates:
-                async for update in updates:
-                    entry.done = update.finished
-                    yield update
-        except ServiceError:  # the engine's side ended it (step failure, shutdown): nothing left to abort
-            entry.done = True
-            raise
+            while True:
+                taken = await entry.mailbox.take()  # the reader may have fallen behind: merge what piled up
+                for item in taken:
+                    if isinstance(item, _EngineFailed):
+                        entry.done = True
+                        raise item
+                items += taken
+                if not items[-1].finished and new_tokens(items, skip_first) < interval:
+                    continue
+                update = merge_outputs(items, skip_first)
+                skip_first = skip_first and not any(output.new_token_ids for output in items)
+                items = []
+                entry.done = update.finished
+                if update.finished:  # logged before the last chunk leaves, so the line precedes the reply
+                    logger.info("decode finished (%s)", update.finish_reason)
+                yield update
+                if update.finished:
+                    return
         finally:
             self._entries.pop(request_id, None)
             if not entry.done:  # the caller went away (cancel / release): stop generating, free the pages

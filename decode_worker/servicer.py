@@ -10,6 +10,7 @@ import grpc
 from decode_worker.service import DecodeService
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import TransportKind
+from rpc.processes import node_id
 from rpc.convert import logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, streaming, unary
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
@@ -56,14 +57,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 self._service.release_soon(request.request_id)
 
         context.add_done_callback(on_done)
-        updates = self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token, params)
+        updates = self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token,
+                                       params, request.stream_interval)
         async with contextlib.aclosing(updates) as stream:
             async for update in stream:
                 finished = update.finished
-                yield worker_pb2.DecodeResponse(
-                    token_ids=update.token_ids, logprobs=[logprob_to_proto(lp) for lp in update.logprobs],
-                    finished=update.finished, finish_reason=update.finish_reason or "", decode_steps=update.steps,
-                )
+                response = worker_pb2.DecodeResponse(token_ids=update.token_ids, finished=finished,
+                                                     finish_reason=update.finish_reason or "", decode_steps=update.steps)
+                if update.logprobs:
+                    response.logprobs.extend(logprob_to_proto(lp) for lp in update.logprobs)
+                yield response
 
     @unary
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
@@ -71,4 +74,5 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     @unary
     async def GetDecodeLoad(self, request: worker_pb2.GetDecodeLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetDecodeLoadResponse:
-        return worker_pb2.GetDecodeLoadResponse(**dataclasses.asdict(self._service.load))  # same field names
+        return worker_pb2.GetDecodeLoadResponse(**dataclasses.asdict(self._service.load),  # same field names
+                                                node_id=node_id(), kv_pool=self._service.config.engine.kv_pool)

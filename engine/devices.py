@@ -39,8 +39,8 @@ def resolve_device(name: str, gpus_available: int | None = None) -> str:
 
 
 def serving_device(name: str) -> str:
-    """The device of a prefill / decode worker: "auto" means cpu there, because the workers hand KV
-    over through CPU shared-memory pools (a GPU IPC pool does not exist yet); "cuda" must be asked for."""
+    """The device of a prefill / decode worker: "auto" means cpu there; "cuda" must be asked for (the GPU
+    serving paths, device KV pools and weights shared over IPC, are not yet proven on hardware)."""
     return "cpu" if name == "auto" else name
 
 

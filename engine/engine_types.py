@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.devices import check_gpus, default_dtype_name, gpu_count, resolve_device
-from engine.model_runner import DTYPES
+from engine.model_runner import DTYPES, KV_POOLS
 from engine.paths import DEFAULT_MODEL_DIR
 from engine.page_pool import PagePoolFactory
 from engine.sampling_params import SamplingParams
@@ -16,7 +16,8 @@ from engine.sequence import TokenLogprob
 class EngineConfig:
     """Built once from the CLI or LLM(...) arguments. draft_model_dir None = the model's draft/ folder if
     present, "" = no draft. spec_block_size is the server's maximum speculative block size. kv_pool "shm"
-    puts this engine's pages in a pool made by page_pools; page_pools also attaches other engines' pools
+    (CPU shared memory) or "device" (device memory exported over IPC) puts this engine's pages in a pool
+    made by page_pools; page_pools also attaches other engines' pools
     (a prefill engine writing into a decode worker's pages). None: private pages only.
     device: "auto" (cuda when a GPU is visible) | "cpu" | "cuda" (also ROCm); gpus: the GPU of each
     rank (rank r -> gpus[r]; None = 0 .. tp_size - 1); dtype "auto": bfloat16 on GPUs, float32 on CPU;
@@ -54,15 +55,15 @@ class EngineConfig:
             check_gpus(self.tp_size, self.gpus, gpu_count())
             if self.kv_pool == "shm":
                 raise ValueError("kv_pool 'shm' is a CPU shared-memory pool; on device cuda the engine needs "
-                                 "kv_pool 'local' (a GPU IPC pool for the decode worker is not built yet)")
+                                 "kv_pool 'local' or 'device' (a device pool exported over IPC)")
         if self.spec_block_size < 2:
             raise ValueError(f"spec_block_size must be >= 2, got {self.spec_block_size}")
         if self.page_size <= 0 or self.kv_memory_bytes <= 0:
             raise ValueError("page_size and kv_memory_bytes must be positive")
-        if self.kv_pool not in ("local", "shm"):
-            raise ValueError(f"kv_pool must be 'local' or 'shm', got {self.kv_pool!r}")
-        if self.kv_pool == "shm" and self.page_pools is None:
-            raise ValueError("kv_pool 'shm' needs page_pools (e.g. kvtransfer.shm_pool.ShmPoolFactory())")
+        if self.kv_pool not in KV_POOLS:
+            raise ValueError(f"kv_pool must be one of {KV_POOLS}, got {self.kv_pool!r}")
+        if self.kv_pool != "local" and self.page_pools is None:
+            raise ValueError(f"kv_pool {self.kv_pool!r} needs page_pools (e.g. kvtransfer.shm_pool.ShmPoolFactory())")
         if self.draft_model_dir and not Path(self.draft_model_dir, "config.json").is_file():
             raise ValueError(f"draft_model_dir {self.draft_model_dir!r} has no config.json")
 

@@ -17,6 +17,7 @@ from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, Target
 
 logger = logging.getLogger(__name__)
 
+KV_POOLS = ("local", "shm", "device")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,7 +31,7 @@ class RunnerConfig:
     attention_backend: str
     page_size: int
     num_pages: int
-    kv_pool: str  # "local" | "shm"
+    kv_pool: str  # "local" | "shm" (CPU shared memory) | "device" (device memory exported over IPC)
     pool_tag: str = "engine"
     num_threads: int | None = None
     device: str = "cpu"  # "cpu" | "cuda" (resolved; rank r runs on cuda:gpus[r])
@@ -46,13 +47,13 @@ class RunnerConfig:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"RunnerConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and self.kv_pool == "shm":
-            raise ValueError("kv_pool 'shm' keeps pages in CPU shared memory; a GPU cache needs kv_pool 'local'")
+            raise ValueError("kv_pool 'shm' keeps pages in CPU shared memory; a GPU cache needs kv_pool 'local' or 'device'")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.kv_pool not in ("local", "shm"):
-            raise ValueError(f"kv_pool must be 'local' or 'shm', got {self.kv_pool!r}")
-        if self.kv_pool == "shm" and self.page_pools is None:
-            raise ValueError("kv_pool 'shm' needs a page_pools factory")
+        if self.kv_pool not in KV_POOLS:
+            raise ValueError(f"kv_pool must be one of {KV_POOLS}, got {self.kv_pool!r}")
+        if self.kv_pool != "local" and self.page_pools is None:
+            raise ValueError(f"kv_pool {self.kv_pool!r} needs a page_pools factory")
         if self.page_size <= 0 or self.num_pages <= 0:
             raise ValueError("page_size and num_pages must be positive")
 
@@ -115,7 +116,7 @@ class ModelRunner:
         )
         self.pool: PagePool | None = None
         self._attached: dict[str, PagePool] = {}
-        if config.kv_pool == "shm" and config.page_pools is not None:
+        if config.kv_pool != "local" and config.page_pools is not None:
             self.pool = config.page_pools.create(self.cache_shape, config.num_pages, tp.rank, config.pool_tag)
             self.cache = self.pool.cache
         else:
@@ -149,14 +150,34 @@ class ModelRunner:
     def _load(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
         """load() normally, or, with share_weights, through the node's shared weight store (the first
         worker of the node loads and publishes; the others build the model without loading and map it)."""
-        if not self.config.share_weights or self.device.type != "cpu":  # the store is CPU shared memory
+        if not self.config.share_weights:
             return load()
+        if self.device.type == "cuda":
+            return self._load_device_shared(role, model_dir, load, build_empty)
         from engine.weight_store import WeightKey, load_shared
 
         key = WeightKey(model_dir, self.config.dtype, "cpu", self.tp.size, self.tp.rank, role)
 
         model, shared = load_shared(key, load, build_empty)
         self._shared_weights.append(shared)
+        return model.eval().requires_grad_(False)
+
+    def _load_device_shared(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
+        """On a GPU: the first worker on this device loads the shard and exports IPC handles of its tensors;
+        the others open them (engine/device_weights.py). Without a usable IPC layer: a private copy."""
+        from engine.device_ipc import IpcUnavailable, ipc_for
+        from engine.device_weights import load_device_shared
+        from engine.weight_store import WeightKey
+
+        ipc = ipc_for(self.device)
+        try:
+            key = WeightKey(model_dir, self.config.dtype, ipc.device_id(self.device), self.tp.size, self.tp.rank, role)
+        except IpcUnavailable as error:  # e.g. FakeTensorMode on a CPU-only machine
+            logger.info("device weight sharing unavailable (%s): loading a private copy", error)
+            return load()
+        model, shared = load_device_shared(key, load, build_empty, ipc, self.device)
+        if shared is not None:
+            self._shared_weights.append(shared)
         return model.eval().requires_grad_(False)
 
     @property

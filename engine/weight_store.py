@@ -252,6 +252,19 @@ def _wait_ready(name: str, timeout_s: float) -> int | None:
         time.sleep(0.05)  # polling another process's progress, not synchronising a test
 
 
+def load_claimed(fd: int, name: str, load: Callable[[], nn.Module],
+                 publish: Callable[[int, nn.Module], object]) -> tuple[nn.Module, object]:
+    """Loads the model and publishes it into the segment this process claimed (fd); on any failure the claim
+    is given up (closed and unlinked) so the next worker can claim it. Returns (model, publish's result)."""
+    try:
+        model = load()
+        return model, publish(fd, model)
+    except BaseException:
+        os.close(fd)
+        _unlink(name)
+        raise
+
+
 def load_shared(key: WeightKey, load: Callable[[], nn.Module], build_empty: Callable[[], nn.Module],
                 timeout_s: float = 1800.0) -> tuple[nn.Module, SharedWeights]:
     """The model for `key`, its weights in the node's shared store (loaded here if nobody has yet).
@@ -262,13 +275,7 @@ def load_shared(key: WeightKey, load: Callable[[], nn.Module], build_empty: Call
     while True:
         fd = _claim(name)
         if fd is not None:
-            try:
-                model = load()
-                _publish(fd, model)
-            except BaseException:
-                os.close(fd)
-                _unlink(name)
-                raise
+            model, _ = load_claimed(fd, name, load, _publish)
             os.close(fd)
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
             shared = SharedWeights(name, fd, owner=True)

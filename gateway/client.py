@@ -14,7 +14,7 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                   speculative: bool | None = None, block_size: int | None = None, top_logprobs: int | None = None,
-                  request_id: str = "") -> gateway_pb2.GenerateRequest:
+                  request_id: str = "", stream_interval: int | None = None) -> gateway_pb2.GenerateRequest:
     """A text prompt (str) or token ids; None leaves a field unset (the server's default applies)."""
     request = gateway_pb2.GenerateRequest(request_id=request_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                           ignore_eos=ignore_eos)
@@ -23,7 +23,7 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
     else:
         request.token_ids.ids.extend(prompt)
     optional = {"max_tokens": max_tokens, "speculative": speculative, "block_size": block_size,
-                "top_logprobs": top_logprobs}
+                "top_logprobs": top_logprobs, "stream_interval": stream_interval}
     for name, value in optional.items():
         if value is not None:
             setattr(request, name, value)
@@ -40,6 +40,7 @@ class Completion:
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     deltas: list[str] = field(default_factory=list)
+    chunk_sizes: list[int] = field(default_factory=list)  # token ids per chunk, in order
     logprobs: list[logprobs_pb2.TokenLogprob] = field(default_factory=list)
     complete: gateway_pb2.Complete | None = None
     error: gateway_pb2.Error | None = None
@@ -73,6 +74,7 @@ async def generate(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_p
             if kind == "chunk":
                 result.token_ids.extend(response.chunk.token_ids)
                 result.deltas.append(response.chunk.text)
+                result.chunk_sizes.append(len(response.chunk.token_ids))
                 result.logprobs.extend(response.chunk.logprobs)
             elif kind == "complete":
                 result.complete = response.complete

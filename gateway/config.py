@@ -4,13 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRANSPORTS = ("shm", "grpc")
+from gateway.transport_choice import TRANSPORT_NAMES as TRANSPORTS
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     """prefill / decode: worker addresses (host:port). transport: how prefill hands KV to decode
-    ("shm" needs both on one host). admission_timeout_s: how long a request waits for a decode worker
+    ("auto": chosen per request from where both workers are, gateway/transport_choice.py; "shm" and
+    "device" need both on one host). admission_timeout_s: how long a request waits for a decode worker
     with room (Reserve answers RESOURCE_EXHAUSTED) before it fails with RESOURCE_EXHAUSTED (HTTP 429).
     http_listen: where the HTTP front (OpenAI API, /health, /metrics) listens; port 0 picks one.
     max_request_bytes: the largest request message (and prompt text) accepted, checked before parsing /
@@ -24,7 +25,7 @@ class GatewayConfig:
     decode: tuple[str, ...]
     listen: str = "127.0.0.1:50051"
     http_listen: str = ""  # OpenAI-compatible HTTP, /health and /metrics ("": none)
-    transport: str = "shm"
+    transport: str = "auto"
     default_max_tokens: int = 256
     load_poll_interval_s: float = 0.2
     worker_timeout_s: float = 2.0

@@ -173,8 +173,10 @@ class RequestRun:
         if job.ends_on(first) or params.max_new_tokens == 1:
             self._finish("stop" if job.ends_on(first) else "length")
             return
+        await asyncio.sleep(0)  # the servicer sends the first token on before the Decode call is set up
         request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
-                                           token_ids=job.prompt_ids, first_token=first, sampling=sampling)
+                                           token_ids=job.prompt_ids, first_token=first, sampling=sampling,
+                                           stream_interval=job.stream_interval)
         self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
         self._decode_state = DecodeState.STREAMING
         async for chunk in self._decode_call:

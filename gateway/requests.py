@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 from gateway.model_info import ModelFacts
 from gateway.tokenizer import TextTokenizer
+from rpc.convert import MAX_STREAM_INTERVAL
 from rpc.status import InvalidArgument
 from rpc.v1 import gateway_pb2
 
@@ -31,6 +32,7 @@ class GenerateJob:
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stream_interval: int = 1  # tokens per decode message (1: every step's tokens at once)
 
     def ends_on(self, token_id: int) -> bool:
         """Whether generating this token finishes the request (eos unless ignored, or a stop token)."""
@@ -144,4 +146,13 @@ def parse_generate_request(request: gateway_pb2.GenerateRequest, facts: ModelFac
         raise InvalidArgument("stop", "stop strings need a tokenizer; this model has none")
     skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
     return GenerateJob(request_id=request_id, prompt_ids=tuple(prompt), params=params, stop=tuple(request.stop),
-                       skip_special_tokens=skip, eos_token_ids=facts.eos_token_ids)
+                       skip_special_tokens=skip, eos_token_ids=facts.eos_token_ids,
+                       stream_interval=_stream_interval(request))
+
+
+def _stream_interval(request: gateway_pb2.GenerateRequest) -> int:
+    if not request.HasField("stream_interval"):
+        return 1
+    if not 1 <= request.stream_interval <= MAX_STREAM_INTERVAL:
+        raise InvalidArgument("stream_interval", f"must be in 1..{MAX_STREAM_INTERVAL}, got {request.stream_interval}")
+    return request.stream_interval

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.transport_choice import Placement
+
 
 @dataclass
 class PrefillState:
@@ -16,6 +18,7 @@ class PrefillState:
     healthy: bool = True
     outstanding_tokens: int = 0
     outstanding_requests: int = 0
+    placement: Placement | None = None  # from its load answers (the transport choice)
 
 
 @dataclass
@@ -26,6 +29,7 @@ class DecodeState:
     total_pages: int = 0
     running: int = 0
     page_size: int = 16
+    placement: Placement | None = None  # from its load answers (the transport choice)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // max(1, self.page_size))

@@ -13,6 +13,7 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
+from gateway.transport_choice import Placement, choose_transport
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from rpc.interceptors import token_metadata
 from rpc.logging_setup import request_metadata
@@ -20,7 +21,7 @@ from rpc.server import CHANNEL_OPTIONS
 from rpc.status import ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
-TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC}
+TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC, "device": kv_pb2.TRANSPORT_DEVICE}
 # Reserve failures after which the worker may still hold a reservation for the request.
 _UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
@@ -87,7 +88,8 @@ class WorkerPool:
 
         async def prefill(worker: PrefillWorker) -> None:
             try:
-                await worker.stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=timeout, metadata=self.metadata)
+                load = await worker.stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=timeout, metadata=self.metadata)
+                worker.state.placement = Placement(node_id=load.node_id, device=load.device)
                 self._mark(worker.state, True)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
@@ -101,6 +103,7 @@ class WorkerPool:
             state = worker.state
             state.free_pages = max(0, load.free_pages - load.headroom_pages)
             state.total_pages, state.running, state.page_size = load.total_pages, load.running, load.page_size or 16
+            state.placement = Placement(node_id=load.node_id, kv_pool=load.kv_pool)
             self._mark(state, True)
 
         await asyncio.gather(*map(prefill, self.prefill), *map(decode, self.decode))
@@ -160,14 +163,23 @@ class WorkerPool:
         except grpc.aio.AioRpcError as error:
             logger.warning("could not release the reservation of request %s: %s", request_id, error.code().name)
 
+    def prefill_placement(self) -> Placement | None:
+        """Where the prefill side of a request will be: the placement every reachable prefill worker shares
+        (the worker itself is picked after Reserve, by load), or None when they differ (auto then takes grpc,
+        which works from any of them)."""
+        placements = {w.state.placement for w in self.prefill if w.state.healthy}
+        return placements.pop() if len(placements) == 1 else None
+
+    def transport_for(self, decode: DecodeWorker) -> int:
+        """The Transport of a request reserved on `decode` (gateway/transport_choice.py)."""
+        return TRANSPORT_VALUES[choose_transport(self.config.transport, self.prefill_placement(), decode.state.placement)]
+
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       deadline: float | None, trace_id: str | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
-        """Reserve on the best decode worker; on RESOURCE_EXHAUSTED tries the others, then waits and retries
-        until the admission timeout (or the request's deadline). trace_id: the x-request-id to send
-        (default: request_id)."""
+        """Reserve on the best decode worker, with the transport chosen for it; on RESOURCE_EXHAUSTED tries the
+        others, then waits and retries until the admission timeout (or the request's deadline). trace_id:
+        the x-request-id to send (default: request_id)."""
         trace_id = trace_id or request_id
-        request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                            max_new_tokens=max_new_tokens, transport=TRANSPORT_VALUES[self.config.transport])
         give_up = time.monotonic() + self.config.admission_timeout_s
         if deadline is not None:
             give_up = min(give_up, deadline)
@@ -178,6 +190,8 @@ class WorkerPool:
                 raise Unavailable("no reachable decode worker")
             for index in order:
                 worker = self.decode[index]
+                request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
+                                                    max_new_tokens=max_new_tokens, transport=self.transport_for(worker))
                 call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
                                                                   metadata=self._metadata_for(trace_id)))
                 try:

@@ -15,6 +15,7 @@ class TransportKind(enum.IntEnum):
     SHM = 1
     GRPC = 2
     MOONCAKE = 3
+    DEVICE = 4
 
 
 def now_ms() -> int:
@@ -33,7 +34,8 @@ def lease_binding(lease_id: str, transport: TransportKind | int, page_ids: tuple
 class Destination:
     """A request's reserved decode pages and, per TP rank, where to write them.
 
-    targets[r]: shm pool name (SHM), "host:port" (GRPC) or mooncake session id (MOONCAKE) of decode rank r.
+    targets[r]: shm pool name (SHM), "host:port" (GRPC), mooncake session id (MOONCAKE) or device pool name
+    (DEVICE: the pool's control segment, kvtransfer.device_pool) of decode rank r.
     """
 
     transport: TransportKind

@@ -132,6 +132,8 @@ class ShmWriteHandle(KVWriteHandle):
 class ShmWriter(KVWriter):
     """Prefill side: attaches decode pools by name (each once, layout-checked) and opens write handles."""
 
+    transport = TransportKind.SHM
+
     def __init__(self, layout: KVLayout, algorithm: Algorithm = DEFAULT_ALGORITHM) -> None:
         self.layout = layout
         self.algorithm = Algorithm(algorithm)
@@ -141,8 +143,11 @@ class ShmWriter(KVWriter):
     def pool(self, name: str) -> SharedPagePool:
         with self._lock:
             if name not in self._pools:
-                self._pools[name] = SharedPagePool.attach(name, self.layout)
+                self._pools[name] = self._attach(name)
             return self._pools[name]
+
+    def _attach(self, name: str) -> SharedPagePool:
+        return SharedPagePool.attach(name, self.layout)
 
     def confirm(self, destination: Destination) -> None:
         """Before the first byte: every target pool's completion slot must be reserved by the decode worker
@@ -154,8 +159,8 @@ class ShmWriter(KVWriter):
                                             destination.request_id, destination.binding)
 
     def _checked_pool(self, destination: Destination, rank: int) -> SharedPagePool:
-        if destination.transport != TransportKind.SHM:
-            raise BadChunk(f"ShmWriter cannot write a {destination.transport.name} destination")
+        if destination.transport != self.transport:
+            raise BadChunk(f"{type(self).__name__} cannot write a {destination.transport.name} destination")
         destination.check_against(self.layout, f"shm writer for request {destination.request_id}")
         destination.check_lease()
         pool = self.pool(destination.target(rank))

@@ -36,7 +36,10 @@ class TransferResult:
 
 
 class KVWriteHandle(ABC):
-    """One request's write session on one TP rank. Use as a context manager: an exception aborts it."""
+    """One request's write session on one TP rank. Use as a context manager: an exception aborts it.
+    host_only: page data must be CPU tensors (every transport but the device one)."""
+
+    host_only = True
 
     def __init__(self, destination: Destination, rank: int, layout: KVLayout) -> None:
         self.destination = destination
@@ -52,8 +55,8 @@ class KVWriteHandle(ABC):
         if data.dim() != 3 or tuple(data.shape[1:]) != expected or data.dtype != self.layout.torch_dtype:
             raise BadChunk(f"page data must be [n, {expected[0]}, {expected[1]}] {self.layout.dtype}, got "
                            f"{list(data.shape)} {data.dtype}")
-        if data.device.type != "cpu":
-            raise BadChunk("page data must be on the CPU (GPU pools: kvtransfer.gpu_ipc)")
+        if self.host_only and data.device.type != "cpu":
+            raise BadChunk("page data must be on the CPU (device pools: kvtransfer.device_transport)")
         if first_index < 0 or first_index + data.shape[0] > len(self.destination.page_ids):
             raise BadChunk(f"pages {first_index}..{first_index + data.shape[0] - 1} outside the request's "
                            f"{len(self.destination.page_ids)} pages")

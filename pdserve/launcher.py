@@ -38,7 +38,7 @@ class ClusterSpec:
     http_listen: str = "127.0.0.1:0"  # the gateway's HTTP front (OpenAI API, /health, /metrics); "": none
     worker_metrics: bool = True        # workers serve /metrics on a port of their own (port 0)
     attention_backend: str = "auto"
-    transport: str = "shm"
+    transport: str = "auto"
     draft_model: str | None = None  # None: the model's draft/ folder if present; "": none
     worker_args: tuple[str, ...] = ()   # extra flags for both workers (e.g. --kv-memory-mb 64)
     prefill_args: tuple[str, ...] = ()
@@ -58,10 +58,15 @@ class ClusterSpec:
             raise ValueError(f"internal must be one of {INTERNAL_MODES}, got {self.internal!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
-        if self.transport not in ("shm", "grpc"):
-            raise ValueError(f"transport must be shm or grpc, got {self.transport!r}")
+        if self.transport not in ("auto", "shm", "grpc", "device"):
+            raise ValueError(f"transport must be auto, shm, grpc or device, got {self.transport!r}")
         if not Path(self.model_dir, "config.json").is_file():
             raise ValueError(f"model directory {self.model_dir!r} has no config.json")
+
+
+def kv_pool_flags(transport: str) -> tuple[str, ...]:
+    """The decode workers' --kv-pool for a forced transport (auto / grpc: the decode worker's own default)."""
+    return {"shm": ("--kv-pool", "shm"), "device": ("--kv-pool", "device")}.get(transport, ())
 
 
 @dataclass
@@ -172,7 +177,8 @@ class Cluster:
         self._interrupt = interrupt
         deadline = time.monotonic() + timeout_s
         try:
-            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(f"decode-{i}", self.spec.decode_tp, self.spec.decode_args))
+            decode_args = (*kv_pool_flags(self.spec.transport), *self.spec.decode_args)
+            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(f"decode-{i}", self.spec.decode_tp, decode_args))
                       for i in range(self.spec.num_decode)]
             prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(f"prefill-{i}", self.spec.prefill_tp, self.spec.prefill_args))
                        for i in range(self.spec.num_prefill)]

@@ -5,8 +5,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.engine_types import EngineConfig
+from engine.devices import serving_device
 from engine.role_config import EmbedsEngineConfig, worker_engine_config
-from kvtransfer.shm_pool import ShmPoolFactory
+from kvtransfer.device_pool import DevicePoolFactory
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 2**20  # the local pool: used only by the grpc transport (compute, then push)
 
@@ -31,7 +32,8 @@ class PrefillWorkerConfig(EmbedsEngineConfig):
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", batch_tokens: int = 2048,
               internal_token: str | None = None, **engine: Any) -> PrefillWorkerConfig:
         """engine: EngineConfig fields. The prefill role computes into private pages and attaches decode
-        workers' shared pools (ShmPoolFactory)."""
+        workers' shared pools: shm pools and device pools, by name (DevicePoolFactory.attach)."""
+        device = serving_device(engine.get("device", "auto"))
         engine = worker_engine_config({"kv_memory_bytes": DEFAULT_KV_MEMORY_BYTES, **engine}, kv_pool="local",
-                                      page_pools=ShmPoolFactory())
+                                      page_pools=DevicePoolFactory(device, tuple(engine.get("gpus") or ())))
         return cls(engine, listen, metrics_listen, batch_tokens, internal_token)

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.device_transport import DeviceWriter
 from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter
@@ -27,10 +28,15 @@ from rpc.engine_thread import EngineThread
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from rpc.interceptors import token_metadata
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.kv_export import finish_shm, prefill_pool_names, push_pages
+from prefill_worker.kv_export import (
+    finish_shm, prefill_pool_names, push_pages, rank_device_ids, stage_to_host, writes_in_place,
+)
 from prefill_worker.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
+# shm handoffs up to this size (completion records' checksums over the pages) are finished on the event
+# loop: xxh3 covers 1 MiB in well under 0.1 ms, less than a hop to a worker thread and back costs.
+INLINE_HANDOFF_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,8 @@ class PrefillService:
         self.engine: Any = None
         self._shm: ShmWriter | None = None
         self._grpc: GrpcWriter | None = None
+        self._device: DeviceWriter | None = None
+        self._device_ids: tuple[str, ...] = ()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -99,6 +107,8 @@ class PrefillService:
         self.layout = KVLayout.from_cache_shape(self.engine.cache_shape)
         self._shm = ShmWriter(self.layout)
         self._grpc = GrpcWriter(self.layout, metadata=token_metadata(self.config.internal_token))
+        self._device = DeviceWriter(self.layout, self.config.engine.device)
+        self._device_ids = rank_device_ids(self.config.engine.device, self.config.engine.rank_gpus, self.config.tp_size)
 
     async def stop(self) -> None:
         with self._lock:
@@ -107,7 +117,7 @@ class PrefillService:
             job.state = "dropped"
             _resolve(job.future, Unavailable("prefill worker shutting down"))
         await asyncio.to_thread(self._engine.stop)
-        for writer in (self._shm, self._grpc):
+        for writer in (self._shm, self._grpc, self._device):
             if writer is not None:
                 writer.close()
 
@@ -125,7 +135,7 @@ class PrefillService:
             raise AlreadyExists(f"request {request_id} is already being prefilled here")
         if destination.request_id != request_id:
             raise InvalidArgument("destination.request_id", f"{destination.request_id!r} is not {request_id!r}")
-        if destination.transport not in (TransportKind.SHM, TransportKind.GRPC):
+        if destination.transport not in (TransportKind.SHM, TransportKind.GRPC, TransportKind.DEVICE):
             raise FailedPrecondition(f"transport {destination.transport.name} is not supported by this prefill worker")
         if destination.num_tokens != len(prompt_ids):
             raise InvalidArgument("destination.num_tokens", f"{destination.num_tokens} != prompt length {len(prompt_ids)}")
@@ -162,10 +172,16 @@ class PrefillService:
             started = time.perf_counter()
             if job.cancelled:
                 raise asyncio.CancelledError()
-            if job.destination.transport == TransportKind.SHM:
-                num_bytes = await asyncio.to_thread(finish_shm, self._shm, job.destination, self.config.tp_size)
+            transport = job.destination.transport
+            if computed.pages is None and transport == TransportKind.SHM and self._small(job.destination):
+                num_bytes = finish_shm(self._shm, job.destination, self.config.tp_size)  # no thread hop before TTFT
+            elif computed.pages is None:  # written in place (shm, or device on the pool's own device)
+                writer = self._shm if transport == TransportKind.SHM else self._device
+                num_bytes = await asyncio.to_thread(finish_shm, writer, job.destination, self.config.tp_size)
+            elif transport == TransportKind.DEVICE:  # another device of the node: a peer copy
+                num_bytes = await asyncio.to_thread(push_pages, self._device, job.destination, *computed.pages)
             else:
-                target, draft = computed.pages
+                target, draft = stage_to_host(computed.pages)
                 num_bytes = await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft)
             transfer_s = time.perf_counter() - started
             result = computed.result
@@ -185,6 +201,12 @@ class PrefillService:
         finally:
             self._jobs.pop(job.request_id, None)
             job.finished.set()
+
+    def _small(self, destination: Destination) -> bool:
+        """Whether an shm handoff checksums few enough bytes to finish on the event loop (microseconds)
+        rather than pay a thread hop on the first token's path; larger ones go to a thread."""
+        pages = len(destination.page_ids) * destination.num_ranks
+        return pages * self.layout.bytes_per_page <= INLINE_HANDOFF_BYTES
 
     def _drop_if_queued(self, job: _Job) -> bool:
         with self._lock:
@@ -229,7 +251,7 @@ class PrefillService:
             try:
                 job.destination.check_lease()
                 self._confirm(job.destination)  # again: the lease may have been released while queued
-                if job.destination.transport == TransportKind.SHM:
+                if self._in_place(job.destination):
                     pages, pools = list(job.destination.page_ids), prefill_pool_names(job.destination, engine.config.tp_size)
                 else:
                     job.local_pages = engine.allocate_pages(len(job.prompt_ids))
@@ -275,6 +297,20 @@ class PrefillService:
         if destination.transport == TransportKind.SHM:
             assert self._shm is not None
             self._shm.confirm(destination)
+        elif destination.transport == TransportKind.DEVICE:
+            assert self._device is not None
+            self._device.confirm(destination)
+
+    def _in_place(self, destination: Destination) -> bool:
+        """The engine runs its forward straight into the destination pages: shm always; device when every
+        prefill rank shares its device with the decode pool it writes (else compute locally, then copy)."""
+        if destination.transport == TransportKind.SHM:
+            return True
+        if destination.transport != TransportKind.DEVICE:
+            return False
+        assert self._device is not None
+        pools = prefill_pool_names(destination, self.config.tp_size)
+        return writes_in_place([self._device.pool(name).device_id for name in pools], self._device_ids)
 
     def _should_stop(self, job: _Job) -> bool:
         """Asked by the engine thread between chunks: the RPC was cancelled, or the lease ran out or is no

@@ -7,6 +7,7 @@ import grpc
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination
+from rpc.processes import node_id
 from rpc.convert import logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, unary
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -45,4 +46,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     @unary
     async def GetPrefillLoad(self, request: worker_pb2.GetPrefillLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetPrefillLoadResponse:
-        return worker_pb2.GetPrefillLoadResponse(**dataclasses.asdict(self._service.load))  # same field names
+        return worker_pb2.GetPrefillLoadResponse(**dataclasses.asdict(self._service.load),  # same field names
+                                                 node_id=node_id(), device=self._service.config.engine.device)

@@ -7,6 +7,9 @@ from typing import Any
 from rpc.v1 import gateway_pb2, logprobs_pb2
 from rpc.internal.v1 import worker_pb2
 
+# Tokens per Decode / Generate message, at most (GenerateRequest.stream_interval, DecodeRequest.stream_interval).
+MAX_STREAM_INTERVAL = 1024
+
 
 def sampling_to_proto(params: Any) -> worker_pb2.WorkerSampling:
     message = worker_pb2.WorkerSampling(

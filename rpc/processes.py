@@ -23,6 +23,15 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
         return False
 
 
+def node_id() -> str:
+    """This machine's identity for "same node?" questions: the kernel's boot id (hostname as a fallback)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            return file.read().strip()
+    except OSError:
+        return os.uname().nodename
+
+
 def start_ticks(pid: int) -> int | None:
     """When a live process started, in clock ticks since boot (with its pid it names one incarnation; the
     value /proc/<pid>/stat field 22 holds, which shm pool headers record); 0 for a process that is gone or a

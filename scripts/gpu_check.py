@@ -8,6 +8,9 @@ from the source tree with the machine's own Python and GPU torch (no package reg
   3. the decode benchmark of a ~1B-parameter DeepSeek-V3-shaped random checkpoint: greedy tok/s at
      batch 1 / 16 / 64, engine with graphs, engine eager, transformers
   4. the fused-MoE benchmark (64 experts, top-6)
+  5. one prefill + one decode worker on one GPU: weights shared over CUDA / HIP IPC (device memory ~1x weights),
+     KV pages device to device, greedy outputs equal the CPU path's (tests/services/test_gpu_handoff.py), and
+     the KV handoff benchmark of an 8K-token DeepSeek-V3-layout prompt (shm, device, grpc)
 
 Writes OUT/gpu_check.json (every stage: status, seconds, details) and OUT/gpu_check.md (tables for
 BENCHMARKS.md). --dry-run runs the same Python on CPU with tiny sizes (no GPU needed); it is what
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+GPU_HANDOFF_TESTS = "tests/services/test_gpu_handoff.py"
 
 
 class Stages:
@@ -79,10 +83,32 @@ def stage_pytest_gpu_marked(args, stages: Stages):
     """Every test marked `gpu`: the fused MoE and FP8 GEMM kernels against torch on the device, and the rest
     (they skip cleanly without a GPU)."""
     env = {"TRITON_INTERPRET": "0" if args.device == "cuda" else "1"}
-    paths = ["tests"] if args.device == "cuda" else ["tests/engine/test_fused_moe.py", "tests/engine/test_fp8_gemm.py"]
+    paths = (["tests", "--ignore", GPU_HANDOFF_TESTS] if args.device == "cuda" else
+             ["tests/engine/test_fused_moe.py", "tests/engine/test_fp8_gemm.py"])
     result = run_command([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs", *paths],
                          min(stages.left() - 240, 150), env)
     return _pytest_status(result)
+
+
+def stage_gpu_handoff(args, stages: Stages):
+    """Weight sharing and device KV handoff through the real services on one GPU (collection only in the
+    dry run: the CPU suite runs the same code over the memfd stand-in)."""
+    select = [] if args.device == "cuda" else ["--collect-only"]
+    result = run_command([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-s", *select,
+                          GPU_HANDOFF_TESTS], min(stages.left() - 120, 240))
+    if args.device != "cuda":
+        return ("passed" if result.returncode == 0 else "failed"), "collected only (dry run)"
+    return _pytest_status(result)
+
+
+def stage_kv_handoff_bench(args, stages: Stages):
+    tokens = ["--tokens", "256", "--repeat", "2"] if args.dry_run else ["--tokens", "8192", "--repeat", "5"]
+    result = run_command([sys.executable, "benchmarks/bench_kvtransfer.py", "--device", args.device, *tokens],
+                         stages.left() - 60)
+    if result.returncode:
+        return "failed", result.stderr[-1500:]
+    stages.markdown.append("KV handoff (benchmarks/bench_kvtransfer.py)\n\n```\n" + result.stdout.strip() + "\n```\n")
+    return "passed", result.stdout.strip().splitlines()[-12:]
 
 
 def stage_parity(args, stages: Stages):
@@ -164,6 +190,8 @@ def main() -> int:
                            ("Triton attention vs torch on the device (pytest)", stage_attention_kernels),
                            ("engine vs transformers, fp32 tiny configs", stage_parity),
                            ("engine vs transformers, bf16 default model", stage_bf16_parity),
+                           ("one GPU: shared weights + device KV handoff (pytest)", stage_gpu_handoff),
+                           ("KV handoff benchmark: shm / device / grpc, 8K tokens", stage_kv_handoff_bench),
                            ("decode benchmark, ~1B random checkpoint", stage_decode_bench),
                            ("fused MoE benchmark", stage_moe_bench)]:
         stages.run(name, lambda function=function: function(args, stages))

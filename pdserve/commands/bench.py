@@ -92,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
                           help="force speculative decoding on/off (default: the server's choice)")
     sampling.add_argument("--block-size", type=int, default=None, help="speculative block size")
+    sampling.add_argument("--stream-interval", type=int, default=None,
+                          help="tokens per streamed chunk (GenerateRequest.stream_interval; default: every step)")
     report = parser.add_argument_group("report")
     report.add_argument("--slo", type=_argument_type(SLO.parse, "--slo"), default=None,
                         help="goodput bounds, e.g. ttft_ms=500,tpot_ms=50,e2e_ms=20000")
@@ -113,11 +115,13 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, SamplingOpt
         slo=args.slo, gpus=args.gpus, gpu_price=args.gpu_price, output_file=args.output_file,
         plot=args.plot, connect_timeout_s=args.connect_timeout, progress=not args.no_progress,
     )
-    if args.backend == "openai" and (args.speculative is not None or args.block_size is not None):
-        raise ValueError("--speculative / --block-size are gRPC-only; the OpenAI API has no such parameters")
+    grpc_only = (args.speculative, args.block_size, args.stream_interval)
+    if args.backend == "openai" and any(value is not None for value in grpc_only):
+        raise ValueError("--speculative / --block-size / --stream-interval are gRPC-only; the OpenAI API has no such "
+                         "parameters")
     sampling = SamplingOptions(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, speculative=args.speculative,
-        block_size=args.block_size, timeout_s=args.request_timeout,
+        block_size=args.block_size, timeout_s=args.request_timeout, stream_interval=args.stream_interval,
     )
     return config, sampling
 

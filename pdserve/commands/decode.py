@@ -13,6 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=64, help="most requests decoding at once")
     parser.add_argument("--lease-ttl", type=float, default=60.0, help="seconds a reservation waits for its Decode call")
     parser.add_argument("--advertise", default=None, help="host:port prefill workers push KV to (grpc transport)")
+    parser.add_argument("--kv-pool", choices=("auto", "shm", "device"), default="auto",
+                        help="where the KV pages live: shm (CPU shared memory), device (device memory exported over "
+                             "CUDA/HIP IPC; on the CPU a memfd stand-in) or auto (device on a GPU, else shm)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = DecodeWorkerConfig.build(listen=args.listen, metrics_listen=args.metrics_listen,
                                           max_running=args.max_running, lease_ttl_s=args.lease_ttl,
-                                          advertise_address=args.advertise, **engine_kwargs(args))
+                                          advertise_address=args.advertise, kv_pool=args.kv_pool,
+                                          **engine_kwargs(args))
     except (ValueError, OSError) as error:
         return fail("decode", error)
     run_event_loop(lambda: serve(config, ready_file=args.ready_file))

@@ -16,8 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT", help="a prefill worker (repeat for more)")
     parser.add_argument("--decode", action="append", required=True, metavar="HOST:PORT", help="a decode worker (repeat for more)")
     add_model_arguments(parser)
-    parser.add_argument("--transport", choices=("shm", "grpc"), default="shm",
-                        help="KV handoff: shm (same host) or grpc (any host)")
+    parser.add_argument("--transport", choices=("auto", "shm", "grpc", "device"), default="auto",
+                        help="KV handoff: auto (per request, from where both workers are), shm (same host, CPU pool), "
+                             "device (same host, device pool over CUDA/HIP IPC) or grpc (any host)")
     parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request leaves it unset")
     parser.add_argument("--admission-timeout", type=float, default=30.0,
                         help="seconds a request waits for decode room before RESOURCE_EXHAUSTED")

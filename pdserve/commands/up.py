@@ -27,7 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-listen", default=DEFAULT_HTTP,
                         help=f"gateway's OpenAI-compatible HTTP API and /metrics (default {DEFAULT_HTTP}; '' for none)")
     parser.add_argument("--attention-backend", default="auto", help="auto | torch | triton | aiter")
-    parser.add_argument("--transport", choices=("shm", "grpc"), default="shm", help="KV handoff between the workers")
+    parser.add_argument("--transport", choices=("auto", "shm", "grpc", "device"), default="auto",
+                        help="KV handoff between the workers: auto (per request: device with a GPU decode pool, else shm "
+                             "on one host, grpc across hosts), or force shm / device (pool exported over CUDA/HIP IPC; "
+                             "on the CPU a memfd stand-in) / grpc")
     parser.add_argument("--draft-model", default=None, help="draft directory ('' disables speculative decoding)")
     parser.add_argument("--kv-memory-mb", type=int, default=None, help="KV pool per decode rank (MiB)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker rank")
@@ -47,15 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_device(args: argparse.Namespace) -> None:
-    """--device / --gpus errors before any process starts (e.g. cuda without a GPU, more ranks than GPUs)."""
+    """--device / --gpus errors before any process starts (e.g. cuda without a GPU, more ranks than GPUs, a
+    transport a GPU decode pool cannot serve)."""
     from engine.devices import check_gpus, gpu_count, resolve_device
 
     options = device_kwargs(args)
     if args.device == "cuda" and resolve_device(args.device) == "cuda":
         for tp in {args.prefill_tp, args.decode_tp}:
             check_gpus(tp, options["gpus"], gpu_count())
-        raise ValueError("--device cuda: the decode worker's KV pool is CPU shared memory; a GPU pool (IPC) "
-                         "does not exist yet, so `pdserve up` runs on CPU (use LLM(device='cuda') offline)")
+        if args.transport == "shm":
+            raise ValueError("--transport shm with --device cuda: the decode pool lives on the GPU (exported over "
+                             "IPC); use --transport auto, device or grpc")
 
 
 def run(args: argparse.Namespace) -> int:

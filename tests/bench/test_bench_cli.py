@@ -37,6 +37,8 @@ def _assert_one_line_error(capsys, fragment: str) -> None:
     (["--gpus", "0"], "--gpus"),
     (["--gpu-price", "-2.5"], "--gpu-price"),
     (["--temperature", "-1"], "--temperature"),
+    (["--stream-interval", "0"], "--stream-interval"),
+    (["--backend", "openai", "--stream-interval", "4"], "gRPC-only"),
     (["--dataset", "/nonexistent/prompts.jsonl"], "no such file"),
     (["--plot", "out.svg"], ".png"),
     (["--bogus-option", "3"], "unrecognized arguments: --bogus-option 3"),

@@ -186,3 +186,15 @@ def test_a_hidden_sync_is_caught(fake_gpu, monkeypatch):
             engine.step()
     finally:
         engine.close()
+
+
+def test_shared_weights_on_fake_cuda_fall_back_to_a_private_copy(fake_gpu):
+    """share_weights on "cuda" with no usable device IPC (FakeTensorMode: no real GPU behind it) loads a
+    private copy on the device: the engine starts, holds no weight share and every weight is on cuda."""
+    engine = LLMEngine(EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", attention_backend="torch",
+                                    use_graphs=False, kv_memory_bytes=8 * 2**20, share_weights=True))
+    try:
+        assert engine.runner._shared_weights == []
+        _assert_on_cuda(engine)
+    finally:
+        engine.close()

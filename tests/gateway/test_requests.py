@@ -47,6 +47,8 @@ BAD = [
     (pb.GenerateRequest(token_ids=ids(5), stop_token_ids=[400]), "stop_token_ids[0]"),
     (pb.GenerateRequest(token_ids=ids(5), stop=["x", ""]), "stop[1]"),
     (pb.GenerateRequest(token_ids=ids(5), request_id="r" * 300), "request_id"),
+    (pb.GenerateRequest(token_ids=ids(5), stream_interval=0), "stream_interval"),
+    (pb.GenerateRequest(token_ids=ids(5), stream_interval=1025), "stream_interval"),
 ]
 
 
@@ -107,3 +109,9 @@ def test_options_carry_over():
     assert (p.stop_token_ids, p.ignore_eos, p.logprobs, p.speculative, p.block_size, p.seed) == ((7,), True, 3, False, 4, 9)
     assert job.ends_on(7) and not job.ends_on(1)
     assert parse(pb.GenerateRequest(token_ids=ids(5))).ends_on(1)
+
+
+def test_stream_interval_defaults_to_every_step_and_carries_over():
+    """Unset stream_interval means a chunk per decode step (1); a set value reaches the job unchanged."""
+    assert parse(pb.GenerateRequest(token_ids=ids(5))).stream_interval == 1
+    assert parse(pb.GenerateRequest(token_ids=ids(5), stream_interval=8)).stream_interval == 8

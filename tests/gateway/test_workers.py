@@ -134,3 +134,30 @@ async def test_reserve_with_unknown_outcome_is_released(code):
         await pool.reserve("r", 10, 5, deadline=None)
     assert fake.released == ["r"]
     await pool.close()
+
+
+async def test_reserve_carries_the_transport_chosen_from_both_ends():
+    """With --transport auto, Reserve asks each decode worker for the transport that fits where it and the
+    prefill workers are: shm to a same-node CPU pool, device to a same-node device pool, grpc to another node;
+    prefill workers in different places make it grpc (the prefill worker is picked after Reserve)."""
+    from gateway.transport_choice import Placement
+
+    class _Recording(_FakeDecode):
+        async def Reserve(self, request, timeout=None, metadata=()):  # noqa: N802
+            self.transports = [*getattr(self, "transports", []), request.transport]
+            return await super().Reserve(request, timeout, metadata)
+
+    config = GatewayConfig(model_dir="unused", prefill=("127.0.0.1:1", "127.0.0.1:2"), decode=("127.0.0.1:3",))
+    pool = WorkerPool(config)
+    fake = _Recording([])
+    pool.decode[0].stub, pool.decode[0].state.healthy, pool.decode[0].state.free_pages = fake, True, 100
+    for worker in pool.prefill:
+        worker.state.healthy, worker.state.placement = True, Placement("node-a", device="cpu")
+    for pool_kind, node in (("shm", "node-a"), ("device", "node-a"), ("shm", "node-b")):
+        pool.decode[0].state.placement = Placement(node, kv_pool=pool_kind)
+        await pool.reserve(f"r-{pool_kind}-{node}", 10, 5, deadline=None)
+    pool.prefill[1].state.placement = Placement("node-a", device="cuda")
+    pool.decode[0].state.placement = Placement("node-a", kv_pool="device")
+    await pool.reserve("r-mixed", 10, 5, deadline=None)
+    assert fake.transports == [kv_pb2.TRANSPORT_SHM, kv_pb2.TRANSPORT_DEVICE, kv_pb2.TRANSPORT_GRPC, kv_pb2.TRANSPORT_GRPC]
+    await pool.close()

@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_gpu_check_dry_run_writes_its_reports(tmp_path):
     """Every stage is recorded; none fails; GPU-only stages say skipped; the parity stage compared a real
-    model (logits within 1e-4, identical greedy tokens) and the benchmark table has its rows."""
+    model (logits within 1e-4, identical greedy tokens) and the benchmark tables (decode, KV handoff) have
+    their rows."""
     out = tmp_path / "gpu_check"
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_TIMEOUT_S": "1700"}
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--budget-s", "1600", str(out)],
@@ -24,13 +25,15 @@ def test_gpu_check_dry_run_writes_its_reports(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "gpu_check.json").read_text())
     statuses = {record["stage"]: record["status"] for record in summary["stages"]}
-    assert len(statuses) == 6 and "failed" not in statuses.values(), statuses
+    assert len(statuses) == 8 and "failed" not in statuses.values(), statuses
+    assert statuses["KV handoff benchmark: shm / device / grpc, 8K tokens"] == "passed"
     assert summary["passed"] and summary["environment"]["dry_run"]
     parity = next(r for r in summary["stages"] if r["stage"].startswith("engine vs transformers, fp32"))
     assert parity["status"] == "passed"
     assert all(d["max_abs_diff"] <= 1e-4 and d["greedy_identical"] for d in parity["details"])
     markdown = (out / "gpu_check.md").read_text()
     assert "| stage | status | seconds |" in markdown and "Greedy decode tok/s" in markdown
+    assert all(row in markdown for row in ("shm write", "grpc push", "device copy", "device in-place"))
     bench = json.loads((out / "bench_gpu_decode.json").read_text())
     assert set(bench["results"]) == {"1", "2"}
     for row in bench["results"].values():

@@ -9,7 +9,7 @@ import psutil
 from rpc.processes import alive, descendants, group_members
 
 __all__ = ["alive", "descendants", "existing_segments", "group_members", "mapped_kv_segments"]
-_SHM_PATTERN = re.compile(r"/dev/shm/(pdserve-kv-[0-9a-f]+)")
+_SHM_PATTERN = re.compile(r"/dev/shm/(pdserve-kv-(?:dev-)?[0-9a-f]+)")
 
 
 def mapped_kv_segments(pids: set[int]) -> set[str]:

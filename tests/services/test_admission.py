@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from decode_worker.admission import admits, fits_ever, growth_pages, headroom, merge_outputs, pages_for
+from decode_worker.admission import admits, fits_ever, growth_pages, headroom, merge_outputs, new_tokens, pages_for
 
 
 def test_headroom_scales_with_running_requests():
@@ -37,3 +37,11 @@ def test_merge_drops_the_prefill_token_once_and_keeps_the_last_state():
     assert (update.token_ids, update.logprobs, update.finished, update.finish_reason, update.steps) == \
         ([8, 9], ["lp8", "lp9"], True, "length", 3)
     assert merge_outputs([_out([4, 5])], False).token_ids == [4, 5]
+
+
+def test_new_tokens_counts_what_the_merge_carries():
+    """new_tokens (the stream_interval test) equals the length of the merged update, the re-emitted
+    prefill token excluded only when it is there to drop."""
+    for outputs in ([], [_out([])], [_out([7])], [_out([]), _out([7, 8]), _out([9], True)], [_out([4, 5])]):
+        for skip in (True, False):
+            assert new_tokens(outputs, skip) == len(merge_outputs(outputs, skip).token_ids)

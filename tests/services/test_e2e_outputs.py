@@ -89,3 +89,22 @@ async def test_stop_string_truncates_and_finishes_with_stop(cluster, llm, servic
     assert result.finish_reason == "STOP" and result.complete.stop == stop
     assert result.text == full[: full.index(stop)]
     assert len(result.token_ids) <= len(ids) and result.token_ids == ids[: len(result.token_ids)]
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "nospec"])
+async def test_stream_interval_batches_chunks_without_changing_outputs(cluster, reference, speculative):
+    """With stream_interval 5 the tokens are the in-process greedy ones; the first chunk is the first
+    token alone (sent at prefill), every later chunk but the last carries at least 5 tokens, and fewer
+    chunks arrive than without it."""
+    prompts, expected = PROMPTS[:4], reference[speculative][:4]
+    async with gateway_stub(cluster.gateway_address) as stub:
+        results = await asyncio.gather(*(
+            generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                         speculative=None if speculative else False, stream_interval=5), timeout=300)
+            for prompt in prompts))
+    assert [r.token_ids for r in results] == expected
+    for result in results:
+        assert result.error is None and result.finish_reason == "LENGTH"
+        sizes = [size for size in result.chunk_sizes if size]
+        assert sizes[0] == 1 and all(size >= 5 for size in sizes[1:-1]), sizes
+        assert len(sizes) <= 1 + -(-(MAX_TOKENS - 1) // 5)

@@ -31,6 +31,8 @@ class _DecodeService:
     load: LoadSnapshot
     engine: _Engine = field(default_factory=_Engine)
     lease_expiries: int = 1
+    engine_steps: int = 6
+    engine_step_tokens: int = 40
 
 
 def _samples(registry) -> dict[tuple[str, tuple], float]:
@@ -49,6 +51,8 @@ def test_decode_collector_reads_the_service():
     assert samples[("pdserve_lease_expiries_total", ())] == 1 and samples[("pdserve_preemptions_total", ())] == 2
     assert samples[("pdserve_spec_verify_steps_total", ())] == 10
     assert samples[("pdserve_spec_accepted_draft_tokens_total", ())] == 25
+    assert samples[("pdserve_decode_engine_steps_total", ())] == 6
+    assert samples[("pdserve_decode_engine_step_tokens_total", ())] == 40
 
 
 def test_prefill_metrics_count_transfers_by_transport():

@@ -13,6 +13,7 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_SHM: _ClassVar[Transport]
     TRANSPORT_GRPC: _ClassVar[Transport]
     TRANSPORT_MOONCAKE: _ClassVar[Transport]
+    TRANSPORT_DEVICE: _ClassVar[Transport]
 
 class KVSegmentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +30,7 @@ TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_GRPC: Transport
 TRANSPORT_MOONCAKE: Transport
+TRANSPORT_DEVICE: Transport
 KV_SEGMENT_KIND_UNSPECIFIED: KVSegmentKind
 KV_SEGMENT_KIND_TARGET: KVSegmentKind
 KV_SEGMENT_KIND_DRAFT: KVSegmentKind

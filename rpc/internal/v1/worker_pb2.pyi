@@ -85,16 +85,20 @@ class GetPrefillLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPrefillLoadResponse(_message.Message):
-    __slots__ = ("queued_requests", "queued_tokens", "tp_size", "requests_total")
+    __slots__ = ("queued_requests", "queued_tokens", "tp_size", "requests_total", "node_id", "device")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     queued_tokens: int
     tp_size: int
     requests_total: int
-    def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
+    node_id: str
+    device: str
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., requests_total: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "transport")
@@ -115,18 +119,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, destination: _Optional[_Union[_kv_pb2.KVDestination, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "lease_id", "token_ids", "first_token", "sampling")
+    __slots__ = ("request_id", "lease_id", "token_ids", "first_token", "sampling", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     sampling: WorkerSampling
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "decode_steps")
@@ -159,7 +165,7 @@ class GetDecodeLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDecodeLoadResponse(_message.Message):
-    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "tp_size", "headroom_pages", "requests_total")
+    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "tp_size", "headroom_pages", "requests_total", "node_id", "kv_pool")
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +176,8 @@ class GetDecodeLoadResponse(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
     free_pages: int
     total_pages: int
     running: int
@@ -180,4 +188,6 @@ class GetDecodeLoadResponse(_message.Message):
     tp_size: int
     headroom_pages: int
     requests_total: int
-    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
+    node_id: str
+    kv_pool: str
+    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., node_id: _Optional[str] = ..., kv_pool: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,97 @@
+"""The gateway's time-to-first-token path over fake workers: the first token reaches the client-facing
+consumer before the Decode call is even set up, and Decode carries the request's stream_interval."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from gateway.orchestrator import FinishEvent, RequestRun, TokensEvent
+from gateway.requests import GenerateJob
+from gateway.router import PrefillState
+from gateway.workers import PrefillWorker
+from rpc.internal.v1 import kv_pb2, worker_pb2
+
+FIRST = 42
+
+
+class _DecodeStream:
+    def __init__(self, responses: list[worker_pb2.DecodeResponse]) -> None:
+        self._responses = responses
+
+    async def _iterate(self) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        for response in self._responses:
+            yield response
+
+    def __aiter__(self) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        return self._iterate()
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Workers:
+    """A WorkerPool stand-in: one decode and one prefill worker whose calls append to `order`."""
+
+    def __init__(self, order: list[Any]) -> None:
+        self.order = order
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        self.polled = asyncio.Event()
+        self.polled.set()
+        self.prefill_worker = PrefillWorker(PrefillState("prefill"), channel=None, stub=self)  # type: ignore[arg-type]
+        self.decode_requests: list[worker_pb2.DecodeRequest] = []
+
+    async def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int, deadline: Any,
+                      trace_id: str | None = None) -> tuple[Any, kv_pb2.KVDestination]:
+        destination = kv_pb2.KVDestination(request_id=request_id, lease_id="lease",
+                                           lease_deadline_unix_ms=int(time.time() * 1000) + 60_000)
+        return self, destination
+
+    def pick_prefill(self) -> PrefillWorker:
+        return self.prefill_worker
+
+    @property
+    def stub(self) -> _Workers:
+        return self
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, **_: Any) -> worker_pb2.PrefillResponse:  # noqa: N802
+        self.order.append("prefill")
+        return worker_pb2.PrefillResponse(first_token=FIRST)
+
+    def Decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> _DecodeStream:  # noqa: N802
+        self.order.append("decode call")
+        self.decode_requests.append(request)
+        return _DecodeStream([worker_pb2.DecodeResponse(token_ids=[7, 8, 9], finished=True, finish_reason="length",
+                                                        decode_steps=3)])
+
+
+async def test_first_token_is_forwarded_before_decode_is_called():
+    """The client-facing consumer takes the first token (from Prefill) before the Decode RPC is made,
+    so setting up Decode never delays TTFT; the stream then finishes with every token in order."""
+    order: list[Any] = []
+    workers = _Workers(order)
+    job = GenerateJob(request_id="r1", prompt_ids=(5, 6, 7),
+                      params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True), stream_interval=3)
+    run = RequestRun(job, workers, None, time.perf_counter(), None, cleanup_timeout_s=5.0)  # type: ignore[arg-type]
+    tokens: list[int] = []
+
+    async def consume() -> FinishEvent:  # as the servicer does: await the queue directly
+        while True:
+            event = await run.events.get()
+            if isinstance(event, FinishEvent):
+                return event
+            assert isinstance(event, TokensEvent), event
+            order.append(("tokens", list(event.token_ids)))
+            tokens.extend(event.token_ids)
+
+    consumer = asyncio.create_task(consume())
+    await asyncio.sleep(0)  # the consumer waits on the queue before the run starts, as a servicer does
+    run.start()
+    event = await asyncio.wait_for(consumer, 30)
+    assert order[:3] == ["prefill", ("tokens", [FIRST]), "decode call"], order
+    assert tokens == [FIRST, 7, 8, 9] and event.reason == "length"
+    assert workers.decode_requests[0].stream_interval == 3
+    assert run.task is not None
+    await asyncio.wait_for(run.task, 30)
