@@ -178,7 +178,7 @@ def build_attention_metadata(
     max_pages: int | None = None,
 ) -> AttentionMetadata:
     """Builds metadata for sequences whose new tokens are the last q_lens[i] of kv_lens[i] positions
-    (one host-to-device copy; see build_forward_batch)."""
+    (one host-to-device copy; see copy_forward_batch)."""
     tokens = [0] * sum(q_lens)
     values, layout = pack_step_inputs(tokens, tokens, q_lens, kv_lens, page_tables, page_size, max_pages=max_pages)
     return copy_forward_batch(ForwardMode.EXTEND, values, layout, device)[0].attn
