@@ -98,13 +98,13 @@ def in_process(llm: LLM, prompts: list[list[int]], output_len: int, concurrency:
     """The prompts in consecutive groups of `concurrency`; with the acceptance length of this run's verify steps."""
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True, speculative=speculative)
     stats = llm.acceptance_stats
-    steps, accepted = stats.num_steps, stats.num_accepted_drafts
+    steps, accepted = stats.num_verify_steps, stats.num_accepted_drafts
     cpu = time.process_time()
     run = timed_groups(llm.engine, prompts, params, concurrency)
     metrics = run.metrics()
     metrics["cpu_in_process"] = 1e3 * (time.process_time() - cpu) / run.new_tokens
-    if stats.num_steps > steps:
-        metrics["accept_len"] = 1 + (stats.num_accepted_drafts - accepted) / (stats.num_steps - steps)
+    if stats.num_verify_steps > steps:
+        metrics["accept_len"] = 1 + (stats.num_accepted_drafts - accepted) / (stats.num_verify_steps - steps)
     return metrics
 
 

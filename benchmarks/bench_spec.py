@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 
 def acceptance_counts(llm: LLM) -> tuple[int, int, list[int], list[int]]:
     stats = llm.acceptance_stats
-    return stats.num_steps, stats.num_accepted_drafts, list(stats.position_attempted), list(stats.position_accepted)
+    return stats.num_verify_steps, stats.num_accepted_drafts, list(stats.position_attempted), list(stats.position_accepted)
 
 
 def spec_variant(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams, outputs: dict, key: str,

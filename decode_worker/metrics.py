@@ -45,7 +45,7 @@ class DecodeCollector(Collector):
         ]
         if stats is not None:
             counters += [
-                ("pdserve_spec_verify_steps", "Speculative verify steps (one sequence verified once)", stats.num_steps),
+                ("pdserve_spec_verify_steps", "Speculative verify steps (one sequence verified once)", stats.num_verify_steps),
                 ("pdserve_spec_draft_tokens", "Draft tokens proposed for verification", stats.num_drafts),
                 ("pdserve_spec_accepted_draft_tokens", "Draft tokens accepted; tokens per verify step = "
                  "1 + accepted / verify steps", stats.num_accepted_drafts),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -73,11 +74,5 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     @unary
     async def GetDecodeLoad(self, request: worker_pb2.GetDecodeLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetDecodeLoadResponse:
-        load = self._service.load
-        return worker_pb2.GetDecodeLoadResponse(
-            free_pages=load.free_pages, total_pages=load.total_pages, running=load.running, waiting=load.waiting,
-            leases=load.leases, leased_pages=load.leased_pages, page_size=load.page_size, tp_size=load.tp_size,
-            headroom_pages=load.headroom_pages, requests_total=load.requests_total, node_id=node_id(),
-            kv_pool=self._service.config.engine.kv_pool,
-            free_state_slots=load.free_state_slots, total_state_slots=load.total_state_slots,
-        )
+        return worker_pb2.GetDecodeLoadResponse(**dataclasses.asdict(self._service.load),  # same field names
+                                                node_id=node_id(), kv_pool=self._service.config.engine.kv_pool)

@@ -7,9 +7,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, MLAShape, check_expert_groups, check_int_fields
+
 ROPE_TYPES = ("default", "yarn")
 TOPK_METHODS = ("noaux_tc", "greedy")
 SCORING_FUNCS = ("sigmoid", "softmax")
+_POSITIVE = ("vocab_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "n_routed_experts",
+             "num_experts_per_tok", "moe_layer_freq", "n_group", "topk_group", "max_position_embeddings")
 
 # Keys without which a config.json cannot describe the model (no sensible default exists).
 _REQUIRED = (
@@ -110,20 +114,14 @@ def check_tp_split(config: Any, tp_size: int, head_checks: list[tuple[str, int]]
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Everything the runtime needs to know about the model's shape and maths."""
+class ModelConfig(MLAShape):
+    """Everything the runtime needs to know about the model's shape and maths (the MLA dimensions come
+    from MLAShape)."""
 
     vocab_size: int
-    hidden_size: int
     intermediate_size: int
     moe_intermediate_size: int
     num_hidden_layers: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
     n_routed_experts: int
     num_experts_per_tok: int
     n_shared_experts: int
@@ -145,19 +143,8 @@ class ModelConfig:
     eos_token_id: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                    "n_routed_experts", "num_experts_per_tok", "moe_layer_freq", "n_group", "topk_group",
-                    "max_position_embeddings")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            raise ValueError(f"q_lora_rank must be a positive int or None, got {self.q_lora_rank!r}")
-        for name in ("n_shared_experts", "first_k_dense_replace"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {getattr(self, name)!r}")
+        check_int_fields(self, positive=MLA_POSITIVE + _POSITIVE, non_negative=("n_shared_experts", "first_k_dense_replace"),
+                         optional_positive=MLA_OPTIONAL_POSITIVE)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.topk_method not in TOPK_METHODS:
@@ -166,28 +153,14 @@ class ModelConfig:
             raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts")
-        if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_group={self.n_group} does not divide n_routed_experts={self.n_routed_experts}")
-        if self.topk_group > self.n_group:
-            raise ValueError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
-        per_group = self.n_routed_experts // self.n_group
-        if self.topk_method == "noaux_tc":
-            if per_group < 2:
-                raise ValueError(f"n_group={self.n_group} leaves fewer than 2 experts per group (noaux_tc scores top-2)")
-            if self.num_experts_per_tok > self.topk_group * per_group:
-                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in topk_group groups")
+        check_expert_groups(self, "n_routed_experts", "num_experts_per_tok", "n_group",
+                            grouped_top2=self.topk_method == "noaux_tc")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if not self.routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
 
     # ---- derived values ----
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
     @property
     def softmax_scale(self) -> float:
         """qk_head_dim ** -0.5, times yarn mscale(factor, mscale_all_dim) ** 2 (as transformers' yarn_apply_mscale)."""
@@ -196,11 +169,6 @@ class ModelConfig:
             mscale = yarn_get_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale *= mscale * mscale
         return scale
-
-    @property
-    def kv_cache_dim(self) -> int:
-        """Entries per token per layer in the latent cache: kv_lora_rank + qk_rope_head_dim."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def shared_intermediate_size(self) -> int:

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from engine.devices import host_to_device
-from engine.forward_batch import ForwardMode, StepLayout, pack_step_inputs, unpack_forward_batch
+from engine.forward_batch import ForwardMode, StepLayout, unpack_forward_batch
 from engine.graph_buckets import bucket_for, graph_buckets, pad_target_plan, uniform_query_len
-from engine.step_plan import DraftPlan, TargetPlan
+from engine.step_plan import DraftPlan, TargetPlan, pack_target_plan
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -78,8 +78,7 @@ class CudaGraphRunner:
     def _capture_one(self, bucket: int, q_len: int, write_draft: bool) -> CapturedStep:
         runner = self.runner
         plan = _dummy_plan(bucket, q_len, self.scratch_page, runner.config.page_size, write_draft)
-        values, layout = pack_step_inputs(plan.input_ids, plan.positions, plan.q_lens, plan.kv_lens, plan.page_tables,
-                                          runner.config.page_size, plan.logit_rows, self.max_pages)
+        values, layout = pack_target_plan(plan, runner.config.page_size, self.max_pages)
         # The captured metadata claims the longest possible contexts so kernels size their split-K for them;
         # the kernels read the real lengths from the device tensors at replay.
         layout = replace(layout, kv_lens=(self.max_pages * runner.config.page_size,) * bucket)
@@ -110,8 +109,7 @@ class CudaGraphRunner:
                 any(len(p) > self.max_pages for p in plan.page_tables):
             return None
         padded = pad_target_plan(plan, bucket, self.scratch_page, self.runner.config.page_size)
-        values, _ = pack_step_inputs(padded.input_ids, padded.positions, padded.q_lens, padded.kv_lens,
-                                     padded.page_tables, self.runner.config.page_size, padded.logit_rows, self.max_pages)
+        values, _ = pack_target_plan(padded, self.runner.config.page_size, self.max_pages)
         captured.packed.copy_(torch.tensor(values, dtype=torch.int64).pin_memory(), non_blocking=True)  # one H2D copy
         captured.graph.replay()
         return captured.logits[: len(plan.logit_rows)]

@@ -162,21 +162,10 @@ def unpack_forward_batch(mode: ForwardMode, packed: torch.Tensor, layout: StepLa
     return ForwardBatch(mode=mode, input_ids=ids, positions=pos, attn=attn), extra
 
 
-def build_forward_batch(
-    mode: ForwardMode,
-    input_ids: list[int],
-    positions: list[int],
-    q_lens: list[int],
-    kv_lens: list[int],
-    page_tables: list[list[int]],
-    page_size: int,
-    device: torch.device | str = "cpu",
-    extra: list[int] = (),
-    max_pages: int | None = None,
-) -> tuple[ForwardBatch, torch.Tensor]:
-    """One step's batch built from host lists with ONE host-to-device copy (pinned, non_blocking on a
-    GPU). Returns (batch, extra as an int64 tensor on the device)."""
-    values, layout = pack_step_inputs(input_ids, positions, q_lens, kv_lens, page_tables, page_size, extra, max_pages)
+def copy_forward_batch(mode: ForwardMode, values: list[int], layout: StepLayout,
+                       device: torch.device | str = "cpu") -> tuple[ForwardBatch, torch.Tensor]:
+    """pack_step_inputs' output -> one step's batch with ONE host-to-device copy (pinned, non_blocking on
+    a GPU). Returns (batch, extra as an int64 tensor on the device)."""
     return unpack_forward_batch(mode, host_to_device(values, torch.int64, torch.device(device)), layout)
 
 
@@ -189,9 +178,7 @@ def build_attention_metadata(
     max_pages: int | None = None,
 ) -> AttentionMetadata:
     """Builds metadata for sequences whose new tokens are the last q_lens[i] of kv_lens[i] positions
-    (one host-to-device copy; see build_forward_batch)."""
+    (one host-to-device copy; see copy_forward_batch)."""
     tokens = [0] * sum(q_lens)
-    batch, _ = build_forward_batch(
-        ForwardMode.EXTEND, tokens, tokens, q_lens, kv_lens, page_tables, page_size, device, max_pages=max_pages
-    )
-    return batch.attn
+    values, layout = pack_step_inputs(tokens, tokens, q_lens, kv_lens, page_tables, page_size, max_pages=max_pages)
+    return copy_forward_batch(ForwardMode.EXTEND, values, layout, device)[0].attn

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -14,16 +15,34 @@ from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, StepOutput
 from engine.host_fetch import fetch_to_host
-from engine.sampling import SamplingBatch, exponential_noise, make_generator, top_logprobs
+from engine.sampling import exponential_noise, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
-from engine.spec_verify import AcceptanceStats
+from engine.spec_verify import AcceptanceStats, VerifyResult
 from engine.state_pool import split_memory_budget
-from engine.step_plan import CommitStatePlan, ReadStatePlan, TargetPlan
+from engine.step_plan import (CommitStatePlan, DecodeItem, PrefillItem, ReadStatePlan, TargetPlan, decode_plan,
+                              prefill_plan, with_state_slots)
+from engine.step_results import sample_on_device, sample_tokens, token_logprobs
 from engine.tp_launcher import TPLeader, default_threads
 
 logger = logging.getLogger(__name__)
+
+
+class Verified(NamedTuple):
+    """A verify step's outcome, fetched to the host.
+
+    logits: [rows, vocab] the target's logits of every fed token; sequence i owns rows offsets[i]:offsets[i+1].
+    sampled: index of each sequence without drafts -> its sampled token.
+    results: index of each sequence with drafts -> what verification keeps.
+    snapshot_state: the forward kept per-position KDA state for a commit."""
+
+    logits: torch.Tensor
+    offsets: list[int]
+    sampled: dict[int, int]
+    results: dict[int, VerifyResult]
+    snapshot_state: bool
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -136,7 +155,7 @@ class LLMEngine:
                     f"block_size {params.block_size} exceeds the server maximum {self.config.spec_block_size}"
                 )
 
-    def _spec_block(self, params: SamplingParams) -> int:
+    def _spec_block_size(self, params: SamplingParams) -> int:
         if not self.has_draft or params.speculative is False:
             return 0
         return params.block_size or min(self.config.spec_block_size, self.draft_config.verify_block_size)
@@ -151,7 +170,7 @@ class LLMEngine:
             token_ids=list(prompt_ids),
             params=params,
             page_table=PageTable(self.allocator, self.config.page_size, pages),
-            spec_block=self._spec_block(params),
+            spec_block_size=self._spec_block_size(params),
             generator=generator,
             arrival_order=next(self._order),
         )
@@ -300,129 +319,90 @@ class LLMEngine:
                 break
         return kept
 
-    def _logprobs(self, logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprob]:
-        """logits: [len(tokens), vocab] rows that produced tokens."""
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        values, ids = top_logprobs(logits, max(n, 1))
-        chosen = log_probs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
-        rows = fetch_to_host(torch.cat([chosen.double(), values[:, :n].double(), ids[:, :n].double()], dim=1))
-        return [TokenLogprob(t, row[0], [int(v) for v in row[1 + n :]], row[1 : 1 + n]) for t, row in zip(tokens, rows)]
+    @staticmethod
+    def _logprobs_of(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
+        """The logprobs a sequence asked for (none unless params.logprobs) of tokens, from their logits rows."""
+        return token_logprobs(logits, tokens, seq.params.logprobs) if seq.params.logprobs else []
 
     # --- prefill ----------------------------------------------------------------------------------
     def _run_prefill(self, chunks: tuple[PrefillChunk, ...]) -> None:
-        plan, sample_rows, completing = self._prefill_plan(
-            [(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages, c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0) for c in chunks],
-            pool_names=None,
-        )
+        items = [PrefillItem(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages,
+                             c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0) for c in chunks]
+        plan = prefill_plan(items, write_draft_context=self.has_draft)
         logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
-        sampled = [c.seq for c, needs in zip(chunks, completing) if needs]
-        tokens = self._sample([s.params for s in sampled], [s.generator for s in sampled], logits) if sampled else []
+        sampled = [c.seq for c, item in zip(chunks, items) if item.needs_logits]
+        tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], logits) if sampled else []
         row = 0
-        for chunk, needs in zip(chunks, completing):
+        for chunk, item in zip(chunks, items):
             seq = chunk.seq
             seq.num_cached += chunk.num_tokens
             if seq.remaining_prefill == 0:
                 self.scheduler.promote(seq)
-                if needs:
-                    lps = self._logprobs(logits[row : row + 1], [tokens[row]], seq.params.logprobs) if seq.params.logprobs else []
-                    self._append_tokens(seq, [tokens[row]], lps)
+                if item.needs_logits:
+                    self._append_tokens(seq, [tokens[row]], self._logprobs_of(seq, logits[row : row + 1], [tokens[row]]))
                     row += 1
-
-    def _prefill_plan(self, items, pool_names):
-        """items: (token_ids, num_cached, num_tokens, pages, needs_logits) per sequence."""
-        input_ids, positions, q_lens, kv_lens, tables, rows, needs = [], [], [], [], [], [], []
-        for token_ids, cached, count, pages, need in items:
-            input_ids.extend(token_ids[cached : cached + count])
-            positions.extend(range(cached, cached + count))
-            q_lens.append(count)
-            kv_lens.append(cached + count)
-            tables.append(list(pages))
-            if need:
-                rows.append(len(input_ids) - 1)
-            needs.append(need)
-        plan = TargetPlan(
-            mode=ForwardMode.EXTEND,
-            input_ids=input_ids,
-            positions=positions,
-            q_lens=q_lens,
-            kv_lens=kv_lens,
-            page_tables=tables,
-            logit_rows=rows,
-            pool_names=pool_names,
-            write_draft_context=self.has_draft,
-        )
-        return plan, rows, needs
 
     def _with_state(self, plan: TargetPlan, seqs: list[Sequence]) -> TargetPlan:
         """Adds each sequence's state slot; slots of sequences starting at token 0 are zeroed first."""
         if self.state_pool is None:
             return plan
-        fresh = tuple(seq.state_slot for seq in seqs if seq.num_cached == 0)
-        return dataclasses.replace(plan, state_slots=[seq.state_slot for seq in seqs], reset_slots=fresh)
+        return with_state_slots(plan, [seq.state_slot for seq in seqs],
+                                tuple(seq.state_slot for seq in seqs if seq.num_cached == 0))
 
-    def _sample_on_device(self, params: list[SamplingParams], generators, logits: torch.Tensor) -> torch.Tensor:
-        return SamplingBatch.from_params(params, generators, device=logits.device).sample(logits)
-
-    def _sample(self, params: list[SamplingParams], generators, logits: torch.Tensor) -> list[int]:
-        return fetch_to_host(self._sample_on_device(params, generators, logits))
-
-    # --- decode + speculative decoding -------------------------------------------------------------
+    # --- decode + speculative decoding: propose, verify, commit -----------------------------------
     def _run_decode(self, seqs: list[Sequence]) -> None:
-        drafts: dict[str, tuple[list[int], torch.Tensor | None]] = {}
+        drafts = self._propose(seqs)
+        self._commit(seqs, drafts, self._verify(seqs, drafts))
+
+    def _propose(self, seqs: list[Sequence]) -> spec_decode.Proposals:
+        """Draft tokens for every speculating sequence: one draft forward per block size."""
+        drafts: spec_decode.Proposals = {}
         by_block: dict[int, list[Sequence]] = {}
         for seq in seqs:
-            if seq.spec_block >= 2:
-                by_block.setdefault(seq.spec_block, []).append(seq)
+            if seq.spec_block_size >= 2:
+                by_block.setdefault(seq.spec_block_size, []).append(seq)
         for block, group in by_block.items():
             drafts.update(spec_decode.propose(self.leader.execute, block, group, self._markov))
-        input_ids, positions, q_lens, kv_lens, tables = [], [], [], [], []
-        for seq in seqs:
-            proposed = drafts.get(seq.request_id, ([], None))[0]
-            tokens = [seq.last_token] + proposed
-            input_ids.extend(tokens)
-            positions.extend(range(seq.num_cached, seq.num_cached + len(tokens)))
-            q_lens.append(len(tokens))
-            kv_lens.append(seq.num_cached + len(tokens))
-            tables.append(list(seq.page_table.pages))
-        plan = TargetPlan(
-            mode=ForwardMode.DECODE,
-            input_ids=input_ids,
-            positions=positions,
-            q_lens=q_lens,
-            kv_lens=kv_lens,
-            page_tables=tables,
-            logit_rows=list(range(len(input_ids))),
-            write_draft_context=self.has_draft,
-            snapshot_state=bool(drafts) and self.state_pool is not None,
-        )
+        return drafts
+
+    def _verify(self, seqs: list[Sequence], drafts: spec_decode.Proposals) -> Verified:
+        """One target forward over every sequence's [last token + drafts]: samples the plain sequences,
+        verifies the drafted ones, and fetches both in the step's one device-to-host copy."""
+        items = [DecodeItem([seq.last_token] + drafts.get(seq.request_id, ([], None))[0], seq.num_cached,
+                            seq.page_table.pages) for seq in seqs]
+        plan = decode_plan(items, write_draft_context=self.has_draft,
+                           snapshot_state=bool(drafts) and self.state_pool is not None)
         logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
-        offsets = list(itertools.accumulate([0] + q_lens))
+        offsets = list(itertools.accumulate([0] + plan.q_lens))
         pieces = []
         if plain:
             rows = torch.tensor([offsets[i] for i in plain], device=logits.device)
-            plain_logits = logits.index_select(0, rows)
-            pieces.append(self._sample_on_device([seqs[i].params for i in plain], [seqs[i].generator for i in plain], plain_logits))
+            pieces.append(sample_on_device([seqs[i].params for i in plain], [seqs[i].generator for i in plain],
+                                           logits.index_select(0, rows)))
         order, verdict = spec_decode.verify_on_device(seqs, drafts, logits, offsets)
         if verdict is not None:
             pieces.append(verdict)
         host = fetch_to_host(torch.cat(pieces))  # the step's one device-to-host copy
-        tokens = host[: len(plain)]
-        for j, i in enumerate(plain):
+        return Verified(logits, offsets, dict(zip(plain, host[: len(plain)])),
+                        spec_decode.verdicts(seqs, drafts, order, host[len(plain) :]), plan.snapshot_state)
+
+    def _commit(self, seqs: list[Sequence], drafts: spec_decode.Proposals, verified: Verified) -> None:
+        """Keeps what verification accepted: KDA state after the last kept position, the tokens (up to a
+        stop), acceptance statistics; pages past the kept context go back."""
+        logits, offsets, results = verified.logits, verified.offsets, verified.results
+        for i, token in verified.sampled.items():
             seq = seqs[i]
-            lps = self._logprobs(plain_logits[j : j + 1], [tokens[j]], seq.params.logprobs) if seq.params.logprobs else []
             seq.num_cached += 1
-            self._append_tokens(seq, [tokens[j]], lps)
-        results = spec_decode.verdicts(seqs, drafts, order, host[len(plain) :])
-        if plan.snapshot_state:  # keep the KDA state after the last kept position (K3_SPEC 5.1)
+            self._append_tokens(seq, [token], self._logprobs_of(seq, logits[offsets[i] : offsets[i] + 1], [token]))
+        if verified.snapshot_state:  # keep the KDA state after the last kept position (K3_SPEC 5.1)
             steps = [results[i].num_accepted_drafts if i in results else 0 for i in range(len(seqs))]
             self.leader.execute(CommitStatePlan([seq.state_slot for seq in seqs], steps))
         for i in sorted(results):
             seq, result = seqs[i], results[i]
             self.acceptance_stats.record(result, len(drafts[seq.request_id][0]))
             accepted = result.tokens
-            seq_logits = logits[offsets[i] : offsets[i + 1]]
-            lps = self._logprobs(seq_logits[: len(accepted)], accepted, seq.params.logprobs) if seq.params.logprobs else []
+            lps = self._logprobs_of(seq, logits[offsets[i] : offsets[i] + len(accepted)], accepted)
             seq.num_cached += len(accepted)
             self._append_tokens(seq, accepted, lps)
             if seq.status != SeqStatus.FINISHED:

@@ -10,10 +10,10 @@ import torch
 
 from engine.devices import host_to_device, rank_device
 from engine.distributed import TPGroup
-from engine.forward_batch import build_forward_batch
+from engine.forward_batch import copy_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
 from engine.page_pool import PagePool, PagePoolFactory
-from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, ReadStatePlan, TargetPlan
+from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, ReadStatePlan, TargetPlan, pack_target_plan
 
 logger = logging.getLogger(__name__)
 
@@ -235,10 +235,7 @@ class ModelRunner:
         cache = self._cache_for(plan.pool_names)
         for slot in plan.reset_slots:
             cache.state.reset(slot)
-        batch, rows = build_forward_batch(
-            plan.mode, plan.input_ids, plan.positions, plan.q_lens, plan.kv_lens, plan.page_tables,
-            self.config.page_size, self.device, extra=plan.logit_rows,
-        )
+        batch, rows = copy_forward_batch(plan.mode, *pack_target_plan(plan, self.config.page_size), self.device)
         if plan.state_slots is not None:
             slots = torch.tensor(plan.state_slots, dtype=torch.int64).to(self.device, non_blocking=True)
             batch = dataclasses.replace(batch, state_slots=slots, snapshot_state=plan.snapshot_state)

@@ -5,13 +5,14 @@ Models with linear attention: each job's KDA state runs in its state slot of the
 before its first chunk), so on shm it ends up straight in the slot decode reserved."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.engine_types import PrefillJob, PrefillResult
 from engine.sampling import make_generator
+from engine.step_plan import PrefillItem, prefill_plan, with_state_slots
+from engine.step_results import sample_tokens, token_logprobs
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -54,23 +55,23 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
                     continue
                 take = min(left, budget)
                 budget -= take
-                items.append((job.prompt_ids, done, take, job.page_ids, done + take == len(job.prompt_ids)))
+                items.append(PrefillItem(job.prompt_ids, done, take, job.page_ids, done + take == len(job.prompt_ids)))
                 stepping.append((job, take))
                 slots.append(job.state_slot)
                 if done == 0:
                     fresh.append(job.state_slot)
-            plan, _, needs = engine._prefill_plan(items, pool_names)
+            plan = prefill_plan(items, pool_names, write_draft_context=engine.has_draft)
             if engine.state_pool is not None:  # the KDA state runs in the job's slot (decode's, for shm)
-                plan = dataclasses.replace(plan, state_slots=slots, reset_slots=tuple(fresh))
+                plan = with_state_slots(plan, slots, tuple(fresh))
             logits = engine.leader.execute(plan)
-            finishing = [job for (job, _), need in zip(stepping, needs) if need]
+            finishing = [job for (job, _), item in zip(stepping, items) if item.needs_logits]
             if finishing:
                 generators = [make_generator(job.params.seed, engine.device) for job in finishing]
-                tokens = engine._sample([job.params for job in finishing], generators, logits)
+                tokens = sample_tokens([job.params for job in finishing], generators, logits)
                 for row, job in enumerate(finishing):
                     logprob = None
                     if job.params.logprobs:
-                        logprob = engine._logprobs(logits[row : row + 1], [tokens[row]], job.params.logprobs)[0]
+                        logprob = token_logprobs(logits[row : row + 1], [tokens[row]], job.params.logprobs)[0]
                     results[job.request_id] = PrefillResult(
                         job.request_id, tokens[row], logprob, len(job.prompt_ids), time.perf_counter() - started
                     )

@@ -101,7 +101,7 @@ class Scheduler:
         budget = self.config.max_batched_tokens
         slots = self.config.max_running - len(self.running)
         # Pages the running sequences need for their next decode step stay reserved for them.
-        reserve = sum(s.page_table.pages_needed(s.num_cached + max(1, s.spec_block)) for s in self.running)
+        reserve = sum(s.page_table.pages_needed(s.num_cached + max(1, s.spec_block_size)) for s in self.running)
         chunks: list[PrefillChunk] = []
         for seq in itertools.islice(self.waiting, 0, slots):
             if budget <= 0:
@@ -127,7 +127,7 @@ class Scheduler:
         queue = sorted(self.running, key=lambda s: s.arrival_order)
         while queue:
             seq = queue.pop(0)
-            need = seq.num_cached + max(1, seq.spec_block)
+            need = seq.num_cached + max(1, seq.spec_block_size)
             while True:
                 try:
                     seq.page_table.ensure(need)

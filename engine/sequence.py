@@ -36,7 +36,7 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     page_table: PageTable
-    spec_block: int = 0  # speculative block size for this request; 0 = no speculation
+    spec_block_size: int = 0  # speculative block size for this request (last token + drafts); 0 = no speculation
     status: SeqStatus = SeqStatus.WAITING
     num_cached: int = 0
     generator: torch.Generator | None = None

@@ -203,7 +203,7 @@ class AcceptanceStats:
     earlier draft was accepted); position_accepted[j]: steps in which it was accepted. So
     per_position_acceptance[j] is the acceptance rate of position j given it was reached."""
 
-    num_steps: int = 0
+    num_verify_steps: int = 0
     num_drafts: int = 0
     num_accepted_drafts: int = 0
     position_attempted: list[int] = field(default_factory=list)
@@ -220,7 +220,7 @@ class AcceptanceStats:
             self.position_attempted[position] += 1
         for position in range(accepted):
             self.position_accepted[position] += 1
-        self.num_steps += 1
+        self.num_verify_steps += 1
         self.num_drafts += num_drafts
         self.num_accepted_drafts += accepted
 
@@ -245,7 +245,7 @@ class AcceptanceStats:
             return values + [0] * (width - len(values))
 
         return AcceptanceStats(
-            num_steps=self.num_steps + other.num_steps,
+            num_verify_steps=self.num_verify_steps + other.num_verify_steps,
             num_drafts=self.num_drafts + other.num_drafts,
             num_accepted_drafts=self.num_accepted_drafts + other.num_accepted_drafts,
             position_attempted=[a + b for a, b in zip(padded(self.position_attempted), padded(other.position_attempted))],
@@ -255,7 +255,7 @@ class AcceptanceStats:
     @property
     def mean_accepted_tokens(self) -> float:
         """Tokens emitted per verify step, the bonus token included (0.0 before any step)."""
-        return (self.num_accepted_drafts + self.num_steps) / self.num_steps if self.num_steps else 0.0
+        return (self.num_accepted_drafts + self.num_verify_steps) / self.num_verify_steps if self.num_verify_steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -269,7 +269,7 @@ class AcceptanceStats:
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "num_steps": self.num_steps,
+            "num_verify_steps": self.num_verify_steps,
             "num_drafts": self.num_drafts,
             "num_accepted_drafts": self.num_accepted_drafts,
             "mean_accepted_tokens": self.mean_accepted_tokens,

@@ -3,9 +3,11 @@
 Plain picklable dataclasses of Python lists, so a follower rebuilds exactly the leader's batch."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from engine.forward_batch import ForwardMode
+from engine.forward_batch import ForwardMode, StepLayout, pack_step_inputs
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,70 @@ class TargetPlan:
     state_slots: list[int] | None = None
     reset_slots: tuple[int, ...] = ()
     snapshot_state: bool = False
+
+
+class PrefillItem(NamedTuple):
+    """One sequence's share of a prefill forward: token_ids[num_cached : num_cached + num_tokens] into pages."""
+
+    token_ids: list[int]
+    num_cached: int
+    num_tokens: int
+    pages: list[int]
+    needs_logits: bool  # the chunk ends the prompt: its last row's logits choose the first token
+
+
+class DecodeItem(NamedTuple):
+    """One sequence in a decode / verify forward: `tokens` (last token + drafts) after num_cached tokens."""
+
+    tokens: list[int]
+    num_cached: int
+    pages: list[int]
+
+
+def prefill_plan(items: list[PrefillItem], pool_names: tuple[str, ...] | None = None,
+                 write_draft_context: bool = False) -> TargetPlan:
+    """An EXTEND plan over chunks of several prompts; logit_rows: the last row of each item needing logits."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    for item in items:
+        end = item.num_cached + item.num_tokens
+        input_ids.extend(item.token_ids[item.num_cached : end])
+        positions.extend(range(item.num_cached, end))
+        if item.needs_logits:
+            rows.append(len(input_ids) - 1)
+    return TargetPlan(
+        mode=ForwardMode.EXTEND, input_ids=input_ids, positions=positions, q_lens=[item.num_tokens for item in items],
+        kv_lens=[item.num_cached + item.num_tokens for item in items], page_tables=[list(item.pages) for item in items],
+        logit_rows=rows, pool_names=pool_names, write_draft_context=write_draft_context,
+    )
+
+
+def decode_plan(items: list[DecodeItem], write_draft_context: bool = False, snapshot_state: bool = False) -> TargetPlan:
+    """A DECODE plan (speculative verify when items carry drafts): logits for every fed token."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    for item in items:
+        input_ids.extend(item.tokens)
+        positions.extend(range(item.num_cached, item.num_cached + len(item.tokens)))
+    return TargetPlan(
+        mode=ForwardMode.DECODE, input_ids=input_ids, positions=positions, q_lens=[len(item.tokens) for item in items],
+        kv_lens=[item.num_cached + len(item.tokens) for item in items], page_tables=[list(item.pages) for item in items],
+        logit_rows=list(range(len(input_ids))), write_draft_context=write_draft_context, snapshot_state=snapshot_state,
+    )
+
+
+def with_state_slots(plan: TargetPlan, slots: list[int], fresh: tuple[int, ...]) -> TargetPlan:
+    """The plan with each sequence's state-pool slot; `fresh` slots (sequences starting at token 0) are
+    zeroed by every rank before the forward."""
+    return dataclasses.replace(plan, state_slots=list(slots), reset_slots=tuple(fresh))
+
+
+def pack_target_plan(plan: TargetPlan, page_size: int, max_pages: int | None = None) -> tuple[list[int], StepLayout]:
+    """The plan's tokens, attention metadata and logit rows as one flat list of ints and its layout
+    (forward_batch.pack_step_inputs): what one host-to-device copy moves."""
+    return pack_step_inputs(plan.input_ids, plan.positions, plan.q_lens, plan.kv_lens, plan.page_tables, page_size,
+                            plan.logit_rows, max_pages)
 
 
 @dataclass(frozen=True)

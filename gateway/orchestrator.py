@@ -9,6 +9,7 @@ the decode worker, which frees it then."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 import uuid
@@ -65,6 +66,25 @@ class RunObserver(Protocol):
     def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None: ...
 
 
+class PrefillState(enum.Enum):
+    """Where a run's prefill stands, for cleanup: a call INFLIGHT or FAILED may have written (or still write)
+    into the decode reservation, so cleanup asks the prefill worker to stop first."""
+
+    NONE = "none"
+    INFLIGHT = "inflight"
+    OK = "ok"
+    FAILED = "failed"
+
+
+class DecodeState(enum.Enum):
+    """Where a run's decode side stands, for cleanup: RESERVED or STREAMING still hold pages to release."""
+
+    NONE = "none"
+    RESERVED = "reserved"
+    STREAMING = "streaming"
+    FINISHED = "finished"
+
+
 class RequestRun:
     """Runs one GenerateJob. events: an asyncio.Queue the servicer drains until a Finish/Error event."""
 
@@ -93,8 +113,8 @@ class RequestRun:
         # where the request is, for cleanup
         self._decode: DecodeWorker | None = None
         self._prefill: PrefillWorker | None = None
-        self._prefill_state = "none"   # none | inflight | ok | failed
-        self._decode_state = "none"    # none | reserved | streaming | finished
+        self._prefill_state = PrefillState.NONE
+        self._decode_state = DecodeState.NONE
         self._prefill_call: Any = None
         self._decode_call: Any = None
         self._cancelling = False
@@ -138,7 +158,7 @@ class RequestRun:
             await asyncio.wait_for(self._pool.polled.wait(), remaining(self._deadline))
         self._decode, destination = await self._pool.reserve(
             self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=job.request_id)
-        self._decode_state = "reserved"
+        self._decode_state = DecodeState.RESERVED
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         self.admitted = True
         if self._observer is not None:
@@ -158,14 +178,14 @@ class RequestRun:
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)
         self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
-        self._decode_state = "streaming"
+        self._decode_state = DecodeState.STREAMING
         async for chunk in self._decode_call:
             self._decode_steps += chunk.decode_steps
             self._decode_tokens += len(chunk.token_ids)
             if chunk.token_ids and self._emit(list(chunk.token_ids), list(chunk.logprobs)):
                 return
             if chunk.finished:
-                self._decode_state = "finished"
+                self._decode_state = DecodeState.FINISHED
                 self._finish(chunk.finish_reason or "stop")
                 return
         raise Unavailable(f"decode stream of {job.request_id} ended without finishing")
@@ -191,7 +211,7 @@ class RequestRun:
         tokens = len(self.job.prompt_ids)
         worker.state.outstanding_tokens += tokens
         worker.state.outstanding_requests += 1
-        self._prefill_state = "inflight"
+        self._prefill_state = PrefillState.INFLIGHT
         try:
             self._prefill_call = worker.stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
@@ -199,14 +219,14 @@ class RequestRun:
                 timeout=remaining(self._deadline), metadata=self._metadata)
             response = await self._prefill_call
         except grpc.aio.AioRpcError as error:
-            self._prefill_state = "failed"
+            self._prefill_state = PrefillState.FAILED
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 self._pool.mark_unreachable(worker.state, error)
             raise
         finally:
             worker.state.outstanding_tokens -= tokens
             worker.state.outstanding_requests -= 1
-        self._prefill_state = "ok"
+        self._prefill_state = PrefillState.OK
         return response
 
     # --- events -------------------------------------------------------------------------------------
@@ -255,7 +275,7 @@ class RequestRun:
 
     async def _cleanup(self) -> None:
         request_id = self.worker_id
-        if self._prefill_state in ("inflight", "failed"):
+        if self._prefill_state in (PrefillState.INFLIGHT, PrefillState.FAILED):
             assert self._prefill is not None
             if self._prefill_call is not None:
                 self._prefill_call.cancel()
@@ -266,10 +286,10 @@ class RequestRun:
                 logger.warning("could not confirm prefill of %s stopped (%s); its lease will expire",
                                request_id, error.code().name)
                 return
-            self._prefill_state = "failed"
-        if self._decode_state == "streaming" and self._decode_call is not None:
+            self._prefill_state = PrefillState.FAILED
+        if self._decode_state == DecodeState.STREAMING and self._decode_call is not None:
             self._decode_call.cancel()
-        if self._decode_state in ("reserved", "streaming") and self._decode is not None:
+        if self._decode_state in (DecodeState.RESERVED, DecodeState.STREAMING) and self._decode is not None:
             await self._decode.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id),
                                             timeout=self._cleanup_timeout, metadata=self._metadata)
-            self._decode_state = "finished"
+            self._decode_state = DecodeState.FINISHED

@@ -1,6 +1,8 @@
 """gRPC Prefill servicer: protobuf <-> PrefillService calls, nothing else."""
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from engine.sampling_params import SamplingParams
@@ -44,7 +46,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     @unary
     async def GetPrefillLoad(self, request: worker_pb2.GetPrefillLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetPrefillLoadResponse:
-        load = self._service.load
-        return worker_pb2.GetPrefillLoadResponse(queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
-                                      tp_size=load.tp_size, requests_total=load.requests_total,
-                                      node_id=node_id(), device=self._service.config.engine.device)
+        return worker_pb2.GetPrefillLoadResponse(**dataclasses.asdict(self._service.load),  # same field names
+                                                 node_id=node_id(), device=self._service.config.engine.device)

@@ -48,4 +48,4 @@ def engine_acceptance(model_dir: Path, prompts: Sequence[Sequence[int]], new_tok
         llm.generate([list(p) for p in prompts], params)
         stats = llm.acceptance_stats
         rates = [a / n if n else 0.0 for a, n in zip(stats.position_accepted, stats.position_attempted)]
-        return (stats.num_accepted_drafts + stats.num_steps) / stats.num_steps, rates, stats.num_steps
+        return (stats.num_accepted_drafts + stats.num_verify_steps) / stats.num_verify_steps, rates, stats.num_verify_steps

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.attention.head_table import FLASH_ATTN_VARLEN, MLA_DECODE, check_aiter_dtype, mla_decode_page_size_supported
 from engine.forward_batch import AttentionMetadata
 
@@ -67,33 +67,19 @@ class AiterAttentionBackend(AttentionBackend):
     def supports_num_heads(self, num_heads: int) -> bool:
         return self.supports_prefill_num_heads(num_heads) and self.supports_decode_num_heads(num_heads)
 
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        q_lens: tuple[int, ...],
-        k_lens: tuple[int, ...],
-        softmax_scale: float,
-    ) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: VarlenSpans,
+                softmax_scale: float) -> torch.Tensor:
         """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv] (bf16 / fp16)."""
         check_aiter_dtype(FLASH_ATTN_VARLEN, _dtype_name(q.dtype))
         out = self._flash_attn_varlen(
-            q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max(q_lens), max(k_lens),
+            q, k, v, spans.cu_seqlens_q.to(torch.int32), spans.cu_seqlens_k.to(torch.int32), spans.max_q_len,
+            spans.max_k_len,
             dropout_p=0.0, softmax_scale=softmax_scale, causal=True,
         )
         return out[0] if isinstance(out, tuple) else out
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        softmax_scale: float,
-        latent_dim: int,
-    ) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, softmax_scale: float,
+               latent_dim: int) -> torch.Tensor:
         """q: [T, H, latent+rope] (H one of mla_decode_fwd's head counts; bf16 / fp8 q and cache) -> [T, H, latent].
 
         AITER lays multi-token queries out as [num_seqs, max_seqlen_q], so sequences are run in

@@ -11,7 +11,7 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.forward_batch import AttentionMetadata
 
 HeadSupport = Union[Sequence[int], Callable[[int], bool]]
@@ -76,34 +76,16 @@ class HeadPaddedBackend(AttentionBackend):
         support = self._prefill_support if op == "prefill" else self._decode_support
         return next_supported_head_count(num_heads, support)
 
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        q_lens: tuple[int, ...],
-        k_lens: tuple[int, ...],
-        softmax_scale: float,
-    ) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: VarlenSpans,
+                softmax_scale: float) -> torch.Tensor:
         """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv]; runs the inner at Hp >= H heads."""
         heads = q.shape[1]
         padded = self.padded_heads(heads, "prefill")
-        out = self.inner.prefill(
-            pad_heads(q, padded), pad_heads(k, padded), pad_heads(v, padded),
-            cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, softmax_scale,
-        )
+        out = self.inner.prefill(pad_heads(q, padded), pad_heads(k, padded), pad_heads(v, padded), spans, softmax_scale)
         return out if padded == heads else out[:, :heads].contiguous()
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        softmax_scale: float,
-        latent_dim: int,
-    ) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, softmax_scale: float,
+               latent_dim: int) -> torch.Tensor:
         """q: [T, H, latent+rope] -> [T, H, latent]; only q is padded (the latent cache has one shared head)."""
         heads = q.shape[1]
         padded = self.padded_heads(heads, "decode")

@@ -5,9 +5,11 @@ mask aligned bottom-right. Every other backend is tested against this one.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.attention.torch_decode import DecodeGroup, build_decode_layout, decode_attention
 from engine.forward_batch import AttentionMetadata
 
@@ -45,26 +47,13 @@ class TorchAttentionBackend(AttentionBackend):
     def supports_num_heads(self, num_heads: int) -> bool:
         return num_heads > 0
 
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        q_lens: tuple[int, ...],
-        k_lens: tuple[int, ...],
-        softmax_scale: float,
-    ) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: VarlenSpans,
+                softmax_scale: float) -> torch.Tensor:
         """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv] in q's dtype."""
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
         heads = q.shape[1]
-        q_starts, k_starts = [0], [0]
-        for q_len, k_len in zip(q_lens, k_lens):
-            if k_len < q_len:
-                raise ValueError(f"prefill needs k_len >= q_len, got {k_len} < {q_len}")
-            q_starts.append(q_starts[-1] + q_len)
-            k_starts.append(k_starts[-1] + k_len)
+        q_lens, k_lens = spans.q_lens, spans.k_lens  # rows packed back to back (k_len >= q_len: checked by spans)
+        q_starts, k_starts = list(itertools.accumulate(q_lens, initial=0)), list(itertools.accumulate(k_lens, initial=0))
         # Many short sequences: padded batched matmuls; long ones: one at a time in row blocks.
         short = [i for i in range(len(q_lens)) if heads * q_lens[i] * k_lens[i] * 8 <= _SCORE_BUDGET]
         if len(short) > 1:

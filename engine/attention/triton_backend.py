@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import triton_kernels
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.attention.triton_kernels import decode as decode_kernels
 from engine.attention.triton_kernels import prefill as prefill_kernels
 from engine.forward_batch import AttentionMetadata
@@ -36,35 +36,15 @@ class TritonAttentionBackend(AttentionBackend):
                 "engine.attention.triton_kernels is first imported to run them in the interpreter"
             )
 
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        q_lens: tuple[int, ...],
-        k_lens: tuple[int, ...],
-        softmax_scale: float,
-    ) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: VarlenSpans,
+                softmax_scale: float) -> torch.Tensor:
         """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv] in q's dtype."""
         self._check_device(q)
-        if any(k_len < q_len for q_len, k_len in zip(q_lens, k_lens)):
-            raise ValueError(f"prefill needs k_len >= q_len, got q_lens={q_lens} k_lens={k_lens}")
-        return prefill_kernels.flash_prefill(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max(q_lens, default=0), softmax_scale, head_block=self.head_block
-        )
+        return prefill_kernels.flash_prefill(q, k, v, spans.cu_seqlens_q, spans.cu_seqlens_k, spans.max_q_len,
+                                             softmax_scale, head_block=self.head_block)
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        softmax_scale: float,
-        latent_dim: int,
-    ) -> torch.Tensor:
-        """q: [T, H, latent_dim + rope_dim], kv_cache: [num_pages, page_size, latent_dim + rope_dim]
-        -> [T, H, latent_dim] in q's dtype."""
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, softmax_scale: float,
+               latent_dim: int) -> torch.Tensor:
         self._check_device(q)
         return decode_kernels.paged_decode(
             q, kv_cache, attn.cu_seqlens_q, attn.kv_lens, attn.block_table, attn.max_q_len, attn.max_kv_len,

@@ -19,12 +19,11 @@ layer_index is the index of this layer's pages in the cache: for hybrid models i
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, VarlenSpans
+from engine.config_base import MLAShape
 from engine.distributed import TPGroup
 from engine.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
 from engine.kv_cache import PagedLatentCache
@@ -34,28 +33,6 @@ from engine.layers.rotary import RotaryEmbedding
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-
-
-class MLAConfig(Protocol):
-    """The config fields MLA reads (ModelConfig and the Kimi configs provide them; rope / rope_interleave
-    are read only when use_rope)."""
-
-    hidden_size: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-    @property
-    def qk_head_dim(self) -> int: ...
-
-    @property
-    def kv_cache_dim(self) -> int: ...
-
-    @property
-    def softmax_scale(self) -> float: ...
 
 
 def context_slots(attn: AttentionMetadata) -> torch.Tensor:
@@ -74,7 +51,7 @@ class MLAAttention(nn.Module):
     """x [T, hidden] -> [T, hidden] (all-reduced over ranks); num_heads / tp heads on this rank."""
 
     def __init__(
-        self, config: MLAConfig, layer_index: int, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
+        self, config: MLAShape, layer_index: int, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
         *, use_rope: bool = True, output_gate: bool = False, latent_norm_eps: float = LATENT_NORM_EPS,
     ) -> None:
         super().__init__()
@@ -153,9 +130,8 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_local_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        return self.attention.prefill(
-            q, k, v.contiguous(), attn.cu_seqlens_q, cu_seqlens_k, attn.q_lens_cpu, attn.kv_lens_cpu, self.softmax_scale
-        )
+        spans = VarlenSpans(attn.cu_seqlens_q, cu_seqlens_k, attn.q_lens_cpu, attn.kv_lens_cpu)
+        return self.attention.prefill(q, k, v.contiguous(), spans, self.softmax_scale)
 
     def _absorbed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata

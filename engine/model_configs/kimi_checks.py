@@ -3,20 +3,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, check_expert_groups, check_int_fields
+
 if TYPE_CHECKING:
     from engine.model_configs.kimi_linear import KimiLinearConfig
 
-_POSITIVE = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "intermediate_size", "moe_layer_freq",
+_POSITIVE = MLA_POSITIVE + (
+    "vocab_size", "num_hidden_layers", "max_position_embeddings", "intermediate_size", "moe_layer_freq",
     "num_experts", "num_experts_per_token", "moe_intermediate_size", "num_expert_group", "topk_group",
 )
 _NON_NEGATIVE = ("first_k_dense_replace", "num_shared_experts", "num_nextn_predict_layers")
-_OPTIONAL_POSITIVE = ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_OPTIONAL_POSITIVE = MLA_OPTIONAL_POSITIVE + ("routed_expert_hidden_size", "attn_res_block_size")
 
 
 def check_kimi_config(c: KimiLinearConfig) -> None:
@@ -24,16 +21,7 @@ def check_kimi_config(c: KimiLinearConfig) -> None:
 
     if c.model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {c.model_type!r}")
-    for name in _POSITIVE:
-        if not _is_int(getattr(c, name)) or getattr(c, name) <= 0:
-            raise ValueError(f"{name} must be a positive int, got {getattr(c, name)!r}")
-    for name in _NON_NEGATIVE:
-        if not _is_int(getattr(c, name)) or getattr(c, name) < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {getattr(c, name)!r}")
-    for name in _OPTIONAL_POSITIVE:
-        value = getattr(c, name)
-        if value is not None and (not _is_int(value) or value <= 0):
-            raise ValueError(f"{name} must be a positive int or null, got {value!r}")
+    check_int_fields(c, _POSITIVE, _NON_NEGATIVE, _OPTIONAL_POSITIVE)
     c.linear_attn.check_layers(c.num_hidden_layers)
     if not c.mla_use_nope:
         raise ValueError("mla_use_nope=false (rotary MLA in a Kimi model) is not supported")
@@ -48,14 +36,7 @@ def check_kimi_config(c: KimiLinearConfig) -> None:
         raise ValueError(f"moe_router_activation_func must be 'sigmoid', got {c.moe_router_activation_func!r}")
     if c.topk_method != "noaux_tc":
         raise ValueError(f"topk_method must be 'noaux_tc', got {c.topk_method!r}")
-    if c.num_experts_per_token > c.num_experts:
-        raise ValueError(f"num_experts_per_token={c.num_experts_per_token} exceeds num_experts={c.num_experts}")
-    if c.num_experts % c.num_expert_group:
-        raise ValueError(f"num_expert_group={c.num_expert_group} does not divide num_experts={c.num_experts}")
-    if c.topk_group > c.num_expert_group:
-        raise ValueError(f"topk_group={c.topk_group} exceeds num_expert_group={c.num_expert_group}")
-    if c.num_experts // c.num_expert_group < 2:
-        raise ValueError(f"num_expert_group={c.num_expert_group} leaves fewer than 2 experts per group")
+    check_expert_groups(c, "num_experts", "num_experts_per_token", "num_expert_group")  # noaux_tc (checked above)
     if c.latent_moe_use_norm and c.routed_expert_hidden_size is None:
         raise ValueError("latent_moe_use_norm=true needs routed_expert_hidden_size")
     if c.num_nextn_predict_layers:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import check_tp_split
+from engine.config_base import MLAShape
 from engine.model_configs.linear_attn import LinearAttnConfig
 from engine.model_configs.quantization import QuantizationConfig
 from engine.state_pool import StateShape
@@ -24,17 +25,12 @@ HF_LATENT_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
-class KimiLinearConfig:
+class KimiLinearConfig(MLAShape):
+    """The MLA dimensions come from MLAShape (K3's MLA layers use no rope scaling: softmax_scale is its default)."""
+
     model_type: str
     vocab_size: int
-    hidden_size: int
     num_hidden_layers: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
     mla_use_nope: bool
     mla_use_output_gate: bool
     max_position_embeddings: int
@@ -74,19 +70,7 @@ class KimiLinearConfig:
 
         check_kimi_config(self)
 
-    # ---- MLA (the fields engine.layers.mla reads) ----
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        return self.qk_head_dim ** -0.5
-
-    @property
-    def kv_cache_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
+    # ---- MLA (engine.layers.mla reads MLAShape's fields and this) ----
     @property
     def mla_latent_norm_eps(self) -> float:
         """K3 builds q_a_layernorm / kv_a_layernorm with rms_norm_eps; transformers' kimi_linear with 1e-6."""

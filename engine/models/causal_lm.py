@@ -3,7 +3,7 @@ vocab-parallel LM head (tied to the embedding when the config says so), embed() 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -11,6 +11,20 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
 from engine.layers.embedding import ParallelLMHead
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def build_and_load(model_cls: Callable[..., M], config: Any, tp: TPGroup, attention: AttentionBackend,
+                   dtype: torch.dtype, device: torch.device | str, load: Callable[[M], None]) -> tuple[Any, M]:
+    """What every load_model does: builds the rank's model with its tensors on `device`, `load(model)` copies
+    the checkpoint in, and the model is left in eval mode without grads. -> (config, model)."""
+    with torch.device(device):
+        model = model_cls(config, tp, attention, dtype)
+    load(model)
+    model.eval().requires_grad_(False)
+    return config, model
 
 
 class CausalLM(nn.Module):

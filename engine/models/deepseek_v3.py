@@ -12,7 +12,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM
+from engine.models.causal_lm import CausalLM, build_and_load
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedLatentCache
 from engine.layers.embedding import VocabParallelEmbedding
@@ -154,15 +154,16 @@ def load_model(
     """Reads config.json and the safetensors of model_dir into this rank's model, in eval mode without grads.
     keep_fp8: FP8 checkpoint weights stay FP8 (Fp8Linear / FP8 experts); None: on GPUs only."""
     config = ModelConfig.from_pretrained(model_dir)
-    with torch.device(device):
-        model = DeepseekV3ForCausalLM(config, tp, attention, dtype)
+
     def skip(name: str) -> bool:
         return owned_elsewhere(name, tp, config.n_routed_experts)
 
     if keep_fp8 is None:
         keep_fp8 = torch.device(device).type == "cuda"
     fp8_names = stored_fp8_names(model_dir) if keep_fp8 else set()
-    fp8 = Fp8Loader(model, fp8_names, checkpoint_block_size(model_dir), tp, config) if fp8_names else None
-    model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip, keep_fp8=fp8 is not None), fp8)
-    model.eval().requires_grad_(False)
-    return config, model
+
+    def load(model: DeepseekV3ForCausalLM) -> None:
+        fp8 = Fp8Loader(model, fp8_names, checkpoint_block_size(model_dir), tp, config) if fp8_names else None
+        model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip, keep_fp8=fp8 is not None), fp8)
+
+    return build_and_load(DeepseekV3ForCausalLM, config, tp, attention, dtype, device, load)

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM
+from engine.models.causal_lm import CausalLM, build_and_load
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedLatentCache
 from engine.layers.attn_res import ResidualStream, is_block_start
@@ -143,8 +143,9 @@ def load_model(
 ) -> tuple[KimiLinearConfig, KimiK3ForCausalLM]:
     """Reads config.json and the safetensors of model_dir into this rank's model, eval mode, no grads."""
     config = KimiLinearConfig.from_pretrained(model_dir)
-    with torch.device(device):
-        model = KimiK3ForCausalLM(config, tp, attention, dtype)
-    model.load_weights(iter_checkpoint(model_dir, skip=lambda name: expert_owned_elsewhere(name, tp, config.num_experts)))
-    model.eval().requires_grad_(False)
-    return config, model
+
+    def skip(name: str) -> bool:
+        return expert_owned_elsewhere(name, tp, config.num_experts)
+
+    return build_and_load(KimiK3ForCausalLM, config, tp, attention, dtype, device,
+                          lambda model: model.load_weights(iter_checkpoint(model_dir, skip=skip)))

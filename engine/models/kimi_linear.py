@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM
+from engine.models.causal_lm import CausalLM, build_and_load
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.kda import KimiDeltaAttention
 from engine.layers.mla import MLAAttention
@@ -137,12 +137,9 @@ def load_model(
 ) -> tuple[KimiLinearConfig, KimiLinearForCausalLM]:
     """Reads config.json and the safetensors of model_dir into this rank's model, in eval mode without grads."""
     config = KimiLinearConfig.from_pretrained(model_dir)
-    with torch.device(device):
-        model = KimiLinearForCausalLM(config, tp, attention, dtype)
 
     def skip(name: str) -> bool:
         return owned_elsewhere(engine_name(name), tp, config.num_experts)
 
-    model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip))
-    model.eval().requires_grad_(False)
-    return config, model
+    return build_and_load(KimiLinearForCausalLM, config, tp, attention, dtype, device,
+                          lambda model: model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip)))

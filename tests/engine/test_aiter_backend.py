@@ -14,6 +14,7 @@ import torch
 
 from engine.attention import head_table
 from engine.attention.aiter_backend import AiterAttentionBackend, load_aiter
+from engine.attention.base import VarlenSpans
 from engine.attention.head_padding import HeadPaddedBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.forward_batch import build_attention_metadata
@@ -126,10 +127,9 @@ def test_prefill_runs_12_heads_natively_with_explicit_scale():
     q = torch.randn(sum(q_lens), 12, 48, generator=generator).bfloat16()
     k = torch.randn(sum(k_lens), 12, 48, generator=generator).bfloat16()
     v = torch.randn(sum(k_lens), 12, 32, generator=generator).bfloat16()
-    cu_q = torch.tensor([0, 5, 22, 24], dtype=torch.int32)
-    cu_k = torch.tensor([0, 5, 35, 44], dtype=torch.int32)
-    out = backend.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.123)
-    expected = REFERENCE.prefill(q.float(), k.float(), v.float(), cu_q, cu_k, q_lens, k_lens, 0.123)
+    spans = VarlenSpans.from_lens(q_lens, k_lens)
+    out = backend.prefill(q, k, v, spans, 0.123)
+    expected = REFERENCE.prefill(q.float(), k.float(), v.float(), spans, 0.123)
     torch.testing.assert_close(out.float(), expected, **BF16)
     assert fake.calls == [("prefill", 12, 0.123)]
 
@@ -211,8 +211,7 @@ def test_fp32_is_refused_naming_the_dtype(op):
         if op == "decode":
             backend.decode(q, cache, attn, 0.1, LATENT)
         else:
-            cu = torch.tensor([0, 1], dtype=torch.int32)
-            backend.prefill(q, q, q[:, :, :LATENT], cu, cu, (1,), (1,), 0.1)
+            backend.prefill(q, q, q[:, :, :LATENT], VarlenSpans.from_lens((1,), (1,)), 0.1)
     assert fake.calls == []
 
 

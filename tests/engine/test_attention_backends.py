@@ -19,6 +19,7 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from engine.attention.base import VarlenSpans  # noqa: E402
 from engine.attention.head_padding import HeadPaddedBackend  # noqa: E402
 from engine.attention.registry import get_attention_backend  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
@@ -79,10 +80,8 @@ def _varlen_batch(generator, heads, dqk, dv, q_lens, extra_context):
     q = torch.randn(sum(q_lens), heads, dqk, generator=generator)
     k = torch.randn(sum(k_lens), heads, dqk, generator=generator)
     v = torch.randn(sum(k_lens), heads, dv, generator=generator)
-    cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + k_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    q, k, v, cu_q, cu_k = (t.to(DEVICE) for t in (q, k, v, cu_q, cu_k))
-    return q, k, v, cu_q, cu_k, tuple(q_lens), tuple(k_lens)
+    q, k, v = (t.to(DEVICE) for t in (q, k, v))
+    return q, k, v, VarlenSpans.from_lens(tuple(q_lens), tuple(k_lens), DEVICE)
 
 
 @pytest.mark.parametrize(
@@ -96,11 +95,11 @@ def test_triton_prefill_matches_torch(triton_backend, heads, dqk, dv, seed):
     generator = torch.Generator().manual_seed(seed)
     q_lens = torch.randint(1, 41, (3,), generator=generator).tolist()
     extra = [0] + torch.randint(1, 20, (2,), generator=generator).tolist()
-    q, k, v, cu_q, cu_k, q_lens, k_lens = _varlen_batch(generator, heads, dqk, dv, q_lens, extra)
+    q, k, v, spans = _varlen_batch(generator, heads, dqk, dv, q_lens, extra)
     backend = triton_backend(heads)
     assert isinstance(backend, HeadPaddedBackend) == (heads % 16 != 0)
-    out = backend.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, dqk**-0.5)
-    expected = REFERENCE.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, dqk**-0.5)
+    out = backend.prefill(q, k, v, spans, dqk**-0.5)
+    expected = REFERENCE.prefill(q, k, v, spans, dqk**-0.5)
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
 
@@ -154,11 +153,11 @@ def test_triton_bf16_inputs_keep_dtype_and_accuracy(triton_backend):
     """bf16 inputs give bf16 outputs close to the reference (the interpreter upcasts before tl.dot; GPUs
     run bf16 tensor-core dots with float32 accumulation)."""
     generator = torch.Generator().manual_seed(7)
-    q, k, v, cu_q, cu_k, q_lens, k_lens = _varlen_batch(generator, 16, 48, 32, [9, 20], [0, 7])
+    q, k, v, spans = _varlen_batch(generator, 16, 48, 32, [9, 20], [0, 7])
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    out = triton_backend(16).prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.15)
+    out = triton_backend(16).prefill(q, k, v, spans, 0.15)
     assert out.dtype == torch.bfloat16
-    expected = REFERENCE.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.15)
+    expected = REFERENCE.prefill(q, k, v, spans, 0.15)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
     q, cache, attn = _paged_case(generator, 16, 32, 16, (2, 1), (19, 30))
@@ -174,10 +173,10 @@ def test_triton_matches_torch_at_deepseek_dims_on_gpu(triton_backend):
     per sequence), 12 padded heads match the reference."""
     generator = torch.Generator().manual_seed(11)
     q_lens = torch.randint(200, 700, (3,), generator=generator).tolist()
-    q, k, v, cu_q, cu_k, q_lens, k_lens = _varlen_batch(generator, 12, 192, 128, q_lens, [0, 300, 37])
+    q, k, v, spans = _varlen_batch(generator, 12, 192, 128, q_lens, [0, 300, 37])
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    out = triton_backend(12).prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 192**-0.5)
-    expected = REFERENCE.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 192**-0.5)
+    out = triton_backend(12).prefill(q, k, v, spans, 192**-0.5)
+    expected = REFERENCE.prefill(q, k, v, spans, 192**-0.5)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
     q, cache, attn = _paged_case(generator, 12, 512, 64, (1, 4, 1), (3000, 777, 17))
@@ -194,9 +193,9 @@ def test_triton_rejects_unpadded_head_counts(triton_backend):
     bare = TritonAttentionBackend()
     assert bare.supports_num_heads(16) and bare.supports_num_heads(48) and not bare.supports_num_heads(12)
     generator = torch.Generator().manual_seed(0)
-    q, k, v, cu_q, cu_k, q_lens, k_lens = _varlen_batch(generator, 12, 16, 16, [3], [0])
+    q, k, v, spans = _varlen_batch(generator, 12, 16, 16, [3], [0])
     with pytest.raises(ValueError, match="multiple of 16"):
-        bare.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, 0.25)
+        bare.prefill(q, k, v, spans, 0.25)
 
 
 @pytest.mark.slow  # Triton lowers three kernels for two GPU targets: ~27 s of CPU
@@ -249,3 +248,15 @@ def test_importing_engine_attention_loads_neither_triton_nor_aiter():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_varlen_spans_refuse_fewer_keys_than_queries():
+    """A prefill span whose sequence has fewer key rows than query rows (no bottom-right causal alignment) or
+    whose length tuples disagree is refused when the spans are built, before any backend runs."""
+    with pytest.raises(ValueError, match="k_len >= q_len"):
+        VarlenSpans.from_lens((4, 2), (4, 1))
+    with pytest.raises(ValueError, match="sequences"):
+        VarlenSpans.from_lens((4, 2), (4,))
+    spans = VarlenSpans.from_lens((3, 9), (7, 9))
+    assert spans.cu_seqlens_q.tolist() == [0, 3, 12] and spans.cu_seqlens_k.tolist() == [0, 7, 16]
+    assert (spans.max_q_len, spans.max_k_len) == (9, 9)

@@ -153,7 +153,7 @@ def _check_greedy_spec(model_dir, prompts, blocks) -> None:
             assert llm.generate(prompts, dataclasses.replace(GREEDY, block_size=block)) == plain, f"block {block}"
         assert [llm.generate([p], dataclasses.replace(GREEDY, block_size=blocks[-1]))[0] for p in prompts[:2]] \
             == plain[:2]
-        assert llm.acceptance_stats.num_steps > 0
+        assert llm.acceptance_stats.num_verify_steps > 0
         assert llm.engine.state_pool.num_free == llm.engine.state_pool.num_slots
 
 

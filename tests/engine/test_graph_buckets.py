@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.forward_batch import ForwardMode, pack_step_inputs
+from engine.forward_batch import ForwardMode
 from engine.graph_buckets import bucket_for, graph_buckets, pad_target_plan, uniform_query_len
-from engine.step_plan import TargetPlan
+from engine.step_plan import TargetPlan, pack_target_plan
 
 
 def _decode_plan(q_len: int, kv_lens: list[int], tables: list[list[int]]) -> TargetPlan:
@@ -38,8 +38,7 @@ def test_padding_keeps_real_rows_and_isolates_dummies():
     assert padded.input_ids[:6] == plan.input_ids and padded.positions[:6] == plan.positions
     assert padded.page_tables[:2] == [[0, 1], [2]] and padded.page_tables[2:] == [[9], [9]]
     assert padded.logit_rows == list(range(12)) and padded.write_draft_context
-    values, layout = pack_step_inputs(padded.input_ids, padded.positions, padded.q_lens, padded.kv_lens,
-                                      padded.page_tables, 8, padded.logit_rows, max_pages=4)
+    values, layout = pack_target_plan(padded, 8, max_pages=4)
     slots = values[sum(layout.sizes[:5]) : sum(layout.sizes[:6])]
     assert all(9 * 8 <= s < 10 * 8 for s in slots[6:])  # dummy tokens land in the scratch page only
     assert all(s < 9 * 8 for s in slots[:6])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.attention.head_padding import HeadPaddedBackend, next_supported_head_count, pad_heads
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.forward_batch import AttentionMetadata, build_attention_metadata
@@ -19,11 +19,11 @@ def _head(x: torch.Tensor, head: int) -> torch.Tensor:
     return x[:, head : head + 1].contiguous()
 
 
-def per_head_prefill(q, k, v, cu_q, cu_k, q_lens, k_lens):
+def per_head_prefill(q, k, v, spans):
     """Reference maths one head at a time on contiguous copies (so the result cannot depend on how many
     heads ride along or on memory layout)."""
     return torch.cat(
-        [REFERENCE.prefill(_head(q, h), _head(k, h), _head(v, h), cu_q, cu_k, q_lens, k_lens, SCALE)
+        [REFERENCE.prefill(_head(q, h), _head(k, h), _head(v, h), spans, SCALE)
          for h in range(q.shape[1])], dim=1)
 
 
@@ -48,10 +48,10 @@ class MultipleOf16Kernel(AttentionBackend):
             raise RuntimeError(f"fake kernel: bad head counts {[t.shape[1] for t in tensors]}")
         self.seen_heads.append(heads)
 
-    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, softmax_scale):
+    def prefill(self, q, k, v, spans, softmax_scale):
         self._check(q, k, v)
         assert softmax_scale == SCALE
-        return per_head_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens)
+        return per_head_prefill(q, k, v, spans)
 
     def decode(self, q, kv_cache, attn: AttentionMetadata, softmax_scale, latent_dim):
         self._check(q)
@@ -68,9 +68,9 @@ class PrefillAnyDecode16(MultipleOf16Kernel):
     def supports_decode_num_heads(self, num_heads: int) -> bool:
         return num_heads % 16 == 0
 
-    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens, softmax_scale):
+    def prefill(self, q, k, v, spans, softmax_scale):
         self.seen_heads.append(q.shape[1])
-        return per_head_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, q_lens, k_lens)
+        return per_head_prefill(q, k, v, spans)
 
 
 def _prefill_inputs(heads: int, generator: torch.Generator):
@@ -79,9 +79,7 @@ def _prefill_inputs(heads: int, generator: torch.Generator):
     q = torch.randn(sum(q_lens), heads, 12, generator=generator)
     k = torch.randn(sum(k_lens), heads, 12, generator=generator)
     v = torch.randn(sum(k_lens), heads, 8, generator=generator)
-    cu_q = torch.tensor([0, 3, 10], dtype=torch.int32)
-    cu_k = torch.tensor([0, 3, 14], dtype=torch.int32)
-    return q, k, v, cu_q, cu_k, q_lens, k_lens
+    return q, k, v, VarlenSpans.from_lens(q_lens, k_lens)
 
 
 @pytest.fixture
@@ -129,9 +127,9 @@ def test_pad_heads_appends_zero_heads_and_keeps_the_real_ones():
 
 def test_fake_kernel_refuses_unpadded_head_counts():
     """The fake really enforces its constraint, so the exactness test below goes through the padding."""
-    q, k, v, cu_q, cu_k, q_lens, k_lens = _prefill_inputs(12, torch.Generator().manual_seed(0))
+    q, k, v, spans = _prefill_inputs(12, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError):
-        MultipleOf16Kernel().prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, SCALE)
+        MultipleOf16Kernel().prefill(q, k, v, spans, SCALE)
 
 
 def test_padding_is_exact_for_head_counts_1_to_40(one_thread):
@@ -141,11 +139,11 @@ def test_padding_is_exact_for_head_counts_1_to_40(one_thread):
     kernel = MultipleOf16Kernel()
     padded = HeadPaddedBackend(kernel, supported=kernel.supports_num_heads)
     for heads in range(1, 41):
-        q, k, v, cu_q, cu_k, q_lens, k_lens = _prefill_inputs(heads, generator)
-        out = padded.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, SCALE)
+        q, k, v, spans = _prefill_inputs(heads, generator)
+        out = padded.prefill(q, k, v, spans, SCALE)
         assert out.shape == (q.shape[0], heads, v.shape[2])
-        assert torch.equal(out, per_head_prefill(q, k, v, cu_q, cu_k, q_lens, k_lens)), heads
-        torch.testing.assert_close(out, REFERENCE.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, SCALE))
+        assert torch.equal(out, per_head_prefill(q, k, v, spans)), heads
+        torch.testing.assert_close(out, REFERENCE.prefill(q, k, v, spans, SCALE))
 
         q, cache, attn = _decode_inputs(heads, generator)
         out = padded.decode(q, cache, attn, SCALE, LATENT)
@@ -159,10 +157,10 @@ def test_explicit_supported_tuple_pads_to_listed_counts():
     """An explicit tuple (AITER's persistent prefill set, which lacks 12) decides the padded count."""
     kernel = MultipleOf16Kernel()
     padded = HeadPaddedBackend(kernel, supported=(1, 2, 4, 8, 10, 16, 32, 40, 48, 64, 96, 128))
-    q, k, v, cu_q, cu_k, q_lens, k_lens = _prefill_inputs(12, torch.Generator().manual_seed(2))
-    out = padded.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, SCALE)
+    q, k, v, spans = _prefill_inputs(12, torch.Generator().manual_seed(2))
+    out = padded.prefill(q, k, v, spans, SCALE)
     assert kernel.seen_heads == [16]
-    assert torch.equal(out, per_head_prefill(q, k, v, cu_q, cu_k, q_lens, k_lens))
+    assert torch.equal(out, per_head_prefill(q, k, v, spans))
 
 
 def test_per_op_support_pads_only_the_op_that_needs_it():
@@ -170,8 +168,8 @@ def test_per_op_support_pads_only_the_op_that_needs_it():
     kernel = PrefillAnyDecode16()
     padded = HeadPaddedBackend(kernel)
     generator = torch.Generator().manual_seed(3)
-    q, k, v, cu_q, cu_k, q_lens, k_lens = _prefill_inputs(12, generator)
-    padded.prefill(q, k, v, cu_q, cu_k, q_lens, k_lens, SCALE)
+    q, k, v, spans = _prefill_inputs(12, generator)
+    padded.prefill(q, k, v, spans, SCALE)
     q, cache, attn = _decode_inputs(12, generator)
     out = padded.decode(q, cache, attn, SCALE, LATENT)
     assert kernel.seen_heads == [12, 16]

@@ -8,6 +8,7 @@ import torch
 from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, DeepseekV3TopkRouter
 
+from engine.attention.base import VarlenSpans
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ModelConfig, RopeConfig
 from engine.distributed import TPGroup
@@ -214,7 +215,7 @@ def test_torch_backend_prefill_matches_sdpa(score_budget: int | None, monkeypatc
     q = torch.randn(sum(q_lens), 2, 12, generator=generator)
     k = torch.randn(sum(k_lens), 2, 12, generator=generator)
     v = torch.randn(sum(k_lens), 2, 8, generator=generator)
-    out = TorchAttentionBackend().prefill(q, k, v, torch.tensor([0, 3, 12]), torch.tensor([0, 7, 16]), q_lens, k_lens, 0.3)
+    out = TorchAttentionBackend().prefill(q, k, v, VarlenSpans.from_lens(q_lens, k_lens), 0.3)
     q_start = k_start = 0
     for q_len, k_len in zip(q_lens, k_lens):
         mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)

@@ -44,8 +44,8 @@ def test_greedy_spec_decoding_is_token_identical(model_dir, reference, block_siz
     assert solo == reference
     assert batched == reference
     decoded = 2 * len(PROMPTS) * (16 - 1)  # solo + batched runs; each request's first token comes from prefill
-    assert stats.num_steps <= decoded < stats.num_steps + stats.num_accepted_drafts + 1  # every step emits 1 + accepted
-    assert stats.num_accepted_drafts <= stats.num_drafts <= stats.num_steps * block_size
+    assert stats.num_verify_steps <= decoded < stats.num_verify_steps + stats.num_accepted_drafts + 1  # every step emits 1 + accepted
+    assert stats.num_accepted_drafts <= stats.num_drafts <= stats.num_verify_steps * block_size
 
 
 def test_spec_off_per_request_and_block_size_bound(model_dir, reference):
@@ -53,7 +53,7 @@ def test_spec_off_per_request_and_block_size_bound(model_dir, reference):
     with LLM(model_dir, attention_backend="torch", spec_block_size=4) as llm:
         params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, speculative=False)
         assert llm.generate(PROMPTS[:3], params) == reference[:3]
-        assert llm.acceptance_stats.num_steps == 0
+        assert llm.acceptance_stats.num_verify_steps == 0
         with pytest.raises(ValueError, match="block_size"):
             llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, block_size=8))
 
@@ -97,7 +97,7 @@ def test_sampled_spec_decoding_matches_target_distribution(small_vocab_llm):
     counts = _second_tokens(llm, temperature=1.0)
     p_value = chi_square_pvalue(counts, exact, min_expected=5)
     print(f"spec sampling chi-square p-value {p_value:.4f}; acceptance {llm.acceptance_stats.acceptance_rate:.3f}")
-    assert llm.acceptance_stats.num_steps >= SAMPLES
+    assert llm.acceptance_stats.num_verify_steps >= SAMPLES
     assert 0.0 < llm.acceptance_stats.acceptance_rate < 0.9
     assert p_value > 1e-3
 

@@ -77,7 +77,7 @@ def test_greedy_spec_with_dspark_equals_plain(model_dir, reference, block):
         solo = [llm.generate([prompt], greedy(block))[0] for prompt in PROMPTS]
         batched = llm.generate(PROMPTS, greedy(block))
         engine = llm.engine
-        assert llm.acceptance_stats.num_steps > 0
+        assert llm.acceptance_stats.num_verify_steps > 0
         assert engine.state_pool.num_free == engine.state_pool.num_slots
         assert engine.num_free_pages == engine.allocator.num_pages
     assert solo == reference
@@ -158,7 +158,7 @@ def test_abort_mid_speculation_frees_everything(model_dir):
         engine = llm.engine
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(f"a{i}", prompt, greedy(8))
-        while llm.acceptance_stats.num_steps < 3:
+        while llm.acceptance_stats.num_verify_steps < 3:
             engine.step()
         assert engine.state_pool.num_free < engine.state_pool.num_slots
         for i in range(len(PROMPTS)):

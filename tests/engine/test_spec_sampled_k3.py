@@ -59,11 +59,11 @@ def _joint_counts(llm: LLM) -> torch.Tensor:
 def test_sampled_spec_on_k3_matches_exact_target_marginal(llm, exact_joint):
     """20k (t2, t3) pairs from sampled speculation (DSpark Markov drafts, rejection sampling, KDA snapshot commit)
     follow the exact target joint: chi-square p > 1e-3; the draft is accepted sometimes but far from always."""
-    stats_before = (llm.acceptance_stats.num_steps, llm.acceptance_stats.num_accepted_drafts,
+    stats_before = (llm.acceptance_stats.num_verify_steps, llm.acceptance_stats.num_accepted_drafts,
                     llm.acceptance_stats.num_drafts)
     counts = _joint_counts(llm)
     steps, accepted, drafts = (now - before for now, before in zip(
-        (llm.acceptance_stats.num_steps, llm.acceptance_stats.num_accepted_drafts, llm.acceptance_stats.num_drafts),
+        (llm.acceptance_stats.num_verify_steps, llm.acceptance_stats.num_accepted_drafts, llm.acceptance_stats.num_drafts),
         stats_before))
     p_value = chi_square_pvalue(counts, exact_joint, min_expected=5)
     print(f"K3 sampled spec chi-square p-value {p_value:.4f}; accepted {accepted}/{drafts} drafts in {steps} steps")

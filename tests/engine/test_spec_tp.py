@@ -31,10 +31,10 @@ def test_tp2_greedy_spec_equals_plain_greedy(model_dir, monkeypatch):
     with LLM(model_dir, tp_size=2, attention_backend="torch", spec_block_size=8) as llm:
         engine = llm.engine
         plain = llm.generate(PROMPTS, dataclasses.replace(GREEDY, speculative=False))
-        assert llm.acceptance_stats.num_steps == 0
+        assert llm.acceptance_stats.num_verify_steps == 0
         spec_batched = llm.generate(PROMPTS, dataclasses.replace(GREEDY, block_size=8))
         spec_solo = [llm.generate([prompt], dataclasses.replace(GREEDY, block_size=4))[0] for prompt in PROMPTS[:2]]
-        assert llm.acceptance_stats.num_steps > 0
+        assert llm.acceptance_stats.num_verify_steps > 0
         monkeypatch.setattr(spec_decode, "propose", oracle_propose({tuple(p): r for p, r in zip(PROMPTS, plain)}))
         spec_oracle = llm.generate(PROMPTS, dataclasses.replace(GREEDY, block_size=8))
         stats = llm.acceptance_stats

@@ -45,7 +45,7 @@ def test_engine_acceptance_length_at_block_8(llm, held_out_prompts):
     before = llm.acceptance_stats.merge(type(llm.acceptance_stats)())
     with_spec = llm.generate(held_out_prompts, spec)
     stats = llm.acceptance_stats
-    steps = stats.num_steps - before.num_steps
+    steps = stats.num_verify_steps - before.num_verify_steps
     accepted = (stats.num_accepted_drafts - before.num_accepted_drafts + steps) / steps
     print(f"engine acceptance length at B=8: {accepted:.3f} over {steps} verify steps")
     assert accepted >= 3.0

@@ -15,7 +15,7 @@ from prefill_worker.metrics import PrefillMetrics
 
 @dataclass
 class _Stats:
-    num_steps: int = 10
+    num_verify_steps: int = 10
     num_drafts: int = 70
     num_accepted_drafts: int = 25
 

@@ -31,4 +31,4 @@ def test_tiny_run_resumes_and_writes_a_servable_model(tmp_path: Path) -> None:
     with LLM(str(out), device="cpu", num_threads=1, spec_block_size=8) as llm:
         assert llm.engine.has_draft
         outputs = llm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
-        assert len(outputs[0]) == 6 and llm.acceptance_stats.num_steps > 0
+        assert len(outputs[0]) == 6 and llm.acceptance_stats.num_verify_steps > 0

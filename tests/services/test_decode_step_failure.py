@@ -1,0 +1,115 @@
+"""A decode engine step that raises, inside a running DecodeService behind an in-process gRPC server: the
+client's Decode stream ends with INTERNAL naming the failure, the request's pages (and state slot) go back
+to the pool, and the worker decodes the next request normally."""
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.server import _Receivers
+from decode_worker.service import DecodeService
+from decode_worker.servicer import DecodeServicer
+from engine.forward_batch import ForwardMode
+from engine.step_plan import TargetPlan
+from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.layout import KVLayout
+from kvtransfer.shm_transport import ShmWriter
+from rpc.convert import sampling_to_proto
+from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from tests.services.helpers import eventually, greedy
+
+PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]
+MAX_TOKENS = 6
+pytestmark = pytest.mark.slow  # an engine start and two decodes: ~20 s on the shared machine
+
+
+class _FailNextDecode:
+    """Wraps the leader's execute: once armed, the next DECODE forward raises (a failure mid-step)."""
+
+    def __init__(self, execute: Any) -> None:
+        self._execute = execute
+        self.armed = threading.Event()
+        self.fired = threading.Event()
+
+    def __call__(self, plan: Any) -> Any:
+        if isinstance(plan, TargetPlan) and plan.mode == ForwardMode.DECODE and self.armed.is_set():
+            self.armed.clear()
+            self.fired.set()
+            raise RuntimeError("injected decode forward failure")
+        return self._execute(plan)
+
+
+@pytest.fixture
+async def served(service_model) -> AsyncIterator[tuple[DecodeService, worker_pb2_grpc.DecodeServiceStub, _FailNextDecode]]:
+    receivers = _Receivers()
+    config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
+                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1)
+    service = DecodeService(config, receivers)
+    await service.start()
+    failure = _FailNextDecode(service.engine.leader.execute)
+    service.engine.leader.execute = failure  # instance attribute: only this engine's forwards are wrapped
+    receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))  # no pushes here; expect() needs an address
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(service), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield service, worker_pb2_grpc.DecodeServiceStub(channel), failure
+    finally:
+        await server.stop(grace=None)
+        await service.stop()
+        receivers.close()
+
+
+async def _decode(service: DecodeService, stub: worker_pb2_grpc.DecodeServiceStub, request_id: str) -> list[int]:
+    """Reserve over gRPC, mark the (already zeroed) pages complete as a prefill worker would, then Decode."""
+    reply = await stub.Reserve(worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=len(PROMPT),
+                                                         max_new_tokens=MAX_TOKENS, transport=kv_pb2.TRANSPORT_SHM),
+                               timeout=30)
+    destination = Destination.from_proto(reply.destination)
+    writer = ShmWriter(KVLayout.from_cache_shape(service.engine.cache_shape))
+    try:
+        for rank in range(destination.num_ranks):
+            writer.open(destination, rank, in_place=True).finish()
+    finally:
+        writer.close()
+    tokens = []
+    request = worker_pb2.DecodeRequest(request_id=request_id, lease_id=destination.lease_id, token_ids=PROMPT,
+                                       first_token=7, sampling=sampling_to_proto(greedy(MAX_TOKENS)))
+    async for chunk in stub.Decode(request, timeout=120):
+        tokens += list(chunk.token_ids)
+    return tokens
+
+
+def _state_slots_free(engine: Any) -> int:
+    return engine.state_pool.num_free if engine.state_pool is not None else 0
+
+
+async def test_failed_engine_step_ends_the_stream_frees_pages_and_keeps_serving(served):
+    """The injected forward failure reaches the client as INTERNAL naming the engine step and the cause; the
+    engine then holds no request, every page and state slot is free again, and the next request decodes
+    all its tokens."""
+    service, stub, failure = served
+    free_pages = await service._engine.call(lambda engine: engine.num_free_pages)
+    free_slots = await service._engine.call(_state_slots_free)
+    failure.armed.set()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _decode(service, stub, "doomed")
+    assert failure.fired.is_set()
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "engine step failed" in caught.value.details() and "injected decode forward failure" in caught.value.details()
+
+    def idle(engine: Any) -> tuple[bool, int, int]:
+        return engine.has_work(), engine.num_free_pages, _state_slots_free(engine)
+
+    await eventually(lambda: service.load.free_pages == free_pages and service.load.leases == 0, "pages freed")
+    assert await service._engine.call(idle) == (False, free_pages, free_slots)
+    tokens = await _decode(service, stub, "next")
+    assert len(tokens) == MAX_TOKENS - 1  # the first token came from "prefill"; Decode streams the rest
+    assert await service._engine.call(idle) == (False, free_pages, free_slots)
