@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from engine import devices, engine_types, llm_engine, spec_decode
+from engine import devices, engine_types, llm_engine, spec_decode, step_results
 from engine.engine_types import EngineConfig
 from engine.paths import DSV3_MODEL_DIR as DEFAULT_MODEL_DIR  # the DeepSeek-V3 model + DFlash draft
 from engine.llm_engine import LLMEngine
@@ -71,6 +71,7 @@ def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.Tensor, "to", checked_to)
     monkeypatch.setattr(llm_engine, "fetch_to_host", fake_fetch)
     monkeypatch.setattr(spec_decode, "fetch_to_host", fake_fetch)
+    monkeypatch.setattr(step_results, "fetch_to_host", fake_fetch)
     yield fetches
 
 
@@ -196,8 +197,9 @@ def test_a_hidden_sync_is_caught(fake_gpu, monkeypatch):
     engine = LLMEngine(EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", attention_backend="torch",
                                     use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
     try:
-        original = engine._sample_on_device
-        monkeypatch.setattr(engine, "_sample_on_device", lambda *args: original(*args).tolist())
+        original = step_results.sample_on_device
+        for module in (llm_engine, step_results):  # the decode path and the prefill path (sample_tokens)
+            monkeypatch.setattr(module, "sample_on_device", lambda *args: original(*args).tolist())
         engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
         with forbid_host_syncs(monkeypatch), pytest.raises(HostSyncError, match="outside the sampler"):
             engine.step()
