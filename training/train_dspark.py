@@ -4,7 +4,7 @@ Data: prompts from the training split, continued greedily by the SAVED target th
 target's taps (K3Net, the same function as the engine's capture) over every position.
 Loss (K3_SPEC 5.3, teacher forced): block [token at anchor L, MASK x (gamma-1)] at positions L..L+gamma-1
 sees the taps of positions < L; slot k predicts the token at L+k+1 with logits
-lm_head(h_k) + markov_bias(token at L+k); cross-entropy weighted exp(-k / decay) (DFlash recipe).
+lm_head(h_k) + markov_head(token at L+k) (the vanilla head); cross-entropy weighted exp(-k / decay) (DFlash recipe).
 The target (embedding, LM head) stays frozen; a wall-clock budget bounds the run like the target's.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def dspark_block_loss(
     with torch.no_grad():
         embeds = target.model.embed_tokens(block)
     hidden = draft.forward_anchors(taps, embeds, anchors)
-    logits = target.lm_head(hidden) + draft.markov_bias(previous.flatten()).view(*previous.shape, -1)
+    logits = target.lm_head(hidden) + draft.markov_head(previous.flatten()).view(*previous.shape, -1)
     losses = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
     weights = torch.exp(-offsets.float() / decay)
     loss = (losses * weights).sum(-1).mean() / weights.sum()
