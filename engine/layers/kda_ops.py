@@ -12,10 +12,9 @@ chunked:   chunks of C tokens. Inside a chunk, with G_t = g_1 + ... + g_t (cumul
     with A[t, s] = sum_c k_t[c] k_s[c] e^{G_t[c] - G_s[c]} for s < t, and
         o_t = S_0^T (q_t * e^{G_t}) + sum_{s<=t} (sum_c q_t[c] k_s[c] e^{G_t[c] - G_s[c]}) u_s,
         S_C = diag(e^{G_C}) S_0 + sum_s (k_s * e^{G_C - G_s}) u_s^T.
-    kda_chunked forms every chunk's A and scores at once as matmuls, e^{G_t - G_s} = e^{G_t - r} e^{r - G_s}
-    (r: each channel's mid log-decay in the chunk), exact while a chunk's decay span stays <= MAX_FACTORED_SPAN
-    (always, for K3's safe gate at chunk 16); wider chunks use the pairwise form, which exponentiates only
-    differences G_t - G_s with s <= t. U = U_0 - W S_0 needs no state, so only S_0 -> S_C is sequential.
+    kda_chunked forms every chunk's A and scores at once as matmuls, e^{G_t - G_s} = e^{G_t} e^{-G_s}, exact
+    while a chunk's deepest log-decay stays <= MAX_FACTORED_DECAY (always, for K3's safe gate at chunk 16);
+    deeper chunks use the pairwise form, which exponentiates only differences G_t - G_s with s <= t. U = U_0 - W S_0 needs no state, so only S_0 -> S_C is sequential.
 Everything is computed in float32.
 """
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 L2_NORM_EPS = 1e-6
-MAX_FACTORED_SPAN = 80.0  # widest per-channel log-decay range in a chunk factored into matmuls (e^40 per factor)
+MAX_FACTORED_DECAY = 80.0  # deepest log-decay in a chunk factored into matmuls (e^{-G} <= e^80 < float32 max)
 SOFTPLUS_THRESHOLD = 20.0
 
 
@@ -90,31 +89,32 @@ def kda_recurrent(
 def _pairwise_decay_scores(left: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, diagonal: int) -> torch.Tensor:
     """[M, C, C]: entry [t, s] = sum_c left_t[c] k_s[c] e^{G_t[c] - G_s[c]}, kept where s <= t + diagonal
     (tril(diagonal)); exact for any decay. left, k, cum: [M, C, K]. Materialises [M, C, C, K]: used only for
-    chunks whose decay span is too wide to factor (_intra_chunk)."""
+    chunks whose decay is too deep to factor (_intra_chunk)."""
     size = cum.shape[1]
     causal = torch.ones(size, size, dtype=torch.bool, device=cum.device).tril()
     diff = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(~causal[None, :, :, None], float("-inf"))
     return torch.einsum("mtc,msc,mtsc->mts", left, k, torch.exp(diff)).tril(diagonal)
 
 
-def _intra_chunk(q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The within-chunk products of every chunk at once: q, k, cum [M, C, K] -> (A [M, C, C] strictly lower,
-    scores [M, C, C] lower incl. the diagonal), A[t, s] = sum_c k_t k_s e^{G_t - G_s}, scores the same with q_t.
+def _intra_chunk(q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, decayed: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The within-chunk products of every chunk at once: q, k, cum [M, C, K], decayed = e^cum -> (A [M, C, C]
+    strictly lower, scores [M, C, C] lower incl. the diagonal), A[t, s] = sum_c k_t k_s e^{G_t - G_s}, scores
+    the same with q_t.
 
-    e^{G_t - G_s} = e^{G_t - r} e^{r - G_s} with r the midpoint of each channel's G range in the chunk, so
-    both are batched matmuls; every factor is <= e^{span / 2} (span = that range), safe in float32 while
-    span <= MAX_FACTORED_SPAN (K3's safe gate guarantees it for chunk * |lower_bound| <= 80). Chunks with a
-    wider span fall back to the exact pairwise form."""
-    high, low = cum.amax(dim=1, keepdim=True), cum.amin(dim=1, keepdim=True)
-    ref = (high + low) / 2
-    up, down = torch.exp(cum - ref), torch.exp(ref - cum)
-    k_down = (k * down).transpose(1, 2)
-    a = ((k * up) @ k_down).tril(-1)
-    scores = ((q * up) @ k_down).tril()
-    wide = ((high - low).amax(dim=(1, 2)) > MAX_FACTORED_SPAN).nonzero().flatten()
-    if wide.numel():  # (one host sync per call; the factored values of these chunks may be inf)
-        a[wide] = _pairwise_decay_scores(k[wide], k[wide], cum[wide], -1)
-        scores[wide] = _pairwise_decay_scores(q[wide], k[wide], cum[wide], 0)
+    e^{G_t - G_s} = e^{G_t} e^{-G_s}, so both are batched matmuls: row t needs e^{-G_s} for s <= t only,
+    <= e^{depth_t} (depth_t: the deepest |G_s|, s <= t), safe in float32 while depth_t <= MAX_FACTORED_DECAY,
+    which K3's safe gate guarantees for chunk * |lower_bound| <= 80. Deeper rows are recomputed in the exact
+    pairwise form. Either way row t depends on tokens <= t only, bit for bit."""
+    k_down = (k * torch.exp(-cum)).transpose(1, 2)
+    a = ((k * decayed) @ k_down).tril(-1)  # (entries above the diagonal may overflow: tril drops them)
+    scores = ((q * decayed) @ k_down).tril()
+    deep = torch.cummax(cum.abs().amax(dim=2), dim=1).values > MAX_FACTORED_DECAY  # [M, C]
+    chunks = deep.any(dim=1).nonzero().flatten()
+    if chunks.numel():  # (one host sync per call)
+        rows = deep[chunks, :, None]
+        a[chunks] = torch.where(rows, _pairwise_decay_scores(k[chunks], k[chunks], cum[chunks], -1), a[chunks])
+        scores[chunks] = torch.where(rows, _pairwise_decay_scores(q[chunks], k[chunks], cum[chunks], 0), scores[chunks])
     return a, scores
 
 
@@ -139,8 +139,8 @@ def kda_chunked(
 
     q, k, v, g, beta = split(q), split(k), split(v), split(g), split(beta)
     cum = torch.cumsum(g, dim=1)  # G_t from each chunk's start
-    a, scores = _intra_chunk(q, k, cum)
     decayed = torch.exp(cum)
+    a, scores = _intra_chunk(q, k, cum, decayed)
     system = torch.eye(chunk_size, device=q.device) + beta * a
     solved = torch.linalg.solve_triangular(system, beta * torch.cat([v, k * decayed], dim=-1), upper=False,
                                            unitriangular=True)
