@@ -34,7 +34,7 @@ from bench.client import GatewayClient, SamplingOptions
 from bench.load import LoadPlan, run_load
 from bench.workload import BenchRequest
 from benchmarks.common import DEFAULT_MODEL, make_prompts, machine_description
-from engine.config import ModelConfig
+from engine.models.registry import load_config
 from pdserve.launcher import Cluster, ClusterSpec
 
 
@@ -170,7 +170,7 @@ def main() -> None:
     cluster = Cluster(spec, log_dir=out)
     address = cluster.start(timeout_s=300)
     try:
-        config = ModelConfig.from_pretrained(args.model)
+        config = load_config(str(args.model))  # either family (DeepSeek-V3 or Kimi K3 / Linear)
         prompts, _ = make_prompts(args.model, max(2 * args.concurrency, 4), args.input_len, 0, config.vocab_size,
                                   list(config.eos_token_id))
         stop, result = threading.Event(), {"tokens": 0}
