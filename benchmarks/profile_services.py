@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -189,6 +190,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefill-batch-tokens", type=int, default=2048, help="the prefill worker's --batch-tokens")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--log-level", default="WARNING", help="the services' log level (INFO: per-request lines)")
@@ -202,6 +204,7 @@ def main() -> None:
     print(f"machine: {machine_description()}\nprofiles in {out}", flush=True)
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
                        worker_args=("--num-threads", str(args.threads), "--kv-memory-mb", "512"),
+                       prefill_args=("--batch-tokens", str(args.prefill_batch_tokens)),
                        log_level=args.log_level)
     cluster = Cluster(spec, log_dir=out)
     address = cluster.start(timeout_s=300)
@@ -219,10 +222,14 @@ def main() -> None:
         metrics_address = metrics_addresses["decode-0"]
         steps_before = scrape(metrics_address, STEP_COUNTERS)
         phases_before = scrape_phases(metrics_addresses)
+        started = time.perf_counter()
         driver.start()
         record(py_spy, pids, args, out)
         stop.set()
         driver.join()
+        elapsed = time.perf_counter() - started
+        print(f"\nload: {result['tokens']} tokens in {elapsed:.1f} s, {result['tokens'] / elapsed:.1f} tok/s "
+              f"(whole waves of requests; load average {os.getloadavg()[0]:.1f} at the end)")
         steps = {name: value - steps_before.get(name, 0.0) for name, value in scrape(metrics_address, STEP_COUNTERS).items()}
         count, tokens = steps.get(STEP_COUNTERS[0], 0.0), steps.get(STEP_COUNTERS[1], 0.0)
         print(f"\ndecode engine: {count:.0f} steps, {tokens / max(count, 1):.2f} tokens per step (batch occupancy)")
