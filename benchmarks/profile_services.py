@@ -39,6 +39,7 @@ from bench.workload import BenchRequest
 from benchmarks.common import DEFAULT_MODEL, make_prompts, machine_description
 from engine.models.registry import load_config
 from pdserve.launcher import Cluster, ClusterSpec
+from prefill_worker.batch_policy import DEFAULT_BATCH_TARGET_MS
 
 
 def summarise(raw_file: Path, top: int) -> str:
@@ -191,6 +192,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prefill-batch-tokens", type=int, default=2048, help="the prefill worker's --batch-tokens")
+    parser.add_argument("--prefill-batch-target-ms", type=float, default=DEFAULT_BATCH_TARGET_MS,
+                        help="the prefill worker's --batch-target-ms (0: batches of --batch-tokens)")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--log-level", default="WARNING", help="the services' log level (INFO: per-request lines)")
@@ -204,7 +207,8 @@ def main() -> None:
     print(f"machine: {machine_description()}\nprofiles in {out}", flush=True)
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
                        worker_args=("--num-threads", str(args.threads), "--kv-memory-mb", "512"),
-                       prefill_args=("--batch-tokens", str(args.prefill_batch_tokens)),
+                       prefill_args=("--batch-tokens", str(args.prefill_batch_tokens),
+                                     "--batch-target-ms", str(args.prefill_batch_target_ms)),
                        log_level=args.log_level)
     cluster = Cluster(spec, log_dir=out)
     address = cluster.start(timeout_s=300)
