@@ -1,5 +1,6 @@
 """PrefillService without gRPC, over a fake engine whose prefill blocks until released: batching by
-prompt tokens and by the target time, and Cancel semantics (drop when queued, wait when running, no KV export afterwards)."""
+prompt tokens and by the target time, and Cancel semantics (drop when queued, wait when running, no KV
+export afterwards)."""
 from __future__ import annotations
 
 import asyncio
