@@ -13,7 +13,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from decode_worker.servicer import DecodeServicer
-from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.destination import Destination
 from rpc.convert import sampling_to_proto
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from tests.services.decode_hooks import NextDecodeForward, mark_kv_complete
