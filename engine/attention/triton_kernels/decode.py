@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_kernels import block_for
+from engine.attention.triton_kernels.online_softmax import online_softmax_step, score_dot
 
 LOG2E = 1.4426950408889634
 
@@ -67,28 +68,13 @@ def paged_decode_kernel(
         # keys transposed [D, BLOCK_N] for the score dots; the latent rows [BLOCK_N, L] are the values
         k_lat_t = tl.load(cache_ptr + slot[None, :] + offs_l[:, None],
                           mask=valid[None, :] & (offs_l[:, None] < LATENT), other=0.0)
-        if UPCAST:
-            scores = tl.dot(q_lat, k_lat_t.to(tl.float32), input_precision="ieee")
-        else:
-            scores = tl.dot(q_lat, k_lat_t)
+        scores = score_dot(q_lat, k_lat_t, UPCAST)
         if ROPE > 0:
             k_rope_t = tl.load(cache_ptr + slot[None, :] + LATENT + offs_r[:, None],
                                mask=valid[None, :] & (offs_r[:, None] < ROPE), other=0.0)
-            if UPCAST:
-                scores += tl.dot(q_rope, k_rope_t.to(tl.float32), input_precision="ieee")
-            else:
-                scores += tl.dot(q_rope, k_rope_t)
+            scores += score_dot(q_rope, k_rope_t, UPCAST)
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        values = tl.trans(k_lat_t)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, tl.trans(k_lat_t), UPCAST)
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]  # an empty split (l_i == 0) stores zeros
     row = (q_start + query).to(tl.int64)
     o_base = out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + split * stride_os

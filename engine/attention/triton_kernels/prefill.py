@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_kernels import block_for, split_head_dim
+from engine.attention.triton_kernels.online_softmax import online_softmax_step, score_dot
 
 LOG2E = 1.4426950408889634
 
@@ -65,29 +66,15 @@ def flash_prefill_kernel(
             k_rows = (k_start + offs_n).to(tl.int64)
             k_base = k_ptr + k_rows[None, :] * stride_kt + head * stride_kh  # transposed: [D, BLOCK_N]
             k1 = tl.load(k_base + offs_d1[:, None], mask=key_valid[None, :] & (offs_d1[:, None] < DQK), other=0.0)
-            if UPCAST:
-                scores = tl.dot(q1, k1.to(tl.float32), input_precision="ieee")
-            else:
-                scores = tl.dot(q1, k1)
+            scores = score_dot(q1, k1, UPCAST)
             if BLOCK_D2 > 0:
                 k2 = tl.load(k_base + offs_d2[:, None], mask=key_valid[None, :] & (offs_d2[:, None] < DQK), other=0.0)
-                if UPCAST:
-                    scores += tl.dot(q2, k2.to(tl.float32), input_precision="ieee")
-                else:
-                    scores += tl.dot(q2, k2)
+                scores += score_dot(q2, k2, UPCAST)
             visible = key_valid[None, :] & (offs_n[None, :] <= last_key[:, None])
             scores = tl.where(visible, scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v_base = v_ptr + k_rows[:, None] * stride_vt + head * stride_vh
             v = tl.load(v_base + offs_dv[None, :], mask=key_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, UPCAST)
         out = acc / l_i[:, None]
         o_base = out_ptr + o_rows[:, None] + head * stride_oh
         tl.store(o_base + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
