@@ -3,6 +3,7 @@ vocab-parallel LM head (tied to the embedding when the config says so), embed() 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
 from engine.layers.embedding import ParallelLMHead
+from engine.weights import iter_checkpoint
 
 
 M = TypeVar("M", bound=nn.Module)
@@ -25,6 +27,28 @@ def build_and_load(model_cls: Callable[..., M], config: Any, tp: TPGroup, attent
     load(model)
     model.eval().requires_grad_(False)
     return config, model
+
+
+def checkpoint_loader(model_cls: Callable[..., M], config_cls: Any, elsewhere: Callable[[str, TPGroup, int], bool],
+                      drop_mtp: bool) -> Callable[..., tuple[Any, M]]:
+    """The registry's `load_model(model_dir, tp, attention, dtype, device="cpu") -> (config, model)` for a model
+    whose load_weights takes the checkpoint's (stored name, tensor) pairs: config_cls.from_pretrained(model_dir),
+    tensors for which elsewhere(stored name, tp, config.num_experts) holds are not read (experts another rank
+    owns), drop_mtp drops the layers past config.num_hidden_layers."""
+
+    def load_model(model_dir: str | Path, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> tuple[Any, M]:
+        config = config_cls.from_pretrained(model_dir)
+        layers = config.num_hidden_layers if drop_mtp else None
+
+        def skip(name: str) -> bool:
+            return elsewhere(name, tp, config.num_experts)
+
+        return build_and_load(model_cls, config, tp, attention, dtype, device,
+                              lambda model: model.load_weights(iter_checkpoint(model_dir, layers, skip=skip)))
+
+    load_model.__doc__ = f"Reads config.json and the safetensors of model_dir into this rank's {model_cls.__name__}."
+    return load_model
 
 
 class CausalLM(nn.Module):
