@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_kernels import block_for
-from engine.attention.triton_kernels.online_softmax import online_softmax_step, score_dot
+from engine.attention.triton_kernels.online_softmax import (
+    load_query, online_softmax_step, score_dot, softmax_start,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -48,17 +50,11 @@ def paged_decode_kernel(
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     q_base = q_ptr + (q_start + query).to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-    q_lat = tl.load(q_base + offs_l[None, :], mask=offs_l[None, :] < LATENT, other=0.0)
+    q_lat = load_query(q_base + offs_l[None, :], offs_l[None, :] < LATENT, UPCAST)
     if ROPE > 0:
-        q_rope = tl.load(q_base + LATENT + offs_r[None, :], mask=offs_r[None, :] < ROPE, other=0.0)
-    if UPCAST:
-        q_lat = q_lat.to(tl.float32)
-        if ROPE > 0:
-            q_rope = q_rope.to(tl.float32)
+        q_rope = load_query(q_base + LATENT + offs_r[None, :], offs_r[None, :] < ROPE, UPCAST)
 
-    m_i = tl.full([HEAD_BLOCK], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
-    acc = tl.zeros([HEAD_BLOCK, BLOCK_L], dtype=tl.float32)
+    m_i, l_i, acc = softmax_start(HEAD_BLOCK, BLOCK_L)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     for start_n in range(split_start, split_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)

@@ -11,6 +11,22 @@ import triton.language as tl
 
 
 @triton.jit
+def load_query(ptrs, mask, UPCAST: tl.constexpr):
+    """A query block (masked elements 0), in float32 when UPCAST."""
+    q = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def softmax_start(ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The running state before the first key block: (max [ROWS], normaliser [ROWS], acc [ROWS, COLS])."""
+    return (tl.full([ROWS], -1.0e30, dtype=tl.float32), tl.zeros([ROWS], dtype=tl.float32),
+            tl.zeros([ROWS, COLS], dtype=tl.float32))
+
+
+@triton.jit
 def score_dot(q, keys_t, UPCAST: tl.constexpr):
     """q: [M, D] (already float32 when UPCAST), keys_t: [D, N] -> [M, N] float32 scores."""
     if UPCAST:

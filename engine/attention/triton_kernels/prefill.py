@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_kernels import block_for, split_head_dim
-from engine.attention.triton_kernels.online_softmax import online_softmax_step, score_dot
+from engine.attention.triton_kernels.online_softmax import (
+    load_query, online_softmax_step, score_dot, softmax_start,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -50,16 +52,10 @@ def flash_prefill_kernel(
     for h in range(HEAD_BLOCK):
         head = head_group * HEAD_BLOCK + h
         q_base = q_ptr + q_rows[:, None] + head * stride_qh
-        q1 = tl.load(q_base + offs_d1[None, :], mask=row_valid[:, None] & (offs_d1[None, :] < DQK), other=0.0)
+        q1 = load_query(q_base + offs_d1[None, :], row_valid[:, None] & (offs_d1[None, :] < DQK), UPCAST)
         if BLOCK_D2 > 0:
-            q2 = tl.load(q_base + offs_d2[None, :], mask=row_valid[:, None] & (offs_d2[None, :] < DQK), other=0.0)
-        if UPCAST:
-            q1 = q1.to(tl.float32)
-            if BLOCK_D2 > 0:
-                q2 = q2.to(tl.float32)
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            q2 = load_query(q_base + offs_d2[None, :], row_valid[:, None] & (offs_d2[None, :] < DQK), UPCAST)
+        m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
         for start_n in range(0, key_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             key_valid = offs_n < k_len
