@@ -11,7 +11,8 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
-from engine.layers.embedding import ParallelLMHead
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.norm import RMSNorm
 from engine.weights import iter_checkpoint
 
 
@@ -49,6 +50,18 @@ def checkpoint_loader(model_cls: Callable[..., M], config_cls: Any, elsewhere: C
 
     load_model.__doc__ = f"Reads config.json and the safetensors of model_dir into this rank's {model_cls.__name__}."
     return load_model
+
+
+class DecoderStack(nn.Module):
+    """The decoder body every model shares: embed_tokens, `layers` (layer_cls(config, index, tp, attention,
+    dtype) for each of config.num_hidden_layers) and the final norm; a model adds what its own needs."""
+
+    def __init__(self, config: Any, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
+                 layer_cls: Callable[..., nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(layer_cls(config, i, tp, attention, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class CausalLM(nn.Module):

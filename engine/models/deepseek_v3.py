@@ -12,10 +12,9 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM, build_and_load
+from engine.models.causal_lm import CausalLM, DecoderStack, build_and_load
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedLatentCache
-from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.mla import MLAAttention
 from engine.layers.mlp import DenseMLP
 from engine.layers.moe import MoE
@@ -59,16 +58,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3Model(DecoderStack):
     def __init__(self, config: ModelConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, tp, attention, dtype) for i in range(config.num_hidden_layers)
-        )
+        super().__init__(config, tp, attention, dtype, DecoderLayer)
         for layer in self.layers[1:]:  # one RoPE module: its cos/sin are computed once per step
             layer.self_attn.rotary = self.layers[0].self_attn.rotary
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class DeepseekV3ForCausalLM(CausalLM):

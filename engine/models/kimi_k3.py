@@ -14,11 +14,10 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM, checkpoint_loader
+from engine.models.causal_lm import CausalLM, DecoderStack, checkpoint_loader
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedLatentCache
 from engine.layers.attn_res import ResidualStream, is_block_start
-from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.latent_moe import LatentMoE, LatentMoEShape
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.mla import MLAAttention
@@ -79,12 +78,9 @@ class K3DecoderLayer(nn.Module):
         stream.add(self.mlp(x_m))
 
 
-class KimiK3Model(nn.Module):
+class KimiK3Model(DecoderStack):
     def __init__(self, c: KimiLinearConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(K3DecoderLayer(c, i, tp, attention, dtype) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        super().__init__(c, tp, attention, dtype, K3DecoderLayer)
         self.output_attn_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.output_attn_res_proj = ReplicatedLinear(c.hidden_size, 1, dtype)
 

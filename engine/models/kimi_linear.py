@@ -16,8 +16,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM, checkpoint_loader
-from engine.layers.embedding import VocabParallelEmbedding
+from engine.models.causal_lm import CausalLM, DecoderStack, checkpoint_loader
 from engine.layers.kda import KimiDeltaAttention
 from engine.layers.mla import MLAAttention
 from engine.layers.mlp import DenseMLP
@@ -66,12 +65,9 @@ class KimiDecoderLayer(DecoderLayer):
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, tp, dtype)
 
 
-class KimiLinearModel(nn.Module):
+class KimiLinearModel(DecoderStack):
     def __init__(self, config: KimiLinearConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(KimiDecoderLayer(config, i, tp, attention, dtype) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        super().__init__(config, tp, attention, dtype, KimiDecoderLayer)
 
 
 class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
