@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine.config_base import check_positive
 from engine.kv_cache import CacheShape
 from engine.state_pool import SLOT_ALIGN, StateShape
 from kvtransfer.errors import LayoutMismatch
@@ -77,9 +78,7 @@ class KVLayout:
     ssm_dtype: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "latent_dim", "page_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("num_layers", "latent_dim", "page_size"), "KVLayout.")
         if self.rope_dim < 0 or self.draft_layers < 0 or self.draft_dim < 0:
             raise ValueError("KVLayout dims must be non-negative")
         if (self.draft_layers == 0) != (self.draft_dim == 0):
