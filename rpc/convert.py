@@ -39,7 +39,8 @@ def sampling_to_proto(params: Any) -> worker_pb2.WorkerSampling:
     return message
 
 
-def _present(message: Message, names: Iterable[str]) -> dict[str, Any]:
+def present_fields(message: Message, names: Iterable[str]) -> dict[str, Any]:
+    """{name: value} of the named optional fields that are set (set_given's way back)."""
     return {name: getattr(message, name) for name in names if message.HasField(name)}
 
 
@@ -48,7 +49,7 @@ def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, Any]:
     engine's default: seed None, speculative None, ...)."""
     return dict(max_new_tokens=message.max_new_tokens, stop_token_ids=tuple(message.stop_token_ids),
                 ignore_eos=message.ignore_eos, logprobs=message.logprobs,
-                **_present(message.distribution, _DISTRIBUTION), **_present(message, _OPTIONAL))
+                **present_fields(message.distribution, _DISTRIBUTION), **present_fields(message, _OPTIONAL))
 
 
 def load_to_proto(message_cls: type[M], load: Any, **extra: Any) -> M:
