@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import block_for
+from engine.attention.triton_kernels import block_for, launch_defaults
 from engine.attention.triton_kernels.online_softmax import (
     load_query, online_softmax_step, score_dot, softmax_start,
 )
@@ -125,10 +125,7 @@ def paged_decode(
         q = q.contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache's last dim must be contiguous")
-    on_cpu = q.device.type == "cpu"
-    if upcast is None:
-        upcast = on_cpu or q.dtype == torch.float32
-    block_n = block_n or (16 if on_cpu else 32)
+    upcast, block_n = launch_defaults(q, upcast, block_n)
     rope_dim = entry_dim - latent_dim
     num_seqs = cu_seqlens_q.numel() - 1
     head_groups = num_heads // head_block

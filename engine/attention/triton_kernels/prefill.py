@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import block_for, split_head_dim
+from engine.attention.triton_kernels import block_for, launch_defaults, split_head_dim
 from engine.attention.triton_kernels.online_softmax import (
     load_query, online_softmax_step, score_dot, softmax_start,
 )
@@ -101,11 +101,8 @@ def flash_prefill(
     if k.shape[1] != num_heads or v.shape[1] != num_heads or k.shape[2] != dqk:
         raise ValueError(f"shape mismatch q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    on_cpu = q.device.type == "cpu"
-    if upcast is None:
-        upcast = on_cpu or q.dtype == torch.float32
-    block_m = block_m or (16 if on_cpu else 64)
-    block_n = block_n or (16 if on_cpu else 32)
+    upcast, block_n = launch_defaults(q, upcast, block_n)
+    block_m = block_m or (16 if q.device.type == "cpu" else 64)
     out = torch.empty(q.shape[0], num_heads, dv, dtype=q.dtype, device=q.device)
     num_seqs = cu_seqlens_q.numel() - 1
     if q.shape[0] == 0 or num_seqs == 0:
