@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config_base import check_positive
 from engine.state_pool import SLOT_ALIGN, StatePool, StateShape
 
 
@@ -32,9 +33,7 @@ class CacheShape:
     state: StateShape | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_pages", "page_size", "latent_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"CacheShape.{name} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("num_layers", "num_pages", "page_size", "latent_dim"), "CacheShape.")
         if self.rope_dim < 0 or self.draft_layers < 0 or self.draft_dim < 0:
             raise ValueError("CacheShape dims must be non-negative")
 
@@ -67,13 +66,6 @@ class CacheShape:
     @property
     def draft_numel(self) -> int:
         return self.draft_layers * self.num_pages * self.page_size * self.draft_dim
-
-    @staticmethod
-    def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:
-        """How many pages fit in a memory budget."""
-        if budget_bytes <= 0 or bytes_per_page <= 0:
-            raise ValueError("memory budget and page size must be positive")
-        return budget_bytes // bytes_per_page
 
 
 class PagedLatentCache:

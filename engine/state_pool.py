@@ -100,13 +100,6 @@ class StateShape:
     def pool_bytes(self) -> int:
         return self.num_slots * self.slot_stride
 
-    @staticmethod
-    def slots_for_budget(budget_bytes: int, bytes_per_slot: int) -> int:
-        """How many slots fit in a memory budget."""
-        if budget_bytes <= 0 or bytes_per_slot <= 0:
-            raise ValueError("state memory budget and slot size must be positive")
-        return budget_bytes // bytes_per_slot
-
 
 class StatePool:
     """The state tensors of every slot and the free list; lowest free slot is handed out first. alloc and
