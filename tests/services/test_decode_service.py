@@ -113,7 +113,6 @@ async def test_reserve_is_answered_while_the_engine_thread_is_busy(service, how)
 
 async def test_lease_deadline_follows_the_callers_deadline(service):
     """ttl_s (the Reserve call's remaining time) shortens the lease below lease_ttl_s, never lengthens it."""
-
     # Deadlines are bracketed by the clock before and after the calls (+-1 ms of rounding), so a loaded machine
     # that delays the calls cannot move them out of range: short gets its 50 ms, long is capped at lease_ttl_s 0.3.
     before_ms = time.time() * 1000 - 1
