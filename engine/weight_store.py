@@ -91,11 +91,12 @@ def _unlink(name: str) -> None:
         pass
 
 
-def remove_stale_segments(grace_s: float = 60.0) -> list[str]:
-    """Removes weight segments whose owner is gone (a header-less one only after grace_s); returns names."""
+def remove_stale_segments(grace_s: float = 60.0, prefix: str = PREFIX) -> list[str]:
+    """Removes weight segments (names starting with prefix) whose owner is gone (a header-less one only after
+    grace_s); returns names."""
     removed = []
     for name in sorted(os.listdir(SHM_DIR)):
-        if not name.startswith(PREFIX):
+        if not name.startswith(prefix):
             continue
         try:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)

@@ -4,7 +4,10 @@ beside their wall time.
 On a shared, loaded machine wall time measures the neighbours as much as the test; CPU seconds are what
 the test costs on an idle machine (where wall time is about CPU time / cores used). Process clusters
 started by session fixtures are reaped at session end, so their CPU shows up in the teardown of the last
-test that used them, and their per-test cost only as wall time."""
+test that used them, and their per-test cost only as wall time.
+
+Under pytest-xdist each worker measures its own tests and sends the figures to the controller on the
+teardown report (user_properties), so the summary covers every worker."""
 from __future__ import annotations
 
 import os
@@ -14,6 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
+_PROPERTY = "cpu_durations"
+_START = pytest.StashKey[tuple[float, float]]()
 
 
 @dataclass
@@ -39,16 +45,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="list the N tests that used the most CPU seconds (0: all)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before the fixtures are set up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.config.getoption("cpu_durations") is not None:
+        item.stash[_START] = (_cpu_seconds(), time.monotonic())
+
+
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    if item.config.getoption("cpu_durations") is None:
-        yield
-        return
-    cpu, wall = _cpu_seconds(), time.monotonic()
-    yield
-    usage = _USAGE.setdefault(item.nodeid, Usage(item.nodeid))
-    usage.cpu_s += _cpu_seconds() - cpu
-    usage.wall_s += time.monotonic() - wall
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    start = item.stash.get(_START, None)
+    if call.when == "teardown" and start is not None:
+        cpu, wall = start
+        outcome.get_result().user_properties.append((_PROPERTY, (_cpu_seconds() - cpu, time.monotonic() - wall)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties if report.when == "teardown" else ():
+        if name == _PROPERTY:
+            usage = _USAGE.setdefault(report.nodeid, Usage(report.nodeid))
+            usage.cpu_s += value[0]
+            usage.wall_s += value[1]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

@@ -91,14 +91,18 @@ def test_stale_segments_are_removed_and_live_ones_kept(key):
     """remove_stale_segments drops segments of dead owners only."""
     model, shared = load_shared(key, _loaded, _empty)
     assert key.segment_name not in remove_stale_segments()
+    # The dead owner's segment under a prefix of this test's own: a deployment starting beside it (another xdist
+    # worker, another suite) runs remove_stale_segments() over PREFIX and must not win the race for it.
+    prefix = f"pdserve-test-w-{os.getpid()}-"
+    assert not prefix.startswith(PREFIX)
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os
         from engine import weight_store
-        fd = weight_store._claim("{PREFIX}stale-test")
+        fd = weight_store._claim("{prefix}stale")
         weight_store._write_header(fd, weight_store.READY)
     """)], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr
-    assert f"{PREFIX}stale-test" in remove_stale_segments()
+    assert remove_stale_segments(prefix=prefix) == [f"{prefix}stale"]
     assert _segment_exists(key)
     shared.close()
 

@@ -69,12 +69,13 @@ def test_attach_refuses_missing_and_foreign_segments():
         SharedPagePool.attach("pdserve-kv-doesnotexist", SMALL_WITH_DRAFT)
     with pytest.raises(SegmentError):
         SharedPagePool.attach("../etc/passwd", SMALL_WITH_DRAFT)
-    path = os.path.join(SHM_DIR, "pdserve-kv-test-foreign")
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    foreign = f"pdserve-kv-test-foreign-{os.getpid()}"  # per process: suites running side by side never share it
+    path = os.path.join(SHM_DIR, foreign)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.write(fd, b"\0" * 8192)
         with pytest.raises(SegmentError, match="not a pdserve KV pool"):
-            SharedPagePool.attach("pdserve-kv-test-foreign", SMALL_WITH_DRAFT)
+            SharedPagePool.attach(foreign, SMALL_WITH_DRAFT)
     finally:
         os.close(fd)
         os.unlink(path)
@@ -103,7 +104,7 @@ CHILD = textwrap.dedent("""
     from kvtransfer.layout import KVLayout
     from kvtransfer.shm_pool import SharedPagePool
     layout = KVLayout(2, 16, 4, 8)
-    pools = [SharedPagePool.create(layout, 3, rank) for rank in range(2)]
+    pools = [SharedPagePool.create(layout, 3, rank, prefix=sys.argv[1]) for rank in range(2)]
     print(" ".join(pool.name for pool in pools), flush=True)
     time.sleep(120)
 """)
@@ -113,8 +114,11 @@ CHILD = textwrap.dedent("""
 def test_segments_of_a_sigkilled_owner_are_cleaned_at_next_start(shm_leak_guard):
     """A child creates two pools and is SIGKILLed (no atexit); cleanup_stale_segments removes exactly those,
     and leaves a live owner's segment alone."""
-    with SharedPagePool.create(SMALL_WITH_DRAFT, 2) as alive:
-        child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    # A prefix of this test's own: a cluster starting beside it (another xdist worker, another suite) runs the
+    # same start-up cleanup over the default prefix, and must not win the race for these segments.
+    prefix = f"pdserve-test-stale-{os.getpid()}-"
+    with SharedPagePool.create(SMALL_WITH_DRAFT, 2, prefix=prefix) as alive:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, prefix], stdout=subprocess.PIPE, text=True)
         shm_leak_guard.track_pid(child.pid)
         try:
             names = child.stdout.readline().split()
@@ -123,7 +127,7 @@ def test_segments_of_a_sigkilled_owner_are_cleaned_at_next_start(shm_leak_guard)
             child.wait(timeout=30)
             child.stdout.close()
         assert len(names) == 2 and all(os.path.exists(os.path.join(SHM_DIR, name)) for name in names)
-        removed = cleanup_stale_segments()
+        removed = cleanup_stale_segments(prefix)
         assert set(names) <= set(removed)
         assert alive.name not in removed
         assert not any(os.path.exists(os.path.join(SHM_DIR, name)) for name in names)

@@ -113,11 +113,13 @@ async def test_reserve_is_answered_while_the_engine_thread_is_busy(service, how)
 
 async def test_lease_deadline_follows_the_callers_deadline(service):
     """ttl_s (the Reserve call's remaining time) shortens the lease below lease_ttl_s, never lengthens it."""
-
+    # Deadlines are bracketed by the clock before and after the calls (+-1 ms of rounding), so a loaded machine
+    # that delays the calls cannot move them out of range: short gets its 50 ms, long is capped at lease_ttl_s 0.3.
+    before_ms = time.time() * 1000 - 1
     short = await service.reserve("r4", 16, 4, TransportKind.SHM, ttl_s=0.05)
     long = await service.reserve("r5", 16, 4, TransportKind.SHM, ttl_s=1000.0)
-    now_ms = time.time() * 1000
-    assert short.lease_deadline_unix_ms <= now_ms + 100
-    assert now_ms + 100 < long.lease_deadline_unix_ms <= now_ms + 300 + 50  # lease_ttl_s = 0.3 here
+    after_ms = time.time() * 1000 + 1
+    assert before_ms + 50 <= short.lease_deadline_unix_ms <= after_ms + 50
+    assert before_ms + 300 <= long.lease_deadline_unix_ms <= after_ms + 300
     for request_id in ("r4", "r5"):
         await service.release(request_id)

@@ -148,17 +148,19 @@ async def test_cancel_during_prefill_and_deadline_free_pages(cluster):
     baseline = await idle_free_pages(decode)
     prompt = token_prompts((2048,), seed=4)[0]
     async with gateway_stub(cluster.gateway_address) as stub:
-        call = stub.Generate(build_request(prompt, max_tokens=8, temperature=0.0), timeout=120)
+        # 1024 tokens past EOS keep the request in flight for many polls: with only 8 a loaded machine could
+        # finish it between two polls, and the wait below would never see it.
+        call = stub.Generate(build_request(prompt, max_tokens=1024, temperature=0.0, ignore_eos=True), timeout=300)
         await _until_in_flight(worker_address(cluster, "prefill-0"), decode)
         call.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await generate(stub, build_request(prompt[::-1], max_tokens=8, temperature=0.0), timeout=0.05)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    load = await wait_for_free_pages(decode, baseline, timeout=30)
+    load = await wait_for_free_pages(decode, baseline, timeout=120)
     assert (load.free_pages, load.leases) == (baseline, 0)
 
 
-async def _until_in_flight(prefill: str, decode: str, timeout: float = 30.0) -> None:
+async def _until_in_flight(prefill: str, decode: str, timeout: float = 120.0) -> None:
     """Waits until a request is being prefilled (or, if prefill was quicker than one poll, decoded)."""
     deadline = time.monotonic() + timeout
     while (await prefill_load(prefill)).queued_requests == 0 and (await decode_load(decode)).running == 0:

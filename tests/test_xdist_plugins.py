@@ -1,0 +1,47 @@
+"""The suite's own pytest plugins under pytest-xdist: tests/xdist_order.py (slow scopes handed out first) and
+tests/cpu_durations.py (CPU seconds reported across workers). Each runs a child pytest on generated tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("xdist")
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = "def test_fast_{i}():\n    assert True\n"
+SLOW = "import pytest\n\n\n@pytest.mark.slow\ndef test_slow_0():\n    assert True\n\n\ndef test_slow_1():\n    assert True\n"
+
+
+def _child_pytest(root: Path, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PYTEST_XDIST_WORKER", None)  # the child is a fresh controller, even when this test runs in a worker
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.xdist_order", "-p", "tests.cpu_durations",
+         "-o", "markers=slow: slow", "--rootdir", str(root), *args, str(root)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow  # a child pytest with two xdist workers: a few seconds of CPU
+def test_slow_scopes_run_first_and_cpu_durations_cover_every_worker(tmp_path: Path):
+    """With one worker the scheduler's order is visible: the module holding a `slow` test (collected last) runs
+    before the fast modules, its two tests together and in their own order. With two workers the CPU summary
+    lists every test once, whichever worker ran it."""
+    (tmp_path / "test_a.py").write_text("\n\n".join(FAST.format(i=i) for i in range(3)))
+    (tmp_path / "test_b.py").write_text(FAST.format(i=9))
+    (tmp_path / "test_z.py").write_text(SLOW)
+    order = _child_pytest(tmp_path, "-n", "1", "--dist", "loadscope", "--no-loadscope-reorder", "-v")
+    ran = [line.split("PASSED ")[1].split("::")[1].strip() for line in order.splitlines() if "PASSED " in line]
+    assert ran == ["test_slow_0", "test_slow_1", "test_fast_0", "test_fast_1", "test_fast_2", "test_fast_9"], ran
+
+    summary = _child_pytest(tmp_path, "-n", "2", "--dist", "loadscope", "--cpu-durations=0")
+    listed = [line.split()[-1] for line in summary.splitlines() if " cpu " in line and " wall " in line]
+    assert sorted(listed) == sorted(f"test_{m}.py::test_{n}" for m, n in
+                                    [("a", "fast_0"), ("a", "fast_1"), ("a", "fast_2"), ("b", "fast_9"),
+                                     ("z", "slow_0"), ("z", "slow_1")]), summary
+    assert "over 6 tests" in summary
