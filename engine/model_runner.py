@@ -238,7 +238,8 @@ class ModelRunner:
         batch, rows = copy_forward_batch(plan.mode, *pack_target_plan(plan, self.config.page_size), self.device)
         if plan.state_slots is not None:
             slots = torch.tensor(plan.state_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            batch = dataclasses.replace(batch, state_slots=slots, snapshot_state=plan.snapshot_state)
+            batch = dataclasses.replace(batch, state_slots=slots, snapshot_state=plan.snapshot_state,
+                                        state_slots_cpu=tuple(plan.state_slots))
             if plan.snapshot_state:
                 cache.state.begin_snapshots(len(plan.state_slots), max(plan.q_lens))
         return self.forward_target(batch, rows, cache, plan.write_draft_context)
