@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import grpc
 
 from bench.config import SamplingOptions
-from bench.record import RequestRecord, spread_chunk_gaps
+from bench.record import RequestRecord
 from bench.workload import BenchRequest
-from rpc.convert import finish_reason_name
+from rpc.convert import finish_reason_name, set_given
 from rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -32,16 +32,8 @@ def build_request(request: BenchRequest, options: SamplingOptions) -> gateway_pb
         message.token_ids.ids.extend(request.token_ids)
     else:
         message.text = request.text
-    for name in ("temperature", "top_p", "top_k"):
-        value = getattr(options, name)
-        if value is not None:
-            setattr(message.sampling, name, value)
-    if options.speculative is not None:
-        message.speculative = options.speculative
-    if options.block_size is not None:
-        message.block_size = options.block_size
-    if options.stream_interval is not None:
-        message.stream_interval = options.stream_interval
+    set_given(message.sampling, options, ("temperature", "top_p", "top_k"))
+    set_given(message, options, ("speculative", "block_size", "stream_interval"))
     return message
 
 
@@ -89,11 +81,7 @@ class GatewayClient:
         record.output_tokens = sum(chunk_tokens)
         first = next((time for time, count in zip(chunk_times, chunk_tokens) if count > 0), None)
         record.ttft_s = first if first is not None else 0.0
-        record.itl_s = spread_chunk_gaps(chunk_times, chunk_tokens)
-        if not record.error and not record.finish_reason:
-            record.error = "stream ended without a Complete message"
-        if not record.error and record.output_tokens == 0:
-            record.error = "completed without producing a token"
+        record.end_stream(chunk_times, chunk_tokens, "a Complete message")
         return record
 
 

@@ -15,7 +15,7 @@ import aiohttp
 
 from bench.client import GatewayUnreachable, ModelSummary
 from bench.config import SamplingOptions
-from bench.record import RequestRecord, spread_chunk_gaps
+from bench.record import RequestRecord
 from bench.workload import BenchRequest
 
 
@@ -82,11 +82,7 @@ class OpenAIClient:
             record.error = record.error or f"{type(error).__name__}: {error}"
         counts = even_counts(record.output_tokens, len(chunk_times))
         record.ttft_s = chunk_times[0] if chunk_times else 0.0
-        record.itl_s = spread_chunk_gaps(chunk_times, counts)
-        if not record.error and not record.finish_reason:
-            record.error = "stream ended without a finish_reason"
-        if not record.error and record.output_tokens == 0:
-            record.error = "completed without producing a token"
+        record.end_stream(chunk_times, counts, "a finish_reason")
         return record
 
     @staticmethod

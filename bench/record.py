@@ -41,6 +41,15 @@ class RequestRecord:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
+    def end_stream(self, chunk_times_s: list[float], chunk_tokens: list[int], last_message: str) -> None:
+        """After the stream: itl_s from the chunks (spread_chunk_gaps), and the error of a stream that ended
+        without `last_message` (its finish reason) or without a single token, unless one is already set."""
+        self.itl_s = spread_chunk_gaps(chunk_times_s, chunk_tokens)
+        if not self.error and not self.finish_reason:
+            self.error = f"stream ended without {last_message}"
+        if not self.error and self.output_tokens == 0:
+            self.error = "completed without producing a token"
+
 
 def spread_chunk_gaps(chunk_times_s: list[float], chunk_tokens: list[int]) -> list[float]:
     """ITL list from chunk arrival times (seconds since send) and their token counts.

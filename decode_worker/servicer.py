@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,9 +9,8 @@ import grpc
 from decode_worker.service import DecodeService
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import TransportKind
-from rpc.processes import node_id
-from rpc.convert import logprob_to_proto, sampling_fields
-from rpc.status import InvalidArgument, streaming, unary
+from rpc.convert import load_to_proto, logprob_to_proto, sampling_fields
+from rpc.status import InvalidArgument, parse_field, streaming, unary
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -46,10 +44,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     @streaming
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        try:
-            params = SamplingParams(**sampling_fields(request.sampling))
-        except ValueError as error:
-            raise InvalidArgument("sampling", str(error)) from error
+        params = parse_field("sampling", SamplingParams, **sampling_fields(request.sampling))
         finished = False
 
         def on_done(_: object) -> None:  # the stream ended without finishing (client cancel): free the request
@@ -74,5 +69,5 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     @unary
     async def GetDecodeLoad(self, request: worker_pb2.GetDecodeLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetDecodeLoadResponse:
-        return worker_pb2.GetDecodeLoadResponse(**dataclasses.asdict(self._service.load),  # same field names
-                                                node_id=node_id(), kv_pool=self._service.config.engine.kv_pool)
+        return load_to_proto(worker_pb2.GetDecodeLoadResponse, self._service.load,
+                             kv_pool=self._service.config.engine.kv_pool)

@@ -7,7 +7,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, MLAShape, check_expert_groups, check_int_fields
+from engine.config_base import (
+    MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, MLAShape, check_expert_groups, check_int_fields, check_positive,
+)
 
 ROPE_TYPES = ("default", "yarn")
 TOPK_METHODS = ("noaux_tc", "greedy")
@@ -155,10 +157,7 @@ class ModelConfig(MLAShape):
             raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
         check_expert_groups(self, "n_routed_experts", "num_experts_per_tok", "n_group",
                             grouped_top2=self.topk_method == "noaux_tc")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
-        if not self.routed_scaling_factor > 0:
-            raise ValueError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
+        check_positive(self, ("rms_norm_eps", "routed_scaling_factor"))
 
     # ---- derived values ----
     @property

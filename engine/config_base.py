@@ -1,9 +1,11 @@
 """What the model families' configs share: the multi-head latent attention dimensions (a dataclass both
-ModelConfig and KimiLinearConfig extend, and engine.layers.mla reads) and the integer-field checks."""
+ModelConfig and KimiLinearConfig extend, and engine.layers.mla reads) and the field checks every config uses."""
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 def _is_int(value: object) -> bool:
@@ -26,6 +28,21 @@ def check_int_fields(config: object, positive: Iterable[str] = (), non_negative:
         value = getattr(config, name)
         if value is not None and (not _is_int(value) or value <= 0):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def alias(name: str) -> Any:
+    """A read-only property returning attribute `name` (dotted names reach into a member: "header.rank"): one
+    value under a second name, e.g. another model family's field name."""
+    return property(operator.attrgetter(name), doc=f"The same as {name}.")
+
+
+def check_positive(config: object, names: Iterable[str], owner: str = "") -> None:
+    """ValueError naming the first of `names` whose value is not > 0 (NaN included), prefixed by `owner`
+    ("CacheShape." -> "CacheShape.num_pages must be positive, got 0")."""
+    for name in names:
+        value = getattr(config, name)
+        if not value > 0:
+            raise ValueError(f"{owner}{name} must be positive, got {value}")
 
 
 def check_expert_groups(config: object, experts: str, per_token: str, groups: str, topk_group: str = "topk_group",

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import heapq
+import threading
 from dataclasses import dataclass
 
 import torch
 
+from engine.config_base import check_positive
 from engine.state_pool import SLOT_ALIGN, StatePool, StateShape
 
 
@@ -31,9 +33,7 @@ class CacheShape:
     state: StateShape | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_pages", "page_size", "latent_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"CacheShape.{name} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("num_layers", "num_pages", "page_size", "latent_dim"), "CacheShape.")
         if self.rope_dim < 0 or self.draft_layers < 0 or self.draft_dim < 0:
             raise ValueError("CacheShape dims must be non-negative")
 
@@ -66,13 +66,6 @@ class CacheShape:
     @property
     def draft_numel(self) -> int:
         return self.draft_layers * self.num_pages * self.page_size * self.draft_dim
-
-    @staticmethod
-    def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:
-        """How many pages fit in a memory budget."""
-        if budget_bytes <= 0 or bytes_per_page <= 0:
-            raise ValueError("memory budget and page size must be positive")
-        return budget_bytes // bytes_per_page
 
 
 class PagedLatentCache:
@@ -124,12 +117,18 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """Reference-counted page ids 0..num_pages-1. Freed pages are reused lowest-first."""
+    """Reference-counted page ids 0..num_pages-1. Freed pages are reused lowest-first.
 
-    def __init__(self, num_pages: int) -> None:
+    Thread-safe: every change happens under `lock` (reentrant), so a decode worker's event loop can
+    reserve pages while the engine thread runs a step. Whoever decides from num_free and then allocates
+    (the scheduler, the decode worker's admission) holds `lock` across both. lock: shared with the
+    engine's state pool, so one lock covers every reservation (None: a lock of its own)."""
+
+    def __init__(self, num_pages: int, lock: threading.RLock | None = None) -> None:
         if num_pages <= 0:
             raise ValueError("num_pages must be positive")
         self.num_pages = num_pages
+        self.lock = lock if lock is not None else threading.RLock()
         self._refs = [0] * num_pages
         self._free = list(range(num_pages))  # a min-heap: the lowest free id is reused first
 
@@ -140,27 +139,31 @@ class PageAllocator:
     def allocate(self, count: int) -> list[int]:
         if count < 0:
             raise ValueError("count must be non-negative")
-        if count > len(self._free):
-            raise OutOfPages(f"need {count} pages, {len(self._free)} free of {self.num_pages}")
-        pages = [heapq.heappop(self._free) for _ in range(count)]
-        for page in pages:
-            self._refs[page] = 1
+        with self.lock:
+            if count > len(self._free):
+                raise OutOfPages(f"need {count} pages, {len(self._free)} free of {self.num_pages}")
+            pages = [heapq.heappop(self._free) for _ in range(count)]
+            for page in pages:
+                self._refs[page] = 1
         return pages
 
     def incref(self, pages: list[int]) -> None:
-        for page in pages:
-            if self._refs[page] <= 0:
-                raise ValueError(f"page {page} is not allocated")
-            self._refs[page] += 1
+        with self.lock:
+            for page in pages:
+                if self._refs[page] <= 0:
+                    raise ValueError(f"page {page} is not allocated")
+            for page in pages:
+                self._refs[page] += 1
 
     def free(self, pages: list[int]) -> None:
         """Drops one reference from each page; a page with none left returns to the pool."""
-        for page in pages:
-            if not 0 <= page < self.num_pages or self._refs[page] <= 0:
-                raise ValueError(f"page {page} is not allocated")
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                heapq.heappush(self._free, page)
+        with self.lock:
+            for page in pages:
+                if not 0 <= page < self.num_pages or self._refs[page] <= 0:
+                    raise ValueError(f"page {page} is not allocated")
+                self._refs[page] -= 1
+                if self._refs[page] == 0:
+                    heapq.heappush(self._free, page)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]

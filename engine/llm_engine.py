@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 from typing import NamedTuple
 
 import torch
@@ -91,9 +92,11 @@ class LLMEngine:
         self.runner = self.leader.runner
         self.device = self.runner.device
         self.cache_shape = self.runner.cache_shape
-        # With graphs, the last page is the scratch page padded graph rows write into (never allocated).
-        self.allocator = PageAllocator(num_pages - 1 if use_graphs else num_pages)
         self.state_pool = self.runner.cache.state  # the leader's pool also keeps the slot free list
+        # With graphs, the last page is the scratch page padded graph rows write into (never allocated).
+        # Pages and state slots share one lock (pool_lock): reservations may come from another thread.
+        self.allocator = PageAllocator(num_pages - 1 if use_graphs else num_pages,
+                                       lock=self.state_pool.lock if self.state_pool is not None else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
                                    self.state_pool)
         self.acceptance_stats = AcceptanceStats()
@@ -197,21 +200,31 @@ class LLMEngine:
     def num_state_slots(self) -> int:
         return self.state_pool.num_slots if self.state_pool is not None else 0
 
+    @property
+    def pool_lock(self) -> threading.RLock:
+        """Guards the page allocator and the state pool. Safe to take from any thread: the engine thread
+        holds it only while it schedules (never across a forward), so a reservation made under it waits
+        at most for a scheduling decision, not for a step."""
+        return self.allocator.lock
+
     def allocate_reservation(self, num_tokens: int) -> tuple[list[int], int | None]:
         """Pages for num_tokens and, for a model with linear attention, a state slot (zeroed): what a
-        prefill handoff writes into. Raises OutOfPages / OutOfStateSlots, holding nothing."""
-        slot = self.state_pool.alloc() if self.state_pool is not None else None
-        try:
-            return self.allocate_pages(num_tokens), slot
-        except BaseException:
-            if slot is not None:
-                self.state_pool.free(slot)
-            raise
+        prefill handoff writes into. Raises OutOfPages / OutOfStateSlots, holding nothing. Thread-safe."""
+        with self.pool_lock:
+            slot = self.state_pool.alloc() if self.state_pool is not None else None
+            try:
+                return self.allocate_pages(num_tokens), slot
+            except BaseException:
+                if slot is not None:
+                    self.state_pool.free(slot)
+                raise
 
     def free_reservation(self, page_ids: list[int], state_slot: int | None) -> None:
-        self.free_pages(page_ids)
-        if state_slot is not None:
-            self.state_pool.free(state_slot)
+        """Gives back what allocate_reservation handed out. Thread-safe."""
+        with self.pool_lock:
+            self.free_pages(page_ids)
+            if state_slot is not None:
+                self.state_pool.free(state_slot)
 
     def read_state(self, slot: int) -> torch.Tensor:
         """Every rank's copy of a state slot, on the host: uint8 [tp_size, slot bytes] (StatePool.raw rows)."""

@@ -12,6 +12,8 @@ Policy (documented in docs/architecture.md):
 - Models with linear attention: a sequence takes a state slot with its first prefill chunk (none free:
   it waits) and gives it back whenever its cache progress is dropped (finish, abort, preemption,
   reclaimed partial prefill); a recomputed sequence starts again from a zeroed slot.
+- Pages and slots may also be reserved from another thread (a decode worker's Reserve): schedule()
+  holds the pool lock for its whole decision, so what it counted as free is still free when it allocates.
 """
 from __future__ import annotations
 
@@ -80,11 +82,14 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def schedule(self) -> ScheduledStep:
-        if self.waiting and len(self.running) < self.config.max_running:
-            chunks = self._schedule_prefill()
-            if chunks:
-                return ScheduledStep(prefill=tuple(chunks))
-        return self._schedule_decode()
+        """Under the allocator's lock: what it reads of the free pages and slots stays true while it
+        allocates (another thread may reserve pages between steps, never inside this decision)."""
+        with self.allocator.lock:
+            if self.waiting and len(self.running) < self.config.max_running:
+                chunks = self._schedule_prefill()
+                if chunks:
+                    return ScheduledStep(prefill=tuple(chunks))
+            return self._schedule_decode()
 
     def _schedule_prefill(self) -> list[PrefillChunk]:
         chunks = self._take_prefill_chunks()

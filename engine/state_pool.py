@@ -29,6 +29,7 @@ its cache budget (split_memory_budget), so speculation at full batch never alloc
 from __future__ import annotations
 
 import heapq
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -99,16 +100,11 @@ class StateShape:
     def pool_bytes(self) -> int:
         return self.num_slots * self.slot_stride
 
-    @staticmethod
-    def slots_for_budget(budget_bytes: int, bytes_per_slot: int) -> int:
-        """How many slots fit in a memory budget."""
-        if budget_bytes <= 0 or bytes_per_slot <= 0:
-            raise ValueError("state memory budget and slot size must be positive")
-        return budget_bytes // bytes_per_slot
-
 
 class StatePool:
-    """The state tensors of every slot and the free list; lowest free slot is handed out first."""
+    """The state tensors of every slot and the free list; lowest free slot is handed out first. alloc and
+    free are thread-safe under `lock` (reentrant; the engine's page allocator shares it), so a decode
+    worker's event loop can reserve a slot while the engine thread runs a step."""
 
     def __init__(self, shape: StateShape, device: torch.device | str = "cpu", raw: torch.Tensor | None = None,
                  snapshot_rows: int = 0, snapshot_steps: int = 0) -> None:
@@ -130,6 +126,7 @@ class StatePool:
             s.num_slots, s.num_kda_layers, s.num_heads, s.head_k_dim, s.head_v_dim).transpose(0, 1)
         self._free = list(range(s.num_slots))
         self._owned: set[int] = set()
+        self.lock = threading.RLock()
         self.snapshot_conv: torch.Tensor | None = None
         self.snapshot_recurrent: torch.Tensor | None = None
         self.fixed_snapshots = False
@@ -156,18 +153,20 @@ class StatePool:
 
     def alloc(self) -> int:
         """A free slot, zeroed (the state of an empty sequence). Raises OutOfStateSlots when none is free."""
-        if not self._free:
-            raise OutOfStateSlots(f"all {self.shape.num_slots} state slots are in use")
-        slot = heapq.heappop(self._free)
-        self._owned.add(slot)
-        self.reset(slot)
+        with self.lock:
+            if not self._free:
+                raise OutOfStateSlots(f"all {self.shape.num_slots} state slots are in use")
+            slot = heapq.heappop(self._free)
+            self._owned.add(slot)
+        self.reset(slot)  # the slot is ours alone now: zeroing it needs no lock
         return slot
 
     def free(self, slot: int) -> None:
-        if slot not in self._owned:
-            raise ValueError(f"state slot {slot} is not allocated")
-        self._owned.remove(slot)
-        heapq.heappush(self._free, slot)
+        with self.lock:
+            if slot not in self._owned:
+                raise ValueError(f"state slot {slot} is not allocated")
+            self._owned.remove(slot)
+            heapq.heappush(self._free, slot)
 
     def reset(self, slot: int) -> None:
         """Zeroes one slot in every layer (a sequence that recomputes from scratch)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from rpc.convert import finish_reason_name
+from rpc.convert import finish_reason_name, set_given
 from rpc.v1 import gateway_pb2, gateway_pb2_grpc, logprobs_pb2
 
 
@@ -24,12 +24,9 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
         request.token_ids.ids.extend(prompt)
     optional = {"max_tokens": max_tokens, "speculative": speculative, "block_size": block_size,
                 "top_logprobs": top_logprobs, "stream_interval": stream_interval}
-    for name, value in optional.items():
-        if value is not None:
-            setattr(request, name, value)
-    for name, value in {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}.items():
-        if value is not None:
-            setattr(request.sampling, name, value)
+    set_given(request, optional, optional)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    set_given(request.sampling, sampling, sampling)
     return request
 
 

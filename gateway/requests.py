@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 from gateway.model_info import ModelFacts
 from gateway.tokenizer import TextTokenizer
-from rpc.convert import MAX_STREAM_INTERVAL
+from rpc.convert import MAX_STREAM_INTERVAL, present_fields
 from rpc.status import InvalidArgument
 from rpc.v1 import gateway_pb2
 
@@ -118,10 +118,7 @@ def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, ma
     values["stop_token_ids"] = tuple(request.stop_token_ids)
     if request.HasField("top_logprobs"):
         values["logprobs"] = request.top_logprobs
-    if request.HasField("speculative"):
-        values["speculative"] = request.speculative
-    if request.HasField("block_size"):
-        values["block_size"] = request.block_size
+    values.update(present_fields(request, ("speculative", "block_size")))
     try:
         return SamplingParams(**values)
     except ValueError as error:

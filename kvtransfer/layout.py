@@ -1,12 +1,16 @@
 """KVLayout: the page geometry both ends of a KV handoff must agree on, and its stable hash."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from engine.config_base import check_positive
 from engine.kv_cache import CacheShape
 from engine.state_pool import SLOT_ALIGN, StateShape
 from kvtransfer.errors import LayoutMismatch
@@ -22,6 +26,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 HASH_VERSION = "pdserve-kv-layout-v1"
 _STATE_INTS = ("state_layers", "conv_width", "conv_channels", "state_heads", "head_k_dim", "head_v_dim")
+# The fields KVLayout and engine.kv_cache.CacheShape share, by the same names.
+_GEOMETRY = ("num_layers", "latent_dim", "rope_dim", "page_size", "draft_layers", "draft_dim")
+
+
+def _values(source: Any, names: Iterable[str]) -> dict[str, Any]:
+    return {name: getattr(source, name) for name in names}
 
 
 class SegmentKind(enum.IntEnum):
@@ -68,9 +78,7 @@ class KVLayout:
     ssm_dtype: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "latent_dim", "page_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("num_layers", "latent_dim", "page_size"), "KVLayout.")
         if self.rope_dim < 0 or self.draft_layers < 0 or self.draft_dim < 0:
             raise ValueError("KVLayout dims must be non-negative")
         if (self.draft_layers == 0) != (self.draft_dim == 0):
@@ -94,16 +102,8 @@ class KVLayout:
             state_heads=state.num_heads, head_k_dim=state.head_k_dim, head_v_dim=state.head_v_dim,
             conv_dtype=dtype_name(state.conv_dtype), ssm_dtype=dtype_name(state.ssm_dtype),
         )
-        return cls(
-            num_layers=shape.num_layers,
-            latent_dim=shape.latent_dim,
-            rope_dim=shape.rope_dim,
-            page_size=shape.page_size,
-            dtype=dtype_name(shape.dtype),
-            draft_layers=shape.draft_layers,
-            draft_dim=shape.draft_dim if shape.draft_layers else 0,
-            **state_fields,
-        )
+        geometry = _values(shape, _GEOMETRY) | {"draft_dim": shape.draft_dim if shape.draft_layers else 0}
+        return cls(dtype=dtype_name(shape.dtype), **geometry, **state_fields)
 
     @property
     def has_state(self) -> bool:
@@ -120,38 +120,21 @@ class KVLayout:
         """num_slots: state slots (a layout with state needs at least one)."""
         if self.has_state and num_slots <= 0:
             raise ValueError("a KV layout with linear-attention state needs num_slots > 0")
-        return CacheShape(
-            num_layers=self.num_layers,
-            num_pages=num_pages,
-            page_size=self.page_size,
-            latent_dim=self.latent_dim,
-            rope_dim=self.rope_dim,
-            dtype=self.torch_dtype,
-            draft_layers=self.draft_layers,
-            draft_dim=self.draft_dim,
-            state=self.state_shape(num_slots),
-        )
+        return CacheShape(num_pages=num_pages, dtype=self.torch_dtype, state=self.state_shape(num_slots),
+                          **_values(self, _GEOMETRY))
 
     def to_proto(self):
         from rpc.internal.v1 import kv_pb2
 
-        return kv_pb2.KVLayout(
-            num_layers=self.num_layers, latent_dim=self.latent_dim, rope_dim=self.rope_dim,
-            page_size=self.page_size, dtype=self.dtype, draft_layers=self.draft_layers,
-            draft_dim=self.draft_dim, hash=self.hash, **self._state_fields(),
-        )
+        return kv_pb2.KVLayout(hash=self.hash, **_values(self, _FIELDS))
 
-    def _state_fields(self) -> dict:
-        return {name: getattr(self, name) for name in (*_STATE_INTS, "conv_dtype", "ssm_dtype")}
+    def _state_fields(self) -> dict[str, Any]:
+        return _values(self, (*_STATE_INTS, "conv_dtype", "ssm_dtype"))
 
     @classmethod
     def from_proto(cls, message) -> KVLayout:
-        layout = cls(
-            num_layers=message.num_layers, latent_dim=message.latent_dim, rope_dim=message.rope_dim,
-            page_size=message.page_size, dtype=message.dtype, draft_layers=message.draft_layers,
-            draft_dim=message.draft_dim,
-            **{name: getattr(message, name) for name in (*_STATE_INTS, "conv_dtype", "ssm_dtype")},
-        )
+        """The kv_pb2.KVLayout message's fields (same names), checked against the hash it carries."""
+        layout = cls(**_values(message, _FIELDS))
         check_layout(layout, message.hash or layout.hash, "KVLayout message")
         return layout
 
@@ -237,6 +220,9 @@ class KVLayout:
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(KVLayout))  # also kv_pb2.KVLayout's names
 
 
 def check_layout(expected: KVLayout, got_hash: str, where: str) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config_base import alias
 from engine.kv_cache import CacheShape, PagedLatentCache
 from kvtransfer.completion import SLOT_BYTES, CompletionTable
 from kvtransfer.errors import LayoutMismatch, SegmentError
@@ -121,21 +122,10 @@ class SharedPagePool:
         return cls(name, mapping, header, expected_layout, owner=False)
 
     # --- properties ---------------------------------------------------------------------------------
-    @property
-    def num_pages(self) -> int:
-        return self.header.num_pages
-
-    @property
-    def num_state_slots(self) -> int:
-        return self.header.num_state_slots
-
-    @property
-    def rank(self) -> int:
-        return self.header.rank
-
-    @property
-    def owner_pid(self) -> int:
-        return self.header.owner_pid
+    num_pages = alias("header.num_pages")
+    num_state_slots = alias("header.num_state_slots")
+    rank = alias("header.rank")
+    owner_pid = alias("header.owner_pid")
 
     @property
     def mapping_bytes(self) -> int:

@@ -1,15 +1,12 @@
 """gRPC Prefill servicer: protobuf <-> PrefillService calls, nothing else."""
 from __future__ import annotations
 
-import dataclasses
-
 import grpc
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination
-from rpc.processes import node_id
-from rpc.convert import logprob_to_proto, sampling_fields
-from rpc.status import InvalidArgument, unary
+from rpc.convert import load_to_proto, logprob_to_proto, sampling_fields
+from rpc.status import InvalidArgument, parse_field, unary
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.service import PrefillService
 
@@ -20,16 +17,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     @unary
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
-        try:
-            params = SamplingParams(**sampling_fields(request.sampling))
-        except ValueError as error:
-            raise InvalidArgument("sampling", str(error)) from error
+        params = parse_field("sampling", SamplingParams, **sampling_fields(request.sampling))
         if not request.HasField("destination"):
             raise InvalidArgument("destination", "is required")
-        try:
-            destination = Destination.from_proto(request.destination)
-        except ValueError as error:
-            raise InvalidArgument("destination", str(error)) from error
+        destination = parse_field("destination", Destination.from_proto, request.destination)
         outcome = await self._service.prefill(request.request_id, list(request.token_ids), params, destination)
         response = worker_pb2.PrefillResponse(
             first_token=outcome.first_token, num_prompt_tokens=outcome.num_prompt_tokens,
@@ -46,5 +37,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     @unary
     async def GetPrefillLoad(self, request: worker_pb2.GetPrefillLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetPrefillLoadResponse:
-        return worker_pb2.GetPrefillLoadResponse(**dataclasses.asdict(self._service.load),  # same field names
-                                                 node_id=node_id(), device=self._service.config.engine.device)
+        return load_to_proto(worker_pb2.GetPrefillLoadResponse, self._service.load,
+                             device=self._service.config.engine.device)

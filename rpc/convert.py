@@ -2,39 +2,60 @@
 floor 0 needs no engine import: the workers build SamplingParams(**sampling_fields(message))."""
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
 
 from rpc.v1 import gateway_pb2, logprobs_pb2
 from rpc.internal.v1 import worker_pb2
+from rpc.processes import node_id
 
 # Tokens per Decode / Generate message, at most (GenerateRequest.stream_interval, DecodeRequest.stream_interval).
 MAX_STREAM_INTERVAL = 1024
+M = TypeVar("M", bound=Message)
+
+
+def set_given(message: Message, source: Any, names: Iterable[str]) -> None:
+    """message.<name> = source.<name> (source[name] for a mapping) for each name whose value is not None, so
+    that an optional field stays unset (HasField false) where the source leaves it open."""
+    for name in names:
+        value = source[name] if isinstance(source, Mapping) else getattr(source, name)
+        if value is not None:
+            setattr(message, name, value)
+
+
+_DISTRIBUTION = ("temperature", "top_k", "top_p", "min_p", "seed")  # WorkerSampling.distribution's fields
+_OPTIONAL = ("speculative", "block_size")  # WorkerSampling's own optional fields
 
 
 def sampling_to_proto(params: Any) -> worker_pb2.WorkerSampling:
-    message = worker_pb2.WorkerSampling(
-        max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-        top_p=params.top_p, min_p=params.min_p, stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos, logprobs=params.logprobs,
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    if params.speculative is not None:
-        message.speculative = params.speculative
-    if params.block_size is not None:
-        message.block_size = params.block_size
+    """params: engine.sampling_params.SamplingParams."""
+    message = worker_pb2.WorkerSampling(max_new_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+                                        ignore_eos=params.ignore_eos, logprobs=params.logprobs)
+    set_given(message.distribution, params, _DISTRIBUTION)
+    set_given(message, params, _OPTIONAL)
     return message
 
 
+def present_fields(message: Message, names: Iterable[str]) -> dict[str, Any]:
+    """{name: value} of the named optional fields that are set (set_given's way back)."""
+    return {name: getattr(message, name) for name in names if message.HasField(name)}
+
+
 def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, Any]:
-    """engine.sampling_params.SamplingParams keyword arguments (unset optional fields become None)."""
-    return dict(
-        max_new_tokens=message.max_new_tokens, temperature=message.temperature, top_k=message.top_k,
-        top_p=message.top_p, min_p=message.min_p, seed=message.seed if message.HasField("seed") else None,
-        stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos, logprobs=message.logprobs,
-        speculative=message.speculative if message.HasField("speculative") else None,
-        block_size=message.block_size if message.HasField("block_size") else None,
-    )
+    """engine.sampling_params.SamplingParams keyword arguments; an unset optional field is left out (the
+    engine's default: seed None, speculative None, ...)."""
+    return dict(max_new_tokens=message.max_new_tokens, stop_token_ids=tuple(message.stop_token_ids),
+                ignore_eos=message.ignore_eos, logprobs=message.logprobs,
+                **present_fields(message.distribution, _DISTRIBUTION), **present_fields(message, _OPTIONAL))
+
+
+def load_to_proto(message_cls: type[M], load: Any, **extra: Any) -> M:
+    """A Get*LoadResponse from a worker's load dataclass (its fields have the message's names), this node's
+    id and the `extra` fields."""
+    return message_cls(**dataclasses.asdict(load), node_id=node_id(), **extra)
 
 
 def logprob_to_proto(logprob: Any) -> logprobs_pb2.TokenLogprob:

@@ -24,6 +24,7 @@ from grpc_status import rpc_status
 from rpc.logging_setup import REQUEST_ID_KEY, bind_request_id
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ServiceError(Exception):
@@ -40,6 +41,14 @@ class InvalidArgument(ServiceError):
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
+
+
+def parse_field(field: str, parse: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """parse(*args, **kwargs), its ValueError raised again as InvalidArgument naming `field`."""
+    try:
+        return parse(*args, **kwargs)
+    except ValueError as error:
+        raise InvalidArgument(field, str(error)) from error
 
 
 class NotFound(ServiceError):

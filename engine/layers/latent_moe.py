@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config_base import check_positive
 from engine.distributed import TPGroup
 from engine.kernels.moe_torch import moe_dense, use_dense_moe
 from engine.layers.linear import ReplicatedLinear
@@ -49,9 +50,8 @@ class LatentMoEShape:
     rms_norm_eps: float
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "latent_size", "intermediate_size", "num_experts", "top_k"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"LatentMoEShape.{name} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("hidden_size", "latent_size", "intermediate_size", "num_experts", "top_k"),
+                       "LatentMoEShape.")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.num_experts < 2:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, check_expert_groups, check_int_fields
+from engine.config_base import (
+    MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, check_expert_groups, check_int_fields, check_positive,
+)
 
 if TYPE_CHECKING:
     from engine.model_configs.kimi_linear import KimiLinearConfig
@@ -43,10 +45,7 @@ def check_kimi_config(c: KimiLinearConfig) -> None:
         raise ValueError(f"num_nextn_predict_layers={c.num_nextn_predict_layers}: MTP layers are not supported")
     if c.mamba_ssm_dtype not in SSM_DTYPES:
         raise ValueError(f"mamba_ssm_dtype must be one of {sorted(SSM_DTYPES)}, got {c.mamba_ssm_dtype!r}")
-    if not c.rms_norm_eps > 0:
-        raise ValueError(f"rms_norm_eps must be positive, got {c.rms_norm_eps}")
-    if not c.routed_scaling_factor > 0:
-        raise ValueError(f"routed_scaling_factor must be positive, got {c.routed_scaling_factor}")
+    check_positive(c, ("rms_norm_eps", "routed_scaling_factor"))
     if c.model_type == "kimi_linear":
         _check_kimi_linear_only(c)
 

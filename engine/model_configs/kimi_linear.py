@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import check_tp_split
-from engine.config_base import MLAShape
+from engine.config_base import MLAShape, alias
 from engine.model_configs.linear_attn import LinearAttnConfig
 from engine.model_configs.quantization import QuantizationConfig
 from engine.state_pool import StateShape
@@ -77,29 +77,12 @@ class KimiLinearConfig(MLAShape):
         return self.rms_norm_eps if self.model_type == "kimi_k3" else HF_LATENT_NORM_EPS
 
     # ---- DeepSeek-style MoE names (engine.layers.moe reads these) ----
-    @property
-    def n_routed_experts(self) -> int:
-        return self.num_experts
-
-    @property
-    def num_experts_per_tok(self) -> int:
-        return self.num_experts_per_token
-
-    @property
-    def n_shared_experts(self) -> int:
-        return self.num_shared_experts
-
-    @property
-    def n_group(self) -> int:
-        return self.num_expert_group
-
-    @property
-    def scoring_func(self) -> str:
-        return self.moe_router_activation_func
-
-    @property
-    def norm_topk_prob(self) -> bool:
-        return self.moe_renormalize
+    n_routed_experts = alias("num_experts")
+    num_experts_per_tok = alias("num_experts_per_token")
+    n_shared_experts = alias("num_shared_experts")
+    n_group = alias("num_expert_group")
+    scoring_func = alias("moe_router_activation_func")
+    norm_topk_prob = alias("moe_renormalize")
 
     @property
     def shared_intermediate_size(self) -> int:

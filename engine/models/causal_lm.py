@@ -3,6 +3,7 @@ vocab-parallel LM head (tied to the embedding when the config says so), embed() 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -10,7 +11,9 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
-from engine.layers.embedding import ParallelLMHead
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.norm import RMSNorm
+from engine.weights import iter_checkpoint
 
 
 M = TypeVar("M", bound=nn.Module)
@@ -25,6 +28,40 @@ def build_and_load(model_cls: Callable[..., M], config: Any, tp: TPGroup, attent
     load(model)
     model.eval().requires_grad_(False)
     return config, model
+
+
+def checkpoint_loader(model_cls: Callable[..., M], config_cls: Any, elsewhere: Callable[[str, TPGroup, int], bool],
+                      drop_mtp: bool) -> Callable[..., tuple[Any, M]]:
+    """The registry's `load_model(model_dir, tp, attention, dtype, device="cpu") -> (config, model)` for a model
+    whose load_weights takes the checkpoint's (stored name, tensor) pairs: config_cls.from_pretrained(model_dir),
+    tensors for which elsewhere(stored name, tp, config.num_experts) holds are not read (experts another rank
+    owns), drop_mtp drops the layers past config.num_hidden_layers."""
+
+    def load_model(model_dir: str | Path, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> tuple[Any, M]:
+        config = config_cls.from_pretrained(model_dir)
+        layers = config.num_hidden_layers if drop_mtp else None
+
+        def skip(name: str) -> bool:
+            return elsewhere(name, tp, config.num_experts)
+
+        return build_and_load(model_cls, config, tp, attention, dtype, device,
+                              lambda model: model.load_weights(iter_checkpoint(model_dir, layers, skip=skip)))
+
+    load_model.__doc__ = f"Reads config.json and the safetensors of model_dir into this rank's {model_cls.__name__}."
+    return load_model
+
+
+class DecoderStack(nn.Module):
+    """The decoder body every model shares: embed_tokens, `layers` (layer_cls(config, index, tp, attention,
+    dtype) for each of config.num_hidden_layers) and the final norm; a model adds what its own needs."""
+
+    def __init__(self, config: Any, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
+                 layer_cls: Callable[..., nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(layer_cls(config, i, tp, attention, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class CausalLM(nn.Module):

@@ -12,20 +12,19 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM, build_and_load
+from engine.models.causal_lm import CausalLM, DecoderStack, build_and_load
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedLatentCache
-from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.mla import MLAAttention
 from engine.layers.mlp import DenseMLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.sharding import owned_elsewhere, shard_weight
+from engine.weight_check import WeightCheck
 from engine.layers.fp8_conversion import Fp8Loader
 from engine.weights import (
     checkpoint_block_size,
     expected_weight_shapes,
-    format_weight_errors,
     is_mtp_weight,
     iter_checkpoint,
     stored_fp8_names,
@@ -59,16 +58,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3Model(DecoderStack):
     def __init__(self, config: ModelConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, tp, attention, dtype) for i in range(config.num_hidden_layers)
-        )
+        super().__init__(config, tp, attention, dtype, DecoderLayer)
         for layer in self.layers[1:]:  # one RoPE module: its cos/sin are computed once per step
             layer.self_attn.rotary = self.layers[0].self_attn.rotary
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -98,37 +92,30 @@ class DeepseekV3ForCausalLM(CausalLM):
         every missing, unexpected or mis-shaped tensor (nothing half-reported). fp8: FP8 weights and their
         scales go to the layers it converted (weights kept FP8 on a GPU)."""
         config = self.config
-        expected = expected_weight_shapes(config)
+        check = WeightCheck(expected_weight_shapes(config))
         params = dict(self.named_parameters())
-        seen: set[str] = set()
-        unexpected: list[str] = []
-        misshaped: list[str] = []
         for name, tensor in weights:
             if is_mtp_weight(name, config.num_hidden_layers) or name.endswith("rotary_emb.inv_freq"):
                 continue
-            is_fp8_part = name.endswith("_scale_inv") or tuple(tensor.shape) == expected.get(name)
+            is_fp8_part = name.endswith("_scale_inv") or tuple(tensor.shape) == check.expected.get(name)
             if fp8 is not None and is_fp8_part and fp8.take(name, tensor):
-                seen.update({name} & expected.keys())
+                check.mark_seen(name)
                 continue
-            shape = expected.get(name)
+            shape = check.expect(name, name)
             if shape is None:
-                unexpected.append(name)
                 continue
-            seen.add(name)
             if tuple(tensor.shape) != shape:
-                misshaped.append(f"{name} {tuple(tensor.shape)} (expected {shape})")
+                check.wrong_shape(name, tuple(tensor.shape), shape)
                 continue
             piece = shard_weight(name, tensor, self.tp, config.n_routed_experts)
             if piece is not None:
                 self._target(params, *piece).copy_(piece[1])
         if fp8 is not None:
             fp8.finish()
-        missing = sorted(set(expected) - seen)
-        if missing or unexpected or misshaped:
-            raise ValueError(format_weight_errors(missing, unexpected, misshaped))
+        check.raise_if_wrong()
         for layer in self.model.layers:
             layer.self_attn.process_weights_after_loading()
-        logger.info("rank %d/%d loaded %d tensors", self.tp.rank, self.tp.size, len(seen))
+        logger.info("rank %d/%d loaded %d tensors", self.tp.rank, self.tp.size, len(check.seen))
 
     def _target(self, params: dict[str, nn.Parameter], local_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The parameter (or slice of the stacked expert parameters) a local weight name is copied into."""

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from engine.config_base import check_positive
+
 
 @dataclass(frozen=True)
 class DFlashConfig:
@@ -50,10 +52,8 @@ class DFlashConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "target_hidden_size"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                              "intermediate_size", "target_hidden_size", "rms_norm_eps", "rope_theta"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
@@ -66,10 +66,6 @@ class DFlashConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.mask_token_id < 0:
             raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
 
     @property
     def draft_dim(self) -> int:

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM, build_and_load
+from engine.models.causal_lm import CausalLM, DecoderStack, checkpoint_loader
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedLatentCache
 from engine.layers.attn_res import ResidualStream, is_block_start
-from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.latent_moe import LatentMoE, LatentMoEShape
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.mla import MLAAttention
@@ -28,7 +26,6 @@ from engine.layers.situ import SiTUMLP
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.models.deepseek_v3 import ModelOutput
 from engine.models.kimi_k3_loading import expert_owned_elsewhere, load_k3_weights
-from engine.weights import iter_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +78,9 @@ class K3DecoderLayer(nn.Module):
         stream.add(self.mlp(x_m))
 
 
-class KimiK3Model(nn.Module):
+class KimiK3Model(DecoderStack):
     def __init__(self, c: KimiLinearConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(K3DecoderLayer(c, i, tp, attention, dtype) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        super().__init__(c, tp, attention, dtype, K3DecoderLayer)
         self.output_attn_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.output_attn_res_proj = ReplicatedLinear(c.hidden_size, 1, dtype)
 
@@ -137,15 +131,4 @@ class KimiK3ForCausalLM(CausalLM):
         logger.info("rank %d/%d loaded %d K3 tensors", self.tp.rank, self.tp.size, count)
 
 
-def load_model(
-    model_dir: str | Path, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-) -> tuple[KimiLinearConfig, KimiK3ForCausalLM]:
-    """Reads config.json and the safetensors of model_dir into this rank's model, eval mode, no grads."""
-    config = KimiLinearConfig.from_pretrained(model_dir)
-
-    def skip(name: str) -> bool:
-        return expert_owned_elsewhere(name, tp, config.num_experts)
-
-    return build_and_load(KimiK3ForCausalLM, config, tp, attention, dtype, device,
-                          lambda model: model.load_weights(iter_checkpoint(model_dir, skip=skip)))
+load_model = checkpoint_loader(KimiK3ForCausalLM, KimiLinearConfig, expert_owned_elsewhere, drop_mtp=False)

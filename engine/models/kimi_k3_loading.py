@@ -19,7 +19,7 @@ from engine.distributed import TPGroup
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.models.kimi_k3_weights import engine_name, expected_k3_tensors
-from engine.weights import format_weight_errors
+from engine.weight_check import WeightCheck
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight_(packed|scale)")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
@@ -93,34 +93,27 @@ def load_k3_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     `model`; returns how many were checked. Raises one ValueError for every missing / unexpected /
     mis-shaped (or wrongly typed MXFP4) tensor."""
     layers = model.model.layers
-    expected = expected_k3_tensors(model.config, lambda i: layers[i].self_attn.expected_shapes())
+    check = WeightCheck(expected_k3_tensors(model.config, lambda i: layers[i].self_attn.expected_shapes()))
     params = dict(model.named_parameters())
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    misshaped: list[str] = []
     for stored_name, tensor in weights:
         name = engine_name(stored_name)
         if name is None:
             continue
-        spec = expected.get(name)
+        spec = check.expect(name, stored_name)
         if spec is None:
-            unexpected.append(stored_name)
             continue
-        seen.add(name)
         shape, dtype = spec
         if not _shape_ok(model, name, tuple(tensor.shape), shape):
-            misshaped.append(f"{stored_name} {tuple(tensor.shape)} (expected {shape})")
+            check.wrong_shape(stored_name, tuple(tensor.shape), shape)
             continue
         if tensor.device.type == "meta":
             continue  # an expert another rank owns
         if dtype is not None and tensor.dtype != dtype:
-            misshaped.append(f"{stored_name} dtype {tensor.dtype} (expected {dtype})")
+            check.misshaped.append(f"{stored_name} dtype {tensor.dtype} (expected {dtype})")
             continue
         if dtype is None and not tensor.is_floating_point():
-            misshaped.append(f"{stored_name} dtype {tensor.dtype} (expected a float dtype)")
+            check.misshaped.append(f"{stored_name} dtype {tensor.dtype} (expected a float dtype)")
             continue
         _copy(model, params, name, tensor)
-    missing = [disk_name(name, model) for name in sorted(set(expected) - seen)]
-    if missing or unexpected or misshaped:
-        raise ValueError("Kimi K3 " + format_weight_errors(missing, unexpected, misshaped))
-    return len(seen)
+    check.raise_if_wrong("Kimi K3 ", lambda name: disk_name(name, model))
+    return len(check.seen)

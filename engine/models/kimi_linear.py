@@ -10,15 +10,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM, build_and_load
-from engine.layers.embedding import VocabParallelEmbedding
+from engine.models.causal_lm import CausalLM, DecoderStack, checkpoint_loader
 from engine.layers.kda import KimiDeltaAttention
 from engine.layers.mla import MLAAttention
 from engine.layers.mlp import DenseMLP
@@ -27,7 +25,8 @@ from engine.layers.norm import RMSNorm
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM
 from engine.sharding import owned_elsewhere, shard_weight
-from engine.weights import expected_weight_shapes, format_weight_errors, iter_checkpoint
+from engine.weight_check import WeightCheck
+from engine.weights import expected_weight_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +65,9 @@ class KimiDecoderLayer(DecoderLayer):
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, tp, dtype)
 
 
-class KimiLinearModel(nn.Module):
+class KimiLinearModel(DecoderStack):
     def __init__(self, config: KimiLinearConfig, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(KimiDecoderLayer(config, i, tp, attention, dtype) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        super().__init__(config, tp, attention, dtype, KimiDecoderLayer)
 
 
 class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
@@ -98,48 +94,36 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
         """Copies this rank's shard of each checkpoint tensor; ONE ValueError names every missing,
         unexpected or mis-shaped tensor (a checkpoint whose layer kinds disagree with the config shows
         up as missing KDA / MLA tensors of those layers)."""
-        expected = self.expected_shapes()
+        check = WeightCheck(self.expected_shapes())
         params = dict(self.named_parameters())
-        seen: set[str] = set()
-        unexpected, misshaped = [], []
         for disk_name, tensor in weights:
             name = engine_name(disk_name)
-            if name not in expected:
-                unexpected.append(disk_name)
+            shape = check.expect(name, disk_name)
+            if shape is None:
                 continue
-            seen.add(name)
             kda_match = _KDA_PARAM.fullmatch(name)
             layer = self.model.layers[int(kda_match.group(1))] if kda_match else None
             if layer is not None and isinstance(layer.self_attn, KimiDeltaAttention):
                 if not layer.self_attn.accepts_shape(kda_match.group(2), tuple(tensor.shape)):
-                    misshaped.append(f"{disk_name} {tuple(tensor.shape)} (expected {expected[name]})")
+                    check.wrong_shape(disk_name, tuple(tensor.shape), shape)
                 else:
                     layer.self_attn.load_weight(kda_match.group(2), tensor)
                 continue
-            if tuple(tensor.shape) != expected[name]:
-                misshaped.append(f"{disk_name} {tuple(tensor.shape)} (expected {expected[name]})")
+            if tuple(tensor.shape) != shape:
+                check.wrong_shape(disk_name, tuple(tensor.shape), shape)
                 continue
             piece = shard_weight(name, tensor, self.tp, self.config.num_experts)
             if piece is not None:
                 self._target(params, *piece).copy_(piece[1])
-        missing = sorted(set(expected) - seen)
-        if missing or unexpected or misshaped:
-            raise ValueError(format_weight_errors(missing, unexpected, misshaped))
+        check.raise_if_wrong()
         for layer in self.model.layers:
             if isinstance(layer.self_attn, MLAAttention):
                 layer.self_attn.process_weights_after_loading()
-        logger.info("rank %d/%d loaded %d tensors", self.tp.rank, self.tp.size, len(seen))
+        logger.info("rank %d/%d loaded %d tensors", self.tp.rank, self.tp.size, len(check.seen))
 
 
-def load_model(
-    model_dir: str | Path, tp: TPGroup, attention: AttentionBackend, dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-) -> tuple[KimiLinearConfig, KimiLinearForCausalLM]:
-    """Reads config.json and the safetensors of model_dir into this rank's model, in eval mode without grads."""
-    config = KimiLinearConfig.from_pretrained(model_dir)
+def _expert_elsewhere(stored_name: str, tp: TPGroup, num_experts: int) -> bool:
+    return owned_elsewhere(engine_name(stored_name), tp, num_experts)
 
-    def skip(name: str) -> bool:
-        return owned_elsewhere(engine_name(name), tp, config.num_experts)
 
-    return build_and_load(KimiLinearForCausalLM, config, tp, attention, dtype, device,
-                          lambda model: model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip)))
+load_model = checkpoint_loader(KimiLinearForCausalLM, KimiLinearConfig, _expert_elsewhere, drop_mtp=True)

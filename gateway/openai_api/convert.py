@@ -6,6 +6,7 @@ from gateway.openai_api.chat_template import ChatTemplate
 from gateway.openai_api.errors import bad_param
 from gateway.openai_api.params import OpenAIRequest
 from gateway.tokenizer import TextTokenizer
+from rpc.convert import set_given
 from rpc.v1 import gateway_pb2
 
 
@@ -37,8 +38,5 @@ def to_generate_request(request: OpenAIRequest, request_id: str,
         message.max_tokens = request.max_tokens
     if request.logprobs is not None:
         message.top_logprobs = max(1, request.logprobs)
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
-        value = getattr(request, name)
-        if value is not None:
-            setattr(message.sampling, name, value)
+    set_given(message.sampling, request, ("temperature", "top_p", "top_k", "min_p", "seed"))
     return message

@@ -22,46 +22,23 @@ import torch
 from safetensors.torch import save_file
 
 from engine.layers.mxfp4 import quantize_mxfp4
+from pdserve.plan.kimi_k3_config import KIMI_K3_TEXT_CONFIG
 
 A_LOG_PADDED = 32
 PREFIX = "language_model.model."
 
+# The published K3 decoder config (the planner's preset, pdserve/plan/kimi_k3_config.py) at tiny sizes.
 TEXT_CONFIG: dict[str, Any] = {
-    "model_type": "kimi_linear", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 8,
-    "num_attention_heads": 24, "num_key_value_heads": 24, "q_lora_rank": 48, "kv_lora_rank": 32,
-    "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "mla_use_nope": True,
-    "mla_use_output_gate": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "situ",
-    "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "intermediate_size": 96,
-    "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_experts": 8, "num_experts_per_token": 2,
-    "num_shared_experts": 2, "moe_intermediate_size": 32, "routed_expert_hidden_size": 32,
-    "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc",
-    "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True,
-    "routed_scaling_factor": 1.5, "attn_res_block_size": 3, "num_nextn_predict_layers": 0,
-    "tie_word_embeddings": False,
+    **copy.deepcopy(KIMI_K3_TEXT_CONFIG),
+    "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 24, "num_key_value_heads": 24,
+    "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+    "max_position_embeddings": 4096, "intermediate_size": 96, "num_experts": 8, "num_experts_per_token": 2,
+    "moe_intermediate_size": 32, "routed_expert_hidden_size": 32, "routed_scaling_factor": 1.5,
+    "attn_res_block_size": 3,
     "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 24,
                            "head_dim": 8, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
                            "gate_lower_bound": -5.0},
-    "quantization_config": {
-        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32,
-                                                                        "type": "float", "strategy": "group"}}},
-        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*routed_expert_.*", "re:.*mlp\\.(gate|up|down)_proj.*",
-                   "language_model.lm_head"],
-    },
 }
-
-
-# Kimi K3 as published (K3_SPEC section 1), as text_config overrides of k3_config() (no tensors: for shape and
-# size checks only).
-K3_REAL_TEXT = dict(
-    vocab_size=163840, hidden_size=7168, num_hidden_layers=93, num_attention_heads=96, num_key_value_heads=96,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    intermediate_size=33792, num_experts=896, num_experts_per_token=16, num_shared_experts=2,
-    moe_intermediate_size=3072, routed_expert_hidden_size=3584, attn_res_block_size=12, rms_norm_eps=1e-5,
-    max_position_embeddings=1048576,
-    linear_attn_config={"kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
-                        "full_attn_layers": [*range(4, 93, 4), 93], "num_heads": 96, "head_dim": 128},
-)
 
 
 def k3_config(**text_overrides: Any) -> dict[str, Any]:

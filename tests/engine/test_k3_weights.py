@@ -6,7 +6,7 @@ import torch
 
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.models.kimi_k3_weights import engine_name, expected_k3_tensors
-from tests.engine.k3_checkpoint import K3_REAL_TEXT, k3_config
+from pdserve.plan.kimi_k3_config import KIMI_K3_CONFIG
 
 
 def test_engine_names() -> None:
@@ -22,7 +22,7 @@ def test_engine_names() -> None:
 def test_real_k3_shapes() -> None:
     """At K3's config: 896 experts x 6 MXFP4 tensors in each of 92 MoE layers, with the spec's packed shapes;
     MLA layers (0-idx 3, ..., 91, 92) hold the output gate and the 576-wide kv_a projection; layer 0 is dense."""
-    config = KimiLinearConfig.from_hf_dict(k3_config(**K3_REAL_TEXT))
+    config = KimiLinearConfig.from_hf_dict(KIMI_K3_CONFIG)
     expected = expected_k3_tensors(config, lambda layer: {"q_proj.weight": (12288, 7168)})
     p = "model.layers.1.mlp."
     assert expected[p + "experts.0.w1.weight_packed"] == ((3072, 1792), torch.uint8)

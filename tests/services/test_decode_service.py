@@ -11,6 +11,7 @@ from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
 from rpc.status import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from tests.services.decode_hooks import engine_thread_blocked
 from tests.services.helpers import eventually, greedy
 
 PAGE_SIZE = 16
@@ -31,8 +32,8 @@ async def service(service_model):
 
 
 async def _settled(decode: DecodeService, free_pages: int) -> None:
-    """Waits (failing loudly) until no lease is held and the engine thread has published `free_pages`
-    (the load snapshot follows the engine thread, so freed pages show up a moment after the lease goes)."""
+    """Waits (failing loudly) until no lease is held and `free_pages` pages are free (leases that expire
+    go with the sweeper's next pass)."""
     await eventually(lambda: decode.load.leases == 0 and decode.load.free_pages == free_pages,
                      f"no lease and {free_pages} free pages")
 
@@ -89,41 +90,29 @@ async def test_decode_without_kv_fails_and_frees(service):
     assert service.load.free_pages == total
 
 
-async def _engine_free_pages(decode: DecodeService) -> int:
-    return await decode._engine.call(lambda engine: engine.num_free_pages)
-
-
-@pytest.mark.parametrize("how", ["cancel", "release"])
-async def test_reserve_abandoned_while_allocating_frees_its_pages(service, how):
-    """A Reserve cancelled (or Released) while the engine thread has not yet allocated its pages frees
-    them as soon as the allocation lands: nothing stays allocated and no lease is left."""
-    import threading
-
-    total = await _engine_free_pages(service)
-    gate = threading.Event()
-    service._engine.post(lambda engine: gate.wait(60))  # the engine thread is busy: the allocation waits
-    task = asyncio.create_task(service.reserve("r3", 40, 8, TransportKind.SHM))
-    await eventually(lambda: "r3" in service._reserving, "the Reserve to start its allocation")
-    if how == "cancel":
-        task.cancel()
-    else:
-        assert await service.release("r3")
-    gate.set()
-    if how == "cancel":
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    else:
-        await task  # the caller still gets its answer; the pages are already given back
-    deadline = time.monotonic() + 30
-    while not (await _engine_free_pages(service) == total and service.load.leases == 0):
-        assert time.monotonic() < deadline, "pages of the abandoned Reserve were never freed"
-        await asyncio.sleep(0.02)
+@pytest.mark.parametrize("how", ["release", "abandon"])
+async def test_reserve_is_answered_while_the_engine_thread_is_busy(service, how):
+    """Reserve allocates on the event loop under the engine's pool lock: it is answered while the engine
+    thread is blocked (as in a long step), and Release or a lost answer (abandon) gives the pages back at
+    once, still without the engine thread: nothing stays allocated and no lease is left."""
+    total = service.engine.num_free_pages
+    async with engine_thread_blocked(service) as gate:
+        destination = await asyncio.wait_for(service.reserve("r3", 40, 8, TransportKind.SHM), timeout=30)
+        assert not gate.is_set()
+        assert len(destination.page_ids) == 3 and service.engine.num_free_pages == total - 3
+        assert service.load.leases == 1 and service.load.free_pages == total - 3
+        if how == "release":
+            assert await service.release("r3")
+        else:
+            service.abandon("r3", destination.lease_id)
+        assert not gate.is_set()
+        assert service.engine.num_free_pages == total and service.load.leases == 0
     assert not await service.release("r3")
+    assert await service._engine.call(lambda engine: engine.num_free_pages) == total
 
 
 async def test_lease_deadline_follows_the_callers_deadline(service):
     """ttl_s (the Reserve call's remaining time) shortens the lease below lease_ttl_s, never lengthens it."""
-    import time
 
     short = await service.reserve("r4", 16, 4, TransportKind.SHM, ttl_s=0.05)
     long = await service.reserve("r5", 16, 4, TransportKind.SHM, ttl_s=1000.0)

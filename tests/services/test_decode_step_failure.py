@@ -3,7 +3,6 @@ client's Decode stream ends with INTERNAL naming the failure, the request's page
 to the pool, and the worker decodes the next request normally."""
 from __future__ import annotations
 
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,13 +13,10 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from decode_worker.servicer import DecodeServicer
-from engine.forward_batch import ForwardMode
-from engine.step_plan import TargetPlan
-from kvtransfer.destination import Destination, TransportKind
-from kvtransfer.layout import KVLayout
-from kvtransfer.shm_transport import ShmWriter
+from kvtransfer.destination import Destination
 from rpc.convert import sampling_to_proto
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from tests.services.decode_hooks import NextDecodeForward, mark_kv_complete
 from tests.services.helpers import eventually, greedy
 
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]
@@ -28,30 +24,18 @@ MAX_TOKENS = 6
 pytestmark = pytest.mark.slow  # an engine start and two decodes: ~20 s on the shared machine
 
 
-class _FailNextDecode:
-    """Wraps the leader's execute: once armed, the next DECODE forward raises (a failure mid-step)."""
-
-    def __init__(self, execute: Any) -> None:
-        self._execute = execute
-        self.armed = threading.Event()
-        self.fired = threading.Event()
-
-    def __call__(self, plan: Any) -> Any:
-        if isinstance(plan, TargetPlan) and plan.mode == ForwardMode.DECODE and self.armed.is_set():
-            self.armed.clear()
-            self.fired.set()
-            raise RuntimeError("injected decode forward failure")
-        return self._execute(plan)
+def _inject_failure() -> None:
+    raise RuntimeError("injected decode forward failure")
 
 
 @pytest.fixture
-async def served(service_model) -> AsyncIterator[tuple[DecodeService, worker_pb2_grpc.DecodeServiceStub, _FailNextDecode]]:
+async def served(service_model) -> AsyncIterator[tuple[DecodeService, worker_pb2_grpc.DecodeServiceStub, NextDecodeForward]]:
     receivers = _Receivers()
     config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
                                       kv_memory_bytes=256 * 1024, page_size=16, num_threads=1)
     service = DecodeService(config, receivers)
     await service.start()
-    failure = _FailNextDecode(service.engine.leader.execute)
+    failure = NextDecodeForward(service.engine.leader.execute, _inject_failure)
     service.engine.leader.execute = failure  # instance attribute: only this engine's forwards are wrapped
     receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))  # no pushes here; expect() needs an address
     server = grpc.aio.server()
@@ -72,15 +56,9 @@ async def _decode(service: DecodeService, stub: worker_pb2_grpc.DecodeServiceStu
     reply = await stub.Reserve(worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=len(PROMPT),
                                                          max_new_tokens=MAX_TOKENS, transport=kv_pb2.TRANSPORT_SHM),
                                timeout=30)
-    destination = Destination.from_proto(reply.destination)
-    writer = ShmWriter(KVLayout.from_cache_shape(service.engine.cache_shape))
-    try:
-        for rank in range(destination.num_ranks):
-            writer.open(destination, rank, in_place=True).finish()
-    finally:
-        writer.close()
+    mark_kv_complete(service.engine, Destination.from_proto(reply.destination))
     tokens = []
-    request = worker_pb2.DecodeRequest(request_id=request_id, lease_id=destination.lease_id, token_ids=PROMPT,
+    request = worker_pb2.DecodeRequest(request_id=request_id, lease_id=reply.destination.lease_id, token_ids=PROMPT,
                                        first_token=7, sampling=sampling_to_proto(greedy(MAX_TOKENS)))
     async for chunk in stub.Decode(request, timeout=120):
         tokens += list(chunk.token_ids)

@@ -13,6 +13,7 @@ from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
 from kvtransfer.shm_transport import ShmWriter
 from rpc.status import FailedPrecondition, ResourceExhausted
+from tests.services.decode_hooks import engine_thread_blocked
 from tests.services.helpers import eventually, greedy
 from tests.services.k3_service_model import make_k3_service_model
 
@@ -99,7 +100,7 @@ async def test_client_cancel_while_waiting_for_kv_frees_the_slot(service):
             pass
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.05)
+    await eventually(lambda: (held := service.book.get("c1")) is not None and held.claimed, "Decode to claim the lease")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -118,3 +119,16 @@ async def test_no_free_slot_is_resource_exhausted(service):
     for i in range(slots):
         assert await service.release(f"s{i}")
     await _settled(service, pages, slots)
+
+
+async def test_a_slot_is_reserved_and_released_while_the_engine_thread_is_busy(service):
+    """Reserve takes its pages and state slot on the event loop under the engine's pool lock: with the
+    engine thread blocked, the slot count drops at once, and Release gives pages and slot back at once."""
+    pages, slots = _start(service)
+    async with engine_thread_blocked(service) as gate:
+        destination = await asyncio.wait_for(service.reserve("b1", 20, 4, TransportKind.SHM), timeout=30)
+        assert destination.state_slot is not None and not gate.is_set()
+        assert (service.load.free_pages, service.load.free_state_slots) == (pages - 2, slots - 1)
+        assert await service.release("b1")
+        assert (service.load.free_pages, service.load.free_state_slots, service.load.leases) == (pages, slots, 0)
+        assert not gate.is_set()

@@ -7,6 +7,7 @@ moment), so TRITON_INTERPRET=1 must be set before the modules here are first imp
 """
 from __future__ import annotations
 
+import torch
 import triton
 
 
@@ -27,6 +28,15 @@ def split_head_dim(dim: int) -> tuple[int, int]:
     first = max(16, 1 << (dim.bit_length() - 1))
     rest = dim - first
     return first, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
+
+
+def launch_defaults(q: torch.Tensor, upcast: bool | None, block_n: int | None) -> tuple[bool, int]:
+    """(upcast, block_n) where the caller left them None: upcast for float32 inputs and in the CPU
+    interpreter (whose tl.dot on bf16 is wrong); key blocks of 16 on CPU, 32 on a GPU."""
+    on_cpu = q.device.type == "cpu"
+    if upcast is None:
+        upcast = on_cpu or q.dtype == torch.float32
+    return upcast, block_n or (16 if on_cpu else 32)
 
 
 def block_for(dim: int) -> int:

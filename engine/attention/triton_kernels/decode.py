@@ -16,7 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import block_for
+from engine.attention.triton_kernels import block_for, launch_defaults
+from engine.attention.triton_kernels.online_softmax import (
+    load_query, online_softmax_step, score_dot, softmax_start,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -47,17 +50,11 @@ def paged_decode_kernel(
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     q_base = q_ptr + (q_start + query).to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-    q_lat = tl.load(q_base + offs_l[None, :], mask=offs_l[None, :] < LATENT, other=0.0)
+    q_lat = load_query(q_base + offs_l[None, :], offs_l[None, :] < LATENT, UPCAST)
     if ROPE > 0:
-        q_rope = tl.load(q_base + LATENT + offs_r[None, :], mask=offs_r[None, :] < ROPE, other=0.0)
-    if UPCAST:
-        q_lat = q_lat.to(tl.float32)
-        if ROPE > 0:
-            q_rope = q_rope.to(tl.float32)
+        q_rope = load_query(q_base + LATENT + offs_r[None, :], offs_r[None, :] < ROPE, UPCAST)
 
-    m_i = tl.full([HEAD_BLOCK], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
-    acc = tl.zeros([HEAD_BLOCK, BLOCK_L], dtype=tl.float32)
+    m_i, l_i, acc = softmax_start(HEAD_BLOCK, BLOCK_L)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     for start_n in range(split_start, split_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -67,28 +64,13 @@ def paged_decode_kernel(
         # keys transposed [D, BLOCK_N] for the score dots; the latent rows [BLOCK_N, L] are the values
         k_lat_t = tl.load(cache_ptr + slot[None, :] + offs_l[:, None],
                           mask=valid[None, :] & (offs_l[:, None] < LATENT), other=0.0)
-        if UPCAST:
-            scores = tl.dot(q_lat, k_lat_t.to(tl.float32), input_precision="ieee")
-        else:
-            scores = tl.dot(q_lat, k_lat_t)
+        scores = score_dot(q_lat, k_lat_t, UPCAST)
         if ROPE > 0:
             k_rope_t = tl.load(cache_ptr + slot[None, :] + LATENT + offs_r[:, None],
                                mask=valid[None, :] & (offs_r[:, None] < ROPE), other=0.0)
-            if UPCAST:
-                scores += tl.dot(q_rope, k_rope_t.to(tl.float32), input_precision="ieee")
-            else:
-                scores += tl.dot(q_rope, k_rope_t)
+            scores += score_dot(q_rope, k_rope_t, UPCAST)
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        values = tl.trans(k_lat_t)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, tl.trans(k_lat_t), UPCAST)
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]  # an empty split (l_i == 0) stores zeros
     row = (q_start + query).to(tl.int64)
     o_base = out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + split * stride_os
@@ -143,10 +125,7 @@ def paged_decode(
         q = q.contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache's last dim must be contiguous")
-    on_cpu = q.device.type == "cpu"
-    if upcast is None:
-        upcast = on_cpu or q.dtype == torch.float32
-    block_n = block_n or (16 if on_cpu else 32)
+    upcast, block_n = launch_defaults(q, upcast, block_n)
     rope_dim = entry_dim - latent_dim
     num_seqs = cu_seqlens_q.numel() - 1
     head_groups = num_heads // head_block

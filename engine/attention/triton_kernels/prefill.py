@@ -12,7 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import block_for, split_head_dim
+from engine.attention.triton_kernels import block_for, launch_defaults, split_head_dim
+from engine.attention.triton_kernels.online_softmax import (
+    load_query, online_softmax_step, score_dot, softmax_start,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -49,45 +52,25 @@ def flash_prefill_kernel(
     for h in range(HEAD_BLOCK):
         head = head_group * HEAD_BLOCK + h
         q_base = q_ptr + q_rows[:, None] + head * stride_qh
-        q1 = tl.load(q_base + offs_d1[None, :], mask=row_valid[:, None] & (offs_d1[None, :] < DQK), other=0.0)
+        q1 = load_query(q_base + offs_d1[None, :], row_valid[:, None] & (offs_d1[None, :] < DQK), UPCAST)
         if BLOCK_D2 > 0:
-            q2 = tl.load(q_base + offs_d2[None, :], mask=row_valid[:, None] & (offs_d2[None, :] < DQK), other=0.0)
-        if UPCAST:
-            q1 = q1.to(tl.float32)
-            if BLOCK_D2 > 0:
-                q2 = q2.to(tl.float32)
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            q2 = load_query(q_base + offs_d2[None, :], row_valid[:, None] & (offs_d2[None, :] < DQK), UPCAST)
+        m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
         for start_n in range(0, key_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             key_valid = offs_n < k_len
             k_rows = (k_start + offs_n).to(tl.int64)
             k_base = k_ptr + k_rows[None, :] * stride_kt + head * stride_kh  # transposed: [D, BLOCK_N]
             k1 = tl.load(k_base + offs_d1[:, None], mask=key_valid[None, :] & (offs_d1[:, None] < DQK), other=0.0)
-            if UPCAST:
-                scores = tl.dot(q1, k1.to(tl.float32), input_precision="ieee")
-            else:
-                scores = tl.dot(q1, k1)
+            scores = score_dot(q1, k1, UPCAST)
             if BLOCK_D2 > 0:
                 k2 = tl.load(k_base + offs_d2[:, None], mask=key_valid[None, :] & (offs_d2[:, None] < DQK), other=0.0)
-                if UPCAST:
-                    scores += tl.dot(q2, k2.to(tl.float32), input_precision="ieee")
-                else:
-                    scores += tl.dot(q2, k2)
+                scores += score_dot(q2, k2, UPCAST)
             visible = key_valid[None, :] & (offs_n[None, :] <= last_key[:, None])
             scores = tl.where(visible, scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v_base = v_ptr + k_rows[:, None] * stride_vt + head * stride_vh
             v = tl.load(v_base + offs_dv[None, :], mask=key_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, UPCAST)
         out = acc / l_i[:, None]
         o_base = out_ptr + o_rows[:, None] + head * stride_oh
         tl.store(o_base + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
@@ -118,11 +101,8 @@ def flash_prefill(
     if k.shape[1] != num_heads or v.shape[1] != num_heads or k.shape[2] != dqk:
         raise ValueError(f"shape mismatch q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    on_cpu = q.device.type == "cpu"
-    if upcast is None:
-        upcast = on_cpu or q.dtype == torch.float32
-    block_m = block_m or (16 if on_cpu else 64)
-    block_n = block_n or (16 if on_cpu else 32)
+    upcast, block_n = launch_defaults(q, upcast, block_n)
+    block_m = block_m or (16 if q.device.type == "cpu" else 64)
     out = torch.empty(q.shape[0], num_heads, dv, dtype=q.dtype, device=q.device)
     num_seqs = cu_seqlens_q.numel() - 1
     if q.shape[0] == 0 or num_seqs == 0:

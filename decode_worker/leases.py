@@ -1,0 +1,162 @@
+"""The decode worker's reservation book: which request holds which pages (and state slot) under which
+lease, from Reserve until Decode claims it, Release frees it or the sweeper expires it.
+
+Reservations are made on the event loop, straight from the engine's page allocator and state pool under
+its pool lock (the engine thread takes that lock only while it schedules, never across a forward), so a
+Reserve is answered without waiting for the engine step in progress. Every path that ends a reservation
+gives its pages and slot back exactly once: whoever removes the lease from the LeaseTable frees it.
+
+Page-exhaustion policy: a reservation keeps `headroom_pages` free for the running requests to grow (one
+speculative block each) and is refused with ResourceExhausted instead of eating into them."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from decode_worker.admission import admits, fits_ever, headroom
+from decode_worker.config import DecodeWorkerConfig
+from kvtransfer.destination import Destination, TransportKind
+from kvtransfer.errors import LeaseExpired, UnknownTransfer
+from kvtransfer.leases import Lease, LeaseTable
+from kvtransfer.transport import KVReceiver
+from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Reservation:
+    lease: Lease
+    receiver: KVReceiver
+    num_prompt_tokens: int
+    claimed: bool = False  # Decode took the lease: the pages are the running request's (or the engine's)
+
+
+class ReservationBook:
+    """engine: an LLMEngine (or one with its reservation interface); receivers: {transport: KVReceiver}.
+    Event-loop only, apart from the engine's thread-safe allocate_reservation / free_reservation."""
+
+    def __init__(self, config: DecodeWorkerConfig, engine: Any, receivers: Mapping[TransportKind, KVReceiver]) -> None:
+        self.config = config
+        self._engine = engine
+        self._receivers = receivers
+        self._leases = LeaseTable(grace_s=config.lease_grace_s)
+        self._held: dict[str, Reservation] = {}  # request id -> its reservation, until its stream ends
+        self.granted = 0  # reservations granted since start
+        self.expiries = 0  # leases freed because nobody claimed them in time
+
+    def get(self, request_id: str) -> Reservation | None:
+        return self._held.get(request_id)
+
+    def unclaimed(self) -> list[Lease]:
+        return [held.lease for held in self._held.values() if not held.claimed]
+
+    # --- Reserve ------------------------------------------------------------------------------------
+    def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, transport: TransportKind,
+                ttl_s: float | None = None) -> Destination:
+        """Leases the prompt's pages. ttl_s: how long the lease may stay unclaimed (the caller's deadline;
+        None: the configured lease_ttl_s, which also caps it)."""
+        engine, config = self._engine, self.config
+        if not request_id:
+            raise InvalidArgument("request_id", "is empty")
+        if request_id in self._held:
+            raise AlreadyExists(f"request {request_id} already holds a reservation on this worker")
+        if num_prompt_tokens <= 0 or max_new_tokens <= 0:
+            raise InvalidArgument("num_prompt_tokens", "prompt and max_new_tokens must be positive")
+        max_context = engine.model_config.max_position_embeddings
+        if num_prompt_tokens + max_new_tokens > max_context:
+            raise InvalidArgument("max_new_tokens", f"prompt + max_new_tokens exceeds the model context {max_context}")
+        receiver = self._receivers.get(transport)
+        if receiver is None:
+            raise FailedPrecondition(f"transport {TransportKind(transport).name} is not served by this decode worker")
+        total_pages = engine.allocator.num_pages
+        if not fits_ever(num_prompt_tokens, max_new_tokens, config.spec_block_size, engine.config.page_size, total_pages):
+            raise InvalidArgument("max_new_tokens", f"the request could never fit the pool of {total_pages} pages")
+        ttl = config.lease_ttl_s if ttl_s is None else min(config.lease_ttl_s, max(ttl_s, 0.001))
+        page_ids, slot = self._allocate(num_prompt_tokens)
+        lease = self._leases.grant(request_id, page_ids, ttl, slot)
+        try:
+            destination = receiver.expect(lease, num_prompt_tokens)
+        except BaseException:
+            self._leases.release(lease.lease_id)
+            self._free(lease)
+            raise
+        self._held[request_id] = Reservation(lease, receiver, num_prompt_tokens)
+        self.granted += 1
+        return destination
+
+    def _allocate(self, num_tokens: int) -> tuple[list[int], int | None]:
+        """The prompt's pages and, for a model with linear attention, its state slot: admission and
+        allocation under the engine's pool lock, so what was counted free is what gets taken."""
+        engine = self._engine
+        page_size, block = engine.config.page_size, self.config.spec_block_size
+        with engine.pool_lock:
+            if not admits(engine.num_free_pages, num_tokens, engine.num_running, block, page_size):
+                raise ResourceExhausted(
+                    f"decode pool full: {engine.num_free_pages} pages free, "
+                    f"{headroom(engine.num_running, block, page_size)} kept for running requests"
+                )
+            if engine.num_state_slots and not engine.num_free_state_slots:
+                raise ResourceExhausted(f"decode state slots full: all {engine.num_state_slots} are in use or leased")
+            return engine.allocate_reservation(num_tokens)
+
+    def _free(self, lease: Lease) -> None:
+        self._engine.free_reservation(list(lease.page_ids), lease.state_slot)
+
+    # --- Decode claims, Release, expiry -------------------------------------------------------------
+    def claim(self, request_id: str, lease_id: str, num_prompt_tokens: int) -> Reservation:
+        """Decode takes the lease: its pages are then the caller's (hand them to the engine or drop them)."""
+        held = self._held.get(request_id)
+        if held is None or held.lease.lease_id != lease_id:
+            raise NotFound(f"no reservation {lease_id!r} for request {request_id}")
+        if held.claimed:
+            raise AlreadyExists(f"request {request_id} is already decoding")
+        if num_prompt_tokens != held.num_prompt_tokens:
+            raise InvalidArgument("token_ids", f"the reservation is for {held.num_prompt_tokens} prompt tokens, "
+                                  f"got {num_prompt_tokens}")
+        try:
+            self._leases.claim(lease_id)
+        except (UnknownTransfer, LeaseExpired) as error:
+            self.drop(request_id, free=isinstance(error, LeaseExpired))
+            raise FailedPrecondition(f"lease of request {request_id}: {error}") from error
+        held.claimed = True
+        return held
+
+    def drop(self, request_id: str, free: bool) -> None:
+        """Forgets a request that never reached the engine; free: its pages go back to the pool."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        held.receiver.cancel(request_id)
+        if free:
+            self._free(held.lease)
+
+    def forget(self, request_id: str) -> None:
+        """The request's stream ended: the engine freed (or frees) its pages; the id may be reserved again."""
+        self._held.pop(request_id, None)
+
+    def release_unclaimed(self, request_id: str, lease_id: str | None = None) -> bool:
+        """Frees an unclaimed lease (of lease_id, when given) at once; False if there is none."""
+        held = self._held.get(request_id)
+        if held is None or held.claimed or lease_id not in (None, held.lease.lease_id):
+            return False
+        if self._leases.release(held.lease.lease_id) is not None:
+            self.drop(request_id, free=True)
+        return True
+
+    async def sweep(self) -> None:
+        """Runs until cancelled: frees the leases nobody claimed in time."""
+        while True:
+            await asyncio.sleep(self.config.lease_sweep_interval_s)
+            for lease in self._leases.expire():
+                self.expiries += 1
+                held = self._held.get(lease.request_id)
+                logger.warning("lease of request %s expired unclaimed; freeing %d pages", lease.request_id,
+                               len(lease.page_ids))
+                if held is not None and held.lease.lease_id == lease.lease_id:
+                    self.drop(lease.request_id, free=True)
+                else:
+                    self._free(lease)
