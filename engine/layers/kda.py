@@ -118,12 +118,11 @@ class KimiDeltaAttention(nn.Module):
     def conv_weight(self) -> torch.Tensor:
         """[3P_local, W] float32: the q | k | v depthwise conv taps, concatenated once and kept (rebuilt when a
         tap tensor is written again)."""
-        key = tuple((conv.weight.data_ptr(), conv.weight._version) for conv in (self.q_conv1d, self.k_conv1d,
-                                                                                self.v_conv1d))
+        sources = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        key = tuple((id(weight), weight._version) for weight in sources)
         if getattr(self, "_conv_key", None) != key:
-            self._conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight],
-                                          dim=0).squeeze(1).float()
-            self._conv_key = key
+            self._conv_weight = torch.cat(sources, dim=0).squeeze(1).float()
+            self._conv_key, self._conv_sources = key, sources  # the sources kept: their ids stay theirs
         return self._conv_weight
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:

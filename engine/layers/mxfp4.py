@@ -120,7 +120,7 @@ class PackedExperts(nn.Module):
         self.register_buffer("w2_packed", torch.zeros(num_experts, hidden_size, inter // 2, dtype=torch.uint8))
         self.register_buffer("w2_scale", torch.zeros(num_experts, hidden_size, inter // GROUP_SIZE, dtype=torch.uint8))
         self._decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # dequantized(): decoded weights, their key
-        self._decoded_key: tuple = ()
+        self._decoded_key: tuple = ((), ())
 
     def target(self, expert: int, projection: str, part: str) -> torch.Tensor:
         """The slice a checkpoint tensor experts.{expert}.{w1|w2|w3}.weight_{packed|scale} is copied into."""
@@ -140,11 +140,12 @@ class PackedExperts(nn.Module):
         decoded_bytes = 4 * 2 * (self.w13_packed.numel() + self.w2_packed.numel())  # two columns per byte
         if self.w13_packed.is_cuda or decoded_bytes > DEQUANT_CACHE_MAX_BYTES:
             return None
-        key = tuple((buffer.data_ptr(), buffer._version) for buffer in self.buffers())
-        if self._decoded is None or self._decoded_key != key:
+        sources = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+        key = tuple((id(buffer), buffer._version) for buffer in sources)
+        if self._decoded is None or self._decoded_key[0] != key:
             self._decoded = (dequantize_mxfp4(self.w13_packed, self.w13_scale),
                              dequantize_mxfp4(self.w2_packed, self.w2_scale))
-            self._decoded_key = key
+            self._decoded_key = (key, sources)  # the sources kept: their ids stay theirs
         return self._decoded
 
     def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:

@@ -115,10 +115,11 @@ def fused_weight(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]) ->
     keeps the separate linears so gradients reach each weight)."""
     if torch.is_grad_enabled() or any(linear.bias is not None for linear in linears):
         return None
-    key = tuple((linear.weight.data_ptr(), linear.weight._version) for linear in linears)
+    sources = tuple(linear.weight for linear in linears)
+    key = tuple((id(weight), weight._version) for weight in sources)
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:
-        cached = (key, torch.cat([linear.weight for linear in linears], dim=0))
+        cached = (key, torch.cat(sources, dim=0), sources)  # the sources kept: their ids stay theirs
         owner.__dict__[name] = cached
     return cached[1]
 
