@@ -6,8 +6,10 @@ drives a closed loop of greedy requests through the gateway at --concurrency, an
 dropped). Writes one speedscope/flamegraph/raw file per role and prints each profile's top functions by
 own and total samples, so the hot spots read in a terminal.
 
-Also prints each service's CPU per output token by thread (the engine thread, the event loop, gRPC's
-threads), read from /proc/<pid>/task with py-spy's thread names, over the whole load.
+Also prints where a request's time goes (reserve, prefill with its queue / compute / handoff, TTFT, decode
+set-up, end to end: means from the services' /metrics histograms over the load), and each service's CPU
+per output token by thread (the engine thread, the event loop, gRPC's threads), read from
+/proc/<pid>/task with py-spy's thread names, over the whole load.
 
 Run: .venv/bin/python -m benchmarks.profile_services [--roles decode gateway] [--concurrency 16]
      [--seconds 20] [--native] [--gil] [--out DIR]
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -34,8 +37,9 @@ from bench.client import GatewayClient, SamplingOptions
 from bench.load import LoadPlan, run_load
 from bench.workload import BenchRequest
 from benchmarks.common import DEFAULT_MODEL, make_prompts, machine_description
-from engine.config import ModelConfig
+from engine.models.registry import load_config
 from pdserve.launcher import Cluster, ClusterSpec
+from prefill_worker.batch_policy import DEFAULT_BATCH_TARGET_MS
 
 
 def summarise(raw_file: Path, top: int) -> str:
@@ -93,13 +97,47 @@ def thread_table(before: dict[str, float], after: dict[str, float], tokens: int)
 
 
 STEP_COUNTERS = ("pdserve_decode_engine_steps_total", "pdserve_decode_engine_step_tokens_total")
+# Where a request's time goes (histograms; role, metric, what it covers), in path order.
+PHASES = (
+    ("gateway", "pdserve_request_queue_time_seconds", "arrival -> reserved (Reserve on the decode worker)"),
+    ("gateway", "pdserve_request_prefill_seconds", "reserved -> prefill answered (the Prefill call)"),
+    ("prefill", "pdserve_prefill_queue_time_seconds", "  of which: queued on the prefill worker"),
+    ("prefill", "pdserve_prefill_compute_seconds", "  of which: the engine's prefill step"),
+    ("prefill", "pdserve_kv_transfer_seconds", "  of which: KV handoff (completion records)"),
+    ("gateway", "pdserve_time_to_first_token_seconds", "arrival -> first token (TTFT at the gateway)"),
+    ("gateway", "pdserve_request_decode_setup_seconds", "first token -> first decode chunk (Decode call)"),
+    ("gateway", "pdserve_e2e_request_latency_seconds", "arrival -> last token"),
+)
 
 
 def scrape(address: str, names: tuple[str, ...]) -> dict[str, float]:
-    """The named unlabelled samples of a service's GET /metrics."""
+    """The named samples of a service's GET /metrics (labels summed away)."""
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=30).read().decode()
-    return {name: float(value) for name, value in re.findall(r"^(\w+) ([0-9.e+-]+)$", text, re.MULTILINE)
-            if name in names}
+    found: collections.Counter[str] = collections.Counter()
+    for name, value in re.findall(r"^(\w+)(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.MULTILINE):
+        if name in names:
+            found[name] += float(value)
+    return dict(found)
+
+
+def scrape_phases(addresses: dict[str, str]) -> dict[str, float]:
+    """The _sum and _count of every PHASES histogram, from the gateway and prefill-0 metrics endpoints."""
+    values: dict[str, float] = {}
+    for role, address in (("gateway", addresses["gateway"]), ("prefill", addresses["prefill-0"])):
+        names = tuple(f"{metric}_{part}" for who, metric, _ in PHASES if who == role for part in ("sum", "count"))
+        values.update(scrape(address, names))
+    return values
+
+
+def phase_table(before: dict[str, float], after: dict[str, float]) -> str:
+    """Mean milliseconds per request of each phase over the load (the difference of two scrapes)."""
+    lines = ["where a request's time goes (mean per request over the load, wall clock):"]
+    for _, metric, meaning in PHASES:
+        count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
+        total = after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)
+        mean = f"{1000 * total / count:9.1f} ms" if count else "        -   "
+        lines.append(f"  {mean}  {meaning}  ({count:.0f} requests)")
+    return "\n".join(lines)
 
 
 async def drive(address: str, prompts: list[list[int]], output_len: int, concurrency: int, stop: threading.Event) -> int:
@@ -153,6 +191,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefill-batch-tokens", type=int, default=2048, help="the prefill worker's --batch-tokens")
+    parser.add_argument("--prefill-batch-target-ms", type=float, default=DEFAULT_BATCH_TARGET_MS,
+                        help="the prefill worker's --batch-target-ms (0: batches of --batch-tokens)")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--log-level", default="WARNING", help="the services' log level (INFO: per-request lines)")
@@ -166,11 +207,13 @@ def main() -> None:
     print(f"machine: {machine_description()}\nprofiles in {out}", flush=True)
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
                        worker_args=("--num-threads", str(args.threads), "--kv-memory-mb", "512"),
+                       prefill_args=("--batch-tokens", str(args.prefill_batch_tokens),
+                                     "--batch-target-ms", str(args.prefill_batch_target_ms)),
                        log_level=args.log_level)
     cluster = Cluster(spec, log_dir=out)
     address = cluster.start(timeout_s=300)
     try:
-        config = ModelConfig.from_pretrained(args.model)
+        config = load_config(str(args.model))  # either family (DeepSeek-V3 or Kimi K3 / Linear)
         prompts, _ = make_prompts(args.model, max(2 * args.concurrency, 4), args.input_len, 0, config.vocab_size,
                                   list(config.eos_token_id))
         stop, result = threading.Event(), {"tokens": 0}
@@ -179,15 +222,22 @@ def main() -> None:
         pids = {child.role.split("-")[0]: child.process.pid for child in cluster.children}
         names = {role: python_thread_names(py_spy, pid) for role, pid in pids.items()}
         cpu_before = {role: thread_cpu(pid, names[role]) for role, pid in pids.items()}
-        metrics_address = cluster.metrics_addresses()["decode-0"]
+        metrics_addresses = cluster.metrics_addresses()
+        metrics_address = metrics_addresses["decode-0"]
         steps_before = scrape(metrics_address, STEP_COUNTERS)
+        phases_before = scrape_phases(metrics_addresses)
+        started = time.perf_counter()
         driver.start()
         record(py_spy, pids, args, out)
         stop.set()
         driver.join()
+        elapsed = time.perf_counter() - started
+        print(f"\nload: {result['tokens']} tokens in {elapsed:.1f} s, {result['tokens'] / elapsed:.1f} tok/s "
+              f"(whole waves of requests; load average {os.getloadavg()[0]:.1f} at the end)")
         steps = {name: value - steps_before.get(name, 0.0) for name, value in scrape(metrics_address, STEP_COUNTERS).items()}
         count, tokens = steps.get(STEP_COUNTERS[0], 0.0), steps.get(STEP_COUNTERS[1], 0.0)
         print(f"\ndecode engine: {count:.0f} steps, {tokens / max(count, 1):.2f} tokens per step (batch occupancy)")
+        print(f"\n{phase_table(phases_before, scrape_phases(metrics_addresses))}")
         for role, pid in pids.items():
             print(f"\n## {role}: {thread_table(cpu_before[role], thread_cpu(pid, names[role]), result['tokens'])}")
     finally:

@@ -32,6 +32,12 @@ class GatewayMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("pdserve_request_queue_time_seconds", "Arrival to admission: until a decode "
                                     "worker reserved the prompt's KV pages", buckets=TTFT_BUCKETS, registry=r)
+        self.prefill_time = Histogram("pdserve_request_prefill_seconds", "Admission to the prefill worker's answer "
+                                      "(its queue, the prefill, the KV handoff, the two hops)", buckets=TTFT_BUCKETS,
+                                      registry=r)
+        self.decode_setup_time = Histogram("pdserve_request_decode_setup_seconds", "The first token's arrival to the "
+                                           "first decode chunk (the Decode call, KV admission, one engine step)",
+                                           buckets=TTFT_BUCKETS, registry=r)
         self.accepted_per_step = Histogram("pdserve_request_accepted_tokens_per_step", "Per request: tokens "
                                            "produced per decode (verify) step; 1 without speculation",
                                            buckets=ACCEPT_BUCKETS, registry=r)
@@ -47,6 +53,12 @@ class GatewayMetrics:
     def admitted(self, queue_s: float, prompt_tokens: int) -> None:
         self.queue_time.observe(queue_s)
         self.prompt_tokens.inc(prompt_tokens)
+
+    def prefilled(self, prefill_s: float) -> None:
+        self.prefill_time.observe(prefill_s)
+
+    def decode_started(self, setup_s: float) -> None:
+        self.decode_setup_time.observe(setup_s)
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)

@@ -61,6 +61,8 @@ class RunObserver(Protocol):
     """What a run reports as it goes (gateway.metrics.GatewayMetrics); times in seconds."""
 
     def admitted(self, queue_s: float, prompt_tokens: int) -> None: ...
+    def prefilled(self, prefill_s: float) -> None: ...
+    def decode_started(self, setup_s: float) -> None: ...
     def first_token(self, ttft_s: float) -> None: ...
     def tokens(self, count: int, gap_s: float | None) -> None: ...
     def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None: ...
@@ -161,11 +163,15 @@ class RequestRun:
         self._decode_state = DecodeState.RESERVED
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         self.admitted = True
+        reserved = time.perf_counter()
         if self._observer is not None:
-            self._observer.admitted(time.perf_counter() - self._arrival, len(job.prompt_ids))
+            self._observer.admitted(reserved - self._arrival, len(job.prompt_ids))
         sampling = sampling_to_proto(params)
         response = await self._run_prefill(destination, sampling)
-        self._ttft_ms = (time.perf_counter() - self._arrival) * 1000
+        prefilled = time.perf_counter()
+        self._ttft_ms = (prefilled - self._arrival) * 1000
+        if self._observer is not None:
+            self._observer.prefilled(prefilled - reserved)
         first = response.first_token
         logprobs = [response.first_logprob] if response.HasField("first_logprob") else []
         if self._emit([first], logprobs):
@@ -179,7 +185,11 @@ class RequestRun:
                                            stream_interval=job.stream_interval)
         self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
         self._decode_state = DecodeState.STREAMING
+        observer, first_chunk = self._observer, True
         async for chunk in self._decode_call:
+            if first_chunk and observer is not None:  # the gap after the first token: Decode set-up + one step
+                observer.decode_started(time.perf_counter() - prefilled)
+            first_chunk = False
             self._decode_steps += chunk.decode_steps
             self._decode_tokens += len(chunk.token_ids)
             if chunk.token_ids and self._emit(list(chunk.token_ids), list(chunk.logprobs)):

@@ -8,6 +8,7 @@ from engine.engine_types import EngineConfig
 from engine.devices import serving_device
 from engine.role_config import EmbedsEngineConfig, worker_engine_config
 from kvtransfer.device_pool import DevicePoolFactory
+from prefill_worker.batch_policy import DEFAULT_BATCH_TARGET_MS
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 2**20  # the local pool: used only by the grpc transport (compute, then push)
 
@@ -15,25 +16,31 @@ DEFAULT_KV_MEMORY_BYTES = 256 * 2**20  # the local pool: used only by the grpc t
 @dataclass(frozen=True)
 class PrefillWorkerConfig(EmbedsEngineConfig):
     """engine.max_batched_tokens: the engine's prefill chunk (tokens per forward); batch_tokens: prompt
-    tokens taken from the queue into one engine.prefill call (several prompts per step)."""
+    tokens taken from the queue into one engine.prefill call (several prompts per step); batch_target_ms:
+    fewer, when the engine's measured cost says batch_tokens would take longer than this (0: no time cap;
+    prefill_worker/batch_policy.py)."""
 
     engine: EngineConfig
     listen: str = "127.0.0.1:0"
     metrics_listen: str = ""  # Prometheus GET /metrics ("": none; port 0 picks one)
     batch_tokens: int = 2048
+    batch_target_ms: float = DEFAULT_BATCH_TARGET_MS
     internal_token: str | None = field(default=None, repr=False)  # required on calls, sent with KV pushes
 
     def __post_init__(self) -> None:
         self.check_addresses()
         if self.batch_tokens <= 0:
             raise ValueError(f"batch_tokens must be positive, got {self.batch_tokens}")
+        if self.batch_target_ms < 0:
+            raise ValueError(f"batch_target_ms must be >= 0 (0: no time cap), got {self.batch_target_ms}")
 
     @classmethod
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", batch_tokens: int = 2048,
-              internal_token: str | None = None, **engine: Any) -> PrefillWorkerConfig:
+              batch_target_ms: float = DEFAULT_BATCH_TARGET_MS, internal_token: str | None = None,
+              **engine: Any) -> PrefillWorkerConfig:
         """engine: EngineConfig fields. The prefill role computes into private pages and attaches decode
         workers' shared pools: shm pools and device pools, by name (DevicePoolFactory.attach)."""
         device = serving_device(engine.get("device", "auto"))
         engine = worker_engine_config({"kv_memory_bytes": DEFAULT_KV_MEMORY_BYTES, **engine}, kv_pool="local",
                                       page_pools=DevicePoolFactory(device, tuple(engine.get("gpus") or ())))
-        return cls(engine, listen, metrics_listen, batch_tokens, internal_token)
+        return cls(engine, listen, metrics_listen, batch_tokens, batch_target_ms, internal_token)

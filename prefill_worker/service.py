@@ -1,12 +1,13 @@
 """The prefill worker's request handling, independent of gRPC.
 
 prefill() queues a job; the engine thread takes queued jobs in arrival order up to `batch_tokens` prompt
-tokens and runs them in one engine.prefill call (chunked inside the engine), writing KV straight into the
-decode pools (shm) or into local pages (grpc); for models with linear attention the KDA state goes with
-them (straight into decode's reserved state slot on shm; from a local slot, pushed, on grpc). The KV
-export (completion records / push) then runs off the engine thread, so the next batch can start. cancel() drops a queued job, or stops a running one
-between two chunks (the engine asks before each chunk) and waits until it no longer touches its
-destination pages."""
+tokens (fewer when that would take longer than `batch_target_ms`: batch_policy.py) and runs them in one
+engine.prefill call (chunked inside the engine), writing KV straight into the decode pools (shm) or into
+local pages (grpc); for models with linear attention the KDA state goes with them (straight into decode's
+reserved state slot on shm; from a local slot, pushed, on grpc). The KV export (completion records / push)
+then runs off the engine thread, so the next batch can start. cancel() drops a queued job, or stops a
+running one between two chunks (the engine asks before each chunk) and waits until it no longer touches
+its destination pages."""
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +29,7 @@ from kvtransfer.errors import KVTransferError, LeaseExpired
 from rpc.engine_thread import EngineThread
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from rpc.interceptors import token_metadata
+from prefill_worker.batch_policy import PrefillCost, batch_token_limit
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.kv_export import (
     finish_shm, prefill_pool_names, push_pages, rank_device_ids, stage_to_host, writes_in_place,
@@ -96,6 +98,7 @@ class PrefillService:
         self._queue: collections.deque[_Job] = collections.deque()
         self._jobs: dict[str, _Job] = {}
         self._accepted = 0
+        self._cost = PrefillCost()  # engine thread only
         factory = engine_factory or (lambda: _build_engine(config))
         self._engine: EngineThread[Any] = EngineThread(factory, self._work, name="prefill-engine")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -240,8 +243,9 @@ class PrefillService:
     def _take_batch(self) -> list[_Job]:
         batch: list[_Job] = []
         tokens = 0
+        limit = batch_token_limit(self.config.batch_tokens, self.config.batch_target_ms, self._cost.ms_per_token)
         with self._lock:
-            while self._queue and (not batch or tokens + len(self._queue[0].prompt_ids) <= self.config.batch_tokens):
+            while self._queue and (not batch or tokens + len(self._queue[0].prompt_ids) <= limit):
                 job = self._queue.popleft()
                 job.state, job.started = "running", time.perf_counter()
                 batch.append(job)
@@ -283,6 +287,7 @@ class PrefillService:
                 self._fail(job, error)
             return True
         prefill_ms = (time.perf_counter() - started) * 1000
+        self._cost.observe(prefill_ms, sum(len(job.prompt_ids) for job in runnable))
         for job, result in zip(runnable, results):
             if result is None:  # cancelled (or its lease ran out) between chunks: nothing more was written
                 logger.info("prefill of %s stopped between chunks (%s)", job.request_id,

@@ -24,7 +24,7 @@ from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowPara
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.sharding import shard_weight
 
-CHUNK_SIZE = 64
+CHUNK_SIZE = 16  # the torch prefill chunk: K3's safe gate (g >= -5) keeps every chunk factored (kda_ops)
 
 
 def kda_weight_shapes(hidden: int, heads: int, head_dim: int, conv_width: int,

@@ -12,7 +12,9 @@ chunked:   chunks of C tokens. Inside a chunk, with G_t = g_1 + ... + g_t (cumul
     with A[t, s] = sum_c k_t[c] k_s[c] e^{G_t[c] - G_s[c]} for s < t, and
         o_t = S_0^T (q_t * e^{G_t}) + sum_{s<=t} (sum_c q_t[c] k_s[c] e^{G_t[c] - G_s[c]}) u_s,
         S_C = diag(e^{G_C}) S_0 + sum_s (k_s * e^{G_C - G_s}) u_s^T.
-    Only differences G_t - G_s with s <= t are exponentiated, so nothing overflows.
+    kda_chunked forms every chunk's A and scores at once as matmuls, e^{G_t - G_s} = e^{G_t} e^{-G_s}, exact
+    while a chunk's deepest log-decay stays <= MAX_FACTORED_DECAY (always, for K3's safe gate at chunk 16);
+    deeper chunks use the pairwise form, which exponentiates only differences G_t - G_s with s <= t. U = U_0 - W S_0 needs no state, so only S_0 -> S_C is sequential.
 Everything is computed in float32.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 L2_NORM_EPS = 1e-6
+MAX_FACTORED_DECAY = 80.0  # deepest log-decay in a chunk factored into matmuls (e^{-G} <= e^80 < float32 max)
 SOFTPLUS_THRESHOLD = 20.0
 
 
@@ -102,38 +105,76 @@ def kda_recurrent(
         outs.append(torch.matmul(q_rows[t], s))  # [N, H, 1, V]
     return torch.stack(outs, dim=1).squeeze(3), s
 
-def _chunk(q, k, v, g, beta, s0):
-    """One chunk of one sequence. q, k, g: [H, C, K]; v: [H, C, V]; beta: [H, C]; s0: [H, K, V]."""
-    size = q.shape[1]
-    cum = torch.cumsum(g, dim=1)  # G_t
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+def _pairwise_decay_scores(left: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, diagonal: int) -> torch.Tensor:
+    """[M, C, C]: entry [t, s] = sum_c left_t[c] k_s[c] e^{G_t[c] - G_s[c]}, kept where s <= t + diagonal
+    (tril(diagonal)); exact for any decay. left, k, cum: [M, C, K]. Materialises [M, C, C, K]: used only for
+    chunks whose decay is too deep to factor (_intra_chunk)."""
+    size = cum.shape[1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=cum.device).tril()
     diff = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(~causal[None, :, :, None], float("-inf"))
-    decay = torch.exp(diff)  # [H, t, s, K], zero above the diagonal
-    a = torch.einsum("htc,hsc,htsc->hts", k, k, decay).tril(-1)
-    system = torch.eye(size, device=q.device) + beta.unsqueeze(-1) * a
-    rhs = beta.unsqueeze(-1) * (v - torch.einsum("htk,hkv->htv", k * torch.exp(cum), s0))
-    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    scores = torch.einsum("htc,hsc,htsc->hts", q, k, decay)
-    out = torch.einsum("htk,hkv->htv", q * torch.exp(cum), s0) + scores @ u
-    tail = torch.exp(cum[:, -1:] - cum)  # e^{G_C - G_s}
-    state = torch.exp(cum[:, -1]).unsqueeze(-1) * s0 + torch.einsum("hsk,hsv->hkv", k * tail, u)
-    return out, state
+    return torch.einsum("mtc,msc,mtsc->mts", left, k, torch.exp(diff)).tril(diagonal)
+
+
+def _intra_chunk(q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, decayed: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The within-chunk products of every chunk at once: q, k, cum [M, C, K], decayed = e^cum -> (A [M, C, C]
+    strictly lower, scores [M, C, C] lower incl. the diagonal), A[t, s] = sum_c k_t k_s e^{G_t - G_s}, scores
+    the same with q_t.
+
+    e^{G_t - G_s} = e^{G_t} e^{-G_s}, so both are batched matmuls: row t needs e^{-G_s} for s <= t only,
+    <= e^{depth_t} (depth_t: the deepest |G_s|, s <= t), safe in float32 while depth_t <= MAX_FACTORED_DECAY,
+    which K3's safe gate guarantees for chunk * |lower_bound| <= 80. Deeper rows are recomputed in the exact
+    pairwise form. Either way row t depends on tokens <= t only, bit for bit."""
+    k_down = (k * torch.exp(-cum)).transpose(1, 2)
+    a = ((k * decayed) @ k_down).tril(-1)  # (entries above the diagonal may overflow: tril drops them)
+    scores = ((q * decayed) @ k_down).tril()
+    deep = torch.cummax(cum.abs().amax(dim=2), dim=1).values > MAX_FACTORED_DECAY  # [M, C]
+    chunks = deep.any(dim=1).nonzero().flatten()
+    if chunks.numel():  # (one host sync per call)
+        rows = deep[chunks, :, None]
+        a[chunks] = torch.where(rows, _pairwise_decay_scores(k[chunks], k[chunks], cum[chunks], -1), a[chunks])
+        scores[chunks] = torch.where(rows, _pairwise_decay_scores(q[chunks], k[chunks], cum[chunks], 0), scores[chunks])
+    return a, scores
 
 
 def kda_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H]; state: [H, K, V]
-    -> (o [T, H, V], final state [H, K, V]), float32; same result as kda_recurrent."""
+    -> (o [T, H, V], final state [H, K, V]), float32; same result as kda_recurrent.
+
+    Every chunk's local work runs at once (U = U_0 - W S_0 with U_0, W from one triangular solve, independent
+    of the state entering the chunk); only the state hand-over S_0 -> S_C runs chunk after chunk."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    q, k, v, g = (t.float().transpose(0, 1) for t in (q, k, v, g))  # [H, T, .]
-    beta = beta.float().transpose(0, 1)
+    length, heads = q.shape[0], q.shape[1]
+    pad = (-length) % chunk_size  # zero tail tokens (k = v = beta = g = 0) change neither outputs nor state
+    chunks = (length + pad) // chunk_size
+
+    def split(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [H * chunks, C, D]
+        x = F.pad(x.float(), (0, 0, 0, 0, 0, pad)) if x.dim() == 3 else F.pad(x.float(), (0, 0, 0, pad))[..., None]
+        return x.transpose(0, 1).reshape(heads * chunks, chunk_size, x.shape[-1])
+
+    q, k, v, g, beta = split(q), split(k), split(v), split(g), split(beta)
+    cum = torch.cumsum(g, dim=1)  # G_t from each chunk's start
+    decayed = torch.exp(cum)
+    a, scores = _intra_chunk(q, k, cum, decayed)
+    system = torch.eye(chunk_size, device=q.device) + beta * a
+    solved = torch.linalg.solve_triangular(system, beta * torch.cat([v, k * decayed], dim=-1), upper=False,
+                                           unitriangular=True)
+    u0, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)  # U = U_0 - W S_0
+
+    def per_chunk(x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [H * chunks, ...] -> chunks x [H, ...]
+        return x.view(heads, chunks, *x.shape[1:]).unbind(1)
+
+    tail = (k * torch.exp(cum[:, -1:] - cum)).transpose(1, 2)  # (k_s e^{G_C - G_s})^T
+    last = decayed[:, -1].unsqueeze(-1)  # e^{G_C}
     s = state.float()
     outs = []
-    for start in range(0, q.shape[1], chunk_size):
-        piece = slice(start, start + chunk_size)
-        out, s = _chunk(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], s)
-        outs.append(out)
-    return torch.cat(outs, dim=1).transpose(0, 1), s
+    for u0_c, w_c, q_c, scores_c, tail_c, last_c in zip(*map(per_chunk, (u0, w, q * decayed, scores, tail, last))):
+        u = u0_c - w_c @ s
+        outs.append(q_c @ s + scores_c @ u)
+        s = last_c * s + tail_c @ u
+    out = torch.stack(outs, dim=1).reshape(heads, chunks * chunk_size, -1)[:, :length]
+    return out.transpose(0, 1), s

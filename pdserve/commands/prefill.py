@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.commands.common import add_engine_arguments, engine_kwargs, fail
+from prefill_worker.batch_policy import DEFAULT_BATCH_TARGET_MS
 from rpc.logging_setup import configure_logging
 
 
@@ -12,6 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, default_memory_mb=256)
     parser.add_argument("--batch-tokens", type=int, default=2048,
                         help="prompt tokens taken from the queue into one prefill step (at least one prompt)")
+    parser.add_argument("--batch-target-ms", type=float, default=DEFAULT_BATCH_TARGET_MS,
+                        help="take fewer prompt tokens when the measured prefill cost says --batch-tokens would "
+                             "take longer than this (0: no time cap)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = PrefillWorkerConfig.build(listen=args.listen, metrics_listen=args.metrics_listen,
-                                           batch_tokens=args.batch_tokens, **engine_kwargs(args))  # device checks too
+                                           batch_tokens=args.batch_tokens,
+                                           batch_target_ms=args.batch_target_ms, **engine_kwargs(args))  # device checks too
     except (ValueError, OSError) as error:
         return fail("prefill", error)
     run_event_loop(lambda: serve(config, ready_file=args.ready_file))

@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.kda_ops import causal_conv, kda_chunked, kda_gate, kda_recurrent, l2_normalize
+from engine.layers.kda_ops import (
+    MAX_FACTORED_DECAY, causal_conv, kda_chunked, kda_gate, kda_recurrent, l2_normalize,
+)
 
 
 def _inputs(seq_len: int, heads: int = 3, dim: int = 8, seed: int = 0, lower_bound: float | None = None):
@@ -21,7 +23,7 @@ def _inputs(seq_len: int, heads: int = 3, dim: int = 8, seed: int = 0, lower_bou
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
 def test_chunked_equals_recurrent(chunk_size, lower_bound):
     """The chunked form (any chunk size) gives the recurrent form's outputs and final state."""
     q, k, v, g, beta, state = _inputs(150, lower_bound=lower_bound)
@@ -29,6 +31,32 @@ def test_chunked_equals_recurrent(chunk_size, lower_bound):
     out_c, state_c = kda_chunked(q, k, v, g, beta, state, chunk_size)
     torch.testing.assert_close(out_c, out_r[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state_c, state_r[0], atol=1e-5, rtol=1e-5)
+
+
+def test_wide_decay_chunks_fall_back_to_the_exact_form():
+    """Chunks whose log-decay goes deeper than MAX_FACTORED_DECAY (e^{-G} would overflow float32 when factored)
+    still match the recurrent form, next to chunks that are factored, with finite outputs."""
+    q, k, v, g, beta, state = _inputs(48, lower_bound=-5.0)
+    g[16:32, :, ::2] = -30.0  # the middle chunk of 16: a log-decay of 480 in half the channels
+    assert float(-g[16:32].sum(0).min()) > MAX_FACTORED_DECAY
+    out_r, state_r = kda_recurrent(q[None], k[None], v[None], g[None], beta[None], state[None])
+    out_c, state_c = kda_chunked(q, k, v, g, beta, state, 16)
+    assert torch.isfinite(out_c).all() and torch.isfinite(state_c).all()
+    torch.testing.assert_close(out_c, out_r[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state_c, state_r[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_outputs_do_not_depend_on_later_tokens(lower_bound):
+    """Bit for bit, output t depends only on tokens <= t (also inside a chunk): two sequences of one length
+    that differ only after position 20 give identical outputs up to 20."""
+    q, k, v, g, beta, state = _inputs(40, lower_bound=lower_bound)
+    other = _inputs(40, seed=1, lower_bound=lower_bound)
+    mixed = [torch.cat([a[:21], b[21:]]) for a, b in zip((q, k, v, g, beta), other)]
+    out, _ = kda_chunked(q, k, v, g, beta, state, 16)
+    out_mixed, _ = kda_chunked(*mixed, state, 16)
+    assert torch.equal(out[:21], out_mixed[:21])
+    assert not torch.equal(out[21:], out_mixed[21:])
 
 
 def test_state_carries_across_calls():

@@ -38,9 +38,13 @@ def exact_joint(llm) -> torch.Tensor:
     joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     first = torch.softmax(llm.logits(PROMPT)[-1].double() / TEMPERATURE, dim=-1)
     for t1 in range(VOCAB):
+        # P(t2 | p, t1) once per t1: forwards over p + [t1, t2] do not round row n identically for every t2
+        # (logits differ by up to ~4e-6 between them), so 16 rows taken from 16 forwards need not sum to 1
+        # within 1e-9.
+        second = torch.softmax(llm.logits(PROMPT + [t1])[n].double() / TEMPERATURE, dim=-1)
         for t2 in range(VOCAB):
-            probs = torch.softmax(llm.logits(PROMPT + [t1, t2])[n : n + 2].double() / TEMPERATURE, dim=-1)
-            joint[t2] += first[t1] * probs[0, t2] * probs[1]
+            third = torch.softmax(llm.logits(PROMPT + [t1, t2])[n + 1].double() / TEMPERATURE, dim=-1)
+            joint[t2] += first[t1] * second[t2] * third
     assert abs(float(joint.sum()) - 1.0) < 1e-9
     return joint
 

@@ -95,3 +95,45 @@ async def test_first_token_is_forwarded_before_decode_is_called():
     assert workers.decode_requests[0].stream_interval == 3
     assert run.task is not None
     await asyncio.wait_for(run.task, 30)
+
+
+class _Phases:
+    """A RunObserver that records which phase it heard of, in order, with its duration."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, float]] = []
+
+    def admitted(self, queue_s: float, prompt_tokens: int) -> None:
+        self.seen.append(("admitted", queue_s))
+
+    def prefilled(self, prefill_s: float) -> None:
+        self.seen.append(("prefilled", prefill_s))
+
+    def decode_started(self, setup_s: float) -> None:
+        self.seen.append(("decode_started", setup_s))
+
+    def first_token(self, ttft_s: float) -> None:
+        self.seen.append(("first_token", ttft_s))
+
+    def tokens(self, count: int, gap_s: float | None) -> None:
+        pass
+
+    def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None:
+        self.seen.append(("finished", e2e_s))
+
+
+async def test_observer_hears_each_phase_once_in_path_order():
+    """A run reports admission, prefill, first token, decode set-up and finish once each, in that order, with
+    durations that are non-negative and add up: queue + prefill <= TTFT <= end to end."""
+    phases = _Phases()
+    job = GenerateJob(request_id="r2", prompt_ids=(5, 6, 7),
+                      params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    run = RequestRun(job, _Workers([]), None, time.perf_counter(), None, cleanup_timeout_s=5.0,  # type: ignore[arg-type]
+                     observer=phases)
+    run.start()
+    assert run.task is not None
+    await asyncio.wait_for(run.task, 30)
+    assert [name for name, _ in phases.seen] == ["admitted", "prefilled", "first_token", "decode_started", "finished"]
+    took = dict(phases.seen)
+    assert all(value >= 0 for value in took.values())
+    assert took["admitted"] + took["prefilled"] <= took["first_token"] <= took["finished"]

@@ -1,5 +1,6 @@
 """PrefillService without gRPC, over a fake engine whose prefill blocks until released: batching by
-prompt tokens, and Cancel semantics (drop when queued, wait when running, no KV export afterwards)."""
+prompt tokens and by the target time, and Cancel semantics (drop when queued, wait when running, no KV
+export afterwards)."""
 from __future__ import annotations
 
 import asyncio
@@ -98,3 +99,26 @@ async def test_duplicate_and_expired_requests_are_refused(prefill):
         await service.prefill("E", [5] * 4, greedy(4), expired)
     engine.release.set()
     await asyncio.wait([first], timeout=60)
+
+
+async def test_batch_takes_only_what_fits_the_target_time():
+    """With a measured cost of 1.25 ms per token and a 10 ms target, a batch takes 8 tokens: B and C, queued
+    behind A, run one per batch although batch_tokens (100) would hold both."""
+    engine = _BlockingEngine()
+    service = PrefillService(PrefillWorkerConfig.build(batch_tokens=100, batch_target_ms=10.0),
+                             engine_factory=lambda: engine)
+    await service.start()
+    service._confirm = lambda destination: None  # no decode pool here
+    service._cost = SimpleNamespace(ms_per_token=1.25, observe=lambda batch_ms, num_tokens: None)  # a fixed cost
+    try:
+        calls = [asyncio.create_task(service.prefill("A", [5] * 8, greedy(4), _destination("A", 8)))]
+        await eventually(lambda: engine.batches == [["A"]], "A to run")
+        calls += [asyncio.create_task(service.prefill(name, [5] * 8, greedy(4), _destination(name, 8))) for name in "BC"]
+        await eventually(lambda: service.load.queued_requests == 2, "B and C to queue")
+        engine.release.set()
+        await asyncio.wait(calls, timeout=60)  # (their KV export fails: there is no decode pool here)
+        assert all(call.done() for call in calls)
+        assert engine.batches == [["A"], ["B"], ["C"]]
+    finally:
+        engine.release.set()
+        await service.stop()

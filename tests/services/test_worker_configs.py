@@ -24,6 +24,7 @@ def test_build_embeds_the_engine_config_with_the_roles_pool():
 
 @pytest.mark.parametrize("build, field", [
     (lambda: PrefillWorkerConfig.build(batch_tokens=0), "batch_tokens"),
+    (lambda: PrefillWorkerConfig.build(batch_target_ms=-1), "batch_target_ms"),
     (lambda: DecodeWorkerConfig.build(admit_timeout_s=0), "admit_timeout_s"),
     (lambda: DecodeWorkerConfig.build(listen="nowhere"), "listen"),
     (lambda: PrefillWorkerConfig.build(tp_size=0), "tp_size"),
