@@ -105,6 +105,7 @@ def kda_recurrent(
         outs.append(torch.matmul(q_rows[t], s))  # [N, H, 1, V]
     return torch.stack(outs, dim=1).squeeze(3), s
 
+
 def _pairwise_decay_scores(left: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, diagonal: int) -> torch.Tensor:
     """[M, C, C]: entry [t, s] = sum_c left_t[c] k_s[c] e^{G_t[c] - G_s[c]}, kept where s <= t + diagonal
     (tril(diagonal)); exact for any decay. left, k, cum: [M, C, K]. Materialises [M, C, C, K]: used only for
