@@ -71,6 +71,7 @@ class ForwardBatch:
         layers only; None otherwise). Sequence i's tokens continue from the slot's content.
     snapshot_state: speculative verify: KDA layers leave the slots untouched and write the state after
         every position into the state pool's snapshot scratch (row i = sequence i), for commit_snapshots.
+    state_slots_cpu: the same slots as a Python tuple (no device sync needed), when the builder had them.
     """
 
     mode: ForwardMode
@@ -79,10 +80,17 @@ class ForwardBatch:
     attn: AttentionMetadata
     state_slots: torch.Tensor | None = None
     snapshot_state: bool = False
+    state_slots_cpu: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def host_state_slots(self) -> tuple[int, ...]:
+        """state_slots on the host: state_slots_cpu, or (a device sync) a copy of the tensor."""
+        if self.state_slots_cpu or self.state_slots is None:
+            return self.state_slots_cpu
+        return tuple(self.state_slots.tolist())
 
 
 def _packed_metadata(

@@ -396,7 +396,7 @@ class LLMEngine:
         order, verdict = spec_decode.verify_on_device(seqs, drafts, logits, offsets)
         if verdict is not None:
             pieces.append(verdict)
-        host = fetch_to_host(torch.cat(pieces))  # the step's one device-to-host copy
+        host = fetch_to_host(torch.cat(pieces) if len(pieces) > 1 else pieces[0])  # the step's one device-to-host copy
         return Verified(logits, offsets, dict(zip(plain, host[: len(plain)])),
                         spec_decode.verdicts(seqs, drafts, order, host[len(plain) :]), plan.snapshot_state)
 

@@ -238,7 +238,8 @@ class ModelRunner:
         batch, rows = copy_forward_batch(plan.mode, *pack_target_plan(plan, self.config.page_size), self.device)
         if plan.state_slots is not None:
             slots = torch.tensor(plan.state_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            batch = dataclasses.replace(batch, state_slots=slots, snapshot_state=plan.snapshot_state)
+            batch = dataclasses.replace(batch, state_slots=slots, snapshot_state=plan.snapshot_state,
+                                        state_slots_cpu=tuple(plan.state_slots))
             if plan.snapshot_state:
                 cache.state.begin_snapshots(len(plan.state_slots), max(plan.q_lens))
         return self.forward_target(batch, rows, cache, plan.write_draft_context)
@@ -263,7 +264,8 @@ class ModelRunner:
             if logits is not None:
                 return logits
         last, starts, slots = self.draft_inputs(plan)
-        return self.forward_draft(last, starts, slots, plan.block_size, plan.with_hidden)
+        full = len(set(plan.context_lens)) == 1  # no padding: the draft needs no attention mask
+        return self.forward_draft(last, starts, slots, plan.block_size, plan.with_hidden, full)
 
     def draft_inputs(self, plan: DraftPlan, num_seqs: int | None = None, max_ctx: int | None = None):
         """(last tokens [S], context starts [S], context slots [S, max_ctx]) on the device, one H2D copy.
@@ -285,9 +287,11 @@ class ModelRunner:
         return last, starts, flat.view(count, width)
 
     def forward_draft(self, last: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, block: int,
-                      with_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      with_hidden: bool = False, full_context: bool = False,
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The device part of a draft step: last/starts [S], slots [S, max_ctx] -> logits [S * (block - 1), vocab]
-        (with_hidden: and the hidden rows [S * (block - 1), hidden])."""
+        (with_hidden: and the hidden rows [S * (block - 1), hidden]). full_context: every context is max_ctx
+        long (no padding rows, no mask)."""
         num_seqs, max_ctx = slots.shape
         shifted = self.draft.shifted_block  # DSpark: block-1 slots, slot k predicts position start+k+1
         width = block - 1 if shifted else block
@@ -296,8 +300,8 @@ class ModelRunner:
         positions = starts[:, None] + torch.arange(width, device=self.device)[None, :]
         embeds = self.model.embed(ids.view(-1)).view(num_seqs, width, -1)
         draft_cache = self.cache.draft.view(self.cache_shape.draft_layers, -1, self.cache_shape.draft_dim)
-        context = draft_cache[:, slots.view(-1)].view(self.cache_shape.draft_layers, num_seqs, max_ctx, -1)
-        hidden = self.draft(embeds, positions, context.to(embeds.dtype), starts)
+        context = draft_cache.index_select(1, slots.view(-1)).view(self.cache_shape.draft_layers, num_seqs, max_ctx, -1)
+        hidden = self.draft(embeds, positions, context.to(embeds.dtype), starts, full_context)
         hidden = (hidden if shifted else hidden[:, 1:]).reshape(num_seqs * (block - 1), -1)
         logits = self.model.compute_logits(hidden)
         return (logits, hidden) if with_hidden else logits

@@ -7,12 +7,14 @@ the verify plan from them) and the verify verdicts (returned as a device tensor,
 engine together with the step's other sampled ids)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.host_fetch import fetch_to_host
 from engine.sampling import SamplingBatch, sample
 from engine.sequence import Sequence
-from engine.spec_verify import VerifyResult, verify_greedy_tensors, verify_sampled_tensors
+from engine.spec_verify import VerifyResult, verify_sampled_tensors
 from engine.step_plan import DraftPlan
 
 # request id -> (draft tokens, their draft distribution q [k, vocab] when the request samples)
@@ -26,9 +28,11 @@ def _markov_drafts(logits: torch.Tensor, last: list[int], markov, choose) -> tup
     q or None). -> (tokens [n, k], the Markov-corrected rows the tokens were chosen from [n, k, vocab] (q when
     sampled))."""
     prev = torch.tensor(last, dtype=torch.int64, device=logits.device)
+    vocab = logits.shape[-1]
+    corrected_of = getattr(markov, "corrected", None)  # a MarkovSteps adds its bias in one fused op
     tokens, rows = [], []
-    for k in range(logits.shape[1]):
-        corrected = logits[:, k].float() + markov(prev)[:, : logits.shape[-1]]
+    for k, base in enumerate(logits.float().unbind(1)):
+        corrected = corrected_of(base, prev) if corrected_of is not None else base + markov(prev)[:, :vocab]
         prev, q = choose(corrected)
         tokens.append(prev)
         rows.append(corrected if q is None else q)
@@ -101,24 +105,33 @@ def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposal
     return proposals
 
 
+class VerifyOrder(NamedTuple):
+    """Which sequences verify_on_device put where in its device tensor: greedy[j] owns counts[j] argmax rows
+    (its drafts + 1, back to back, first), then sampled[j] its accept count and after those its final token."""
+
+    greedy: list[int]
+    counts: list[int]
+    sampled: list[int]
+
+
 def verify_on_device(
     seqs: list[Sequence], proposals: Proposals, logits: torch.Tensor, offsets: list[int]
-) -> tuple[list[int], torch.Tensor | None]:
+) -> tuple[VerifyOrder, torch.Tensor | None]:
     """logits: the target's rows for every sequence's [last token + drafts] (sequence i owns rows
-    offsets[i]:offsets[i + 1]). -> (indices of the sequences with drafts, in verdict order;
-    verdict [2 * n] int64 on the device: n accept counts, then n final tokens), nothing fetched."""
+    offsets[i]:offsets[i + 1]). -> (where each drafted sequence's verdict sits; the verdict, int64 on the
+    device: the target's argmax of every greedy sequence's rows (its acceptance is a prefix comparison the
+    host does on the fetched ids), then the sampled sequences' accept counts and final tokens), nothing fetched."""
     spec = [i for i, seq in enumerate(seqs) if seq.request_id in proposals]
     greedy = [i for i in spec if seqs[i].params.greedy]
     sampled = [i for i in spec if not seqs[i].params.greedy]
     device = logits.device
-    accepted, finals = [], []
+    pieces = []
     if greedy:
-        _, num_accepted, final = verify_greedy_tensors(
-            [torch.tensor(proposals[seqs[i].request_id][0], device=device) for i in greedy],
-            [logits[offsets[i] : offsets[i + 1]] for i in greedy],
-        )
-        accepted.append(num_accepted)
-        finals.append(final)
+        if len(greedy) == len(seqs):
+            pieces.append(logits.argmax(dim=-1))
+        else:
+            rows = [r for i in greedy for r in range(offsets[i], offsets[i + 1])]
+            pieces.append(logits.index_select(0, torch.tensor(rows, device=device)).argmax(dim=-1))
     if sampled:
         counts = [offsets[i + 1] - offsets[i] for i in sampled]
         rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in sampled]).to(device)
@@ -131,21 +144,31 @@ def verify_on_device(
             list(torch.split(target, counts)),
             [seqs[i].generator for i in sampled],
         )
-        accepted.append(num_accepted)
-        finals.append(final)
-    if not spec:
-        return [], None
-    return greedy + sampled, torch.cat(accepted + finals)
+        pieces += [num_accepted, final]
+    order = VerifyOrder(greedy, [offsets[i + 1] - offsets[i] for i in greedy], sampled)
+    return order, torch.cat(pieces) if pieces else None
 
 
-def verdicts(seqs: list[Sequence], proposals: Proposals, order: list[int], values: list[int]) -> dict[int, VerifyResult]:
+def greedy_verdict(drafts: list[int], argmax: list[int]) -> VerifyResult:
+    """The longest prefix of drafts equal to the target's argmax rows, then the argmax after it (argmax has
+    len(drafts) + 1 rows)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
+        accepted += 1
+    return VerifyResult(list(drafts[:accepted]) + [argmax[accepted]], accepted)
+
+
+def verdicts(seqs: list[Sequence], proposals: Proposals, order: VerifyOrder, values: list[int]) -> dict[int, VerifyResult]:
     """The host copy of verify_on_device's verdict -> {sequence index: tokens to append}."""
-    count = len(order)
     results: dict[int, VerifyResult] = {}
-    for j, i in enumerate(order):
-        accepted, final = values[j], values[count + j]
-        drafts = proposals[seqs[i].request_id][0]
-        results[i] = VerifyResult(list(drafts[:accepted]) + [final], accepted)
+    start = 0
+    for i, count in zip(order.greedy, order.counts):
+        results[i] = greedy_verdict(proposals[seqs[i].request_id][0], values[start : start + count])
+        start += count
+    count = len(order.sampled)
+    for j, i in enumerate(order.sampled):
+        accepted, final = values[start + j], values[start + count + j]
+        results[i] = VerifyResult(list(proposals[seqs[i].request_id][0][:accepted]) + [final], accepted)
     return results
 
 

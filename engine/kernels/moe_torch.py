@@ -16,6 +16,8 @@ Shapes: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; weights [T, k] float32; lo
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -132,13 +134,15 @@ def routing_matrix(weights: torch.Tensor, local_ids: torch.Tensor, num_experts: 
 
 
 def moe_dense(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              local_ids: torch.Tensor) -> torch.Tensor:
-    """Every local expert on every token (two batched matmuls), combined with the routing weights."""
+              local_ids: torch.Tensor, glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+              ) -> torch.Tensor:
+    """Every local expert on every token (two batched matmuls), combined with the routing weights.
+    glu(gate, up) -> the activated rows (default silu(gate) * up; K3's LatentMoE passes SiTU-GLU)."""
     num_tokens = x.shape[0]
     num_experts, two_inter, hidden = gate_up.shape
     combine = routing_matrix(weights, local_ids, num_experts)
     gate_up_out = F.linear(x, gate_up.reshape(-1, hidden)).view(num_tokens, num_experts, two_inter)
     gate, up = gate_up_out.chunk(2, dim=-1)
-    activated = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
+    activated = (F.silu(gate) * up if glu is None else glu(gate, up)).transpose(0, 1)  # [E, T, I]
     out = torch.bmm(activated, down.transpose(1, 2)).float()  # [E, T, H]
     return torch.bmm(combine.unsqueeze(1), out.transpose(0, 1)).squeeze(1)

@@ -18,7 +18,8 @@ from torch import nn
 from engine.distributed import TPGroup
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.kda_fla import fla_chunked_kda
-from engine.layers.kda_ops import causal_conv, conv_windows, kda_chunked, kda_gate, kda_recurrent, l2_normalize
+from engine.layers.kda_ops import (causal_conv, causal_conv_batch, conv_windows, kda_chunked, kda_gate, kda_recurrent,
+                                   l2_normalize)
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.sharding import shard_weight
@@ -114,77 +115,98 @@ class KimiDeltaAttention(nn.Module):
         dict(self.named_parameters())[local_name].data.copy_(piece)
 
     # ---- forward ----
+    def conv_weight(self) -> torch.Tensor:
+        """[3P_local, W] float32: the q | k | v depthwise conv taps, concatenated once and kept (rebuilt when a
+        tap tensor is written again)."""
+        sources = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        key = tuple((id(weight), weight._version) for weight in sources)
+        if getattr(self, "_conv_key", None) != key:
+            self._conv_weight = torch.cat(sources, dim=0).squeeze(1).float()
+            self._conv_key, self._conv_sources = key, sources  # the sources kept: their ids stay theirs
+        return self._conv_weight
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         if batch.state_slots is None or cache.state is None:
             raise ValueError("a KDA layer needs batch.state_slots and cache.state (a model with linear attention)")
         num_tokens, heads, dim = x.shape[0], self.num_heads, self.head_dim
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
         conv_pool = cache.state.conv[self.kda_index]
         ssm_pool = cache.state.recurrent[self.kda_index]
-        slots = batch.state_slots
-        bounds = batch.attn.cu_seqlens_q.tolist()
-        conv_out = torch.empty(num_tokens, mixed.shape[1], dtype=torch.float32, device=x.device)
+        slots, lengths = batch.state_slots, batch.attn.q_lens_cpu
         snapshot = batch.snapshot_state
-        conv_snap = cache.state.snapshot_conv[self.kda_index] if snapshot else None
-        for i, slot in enumerate(slots.tolist()):
-            rows = slice(bounds[i], bounds[i + 1])
-            conv_out[rows], window = causal_conv(mixed[rows], conv_pool[slot], weight)
-            if snapshot:  # verify: the window after each position, the slot untouched
-                conv_snap[i, : bounds[i + 1] - bounds[i]] = conv_windows(mixed[rows], conv_pool[slot])
-            else:
-                conv_pool[slot] = window.to(conv_pool.dtype)
+        uniform = batch.mode == ForwardMode.DECODE and len(set(lengths)) == 1
+        if uniform:  # decode / verify: every sequence at once
+            conv_out = self._conv_uniform(mixed, conv_pool, slots, len(lengths), lengths[0], cache, snapshot)
+        else:
+            conv_out = self._conv_each(mixed, conv_pool, batch.host_state_slots(), lengths, cache, snapshot)
         q, k, v = conv_out.view(num_tokens, 3, heads, dim).unbind(1)
         q, k = l2_normalize(q) * dim ** -0.5, l2_normalize(k)
         forget = self.f_b_proj(self.f_a_proj(x)).view(num_tokens, heads, dim)
         g = kda_gate(forget, self.dt_bias.view(heads, dim), self.A_log, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
-        if snapshot:
-            out = self._recur_snapshots(q, k, v, g, beta, ssm_pool, slots, bounds, cache.state.snapshot_recurrent)
+        if uniform:
+            n, t = len(lengths), lengths[0]
+            snap = cache.state.snapshot_recurrent[self.kda_index, :n] if snapshot else None
+            out, state = kda_recurrent(*(z.view(n, t, *z.shape[1:]) for z in (q, k, v, g, beta)),
+                                       ssm_pool.index_select(0, slots), snap)
+            if not snapshot:
+                ssm_pool.index_copy_(0, slots, state.to(ssm_pool.dtype))
+            out = out.view(num_tokens, *out.shape[2:])
         else:
-            out = self._recur(q, k, v, g, beta, ssm_pool, slots, bounds, batch.mode)
+            out = self._recur(q, k, v, g, beta, ssm_pool, batch.host_state_slots(), lengths, batch.mode, snapshot,
+                              cache.state.snapshot_recurrent)
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         gated = normed * torch.sigmoid(gate.float().view(num_tokens, heads, dim))
         return self.o_proj(gated.reshape(num_tokens, heads * dim).to(x.dtype))
 
-    def _recur_snapshots(self, q, k, v, g, beta, ssm_pool, slots, bounds, snapshots) -> torch.Tensor:
-        """Verify step: the recurrent form from each slot, the state after every position into
-        snapshots[kda_index, i, t]; the slots are not written (commit_snapshots does that)."""
-        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-        snap = snapshots[self.kda_index]
-        if len(set(lengths)) == 1:
-            n, t = len(lengths), lengths[0]
-            state = ssm_pool.index_select(0, slots)
-            out, _ = kda_recurrent(*(z.view(n, t, *z.shape[1:]) for z in (q, k, v, g, beta)), state, snap[:n])
-            return out.view(n * t, *out.shape[2:])
-        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        for i, slot in enumerate(slots.tolist()):
-            rows = slice(bounds[i], bounds[i + 1])
-            o, _ = kda_recurrent(q[None, rows], k[None, rows], v[None, rows], g[None, rows], beta[None, rows],
-                                 ssm_pool[slot][None], snap[i : i + 1])
-            out[rows] = o[0]
-        return out
+    def _conv_uniform(self, mixed, conv_pool, slots, n: int, t: int, cache, snapshot: bool) -> torch.Tensor:
+        """n sequences of t tokens each: one batched conv. Verify (snapshot): the window after each position
+        goes to the snapshot scratch, the slots untouched; otherwise the slots take their new windows."""
+        width = self.conv_width - 1
+        conv_out, window = causal_conv_batch(mixed.view(n, t, -1), conv_pool.index_select(0, slots),
+                                             self.conv_weight())
+        if snapshot:
+            windows = window.unfold(1, width, 1)[:, 1:].transpose(2, 3)  # [n, t, W-1, C]
+            cache.state.snapshot_conv[self.kda_index, :n, :t] = windows
+        else:
+            conv_pool.index_copy_(0, slots, window[:, -width:].to(conv_pool.dtype))
+        return conv_out.view(n * t, -1)
 
-    def _recur(self, q, k, v, g, beta, ssm_pool, slots, bounds, mode) -> torch.Tensor:
-        """-> o [T, H, V] float32, the slots' recurrent states advanced in place."""
-        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-        if mode == ForwardMode.DECODE and len(set(lengths)) == 1:
-            n, t = len(lengths), lengths[0]
-            state = ssm_pool.index_select(0, slots)
-            out, state = kda_recurrent(*(z.view(n, t, *z.shape[1:]) for z in (q, k, v, g, beta)), state)
-            ssm_pool.index_copy_(0, slots, state.to(ssm_pool.dtype))
-            return out.view(n * t, *out.shape[2:])
+    def _conv_each(self, mixed, conv_pool, slots: tuple[int, ...], lengths: tuple[int, ...], cache,
+                   snapshot: bool) -> torch.Tensor:
+        """Sequences of different lengths (prefill, mixed verify): one conv per sequence."""
+        conv_out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
+        start = 0
+        for i, (slot, length) in enumerate(zip(slots, lengths)):
+            rows = slice(start, start + length)
+            start += length
+            conv_out[rows], window = causal_conv(mixed[rows], conv_pool[slot], self.conv_weight())
+            if snapshot:  # verify: the window after each position, the slot untouched
+                cache.state.snapshot_conv[self.kda_index, i, :length] = conv_windows(mixed[rows], conv_pool[slot])
+            else:
+                conv_pool[slot] = window.to(conv_pool.dtype)
+        return conv_out
+
+    def _recur(self, q, k, v, g, beta, ssm_pool, slots: tuple[int, ...], lengths: tuple[int, ...], mode, snapshot: bool,
+               snapshots) -> torch.Tensor:
+        """Sequences of different lengths, one at a time -> o [T, H, V] float32. Prefill: the chunked form;
+        decode: the recurrent form; both advance the slots in place. Verify (snapshot): the recurrent form,
+        the state after every position into snapshots[kda_index, i], the slots untouched."""
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         chunked = fla_chunked_kda(v.device) or (lambda *args: kda_chunked(*args, CHUNK_SIZE))
-        for i, slot in enumerate(slots.tolist()):
-            rows = slice(bounds[i], bounds[i + 1])
+        start = 0
+        for i, (slot, length) in enumerate(zip(slots, lengths)):
+            rows = slice(start, start + length)
+            start += length
             if mode == ForwardMode.DECODE:
+                snap = snapshots[self.kda_index, i : i + 1] if snapshot else None
                 o, state = kda_recurrent(q[None, rows], k[None, rows], v[None, rows], g[None, rows],
-                                         beta[None, rows], ssm_pool[slot][None])
+                                         beta[None, rows], ssm_pool[slot][None], snap)
                 o, state = o[0], state[0]
             else:
                 o, state = chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_pool[slot])
             out[rows] = o
-            ssm_pool[slot] = state.to(ssm_pool.dtype)
+            if not snapshot:
+                ssm_pool[slot] = state.to(ssm_pool.dtype)
         return out

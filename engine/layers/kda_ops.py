@@ -51,11 +51,19 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
 
     x: [T, C] new pre-conv inputs; state: [W-1, C] the previous W-1 inputs (oldest first, zero at start);
     weight: [C, W] (tap W-1 multiplies the current input). -> (silu(conv) [T, C] float32, new state [W-1, C])."""
+    out, window = causal_conv_batch(x[None], state[None], weight)
+    return out[0], window[0, -(weight.shape[1] - 1):]
+
+
+def causal_conv_batch(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv for N sequences of T new inputs each: x [N, T, C], state [N, W-1, C], weight [C, W]
+    -> (silu(conv) [N, T, C] float32, the whole window [N, W-1+T, C]: its last W-1 rows are the new state,
+    rows t+1 .. t+W-1 the state after input t)."""
     width = weight.shape[1]
-    window = torch.cat([state.to(x.dtype), x], dim=0)  # [W-1+T, C]
-    frames = window.float().unfold(0, width, 1)  # [T, C, W]
-    out = (frames * weight.float()[None]).sum(dim=-1)
-    return F.silu(out), window[-(width - 1):]
+    window = torch.cat([state.to(x.dtype), x], dim=1)  # [N, W-1+T, C]
+    frames = window.float().unfold(1, width, 1)  # [N, T, C, W]
+    out = (frames * weight.float()).sum(dim=-1)
+    return F.silu(out), window
 
 
 def conv_windows(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -71,19 +79,31 @@ def kda_recurrent(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, g: [N, T, H, K]; v: [N, T, H, V]; beta: [N, T, H]; state: [N, H, K, V]
     -> (o [N, T, H, V], final state [N, H, K, V]), all float32. N sequences advance together.
-    snapshots [N, >= T, H, K, V]: also receives the state after every step t (speculative verify)."""
-    s = state.float().clone()
+    snapshots [N, >= T, H, K, V]: also receives the state after every step t (speculative verify); a float32
+    scratch is written in place (the step's state is computed straight into it), another dtype by a copy.
+
+    Five tensor ops per step (decay, k^T S, the delta, the rank-1 update, S^T q); the per-step slices are
+    taken once up front. Each step's arithmetic does not depend on T, so a sequence's outputs and states
+    are the same whether its tokens come one per call (decode) or several in one call (verify)."""
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    decay = torch.exp(g).unsqueeze(-1).unbind(1)  # [N, H, K, 1] per step
+    k_cols, k_rows = k.unsqueeze(-1).unbind(1), k.unsqueeze(-2).unbind(1)  # [N, H, K, 1], [N, H, 1, K]
+    q_rows, v_rows = q.unsqueeze(-2).unbind(1), v.unsqueeze(-2).unbind(1)  # [N, H, 1, K], [N, H, 1, V]
+    betas = beta[..., None, None].unbind(1)  # [N, H, 1, 1]
+    in_place = snapshots is not None and snapshots.dtype == torch.float32
+    s = state.float()
+    outs = []
     for t in range(q.shape[1]):
-        s = s * torch.exp(g[:, t]).unsqueeze(-1)
-        predicted = torch.einsum("nhkv,nhk->nhv", s, k[:, t])
-        u = beta[:, t].unsqueeze(-1) * (v[:, t] - predicted)
-        s = s + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
-        out[:, t] = torch.einsum("nhkv,nhk->nhv", s, q[:, t])
-        if snapshots is not None:
-            snapshots[:, t] = s
-    return out, s
+        s = s * decay[t]
+        u = (v_rows[t] - torch.matmul(k_rows[t], s)) * betas[t]  # [N, H, 1, V]
+        if in_place:
+            s = torch.addcmul(s, k_cols[t], u, out=snapshots[:, t])
+        else:
+            s = torch.addcmul(s, k_cols[t], u)
+            if snapshots is not None:
+                snapshots[:, t] = s
+        outs.append(torch.matmul(q_rows[t], s))  # [N, H, 1, V]
+    return torch.stack(outs, dim=1).squeeze(3), s
 
 
 def _pairwise_decay_scores(left: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, diagonal: int) -> torch.Tensor:

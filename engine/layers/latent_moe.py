@@ -9,7 +9,10 @@
   out   = y + shared(x)                          shared = SiTU MLP at full width (row-parallel, reduced)
 
 Routed experts are MXFP4 (PackedExperts), sharded whole over ranks as engine/layers/moe.py does: rank r owns
-experts [r*E/tp, (r+1)*E/tp). Only selected experts run; each runs one matmul pair over all its tokens.
+experts [r*E/tp, (r+1)*E/tp). Only selected experts run; each runs one matmul pair over all its tokens. On CPU,
+small steps (a decode or speculative verify step of a small model: moe_torch.use_dense_moe) run every local
+expert densely over the experts' weights decoded once (PackedExperts.dequantized): a few batched ops instead
+of a decode + matmul pair per selected expert.
 """
 from __future__ import annotations
 
@@ -21,11 +24,12 @@ from torch import nn
 
 from engine.config_base import check_positive
 from engine.distributed import TPGroup
+from engine.kernels.moe_torch import moe_dense, use_dense_moe
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.moe import select_experts
 from engine.layers.mxfp4 import PackedExperts
 from engine.layers.norm import RMSNorm
-from engine.layers.situ import SiTUMLP, situ_glu_fused
+from engine.layers.situ import SiTUMLP, situ_glu, situ_glu_fused
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,16 @@ class LatentMoE(nn.Module):
         s = self.shape
         weights, ids = self.gate(x)
         u = self.routed_expert_down_proj(x)
-        latent = run_packed_experts(self.experts, self.expert_start, u, weights, ids, s.situ_beta, s.situ_linear_beta)
+        decoded = self.experts.dequantized()
+        if decoded is not None and use_dense_moe(x.shape[0], self.experts.num_experts, s.latent_size,
+                                                 s.intermediate_size):
+            # A small step on CPU: every local expert densely over the decoded weights (two batched matmuls;
+            # cheaper than a matmul pair per selected expert while the step is this small).
+            latent = moe_dense(u.float(), *decoded, weights, ids - self.expert_start,
+                               glu=lambda gate, up: situ_glu(gate, up, s.situ_beta, s.situ_linear_beta))
+        else:
+            latent = run_packed_experts(self.experts, self.expert_start, u, weights, ids, s.situ_beta,
+                                        s.situ_linear_beta)
         latent = self.tp.all_reduce(latent).to(x.dtype)  # the whole routed sum, before the (non-linear) norm
         if self.routed_expert_norm is not None:
             latent = self.routed_expert_norm(latent)

@@ -19,6 +19,9 @@ from torch import nn
 GROUP_SIZE = 32
 SCALE_BIAS = 127
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Off CUDA, a layer's experts whose float32 copy takes at most this many bytes are decoded once and kept
+# (PackedExperts.dequantized): decoding the same constant weights again every step is not model maths.
+DEQUANT_CACHE_MAX_BYTES = 64 * 2**20
 
 
 def _check_packed(packed: torch.Tensor, scale: torch.Tensor) -> None:
@@ -116,6 +119,8 @@ class PackedExperts(nn.Module):
         self.register_buffer("w13_scale", torch.zeros(num_experts, gate_up, hidden_size // GROUP_SIZE, dtype=torch.uint8))
         self.register_buffer("w2_packed", torch.zeros(num_experts, hidden_size, inter // 2, dtype=torch.uint8))
         self.register_buffer("w2_scale", torch.zeros(num_experts, hidden_size, inter // GROUP_SIZE, dtype=torch.uint8))
+        self._decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # dequantized(): decoded weights, their key
+        self._decoded_key: tuple = ((), ())
 
     def target(self, expert: int, projection: str, part: str) -> torch.Tensor:
         """The slice a checkpoint tensor experts.{expert}.{w1|w2|w3}.weight_{packed|scale} is copied into."""
@@ -126,6 +131,22 @@ class PackedExperts(nn.Module):
         stacked = getattr(self, f"w13_{part}")[expert]
         inter = self.intermediate_size
         return stacked[:inter] if projection == "w1" else stacked[inter:]
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every expert's weights in float32, (gate_up [E, 2I, hidden], down [E, hidden, I]), decoded once and
+        kept (re-decoded when a buffer is written again), for the CPU torch path; None on CUDA (the Triton
+        kernel decodes in its K loop) or when the float32 copy would exceed DEQUANT_CACHE_MAX_BYTES (the
+        packed copy stays the resident one and each matmul decodes its expert)."""
+        decoded_bytes = 4 * 2 * (self.w13_packed.numel() + self.w2_packed.numel())  # two columns per byte
+        if self.w13_packed.is_cuda or decoded_bytes > DEQUANT_CACHE_MAX_BYTES:
+            return None
+        sources = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+        key = tuple((id(buffer), buffer._version) for buffer in sources)
+        if self._decoded is None or self._decoded_key[0] != key:
+            self._decoded = (dequantize_mxfp4(self.w13_packed, self.w13_scale),
+                             dequantize_mxfp4(self.w2_packed, self.w2_scale))
+            self._decoded_key = (key, sources)  # the sources kept: their ids stay theirs
+        return self._decoded
 
     def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, 2I] float32 (gate columns then up columns)."""

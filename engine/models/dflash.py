@@ -101,10 +101,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, the same values
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def fused_weight(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]) -> Tensor | None:
+    """The linears' weights stacked along the output dim, built once and kept on `owner` (rebuilt when one is
+    written again), so an inference forward runs them as one matmul; None while autograd records (training
+    keeps the separate linears so gradients reach each weight)."""
+    if torch.is_grad_enabled() or any(linear.bias is not None for linear in linears):
+        return None
+    sources = tuple(linear.weight for linear in linears)
+    key = tuple((id(weight), weight._version) for weight in sources)
+    cached = owner.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.cat(sources, dim=0), sources)  # the sources kept: their ids stay theirs
+        owner.__dict__[name] = cached
+    return cached[1]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -133,34 +150,54 @@ class DFlashLayer(nn.Module):
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
 
-    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """x: [..., T, hidden] -> roped keys, values: [..., T, kv_heads, head_dim]."""
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor, projected: tuple[Tensor, Tensor] | None = None,
+                    ) -> tuple[Tensor, Tensor]:
+        """x: [..., T, hidden] -> roped keys, values: [..., T, kv_heads, head_dim]. projected: (k_proj(x),
+        v_proj(x)) when the caller already has them."""
         shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
-        keys = apply_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin)
-        return keys, self.v_proj(x).view(shape)
+        k, v = projected if projected is not None else (self.k_proj(x), self.v_proj(x))
+        keys = apply_rope(self.k_norm(k.view(shape)), cos, sin)
+        return keys, v.view(shape)
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q_proj(x), k_proj(x), v_proj(x): one matmul over the stacked weights at inference."""
+        weight = fused_weight(self, "_qkv_weight", (self.q_proj, self.k_proj, self.v_proj))
+        if weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.num_kv_heads * self.head_dim
+        return F.linear(x, weight).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        """down(silu(gate(x)) * up(x)), gate and up as one matmul at inference."""
+        weight = fused_weight(self, "_gate_up_weight", (self.gate_proj, self.up_proj))
+        if weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
     def context_entry(self, feature: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """feature: [..., T, hidden] -> [..., T, draft_dim] = cat(k roped, v)."""
         keys, values = self.keys_values(feature, cos, sin)
         return torch.cat((keys.flatten(-2), values.flatten(-2)), dim=-1)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, context: Tensor, mask: Tensor) -> Tensor:
-        """hidden: [S, Q, hidden]; context: [S, C, draft_dim]; mask: [S, Q, C + Q] (True = attend)."""
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
+        """hidden: [S, Q, hidden]; context: [S, C, draft_dim]; mask: [S, Q, C + Q] (True = attend) or None (every
+        row sees everything)."""
         s, q_len, _ = hidden.shape
         x = self.input_norm(hidden)
-        queries = apply_rope(self.q_norm(self.q_proj(x).view(s, q_len, self.num_heads, self.head_dim)), cos, sin)
-        keys, values = self.keys_values(x, cos, sin)
+        q, k, v = self._qkv(x)
+        queries = apply_rope(self.q_norm(q.view(s, q_len, self.num_heads, self.head_dim)), cos, sin)
+        keys, values = self.keys_values(x, cos, sin, (k, v))
         half = context.shape[-1] // 2
         ctx_shape = (s, context.shape[1], self.num_kv_heads, self.head_dim)
         keys = torch.cat((context[..., :half].reshape(ctx_shape), keys), dim=1)
         values = torch.cat((context[..., half:].reshape(ctx_shape), values), dim=1)
         attended = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask.unsqueeze(1), enable_gqa=True,
+            attn_mask=None if mask is None else mask.unsqueeze(1), enable_gqa=True,
         )
         hidden = hidden + self.o_proj(attended.transpose(1, 2).reshape(s, q_len, -1))
-        x = self.post_attention_norm(hidden)
-        return hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return hidden + self._mlp(self.post_attention_norm(hidden))
 
 
 class DFlashDraft(nn.Module):
@@ -192,20 +229,24 @@ class DFlashDraft(nn.Module):
         cos, sin = self._rope(positions, dtype)
         return torch.stack([layer.context_entry(feature, cos, sin) for layer in self.layers])
 
-    def _run(self, hidden: Tensor, positions: Tensor, context: Tensor, mask: Tensor) -> Tensor:
+    def _run(self, hidden: Tensor, positions: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
         cos, sin = self._rope(positions, hidden.dtype)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, context[index].to(hidden.dtype), mask)
         return self.norm(hidden)
 
-    def forward(self, block_embeds: Tensor, block_positions: Tensor, context: Tensor, context_lens: Tensor) -> Tensor:
+    def forward(self, block_embeds: Tensor, block_positions: Tensor, context: Tensor, context_lens: Tensor,
+                full_context: bool = False) -> Tensor:
         """block_embeds: [S, B, hidden]; block_positions: [S, B];
         context: [num_layers, S, Lmax, draft_dim] (rows >= context_lens[s] are padding); context_lens: [S]
-        -> hidden states [S, B, hidden] (after the final norm)."""
+        -> hidden states [S, B, hidden] (after the final norm). full_context: the caller knows every
+        context_lens[s] == Lmax (no padding), so no mask is built."""
         s, b, _ = block_embeds.shape
         lmax = context.shape[2]
-        valid = torch.arange(lmax, device=context.device)[None, :] < context_lens.to(context.device)[:, None]
-        mask = torch.cat((valid[:, None, :].expand(s, b, lmax), valid.new_ones(s, b, b)), dim=-1)
+        mask = None
+        if not full_context:
+            valid = torch.arange(lmax, device=context.device)[None, :] < context_lens.to(context.device)[:, None]
+            mask = torch.cat((valid[:, None, :].expand(s, b, lmax), valid.new_ones(s, b, b)), dim=-1)
         return self._run(block_embeds.to(self.fc.weight.dtype), block_positions, context, mask)
 
     def forward_anchors(self, captured: Tensor, block_embeds: Tensor, anchors: Tensor) -> Tensor:

@@ -92,6 +92,16 @@ class MarkovSteps:
         self.slot += 1
         return bias
 
+    def corrected(self, base: Tensor, prev: Tensor) -> Tensor:
+        """base [n, V] float32 + this slot's bias [:, :V]: the vanilla head (W2 as wide as V) as one addmm
+        (the draft's rows may round differently from base + bias; verification never depends on that),
+        the other kinds through __call__."""
+        w2 = self.head.markov_w2.weight  # [vocab, r]
+        if self.head.kind != "vanilla" or w2.shape[0] != base.shape[-1] or w2.dtype != torch.float32:
+            return base + self(prev)[:, : base.shape[-1]]
+        self.slot += 1
+        return torch.addmm(base, self.head.markov_w1(prev), w2.t())
+
 
 def build_markov_head(kind: str, vocab_size: int, rank: int, hidden_size: int) -> MarkovHead:
     if kind == "vanilla":

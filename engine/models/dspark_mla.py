@@ -73,8 +73,9 @@ class DSparkMLALayer(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, context: Tensor, mask: Tensor) -> Tensor:
-        """hidden: [S, Q, hidden]; context: [S, C, latent]; mask: [S, Q, C + Q] (True = attend)."""
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
+        """hidden: [S, Q, hidden]; context: [S, C, latent]; mask: [S, Q, C + Q] (True = attend) or None (every
+        row sees everything)."""
         m = self.mla
         s, q_len, _ = hidden.shape
         x = self.input_norm(hidden)
@@ -88,8 +89,8 @@ class DSparkMLALayer(nn.Module):
         keys = torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, m.num_heads, -1)), dim=-1)
         queries = torch.cat((q_nope, q_pe), dim=-1)
         attended = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask.unsqueeze(1),
-            scale=self.scale,
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=None if mask is None else mask.unsqueeze(1), scale=self.scale,
         )
         hidden = hidden + self.o_proj(attended.transpose(1, 2).reshape(s, q_len, -1))
         x = self.post_attention_norm(hidden)

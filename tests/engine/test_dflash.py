@@ -110,3 +110,18 @@ def test_save_load_round_trip_and_mismatch(draft: DFlashDraft, tmp_path) -> None
     (tmp_path / "short" / "config.json").write_text((tmp_path / "d" / "config.json").read_text())
     with pytest.raises(ValueError, match=r"missing \['layers\.1\."):
         load_draft(tmp_path / "short")
+
+
+def test_unpadded_context_needs_no_mask_and_fused_weights_follow_writes(draft: DFlashDraft) -> None:
+    """full_context (every context row valid) gives the masked path's output; the inference forward's stacked
+    q/k/v and gate/up weights equal the separate linears' and are rebuilt after a weight is written."""
+    embeds, positions, context, lens = _inputs(draft, [6], lmax=6)
+    with torch.no_grad():
+        masked = draft(embeds, positions, context, lens)
+        torch.testing.assert_close(draft(embeds, positions, context, lens, full_context=True), masked)
+        draft.layers[0].up_proj.weight.mul_(2.0)
+        changed = draft(embeds, positions, context, lens, full_context=True)
+    with torch.enable_grad():
+        unfused = draft(embeds, positions, context, lens)  # autograd on: the separate linears
+    torch.testing.assert_close(changed, unfused.detach())
+    assert not torch.allclose(changed, masked)

@@ -144,3 +144,34 @@ def test_fla_self_check_accepts_agreeing_and_rejects_wrong_kernels():
     assert not kda_fla._self_check(wrong, cpu)
     assert not kda_fla._self_check(other_signature, cpu)
     assert kda_fla.fla_chunked_kda(cpu) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_verify_snapshots_equal_token_by_token_decode(dtype):
+    """A verify call over T tokens writes, at snapshot t, exactly the state T one-token decode calls leave after
+    token t, and its outputs equal theirs bit for bit (float32 scratch written in place, another dtype copied)."""
+    q, k, v, g, beta, state = _inputs(6, seed=3)
+    snapshots = torch.zeros(1, 8, *state.shape, dtype=dtype)
+    out, _ = kda_recurrent(q[None], k[None], v[None], g[None], beta[None], state[None], snapshots)
+    current = state[None]
+    for t in range(6):
+        step_out, current = kda_recurrent(q[None, t : t + 1], k[None, t : t + 1], v[None, t : t + 1],
+                                          g[None, t : t + 1], beta[None, t : t + 1], current)
+        assert torch.equal(out[0, t], step_out[0, 0])
+        assert torch.equal(snapshots[0, t], current[0].to(dtype))
+    assert not snapshots[0, 6:].any()  # positions past T untouched
+
+
+def test_batched_conv_equals_per_sequence_conv():
+    """causal_conv_batch over N sequences equals causal_conv of each; its window's rows t+1..t+W-1 are the
+    state after input t."""
+    from engine.layers.kda_ops import causal_conv_batch, conv_windows
+
+    gen = torch.Generator().manual_seed(4)
+    x, state, weight = torch.randn(3, 5, 12, generator=gen), torch.randn(3, 3, 12, generator=gen), torch.randn(12, 4)
+    out, window = causal_conv_batch(x, state, weight)
+    for n in range(3):
+        alone, new_state = causal_conv(x[n], state[n], weight)
+        torch.testing.assert_close(out[n], alone)
+        assert torch.equal(window[n, -3:], new_state)
+        assert torch.equal(window[n].unfold(0, 3, 1)[1:].transpose(1, 2), conv_windows(x[n], state[n]))

@@ -107,3 +107,37 @@ def test_bad_shape() -> None:
     """top_k above the expert count is a ValueError naming it."""
     with pytest.raises(ValueError, match="top_k"):
         LatentMoEShape(64, 32, 64, 4, 5, 0, False, True, 1.0, 4.0, 25.0, 1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_dense_decoded_path_equals_packed_experts(num_tokens: int) -> None:
+    """A small CPU step runs every expert densely over the decoded weights: the same sum as the per-expert
+    MXFP4 path (1e-5), and the decoded copy follows a later write to the packed weights."""
+    from engine.kernels.moe_torch import use_dense_moe
+    from engine.layers.latent_moe import run_packed_experts
+
+    moe = _filled(SHAPE, seed=11)
+    assert use_dense_moe(num_tokens, SHAPE.num_experts, SHAPE.latent_size, SHAPE.intermediate_size)
+    x = torch.randn(num_tokens, SHAPE.hidden_size, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), _reference(moe, x), atol=1e-5, rtol=1e-5)
+        u = moe.routed_expert_down_proj(x)
+        weights, ids = moe.gate(x)
+        packed = run_packed_experts(moe.experts, 0, u, weights, ids, 4.0, 25.0)
+        before = moe.experts.dequantized()[0].clone()
+        moe.experts.w13_packed[0].bitwise_xor_(0x11)  # rewrite expert 0's gate/up codes in place
+        assert not torch.equal(moe.experts.dequantized()[0], before)
+        torch.testing.assert_close(moe(x), _reference(moe, x), atol=1e-5, rtol=1e-5)
+    assert packed.shape == (num_tokens, SHAPE.latent_size)
+
+
+def test_decoded_cache_is_skipped_above_its_budget(monkeypatch) -> None:
+    """Experts whose float32 copy exceeds DEQUANT_CACHE_MAX_BYTES are not decoded whole (the per-expert path runs)."""
+    from engine.layers import mxfp4
+
+    moe = _filled(SHAPE, seed=13)
+    monkeypatch.setattr(mxfp4, "DEQUANT_CACHE_MAX_BYTES", 1024)
+    assert moe.experts.dequantized() is None
+    x = torch.randn(3, SHAPE.hidden_size, generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), _reference(moe, x), atol=1e-5, rtol=1e-5)

@@ -118,3 +118,14 @@ def test_broken_verifier_is_detected(small_vocab_llm, monkeypatch):
     print(f"broken verifier chi-square p-value {p_value:.3g}")
     assert p_value < 1e-6
     assert not math.isnan(p_value)
+
+
+def test_greedy_verdict_is_the_longest_matching_prefix_then_the_target_token():
+    """Host-side greedy verification: drafts are kept up to the first disagreement with the target's argmax,
+    then the argmax at that row is emitted (all kept: the bonus row's argmax)."""
+    from engine.spec_decode import greedy_verdict
+
+    assert greedy_verdict([5, 6, 7], [5, 6, 9, 1]) == ([5, 6, 9], 2)
+    assert greedy_verdict([5, 6, 7], [4, 6, 7, 1]) == ([4], 0)
+    assert greedy_verdict([5, 6, 7], [5, 6, 7, 1]) == ([5, 6, 7, 1], 3)
+    assert greedy_verdict([], [8]) == ([8], 0)
