@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from benchmarks.common import (Table, add_common_arguments, goal_line, interleave, make_prompts, median,
-                               print_header, ratio, timed_generate)
+from benchmarks.common import (Table, add_common_arguments, goal_line, interleave, load_note, make_prompts,
+                               median, paired, print_header, ratio, spread, timed_generate)
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 
@@ -139,11 +139,15 @@ def bench_decode(args, llm, model, generation_config_cls, config, avoid) -> dict
             variants[f"transformers {batch}"] = hf_variant(batch)
     runs = interleave(variants, args.repeats, warmup=["engine 16", "transformers 16"])
     table = Table(f"decode: greedy tok/s, prompt {args.prompt_len} + {args.new_tokens} new tokens ({source})",
-                  ["batch", "engine tok/s", "transformers tok/s", "engine / transformers", "identical outputs"])
+                  ["batch", "engine tok/s", "transformers tok/s", "engine / transformers",
+                   "per-round ratio, median (min..max)", "identical outputs", "load average"])
     for batch in (1, 16):
         same = sum(a == b for a, b in zip(engine_outputs[batch], hf_outputs[batch]))
-        engine_rate, hf_rate = median(runs[f"engine {batch}"], "tok_s"), median(runs[f"transformers {batch}"], "tok_s")
-        table.add(batch, engine_rate, hf_rate, f"{ratio(engine_rate, hf_rate):.2f}x", f"{same}/{batch}")
+        engine_runs, hf_runs = runs[f"engine {batch}"], runs[f"transformers {batch}"]
+        engine_rate, hf_rate = median(engine_runs, "tok_s"), median(hf_runs, "tok_s")
+        table.add(batch, engine_rate, hf_rate, f"{ratio(engine_rate, hf_rate):.2f}x",
+                  spread(paired(engine_runs, hf_runs, "tok_s"), unit="x"), f"{same}/{batch}",
+                  load_note({"engine": engine_runs, "transformers": hf_runs}))
     table.print()
     peak_flops, _ = matmul_peak(args.matmul_size, torch.float32, 5)
     bf16_peak, _ = matmul_peak(args.matmul_size, torch.bfloat16, 5)
