@@ -3,7 +3,9 @@ client's Decode stream ends with INTERNAL naming the failure, the request's page
 to the pool, and the worker decodes the next request normally."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -65,6 +67,15 @@ async def _decode(service: DecodeService, stub: worker_pb2_grpc.DecodeServiceStu
     return tokens
 
 
+async def _engine_settles(service: Any, probe: Callable[[Any], Any], expected: Any, timeout: float = 120.0) -> None:
+    """Polls probe on the engine thread until it returns expected (the aborted requests leave the engine at its
+    next step, which a loaded machine may delay); fails loudly with the last value after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while (seen := await service._engine.call(probe)) != expected:
+        assert time.monotonic() < deadline, f"engine did not settle in {timeout} s: {seen} != {expected}"
+        await asyncio.sleep(0.01)
+
+
 def _state_slots_free(engine: Any) -> int:
     return engine.state_pool.num_free if engine.state_pool is not None else 0
 
@@ -87,7 +98,7 @@ async def test_failed_engine_step_ends_the_stream_frees_pages_and_keeps_serving(
         return engine.has_work(), engine.num_free_pages, _state_slots_free(engine)
 
     await eventually(lambda: service.load.free_pages == free_pages and service.load.leases == 0, "pages freed")
-    assert await service._engine.call(idle) == (False, free_pages, free_slots)
+    await _engine_settles(service, idle, (False, free_pages, free_slots))
     tokens = await _decode(service, stub, "next")
     assert len(tokens) == MAX_TOKENS - 1  # the first token came from "prefill"; Decode streams the rest
-    assert await service._engine.call(idle) == (False, free_pages, free_slots)
+    await _engine_settles(service, idle, (False, free_pages, free_slots))
