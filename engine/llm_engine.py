@@ -17,7 +17,7 @@ from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, StepOutput
 from engine.host_fetch import fetch_to_host
 from engine.sampling import exponential_noise, make_generator
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, speculates
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
 from engine.spec_verify import AcceptanceStats, VerifyResult
@@ -341,7 +341,7 @@ class LLMEngine:
     def _run_prefill(self, chunks: tuple[PrefillChunk, ...]) -> None:
         items = [PrefillItem(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages,
                              c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0) for c in chunks]
-        plan = prefill_plan(items, write_draft_context=self.has_draft)
+        plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft))
         logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
         sampled = [c.seq for c, item in zip(chunks, items) if item.needs_logits]
         tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], logits) if sampled else []
@@ -383,7 +383,7 @@ class LLMEngine:
         verifies the drafted ones, and fetches both in the step's one device-to-host copy."""
         items = [DecodeItem([seq.last_token] + drafts.get(seq.request_id, ([], None))[0], seq.num_cached,
                             seq.page_table.pages) for seq in seqs]
-        plan = decode_plan(items, write_draft_context=self.has_draft,
+        plan = decode_plan(items, write_draft_context=speculates([seq.params for seq in seqs], self.has_draft),
                            snapshot_state=bool(drafts) and self.state_pool is not None)
         logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
