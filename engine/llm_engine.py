@@ -20,6 +20,7 @@ from engine.sampling import exponential_noise, make_generator
 from engine.sampling_params import SamplingParams, speculates
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
+from engine.spec_policy import SpecBackoff, record_verify, should_speculate
 from engine.spec_verify import AcceptanceStats, VerifyResult
 from engine.state_pool import split_memory_budget
 from engine.step_plan import (CommitStatePlan, DecodeItem, PrefillItem, ReadStatePlan, TargetPlan, decode_plan,
@@ -100,6 +101,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
                                    self.state_pool)
         self.acceptance_stats = AcceptanceStats()
+        self.spec_backoff = SpecBackoff(config.spec_min_tokens_per_step)
         self._markov = getattr(self.runner.draft, "markov_head", None)  # DSpark: Markov head used when proposing
         self.num_preemptions = 0  # running sequences preempted for lack of pages, since start
         self._seqs: dict[str, Sequence] = {}
@@ -372,7 +374,7 @@ class LLMEngine:
         drafts: spec_decode.Proposals = {}
         by_block: dict[int, list[Sequence]] = {}
         for seq in seqs:
-            if seq.spec_block_size >= 2:
+            if seq.spec_block_size >= 2 and should_speculate(self.spec_backoff, seq.spec_state):
                 by_block.setdefault(seq.spec_block_size, []).append(seq)
         for block, group in by_block.items():
             drafts.update(spec_decode.propose(self.leader.execute, block, group, self._markov))
@@ -414,6 +416,7 @@ class LLMEngine:
         for i in sorted(results):
             seq, result = seqs[i], results[i]
             self.acceptance_stats.record(result, len(drafts[seq.request_id][0]))
+            record_verify(self.spec_backoff, seq.spec_state, len(result.tokens))
             accepted = result.tokens
             lps = self._logprobs_of(seq, logits[offsets[i] : offsets[i] + len(accepted)], accepted)
             seq.num_cached += len(accepted)
