@@ -9,6 +9,7 @@ import time
 from benchmarks.common import ForwardTimer, Metrics, Table, TimedRun, merge_runs, spread, timed_groups, timed_generate
 from benchmarks.prompts import BenchPrompt
 from engine import LLM, SamplingParams
+from engine.spec_policy import SpecBackoff
 
 
 def acceptance_counts(llm: LLM) -> tuple[int, int]:
@@ -40,12 +41,21 @@ def _per_prompt(llm: LLM, prompts: list[list[int]], params: SamplingParams, metr
 
 
 def spec_variant(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams, outputs: dict, key: str,
-                 timers: tuple[ForwardTimer, ForwardTimer]):
+                 timers: tuple[ForwardTimer, ForwardTimer], backoff: float = 0.0):
     """A run (the prompts in groups of `batch`; at batch 1 each prompt's figures too) that also reports the
     acceptance length of its verify steps and the median wall time of its target forwards (decode or verify;
-    prefill calls are few) and draft forwards."""
+    prefill calls are few) and draft forwards. backoff > 1: the run uses the engine's speculation back-off
+    (engine/spec_policy.py) at that many tokens per verify step, as spec_min_tokens_per_step would set it."""
 
     def run() -> Metrics:
+        engine, default = llm.engine, llm.engine.spec_backoff
+        engine.spec_backoff = SpecBackoff(backoff)
+        try:
+            return measured()
+        finally:
+            engine.spec_backoff = default
+
+    def measured() -> Metrics:
         counts = acceptance_counts(llm)
         for timer in timers:
             timer.take()
@@ -67,6 +77,25 @@ def spec_variant(llm: LLM, prompts: list[list[int]], batch: int, params: Samplin
         return metrics
 
     return run
+
+
+def spec_variants(llm: LLM, prompts: list[list[int]], batch: int, new_tokens: int, blocks: list[int],
+                  backoffs: list[float], outputs: dict, timers: tuple[ForwardTimer, ForwardTimer]) -> dict:
+    """The variants a spec benchmark interleaves (greedy, eos ignored): "off", "B=b" for each block size and
+    "B=max back-off t" for each back-off threshold t (the largest block with the engine's back-off)."""
+    def params(speculative: bool, block: int | None = None) -> SamplingParams:
+        return SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, speculative=speculative,
+                              block_size=block)
+
+    variants = {"off": spec_variant(llm, prompts, batch, params(False), outputs, "off", timers)}
+    for block in blocks:
+        name = f"B={block}"
+        variants[name] = spec_variant(llm, prompts, batch, params(True, block), outputs, name, timers)
+    for threshold in backoffs:
+        name = f"B={max(blocks)} back-off {threshold:g}"
+        variants[name] = spec_variant(llm, prompts, batch, params(True, max(blocks)), outputs, name, timers,
+                                      backoff=threshold)
+    return variants
 
 
 def per_prompt_table(title: str, prompts: list[BenchPrompt], off: list[Metrics], on: list[Metrics]) -> tuple[Table, list[float]]:
