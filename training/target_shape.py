@@ -12,20 +12,20 @@ from transformers import DeepseekV3Config
 class TargetShape:
     """Model shape. Every width and count divides by 2 (TP=2)."""
 
-    vocab_size: int = 4096
+    vocab_size: int = 4096  # the byte-level BPE tokenizer's
     hidden_size: int = 192
-    intermediate_size: int = 512
-    moe_intermediate_size: int = 128
-    num_hidden_layers: int = 3
-    num_attention_heads: int = 24
-    q_lora_rank: int = 96
-    kv_lora_rank: int = 64
+    intermediate_size: int = 512  # the dense MLP of layer 0
+    moe_intermediate_size: int = 128  # each expert's MLP (routed and the one shared)
+    num_hidden_layers: int = 3  # layer 0 dense, the others MoE
+    num_attention_heads: int = 24  # MLA heads (TP=2: 12 per rank)
+    q_lora_rank: int = 96  # MLA query compression
+    kv_lora_rank: int = 64  # MLA latent KV width (cached, with the rope part of the key)
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 16
     v_head_dim: int = 16
-    n_routed_experts: int = 8
-    train_length: int = 256
-    max_position_embeddings: int = 16384
+    n_routed_experts: int = 8  # 2 chosen per token
+    train_length: int = 256  # the training window, yarn's original_max_position_embeddings
+    max_position_embeddings: int = 16384  # the served context: train_length x the yarn factor
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
