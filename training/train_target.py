@@ -60,21 +60,6 @@ class ExpertLoadBalancer:
         self.counts.clear()
 
 
-def evaluate_loss(model: DeepseekV3ForCausalLM, tokens: torch.Tensor, length: int) -> float:
-    """Mean next-token cross-entropy (nats) over ``tokens`` [N] in windows of ``length``."""
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, tokens.numel() - 1, length):
-            chunk = tokens[start : start + length + 1]
-            if chunk.numel() < 2:
-                break
-            logits = model(chunk[None, :-1], use_cache=False).logits[0]
-            total += F.cross_entropy(logits.float(), chunk[1:], reduction="sum").item()
-            count += chunk.numel() - 1
-    return total / count
-
-
 def train_target(
     config: DeepseekV3Config, train_stream: torch.Tensor, cfg: TargetTraining, seed: int
 ) -> DeepseekV3ForCausalLM:
