@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--min-prompts", type=int, default=DEFAULT_COUNT,
                         help="a concurrency below this runs this many prompts (the held-out set of benchmarks/prompts.py)")
-    parser.add_argument("--backoff", type=float, nargs="*", default=[2.0],
+    parser.add_argument("--backoff", type=float, nargs="*", default=[],
                         help="also run the largest block with the engine's speculation back-off at these tokens per "
                              "verify step (spec_min_tokens_per_step; none: skip)")
     args = parser.parse_args()

@@ -41,7 +41,7 @@ def main() -> None:
                              "consecutive groups of the batch size")
     parser.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16],
                         help="block sizes (those above the draft's own block size are skipped)")
-    parser.add_argument("--backoff", type=float, nargs="*", default=[2.0],
+    parser.add_argument("--backoff", type=float, nargs="*", default=[],
                         help="also run the largest block with the engine's speculation back-off at these tokens per "
                              "verify step (spec_min_tokens_per_step; none: skip)")
     args = parser.parse_args()
