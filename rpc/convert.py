@@ -3,7 +3,7 @@ floor 0 needs no engine import: the workers build SamplingParams(**sampling_fiel
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
@@ -11,6 +11,7 @@ from google.protobuf.message import Message
 from rpc.v1 import gateway_pb2, logprobs_pb2
 from rpc.internal.v1 import worker_pb2
 from rpc.processes import node_id
+from rpc.status import unary
 
 # Tokens per Decode / Generate message, at most (GenerateRequest.stream_interval, DecodeRequest.stream_interval).
 MAX_STREAM_INTERVAL = 1024
@@ -56,6 +57,18 @@ def load_to_proto(message_cls: type[M], load: Any, **extra: Any) -> M:
     """A Get*LoadResponse from a worker's load dataclass (its fields have the message's names), this node's
     id and the `extra` fields."""
     return message_cls(**dataclasses.asdict(load), node_id=node_id(), **extra)
+
+
+def load_method(message_cls: type[M], **extra: Callable[[Any], Any]) -> Callable[..., Awaitable[M]]:
+    """A worker servicer's Get*Load RPC (servicers keep their service as self._service): its load snapshot
+    as a message_cls, each `extra` field read from the service by its function."""
+
+    @unary
+    async def get_load(self: Any, request: Message, context: Any) -> M:
+        service = self._service
+        return load_to_proto(message_cls, service.load, **{name: read(service) for name, read in extra.items()})
+
+    return get_load
 
 
 def logprob_to_proto(logprob: Any) -> logprobs_pb2.TokenLogprob:
