@@ -67,4 +67,4 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
         return worker_pb2.ReleaseResponse(found=await self._service.release(request.request_id))
 
-    GetDecodeLoad = load_method(worker_pb2.GetDecodeLoadResponse, kv_pool=lambda service: service.config.engine.kv_pool)
+    GetDecodeLoad = load_method(worker_pb2.GetDecodeLoadResponse, "device", "kv_pool")

@@ -35,4 +35,4 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def Cancel(self, request: worker_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> worker_pb2.CancelResponse:
         return worker_pb2.CancelResponse(dropped=await self._service.cancel(request.request_id))
 
-    GetPrefillLoad = load_method(worker_pb2.GetPrefillLoadResponse, device=lambda service: service.config.engine.device)
+    GetPrefillLoad = load_method(worker_pb2.GetPrefillLoadResponse, "device")

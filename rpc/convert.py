@@ -53,20 +53,24 @@ def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, Any]:
                 **present_fields(message.distribution, _DISTRIBUTION), **present_fields(message, _OPTIONAL))
 
 
-def load_to_proto(message_cls: type[M], load: Any, **extra: Any) -> M:
-    """A Get*LoadResponse from a worker's load dataclass (its fields have the message's names), this node's
-    id and the `extra` fields."""
-    return message_cls(**dataclasses.asdict(load), node_id=node_id(), **extra)
+def load_to_proto(message_cls: type[M], load: Any, **placement: str) -> M:
+    """A Get*LoadResponse from a worker's load dataclass (its fields have the message's names, but for
+    tp_size, which goes into the WorkerPlacement with this node's id and the `placement` fields)."""
+    fields = dataclasses.asdict(load)
+    where = worker_pb2.WorkerPlacement(node_id=node_id(), tp_size=fields.pop("tp_size"), **placement)
+    return message_cls(**fields, placement=where)
 
 
-def load_method(message_cls: type[M], **extra: Callable[[Any], Any]) -> Callable[..., Awaitable[M]]:
-    """A worker servicer's Get*Load RPC (servicers keep their service as self._service): its load snapshot
-    as a message_cls, each `extra` field read from the service by its function."""
+def load_method(message_cls: type[M], *placement: str) -> Callable[..., Awaitable[M]]:
+    """A worker servicer's Get*Load RPC (servicers keep their service as self._service): the service's load
+    snapshot as a message_cls, with the named fields of its engine config (service.config.engine) in the
+    placement."""
 
     @unary
     async def get_load(self: Any, request: Message, context: Any) -> M:
         service = self._service
-        return load_to_proto(message_cls, service.load, **{name: read(service) for name, read in extra.items()})
+        engine = service.config.engine
+        return load_to_proto(message_cls, service.load, **{name: getattr(engine, name) for name in placement})
 
     return get_load
 
