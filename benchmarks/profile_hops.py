@@ -31,34 +31,41 @@ from benchmarks.profile_services import find_py_spy, python_thread_names
 from engine.models.registry import load_config
 from pdserve.launcher import Cluster, ClusterSpec
 
-Usage = dict[str, dict[str, float]]  # role -> thread name -> CPU seconds
+Usage = dict[str, dict[str, tuple[float, float, float]]]  # role -> thread -> (CPU s, times scheduled, faults)
+METRICS = ("CPU ms", "times scheduled in", "minor page faults")
 
 
-def thread_runtime(pid: int, names: dict[int, str]) -> dict[str, float]:
-    """CPU seconds of each thread of a process by thread name, in nanoseconds' resolution: the first field of
-    /proc/<pid>/task/<tid>/schedstat (time on a CPU), where /proc's stat counts 10 ms ticks."""
-    totals: collections.Counter[str] = collections.Counter()
+def thread_usage(pid: int, names: dict[int, str]) -> dict[str, tuple[float, float, float]]:
+    """Per thread name: CPU seconds at nanosecond resolution and the times the thread was put on a CPU
+    (/proc/<pid>/task/<tid>/schedstat: /proc's stat counts CPU in 10 ms ticks), and its minor page faults."""
+    totals: dict[str, tuple[float, float, float]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            runtime = int((task / "schedstat").read_text().split()[0])
-            comm = (task / "comm").read_text().strip()
+            runtime, _, scheduled = map(int, (task / "schedstat").read_text().split()[:3])
+            stat = (task / "stat").read_text()
         except OSError:
             continue  # the thread ended meanwhile
-        totals[names.get(int(task.name)) or "os:" + comm] += runtime / 1e9
-    return dict(totals)
+        name = names.get(int(task.name)) or "os:" + stat[stat.index("(") + 1 : stat.rindex(")")]
+        faults = int(stat[stat.rindex(")") + 2 :].split()[7])
+        old = totals.get(name, (0.0, 0.0, 0.0))
+        totals[name] = (old[0] + runtime / 1e9, old[1] + scheduled, old[2] + faults)
+    return totals
 
 
 def snapshot(pids: dict[str, int], names: dict[str, dict[int, str]]) -> Usage:
-    return {role: thread_runtime(pid, names[role]) for role, pid in pids.items()}
+    return {role: thread_usage(pid, names[role]) for role, pid in pids.items()}
 
 
-def per_request(before: Usage, after: Usage, requests: int) -> dict[str, float]:
-    """role/thread -> CPU milliseconds per request (threads grouped: engine, event loop, gRPC, other)."""
-    out: collections.Counter[str] = collections.Counter()
+def per_request(before: Usage, after: Usage, requests: int) -> list[collections.Counter[str]]:
+    """For each of METRICS: role/thread group (engine, event loop, gRPC, other) -> amount per request."""
+    out: list[collections.Counter[str]] = [collections.Counter() for _ in METRICS]
     for role, threads in after.items():
-        for name, seconds in threads.items():
-            out[f"{role}/{thread_group(name)}"] += 1e3 * (seconds - before[role].get(name, 0.0)) / requests
-    return dict(out)
+        for name, values in threads.items():
+            old = before[role].get(name, (0.0, 0.0, 0.0))
+            for index, (new, previous) in enumerate(zip(values, old)):
+                scale = 1e3 if index == 0 else 1.0
+                out[index][f"{role}/{thread_group(name)}"] += scale * (new - previous) / requests
+    return out
 
 
 def thread_group(name: str) -> str:
@@ -120,20 +127,22 @@ def main() -> None:
         asyncio.run(send_all(address, prompts[:4], 8))  # warm-up
         names = {role: python_thread_names(py_spy, pid) for role, pid in pids.items()}
         lengths = [1, 2, args.output_len]
-        totals: dict[int, collections.Counter[str]] = {n: collections.Counter() for n in lengths}
+        totals = {n: [collections.Counter() for _ in METRICS] for n in lengths}
         for _ in range(args.rounds):
             for length in lengths:
                 before = snapshot(pids, names)
                 asyncio.run(send_all(address, prompts, length))
-                totals[length].update(per_request(before, snapshot(pids, names), args.requests * args.rounds))
-        rows = {f"{n} tok": dict(totals[n]) for n in lengths}
-        span = args.output_len - 2
-        rows["decode set-up"] = {k: rows["2 tok"].get(k, 0.0) - rows["1 tok"].get(k, 0.0) for k in rows["2 tok"]}
-        rows["per token"] = {k: (rows[f"{args.output_len} tok"].get(k, 0.0) - rows["2 tok"].get(k, 0.0)) / span
-                             for k in rows[f"{args.output_len} tok"]}
-        print(f"\nCPU ms per request by process/thread ({args.requests} x {args.rounds} requests per column, "
+                for total, part in zip(totals[length], per_request(before, snapshot(pids, names),
+                                                                   args.requests * args.rounds)):
+                    total.update(part)
+        print(f"\nper request by process/thread ({args.requests} x {args.rounds} requests per column, "
               f"{args.input_len} prompt tokens; load average {os.getloadavg()[0]:.1f} at the end)")
-        print(table(rows, list(rows)))
+        for index, metric in enumerate(METRICS):
+            rows = {f"{n} tok": dict(totals[n][index]) for n in lengths}
+            rows["decode set-up"] = {k: rows["2 tok"].get(k, 0.0) - rows["1 tok"].get(k, 0.0) for k in rows["2 tok"]}
+            rows["per token"] = {k: (v - rows["2 tok"].get(k, 0.0)) / (args.output_len - 2)
+                                 for k, v in rows[f"{args.output_len} tok"].items()}
+            print(f"\n{metric}\n{table(rows, list(rows))}")
     finally:
         cluster.stop()
 
