@@ -1,6 +1,7 @@
-"""KVReceiver.admit_now: a request whose KV is complete and cheap to verify is admitted at once (the decode
-worker then skips a thread hop); anything still pending, too large to checksum inline, or needing a copy is
-left to admit() (None), and a failed request raises exactly what admit() raises."""
+"""KVReceiver.admit_now over shm (the gRPC push receiver's case is in test_grpc_push.py): a request whose
+KV is complete and cheap to verify is admitted at once (the decode worker then skips a thread hop); one
+still pending or too large to checksum inline is left to admit() (None); a failed request raises exactly
+what admit() raises."""
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,6 @@ from kvtransfer.shm_receiver import ShmReceiver
 from kvtransfer.shm_transport import ShmWriter
 
 from .conftest import SMALL_WITH_DRAFT, random_cache
-from .test_grpc_push import decode  # noqa: F401 - the two-rank push fixture, reused
-from .test_grpc_push import encode_all, push_raw
 
 LAYOUT = SMALL_WITH_DRAFT
 
@@ -64,16 +63,3 @@ def test_shm_admit_now_reports_a_corrupted_request(shm):
         receiver.admit_now("bad", 1 << 20)
     assert failed == ["bad"] and len(receiver) == 0
     writer.close()
-
-
-def test_push_receiver_admits_once_every_rank_pushed(decode):  # noqa: F811 - the fixture
-    """gRPC push: None while a rank is missing; the result once both ranks' pushes finished."""
-    pools, receiver, allocator, reserve, failed, writer = decode
-    source = random_cache(LAYOUT, 2, seed=5)
-    destination = reserve("p", 20)
-    assert push_raw(writer, destination, encode_all(destination, source, [0, 1], rank=0), rank=0).ok
-    assert receiver.admit_now("p", 0) is None
-    assert push_raw(writer, destination, encode_all(destination, source, [0, 1], rank=1), rank=1).ok
-    result = receiver.admit_now("p", 0)
-    assert result is not None and result.bytes == 2 * 2 * LAYOUT.bytes_per_page
-    assert failed == []
