@@ -12,6 +12,7 @@ a loaded machine does not distort the way it distorts wall clock:
 Also counts the decode engine's steps (its /metrics), so per-token figures are per step at concurrency 1.
 
 Run: .venv/bin/python -m benchmarks.profile_hops [--model DIR] [--requests 24] [--output-len 64]
+Needs py-spy (the dev extra) to name the services' Python threads.
 """
 from __future__ import annotations
 
