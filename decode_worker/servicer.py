@@ -70,4 +70,4 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     @unary
     async def GetDecodeLoad(self, request: worker_pb2.GetDecodeLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetDecodeLoadResponse:
         return load_to_proto(worker_pb2.GetDecodeLoadResponse, self._service.load,
-                             kv_pool=self._service.config.engine.kv_pool)
+                             kv_pool=self._service.config.engine.kv_pool, device=self._service.config.engine.device)

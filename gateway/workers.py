@@ -89,7 +89,7 @@ class WorkerPool:
         async def prefill(worker: PrefillWorker) -> None:
             try:
                 load = await worker.stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=timeout, metadata=self.metadata)
-                worker.state.placement = Placement(node_id=load.node_id, device=load.device)
+                worker.state.placement = Placement(load.placement.node_id, device=load.placement.device)
                 self._mark(worker.state, True)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
@@ -103,7 +103,7 @@ class WorkerPool:
             state = worker.state
             state.free_pages = max(0, load.free_pages - load.headroom_pages)
             state.total_pages, state.running, state.page_size = load.total_pages, load.running, load.page_size or 16
-            state.placement = Placement(node_id=load.node_id, kv_pool=load.kv_pool)
+            state.placement = Placement(load.placement.node_id, kv_pool=load.placement.kv_pool)
             self._mark(state, True)
 
         await asyncio.gather(*map(prefill, self.prefill), *map(decode, self.decode))

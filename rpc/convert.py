@@ -52,10 +52,12 @@ def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, Any]:
                 **present_fields(message.distribution, _DISTRIBUTION), **present_fields(message, _OPTIONAL))
 
 
-def load_to_proto(message_cls: type[M], load: Any, **extra: Any) -> M:
-    """A Get*LoadResponse from a worker's load dataclass (its fields have the message's names), this node's
-    id and the `extra` fields."""
-    return message_cls(**dataclasses.asdict(load), node_id=node_id(), **extra)
+def load_to_proto(message_cls: type[M], load: Any, **placement: str) -> M:
+    """A Get*LoadResponse from a worker's load dataclass (its fields have the message's names, but for
+    tp_size, which goes into the WorkerPlacement with this node's id and the `placement` fields)."""
+    fields = dataclasses.asdict(load)
+    where = worker_pb2.WorkerPlacement(node_id=node_id(), tp_size=fields.pop("tp_size"), **placement)
+    return message_cls(**fields, placement=where)
 
 
 def logprob_to_proto(logprob: Any) -> logprobs_pb2.TokenLogprob:

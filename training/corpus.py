@@ -32,6 +32,11 @@ class Document:
     relpath: str
     text: str
 
+    @property
+    def num_bytes(self) -> int:
+        """The text's size in UTF-8."""
+        return len(self.text.encode("utf-8"))
+
 
 @dataclass(frozen=True)
 class Corpus:
@@ -45,11 +50,11 @@ class Corpus:
 
     @property
     def train_bytes(self) -> int:
-        return sum(len(d.text.encode("utf-8")) for d in self.train)
+        return sum(d.num_bytes for d in self.train)
 
     @property
     def held_out_bytes(self) -> int:
-        return sum(len(d.text.encode("utf-8")) for d in self.held_out)
+        return sum(d.num_bytes for d in self.held_out)
 
 
 def is_held_out(relpath: str) -> bool:

@@ -33,6 +33,12 @@ def held_out_slice(held_out_stream: torch.Tensor, length: int, num_windows: int)
     return torch.stack([held_out_stream[i * length : i * length + length + 1] for i in range(num_windows)])
 
 
+def acceptance_prompts(held_out_stream: torch.Tensor, length: int, count: int) -> list[list[int]]:
+    """count prompts of length tokens spread evenly over the held-out stream."""
+    stride = max(1, (held_out_stream.numel() - length) // count)
+    return [held_out_stream[i * stride : i * stride + length].tolist() for i in range(count)]
+
+
 def unigram_entropy(train_docs: Sequence[Sequence[int]], vocab_size: int, windows: torch.Tensor) -> float:
     """Cross-entropy (nats) of windows[:, 1:] under the add-one-smoothed training unigram."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)

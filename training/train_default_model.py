@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
 import sys
 import time
 from dataclasses import replace
@@ -22,46 +21,35 @@ from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
 from engine.models.dflash import DFlashConfig, load_draft, save_draft
 from training import evaluate
+from training.block_draft import DistillText
 from training.corpus import load_corpus
 from training.model_card import write_model_card
-from training.tokenizer import BOS, EOS, MASK, PAD, encode_documents, train_tokenizer
-from training.train_draft import DraftTraining, build_dataset, train_draft
-from training.train_target import TargetShape, TargetTraining, build_config, train_target
+from training.options import base_parser, command_line, start_run
+from training.target_shape import TargetShape, build_config
+from training.tokenizer import encode_corpus, special_ids, train_tokenizer, write_tokenizer_config
+from training.train_draft import DRAFT_SCHEDULE, DraftTraining, build_dataset, train_draft
+from training.train_target import TARGET_SCHEDULE, TargetTraining, train_target
 
 logger = logging.getLogger("training")
 
 LOSS_RATIO_THRESHOLD = 0.60
 SAMPLE_PROMPTS = ("import os\n", "def __init__(self", "class ")
 TINY = {
-    "max_files": 12,
     "shape": TargetShape(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_hidden_layers=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
                          qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
                          train_length=64, max_position_embeddings=1024),
-    "target": TargetTraining(steps=3, batch_size=2, warmup_steps=1, log_every=1),
-    "draft": DraftTraining(num_sequences=4, prompt_length=8, generated_length=24, generate_batch=4, steps=3,
-                           batch_size=2, anchors_per_sequence=4, warmup_steps=1, log_every=1),
-    "draft_shape": {"num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "intermediate_size": 64},
-    "eval_windows": 2, "accept_prompts": 2, "accept_new_tokens": 8, "sample_tokens": 4,
+    "target": TargetTraining(steps=3, schedule=TARGET_SCHEDULE.smoke()),
+    "draft": DraftTraining(text=DistillText(num_sequences=4, prompt_length=8, generated_length=24, generate_batch=4),
+                           steps=3, anchors_per_sequence=4, schedule=DRAFT_SCHEDULE.smoke()),
+    "accept_new_tokens": 8, "sample_tokens": 4,
 }
-FULL = {
-    "max_files": None,
-    "shape": TargetShape(),
-    "target": TargetTraining(),
-    "draft": DraftTraining(),
-    "draft_shape": {"num_layers": 2, "num_heads": 8, "num_kv_heads": 4, "head_dim": 24, "intermediate_size": 512},
-    "eval_windows": 64, "accept_prompts": 24, "accept_new_tokens": 96, "sample_tokens": 48,
-}
+FULL = {"shape": TargetShape(), "target": TargetTraining(), "draft": DraftTraining(), "accept_new_tokens": 96,
+        "sample_tokens": 48}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("models/pdserve-tiny"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="toy shapes and a few steps (smoke test)")
-    parser.add_argument("--target-steps", type=int, default=None)
-    parser.add_argument("--draft-steps", type=int, default=None)
+    parser = base_parser(__doc__, Path("models/pdserve-tiny"), threads=2)
     parser.add_argument("--reuse-target", action="store_true",
                         help="keep the tokenizer and target already in --out; retrain only the draft")
     return parser.parse_args(argv)
@@ -69,8 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s [training] %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
+    scale = start_run(args)
     torch.manual_seed(args.seed)
     plan = TINY if args.tiny else FULL
     target_cfg, draft_cfg = plan["target"], plan["draft"]
@@ -82,22 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
 
-    corpus = load_corpus(max_files=plan["max_files"])
+    corpus = load_corpus(max_files=scale.max_files)
     shape: TargetShape = plan["shape"]
     if args.reuse_target:
         tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     else:
         tokenizer = train_tokenizer([d.text for d in corpus.train], shape.vocab_size)
         tokenizer.save(str(out / "tokenizer.json"))
-    special = {name: tokenizer.token_to_id(tok) for name, tok in (("bos", BOS), ("eos", EOS), ("pad", PAD), ("mask", MASK))}
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "mask_token": MASK,
-         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
-    train_docs = encode_documents(tokenizer, [d.text for d in corpus.train])
-    held_docs = encode_documents(tokenizer, [d.text for d in corpus.held_out])
-    train_stream = torch.tensor([t for doc in train_docs for t in doc])
-    held_stream = torch.tensor([t for doc in held_docs for t in doc])
-    logger.info("tokens: train %d, held-out %d", train_stream.numel(), held_stream.numel())
+    special = special_ids(tokenizer)
+    write_tokenizer_config(out)
+    encoded = encode_corpus(tokenizer, corpus)
+    train_docs, train_stream, held_stream = encoded.train_docs, encoded.train_stream, encoded.held_stream
 
     config = build_config(shape, special["bos"], special["eos"], special["pad"])
     if not args.reuse_target:
@@ -119,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_config = DFlashConfig(
         hidden_size=shape.hidden_size, target_hidden_size=shape.hidden_size,
         target_layer_ids=(0, layers // 2), block_size=8, mask_token_id=special["mask"], rms_norm_eps=1e-6,
-        rope_theta=10000.0, **plan["draft_shape"])
+        rope_theta=10000.0, **scale.draft_shape.as_kwargs())
     tokens, captured = build_dataset(target, train_stream, draft_cfg, draft_config.target_layer_ids, args.seed)
     draft = train_draft(target, draft_config, tokens, captured, draft_cfg, args.seed)
     draft_params = sum(p.numel() for p in draft.parameters())
@@ -127,12 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     draft = load_draft(out / "draft")
     train_time = time.monotonic() - started
 
-    windows = evaluate.held_out_slice(held_stream, shape.train_length, plan["eval_windows"])
+    windows = evaluate.held_out_slice(held_stream, shape.train_length, scale.eval_windows)
     loss = evaluate.model_loss(target, windows)
     entropy = evaluate.unigram_entropy(train_docs, shape.vocab_size, windows)
-    length = draft_cfg.prompt_length
-    stride = max(1, (held_stream.numel() - length) // plan["accept_prompts"])
-    prompts = [held_stream[i * stride : i * stride + length].tolist() for i in range(plan["accept_prompts"])]
+    length = draft_cfg.text.prompt_length
+    prompts = evaluate.acceptance_prompts(held_stream, length, scale.accept_prompts)
     accept, per_position = evaluate.acceptance_length(target, draft, prompts, 8, plan["accept_new_tokens"])
     samples = {p: tokenizer.decode(evaluate.greedy_text(target, tokenizer.encode(p).ids, plan["sample_tokens"]))
                for p in SAMPLE_PROMPTS}
@@ -143,17 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         "train_tokens": train_stream.numel(), "held_out_tokens": held_stream.numel(),
         "target_parameters": num_params, "draft_parameters": draft_params,
         "held_out_loss": loss, "unigram_entropy": entropy, "loss_ratio": loss / entropy,
-        "loss_ratio_threshold": LOSS_RATIO_THRESHOLD, "eval_windows": plan["eval_windows"],
+        "loss_ratio_threshold": LOSS_RATIO_THRESHOLD, "eval_windows": scale.eval_windows,
         "eval_length": shape.train_length, "acceptance_length": accept, "acceptance_per_position": per_position,
         "accept_prompts": len(prompts), "accept_prompt_length": length, "accept_new_tokens": plan["accept_new_tokens"],
-        "target_steps": target_cfg.steps, "target_batch": target_cfg.batch_size, "target_lr": target_cfg.lr,
-        "target_warmup": target_cfg.warmup_steps, "draft_steps": draft_cfg.steps, "draft_batch": draft_cfg.batch_size,
-        "draft_lr": draft_cfg.lr,
-        "draft_sequences": draft_cfg.num_sequences, "draft_generated": draft_cfg.generated_length,
+        "target_steps": target_cfg.steps, "target_batch": target_cfg.schedule.batch_size,
+        "target_lr": target_cfg.schedule.lr, "target_warmup": target_cfg.schedule.warmup_steps,
+        "draft_steps": draft_cfg.steps, "draft_batch": draft_cfg.schedule.batch_size, "draft_lr": draft_cfg.schedule.lr,
+        "draft_sequences": draft_cfg.text.num_sequences, "draft_generated": draft_cfg.text.generated_length,
         "draft_anchors": draft_cfg.anchors_per_sequence, "target_minutes": target_time / 60,
         "wall_minutes": (time.monotonic() - started) / 60, "train_minutes": train_time / 60,
         "draft_rerun": args.reuse_target,
-        "command": ".venv/bin/python -m training.train_default_model " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("", "training.train_default_model", argv),
     }
     if reused_from is not None:
         metrics["command"] = reused_from["command"]

@@ -8,51 +8,38 @@ directory, so a partial run always leaves a loadable checkpoint.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from training.k3_net import K3Net
 from training.k3_shape import K3Shape
-from training.train_target import sample_windows
+from training.schedule import Budget, Schedule, decay_groups, optimizer_step, set_lr
+from training.train_target import next_token_loss, sample_windows
 
 logger = logging.getLogger(__name__)
 
 
+K3_TARGET_SCHEDULE = Schedule(lr=5e-3, min_lr_ratio=0.1, warmup_steps=30, weight_decay=0.05, batch_size=8,
+                              log_every=10)
+
+
 @dataclass(frozen=True)
 class K3TargetTraining:
-    max_steps: int = 100_000
-    minutes: float = 40.0
-    batch_size: int = 8
-    lr: float = 5e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.05
-    bias_update_rate: float = 1e-3  # aux-loss-free expert balancing
-    log_every: int = 10
+    """Updates until the budget is spent, a checkpoint every checkpoint_minutes; bias_update_rate: aux-loss-free
+    expert balancing."""
+
+    budget: Budget = Budget(max_steps=100_000, minutes=40.0)
+    bias_update_rate: float = 1e-3
     checkpoint_minutes: float = 5.0
+    schedule: Schedule = K3_TARGET_SCHEDULE
 
     def __post_init__(self) -> None:
-        if self.max_steps <= 0 or self.minutes <= 0 or self.batch_size <= 0:
-            raise ValueError("max_steps, minutes and batch_size must be positive")
-
-
-def lr_at(step: int, progress: float, cfg: K3TargetTraining) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def make_optimizer(net: K3Net, cfg: K3TargetTraining) -> torch.optim.AdamW:
-    decay = [p for n, p in net.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in net.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        if self.checkpoint_minutes <= 0:
+            raise ValueError(f"checkpoint_minutes must be positive, got {self.checkpoint_minutes}")
 
 
 def train_k3_target(
@@ -66,7 +53,8 @@ def train_k3_target(
     state_path = work_dir / "target_state.pt"
     if init is not None and not state_path.exists():
         init(net)
-    optimizer = make_optimizer(net, cfg)
+    schedule = cfg.schedule
+    optimizer = schedule.adamw(decay_groups(net, schedule.weight_decay))
     generator = torch.Generator().manual_seed(seed)
     step, spent = 0, 0.0
     if state_path.exists():
@@ -80,7 +68,6 @@ def train_k3_target(
     logger.info("target parameters: %d", sum(p.numel() for p in net.parameters()))
     started = time.monotonic() - spent
     last_checkpoint, running, count, loss_value = time.monotonic(), 0.0, 0, float("nan")
-    budget = cfg.minutes * 60
 
     def checkpoint() -> None:
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -92,27 +79,17 @@ def train_k3_target(
         net.train()
         logger.info("checkpoint at step %d", step)
 
-    while step < cfg.max_steps:
-        elapsed = time.monotonic() - started
-        if elapsed >= budget:
-            break
-        progress = max(step / cfg.max_steps, elapsed / budget)
-        lr = lr_at(step, progress, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = sample_windows(stream, cfg.batch_size, shape.train_length, generator)
-        logits = net.logits(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        optimizer.step()
+    while not cfg.budget.spent(step, elapsed := time.monotonic() - started):
+        progress = cfg.budget.progress(step, elapsed)
+        lr = schedule.lr_at(step, progress)
+        set_lr(optimizer, lr)
+        batch = sample_windows(stream, schedule.batch_size, shape.train_length, generator)
+        loss_value = optimizer_step(optimizer, next_token_loss(net.logits(batch[:, :-1]), batch), net.parameters())
         for moe in net.moe_layers():
             moe.balance(cfg.bias_update_rate)
         step += 1
-        loss_value = loss.item()
         running, count = running + loss_value, count + 1
-        if step % cfg.log_every == 0:
+        if step % schedule.log_every == 0:
             logger.info("target step %d loss %.4f lr %.2e progress %.3f elapsed %.1f min", step, running / count, lr,
                         progress, (time.monotonic() - started) / 60)
             running, count = 0.0, 0

@@ -61,7 +61,7 @@ async def test_k3_gateway_outputs_equal_in_process_and_free_everything(k3_model,
         assert len(segments) >= 2  # one pool (pages + state slots) per decode rank
         decode = worker_address(cluster, "decode-0")
         idle = await _idle(decode)
-        assert idle.total_state_slots > 0 and idle.tp_size == 2
+        assert idle.total_state_slots > 0 and idle.placement.tp_size == 2
         async with gateway_stub(cluster.gateway_address) as stub:
             results = await asyncio.gather(*(
                 generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,

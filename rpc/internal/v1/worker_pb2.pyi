@@ -27,6 +27,18 @@ class WorkerSampling(_message.Message):
     block_size: int
     def __init__(self, max_new_tokens: _Optional[int] = ..., distribution: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ...) -> None: ...
 
+class WorkerPlacement(_message.Message):
+    __slots__ = ("node_id", "tp_size", "device", "kv_pool")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    tp_size: int
+    device: str
+    kv_pool: str
+    def __init__(self, node_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., device: _Optional[str] = ..., kv_pool: _Optional[str] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -78,20 +90,16 @@ class GetPrefillLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPrefillLoadResponse(_message.Message):
-    __slots__ = ("queued_requests", "queued_tokens", "tp_size", "requests_total", "node_id", "device")
+    __slots__ = ("queued_requests", "queued_tokens", "requests_total", "placement")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    NODE_ID_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     queued_tokens: int
-    tp_size: int
     requests_total: int
-    node_id: str
-    device: str
-    def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., requests_total: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    placement: WorkerPlacement
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "transport")
@@ -158,7 +166,7 @@ class GetDecodeLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDecodeLoadResponse(_message.Message):
-    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "tp_size", "headroom_pages", "requests_total", "node_id", "kv_pool", "free_state_slots", "total_state_slots")
+    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "headroom_pages", "requests_total", "free_state_slots", "total_state_slots", "placement")
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -166,13 +174,11 @@ class GetDecodeLoadResponse(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     LEASED_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    NODE_ID_FIELD_NUMBER: _ClassVar[int]
-    KV_POOL_FIELD_NUMBER: _ClassVar[int]
     FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     free_pages: int
     total_pages: int
     running: int
@@ -180,11 +186,9 @@ class GetDecodeLoadResponse(_message.Message):
     leases: int
     leased_pages: int
     page_size: int
-    tp_size: int
     headroom_pages: int
     requests_total: int
-    node_id: str
-    kv_pool: str
     free_state_slots: int
     total_state_slots: int
-    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., node_id: _Optional[str] = ..., kv_pool: _Optional[str] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ...) -> None: ...
+    placement: WorkerPlacement
+    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ...) -> None: ...
