@@ -26,6 +26,7 @@ from decode_worker.leases import ReservationBook
 from decode_worker.streams import Streams
 from engine.config_base import alias
 from engine.sampling_params import SamplingParams
+from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import KVTransferError
 from kvtransfer.transport import KVReceiver
@@ -143,7 +144,8 @@ class DecodeService:
         held = book.claim(request_id, lease_id, len(prompt_ids))
         self._streams.open(request_id)
         try:
-            await asyncio.to_thread(held.receiver.admit, request_id, self.config.admit_timeout_s)
+            if held.receiver.admit_now(request_id, INLINE_CHECKSUM_BYTES) is None:  # else: no thread hop
+                await asyncio.to_thread(held.receiver.admit, request_id, self.config.admit_timeout_s)
         except BaseException as error:  # not usable, or cancelled while waiting: the claimed pages are ours to free
             self._streams.close(request_id)
             book.drop(request_id, free=True)
