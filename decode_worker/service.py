@@ -24,6 +24,7 @@ from decode_worker.admission import DecodeUpdate, headroom
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.leases import ReservationBook
 from decode_worker.streams import Streams
+from engine.config_base import alias
 from engine.sampling_params import SamplingParams
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
@@ -105,13 +106,8 @@ class DecodeService:
     def lease_expiries(self) -> int:
         return self._book.expiries if self._book is not None else 0
 
-    @property
-    def engine_steps(self) -> int:
-        return self._streams.engine_steps
-
-    @property
-    def engine_step_tokens(self) -> int:
-        return self._streams.engine_step_tokens
+    engine_steps = alias("_streams.engine_steps")
+    engine_step_tokens = alias("_streams.engine_step_tokens")
 
     # --- engine thread --------------------------------------------------------------------------------
     def _work(self, engine: Any) -> bool:
