@@ -25,24 +25,23 @@ from engine.kv_cache import PagedLatentCache
 from kvtransfer.grpc_receiver import PushReceiver
 from kvtransfer.grpc_servicer import serve
 from kvtransfer.grpc_transport import GrpcWriter
-from kvtransfer.layout import KVLayout
+from kvtransfer.layout import KVLayout, StateLayout
 from kvtransfer.leases import LeaseTable
 from kvtransfer.shm_pool import SharedPagePool
 from kvtransfer.shm_receiver import ShmReceiver
 from kvtransfer.shm_transport import ShmWriter
 
-TINY_K3_TP2 = KVLayout(num_layers=2, latent_dim=32, rope_dim=4, page_size=16, dtype="float32", state_layers=6,
-                       conv_width=3, conv_channels=3 * 12 * 8, state_heads=12, head_k_dim=8, head_v_dim=8,
-                       conv_dtype="float32", ssm_dtype="float32")
-K3_TP8 = KVLayout(num_layers=24, latent_dim=512, rope_dim=64, page_size=64, dtype="bfloat16", state_layers=69,
-                  conv_width=3, conv_channels=3 * 12 * 128, state_heads=12, head_k_dim=128, head_v_dim=128,
-                  conv_dtype="bfloat16", ssm_dtype="float32")
+TINY_K3_TP2 = KVLayout(num_layers=2, latent_dim=32, rope_dim=4, page_size=16, dtype="float32", state=StateLayout(
+    state_layers=6, conv_width=3, conv_channels=3 * 12 * 8, state_heads=12, head_k_dim=8, head_v_dim=8,
+    conv_dtype="float32", ssm_dtype="float32"))
+K3_TP8 = KVLayout(num_layers=24, latent_dim=512, rope_dim=64, page_size=64, dtype="bfloat16", state=StateLayout(
+    state_layers=69, conv_width=3, conv_channels=3 * 12 * 128, state_heads=12, head_k_dim=128, head_v_dim=128,
+    conv_dtype="bfloat16", ssm_dtype="float32"))
 _ids = itertools.count()
 
 
 def _without_state(layout: KVLayout) -> KVLayout:
-    return dataclasses.replace(layout, state_layers=0, conv_width=0, conv_channels=0, state_heads=0, head_k_dim=0,
-                               head_v_dim=0, conv_dtype="", ssm_dtype="")
+    return dataclasses.replace(layout, state=None)
 
 
 def _source(layout: KVLayout) -> PagedLatentCache:

@@ -24,7 +24,9 @@ from decode_worker.admission import DecodeUpdate, headroom
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.leases import ReservationBook
 from decode_worker.streams import Streams
+from engine.config_base import alias
 from engine.sampling_params import SamplingParams
+from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import KVTransferError
 from kvtransfer.transport import KVReceiver
@@ -104,13 +106,8 @@ class DecodeService:
     def lease_expiries(self) -> int:
         return self._book.expiries if self._book is not None else 0
 
-    @property
-    def engine_steps(self) -> int:
-        return self._streams.engine_steps
-
-    @property
-    def engine_step_tokens(self) -> int:
-        return self._streams.engine_step_tokens
+    engine_steps = alias("_streams.engine_steps")
+    engine_step_tokens = alias("_streams.engine_step_tokens")
 
     # --- engine thread --------------------------------------------------------------------------------
     def _work(self, engine: Any) -> bool:
@@ -147,7 +144,8 @@ class DecodeService:
         held = book.claim(request_id, lease_id, len(prompt_ids))
         self._streams.open(request_id)
         try:
-            await asyncio.to_thread(held.receiver.admit, request_id, self.config.admit_timeout_s)
+            if held.receiver.admit_now(request_id, INLINE_CHECKSUM_BYTES) is None:  # else: no thread hop
+                await asyncio.to_thread(held.receiver.admit, request_id, self.config.admit_timeout_s)
         except BaseException as error:  # not usable, or cancelled while waiting: the claimed pages are ours to free
             self._streams.close(request_id)
             book.drop(request_id, free=True)

@@ -9,7 +9,7 @@ import grpc
 from decode_worker.service import DecodeService
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import TransportKind
-from rpc.convert import load_to_proto, logprob_to_proto, sampling_fields
+from rpc.convert import load_method, logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, parse_field, streaming, unary
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 
@@ -67,7 +67,4 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
         return worker_pb2.ReleaseResponse(found=await self._service.release(request.request_id))
 
-    @unary
-    async def GetDecodeLoad(self, request: worker_pb2.GetDecodeLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetDecodeLoadResponse:
-        return load_to_proto(worker_pb2.GetDecodeLoadResponse, self._service.load,
-                             kv_pool=self._service.config.engine.kv_pool, device=self._service.config.engine.device)
+    GetDecodeLoad = load_method(worker_pb2.GetDecodeLoadResponse, "device", "kv_pool")

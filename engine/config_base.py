@@ -36,6 +36,13 @@ def alias(name: str) -> Any:
     return property(operator.attrgetter(name), doc=f"The same as {name}.")
 
 
+def length_of(name: str) -> Any:
+    """A read-only property returning len(attribute `name`) (dotted names as in alias): a count kept by
+    the collection it counts, e.g. num_running = length_of("scheduler.running")."""
+    collection = operator.attrgetter(name)
+    return property(lambda owner: len(collection(owner)), doc=f"len({name}).")
+
+
 def check_positive(config: object, names: Iterable[str], owner: str = "") -> None:
     """ValueError naming the first of `names` whose value is not > 0 (NaN included), prefixed by `owner`
     ("CacheShape." -> "CacheShape.num_pages must be positive, got 0")."""

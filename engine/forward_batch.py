@@ -130,10 +130,6 @@ class StepLayout:
     kv_lens: tuple[int, ...]
     page_size: int
 
-    @property
-    def total(self) -> int:
-        return sum(self.sizes)
-
 
 def pack_step_inputs(
     input_ids: list[int],
@@ -155,7 +151,7 @@ def pack_step_inputs(
 
 
 def unpack_forward_batch(mode: ForwardMode, packed: torch.Tensor, layout: StepLayout) -> tuple[ForwardBatch, torch.Tensor]:
-    """packed: [layout.total] int64 on the device -> (batch, extra [n] int64); views and casts only, no
+    """packed: [sum(layout.sizes)] int64 on the device -> (batch, extra [n] int64); views and casts only, no
     host work (a captured graph replays this after its packed buffer is overwritten)."""
     ids, pos, cu, lens, table, slots, extra = torch.split(packed, list(layout.sizes))
     attn = AttentionMetadata(

@@ -11,6 +11,7 @@ import torch
 
 from engine import spec_decode
 from engine.models.registry import load_config
+from engine.config_base import length_of
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
@@ -125,13 +126,8 @@ class LLMEngine:
     def num_free_pages(self) -> int:
         return self.allocator.num_free
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+    num_running = length_of("scheduler.running")
+    num_waiting = length_of("scheduler.waiting")
 
     def has_work(self) -> bool:
         return bool(self._seqs)  # running, waiting, or finished with output not yet collected

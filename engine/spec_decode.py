@@ -14,7 +14,7 @@ import torch
 from engine.host_fetch import fetch_to_host
 from engine.sampling import SamplingBatch, sample
 from engine.sequence import Sequence
-from engine.spec_verify import VerifyResult, verify_sampled_tensors
+from engine.spec_verify import VerifyResult, verify_sampled
 from engine.step_plan import DraftPlan
 
 # request id -> (draft tokens, their draft distribution q [k, vocab] when the request samples)
@@ -138,7 +138,7 @@ def verify_on_device(
         target = SamplingBatch.from_params([seqs[i].params for i in sampled], device=device).repeat_rows(counts).probs(
             logits.index_select(0, rows)
         )
-        _, num_accepted, final = verify_sampled_tensors(
+        _, num_accepted, final = verify_sampled(
             [torch.tensor(proposals[seqs[i].request_id][0], device=device) for i in sampled],
             [proposals[seqs[i].request_id][1] for i in sampled],
             list(torch.split(target, counts)),

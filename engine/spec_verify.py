@@ -14,7 +14,7 @@ Sampled: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first r
 draw from norm(max(0, p_j - q_j)) and stop; if every draft is accepted emit a draw from p_{k_i}.
 A greedy (deterministic) draft is covered by passing one-hot q rows; a greedy request in a sampled
 batch (one-hot p and q rows) gets exactly verify_greedy's result, so mixed batches can go through
-verify_sampled alone.
+verify_sampled alone. Both verifiers return VerifyTensors (on the device); .per_sequence() lists the tokens.
 """
 from __future__ import annotations
 
@@ -65,9 +65,22 @@ def _pad(rows: Rows, lengths: list[int], width: int) -> torch.Tensor:
     return out
 
 
-def _results(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, final_tokens: torch.Tensor) -> list[VerifyResult]:
-    drafts, accepted, finals = draft_tokens.tolist(), num_accepted.tolist(), final_tokens.tolist()
-    return [VerifyResult(row[:n] + [final], n) for row, n, final in zip(drafts, accepted, finals)]
+class VerifyTensors(NamedTuple):
+    """A verify step's outcome, still on the device: drafts [S, K] (padded), num_accepted [S], final [S]."""
+
+    drafts: torch.Tensor
+    num_accepted: torch.Tensor
+    final_tokens: torch.Tensor
+
+    def per_sequence(self) -> list[VerifyResult]:
+        """The tokens each sequence appends (one host copy of each tensor)."""
+        drafts, accepted, finals = self.drafts.tolist(), self.num_accepted.tolist(), self.final_tokens.tolist()
+        return [VerifyResult(row[:n] + [final], n) for row, n, final in zip(drafts, accepted, finals)]
+
+
+def _no_sequences() -> VerifyTensors:
+    empty = torch.zeros(0, dtype=torch.long)
+    return VerifyTensors(empty.view(0, 0), empty, empty)
 
 
 def _accepted_prefix(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -76,27 +89,20 @@ def _accepted_prefix(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tenso
     return (accept & valid).long().cumprod(dim=1).sum(dim=1)
 
 
-def verify_greedy_tensors(
+def verify_greedy(
     draft_tokens: Rows, target_logits: Rows, num_drafts: Sequence[int] | torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """verify_greedy without leaving the device: -> (drafts [S, K], num_accepted [S], final token [S])."""
+) -> VerifyTensors:
+    """draft_tokens: per sequence [k_i] int (list, padded [S, K] or packed [sum k_i]);
+    target_logits: per sequence [k_i + 1, V] (list, padded [S, K + 1, V] or packed [sum(k_i+1), V]).
+    Per sequence the accepted drafts and the target's argmax after them (lowest index on ties)."""
     lengths = _draft_lengths(draft_tokens, num_drafts)
+    if not lengths:
+        return _no_sequences()
     width = max(lengths)
     target = _pad(target_logits, [n + 1 for n in lengths], width + 1).argmax(dim=-1)
     drafts = _pad(draft_tokens, lengths, width).long().to(target.device)
     num_accepted = _accepted_prefix(drafts == target[:, :width], torch.tensor(lengths, device=drafts.device))
-    return drafts, num_accepted, target.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
-
-
-def verify_greedy(
-    draft_tokens: Rows, target_logits: Rows, num_drafts: Sequence[int] | torch.Tensor | None = None
-) -> list[VerifyResult]:
-    """draft_tokens: per sequence [k_i] int (list, padded [S, K] or packed [sum k_i]);
-    target_logits: per sequence [k_i + 1, V] (list, padded [S, K + 1, V] or packed [sum(k_i+1), V]).
-    Returns per sequence the accepted drafts and the target's argmax after them (lowest index on ties)."""
-    if not _draft_lengths(draft_tokens, num_drafts):
-        return []
-    return _results(*verify_greedy_tensors(draft_tokens, target_logits, num_drafts))
+    return VerifyTensors(drafts, num_accepted, target.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
 
 
 def rejection_sample(
@@ -155,15 +161,22 @@ def draw_verify_randomness(
     return uniform, noise
 
 
-def verify_sampled_tensors(
+def verify_sampled(
     draft_tokens: Rows,
     draft_probs: Rows,
     target_probs: Rows,
     generators: Generators = None,
     num_drafts: Sequence[int] | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """verify_sampled without leaving the device: -> (drafts [S, K], num_accepted [S], final token [S])."""
+) -> VerifyTensors:
+    """draft_tokens: per sequence [k_i]; draft_probs q: per sequence [k_i, V], the distribution
+    each draft was sampled from (after the request's temperature / top-k / top-p / min-p);
+    target_probs p: per sequence [k_i + 1, V] after the same settings. Layouts as the module
+    docstring. generators: per sequence (the request's generator; None entries use the default
+    RNG), one for the whole batch, or None. Emitted tokens are distributed exactly as sampling
+    the target autoregressively."""
     lengths = _draft_lengths(draft_tokens, num_drafts)
+    if not lengths:
+        return _no_sequences()
     width = max(lengths)
     target = _pad(target_probs, [n + 1 for n in lengths], width + 1).float()
     if width == 0:
@@ -174,25 +187,7 @@ def verify_sampled_tensors(
         q = _pad(draft_probs, lengths, width).float().to(target.device)
     uniform, noise = draw_verify_randomness(lengths, target.shape[-1], target.device, generators)
     num_accepted, final = rejection_sample(drafts, torch.tensor(lengths, device=target.device), q, target, uniform, noise)
-    return drafts, num_accepted, final
-
-
-def verify_sampled(
-    draft_tokens: Rows,
-    draft_probs: Rows,
-    target_probs: Rows,
-    generators: Generators = None,
-    num_drafts: Sequence[int] | torch.Tensor | None = None,
-) -> list[VerifyResult]:
-    """draft_tokens: per sequence [k_i]; draft_probs q: per sequence [k_i, V], the distribution
-    each draft was sampled from (after the request's temperature / top-k / top-p / min-p);
-    target_probs p: per sequence [k_i + 1, V] after the same settings. Layouts as the module
-    docstring. generators: per sequence (the request's generator; None entries use the default
-    RNG), one for the whole batch, or None. Emitted tokens are distributed exactly as sampling
-    the target autoregressively."""
-    if not _draft_lengths(draft_tokens, num_drafts):
-        return []
-    return _results(*verify_sampled_tensors(draft_tokens, draft_probs, target_probs, generators, num_drafts))
+    return VerifyTensors(drafts, num_accepted, final)
 
 
 @dataclass

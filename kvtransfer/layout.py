@@ -25,7 +25,6 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 HASH_VERSION = "pdserve-kv-layout-v1"
-_STATE_INTS = ("state_layers", "conv_width", "conv_channels", "state_heads", "head_k_dim", "head_v_dim")
 # The fields KVLayout and engine.kv_cache.CacheShape share, by the same names.
 _GEOMETRY = ("num_layers", "latent_dim", "rope_dim", "page_size", "draft_layers", "draft_dim")
 
@@ -51,14 +50,47 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
+class StateLayout:
+    """One linear-attention state slot on one rank: every KDA layer's conv [conv_width, conv_channels]
+    conv_dtype, then recurrent [state_heads, head_k_dim, head_v_dim] ssm_dtype (engine/state_pool.py's
+    slot-major row). The field names are kv_pb2.KVLayout's."""
+
+    state_layers: int
+    conv_width: int
+    conv_channels: int
+    state_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_dtype: str
+    ssm_dtype: str
+
+    def __post_init__(self) -> None:
+        check_positive(self, _STATE_INTS, "StateLayout.")
+        for name in ("conv_dtype", "ssm_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"StateLayout.{name} {getattr(self, name)!r} is not one of {sorted(DTYPES)}")
+
+    @classmethod
+    def from_shape(cls, state: StateShape) -> StateLayout:
+        return cls(state.num_kda_layers, state.conv_width, state.conv_channels, state.num_heads, state.head_k_dim,
+                   state.head_v_dim, dtype_name(state.conv_dtype), dtype_name(state.ssm_dtype))
+
+    def to_shape(self, num_slots: int) -> StateShape:
+        return StateShape(self.state_layers, num_slots, self.conv_width, self.conv_channels, self.state_heads,
+                          self.head_k_dim, self.head_v_dim, DTYPES[self.conv_dtype], DTYPES[self.ssm_dtype])
+
+
+_STATE_FIELDS = tuple(field.name for field in dataclasses.fields(StateLayout))
+_STATE_INTS = _STATE_FIELDS[:6]
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """Geometry of one TP rank's page pool, independent of how many pages it has.
 
     target pages: [num_layers, num_pages, page_size, latent_dim + rope_dim]
     draft pages:  [draft_layers, num_pages, page_size, draft_dim]
-    state slots:  models with linear attention (state_layers > 0): per slot, every KDA layer's conv
-                  [conv_width, conv_channels] conv_dtype then recurrent [state_heads, head_k_dim,
-                  head_v_dim] ssm_dtype (engine/state_pool.py's slot-major row), after the pages
+    state slots:  models with linear attention (state not None), after the pages
     """
 
     num_layers: int
@@ -68,14 +100,7 @@ class KVLayout:
     dtype: str = "bfloat16"
     draft_layers: int = 0
     draft_dim: int = 0
-    state_layers: int = 0
-    conv_width: int = 0
-    conv_channels: int = 0
-    state_heads: int = 0
-    head_k_dim: int = 0
-    head_v_dim: int = 0
-    conv_dtype: str = ""
-    ssm_dtype: str = ""
+    state: StateLayout | None = None
 
     def __post_init__(self) -> None:
         check_positive(self, ("num_layers", "latent_dim", "page_size"), "KVLayout.")
@@ -85,36 +110,21 @@ class KVLayout:
             raise ValueError("KVLayout: draft_layers and draft_dim must both be zero or both positive")
         if self.dtype not in DTYPES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        state = [getattr(self, name) for name in _STATE_INTS]
-        if self.state_layers:
-            if min(state) <= 0 or self.conv_dtype not in DTYPES or self.ssm_dtype not in DTYPES:
-                raise ValueError(f"KVLayout: a state layout needs positive {', '.join(_STATE_INTS)} and known "
-                                 f"conv / ssm dtypes, got {state} {self.conv_dtype!r} {self.ssm_dtype!r}")
-        elif any(state) or self.conv_dtype or self.ssm_dtype:
-            raise ValueError("KVLayout: state fields must all be zero / empty when state_layers is 0")
 
     # --- conversions ----------------------------------------------------------------------------------
     @classmethod
     def from_cache_shape(cls, shape: CacheShape) -> KVLayout:
-        state = shape.state
-        state_fields = {} if state is None else dict(
-            state_layers=state.num_kda_layers, conv_width=state.conv_width, conv_channels=state.conv_channels,
-            state_heads=state.num_heads, head_k_dim=state.head_k_dim, head_v_dim=state.head_v_dim,
-            conv_dtype=dtype_name(state.conv_dtype), ssm_dtype=dtype_name(state.ssm_dtype),
-        )
+        state = None if shape.state is None else StateLayout.from_shape(shape.state)
         geometry = _values(shape, _GEOMETRY) | {"draft_dim": shape.draft_dim if shape.draft_layers else 0}
-        return cls(dtype=dtype_name(shape.dtype), **geometry, **state_fields)
+        return cls(dtype=dtype_name(shape.dtype), **geometry, state=state)
 
     @property
     def has_state(self) -> bool:
-        return self.state_layers > 0
+        return self.state is not None
 
     def state_shape(self, num_slots: int) -> StateShape | None:
         """The state pool geometry of num_slots slots (None without state)."""
-        if not self.has_state:
-            return None
-        return StateShape(self.state_layers, num_slots, self.conv_width, self.conv_channels, self.state_heads,
-                          self.head_k_dim, self.head_v_dim, DTYPES[self.conv_dtype], DTYPES[self.ssm_dtype])
+        return None if self.state is None else self.state.to_shape(num_slots)
 
     def to_cache_shape(self, num_pages: int, num_slots: int = 0) -> CacheShape:
         """num_slots: state slots (a layout with state needs at least one)."""
@@ -126,15 +136,21 @@ class KVLayout:
     def to_proto(self):
         from rpc.internal.v1 import kv_pb2
 
-        return kv_pb2.KVLayout(hash=self.hash, **_values(self, _FIELDS))
+        return kv_pb2.KVLayout(hash=self.hash, **_values(self, _PAGE_FIELDS), **self._state_fields())
 
     def _state_fields(self) -> dict[str, Any]:
-        return _values(self, (*_STATE_INTS, "conv_dtype", "ssm_dtype"))
+        """The state's fields by kv_pb2.KVLayout's names (none without state)."""
+        return {} if self.state is None else _values(self.state, _STATE_FIELDS)
 
     @classmethod
     def from_proto(cls, message) -> KVLayout:
-        """The kv_pb2.KVLayout message's fields (same names), checked against the hash it carries."""
-        layout = cls(**_values(message, _FIELDS))
+        """The kv_pb2.KVLayout message's fields (same names; state_layers 0: no state), checked against the
+        hash it carries."""
+        state_fields = _values(message, _STATE_FIELDS)
+        if not message.state_layers and any(state_fields.values()):
+            raise ValueError("KVLayout: state fields must all be zero / empty when state_layers is 0")
+        state = StateLayout(**state_fields) if message.state_layers else None
+        layout = cls(**_values(message, _PAGE_FIELDS), state=state)
         check_layout(layout, message.hash or layout.hash, "KVLayout message")
         return layout
 
@@ -222,7 +238,7 @@ class KVLayout:
         return -(-num_tokens // self.page_size)
 
 
-_FIELDS = tuple(field.name for field in dataclasses.fields(KVLayout))  # also kv_pb2.KVLayout's names
+_PAGE_FIELDS = tuple(field.name for field in dataclasses.fields(KVLayout) if field.name != "state")  # kv_pb2's names
 
 
 def check_layout(expected: KVLayout, got_hash: str, where: str) -> None:

@@ -124,8 +124,6 @@ class SharedPagePool:
     # --- properties ---------------------------------------------------------------------------------
     num_pages = alias("header.num_pages")
     num_state_slots = alias("header.num_state_slots")
-    rank = alias("header.rank")
-    owner_pid = alias("header.owner_pid")
 
     @property
     def mapping_bytes(self) -> int:

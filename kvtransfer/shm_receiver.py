@@ -98,6 +98,14 @@ class ShmReceiver(KVReceiver):
             for record in self.records(request_id)
         )
 
+    def admit_now(self, request_id: str, max_verify_bytes: int) -> TransferResult | None:
+        """Every rank's record is there and the checksum (if verified) covers at most max_verify_bytes."""
+        destination = self._get(request_id).destination
+        nbytes = self.layout.request_bytes(len(destination.page_ids)) * len(self.pools)
+        if (self.verify_checksum and nbytes > max_verify_bytes) or not self.ready(request_id):
+            return None
+        return self.admit(request_id)
+
     def admit(self, request_id: str, timeout_s: float = 0.0) -> TransferResult:
         destination = self._get(request_id).destination
         deadline = time.monotonic() + timeout_s

@@ -50,6 +50,9 @@ class StagedPushReceiver(PushReceiver):
         super().__init__(mirrors, addresses, **options)
         self._pairs = list(zip(mirrors, caches))
 
+    def admit_now(self, request_id: str, max_verify_bytes: int) -> TransferResult | None:
+        return None  # admission copies the pages from the host mirrors to the device: never on the event loop
+
     def admit(self, request_id: str, timeout_s: float = 0.0) -> TransferResult:
         with self._lock:
             request = self._requests.get(request_id)

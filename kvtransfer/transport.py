@@ -137,6 +137,12 @@ class KVReceiver(ABC):
         request failed: on_failed(request_id) has been called and the request is forgotten).
         """
 
+    def admit_now(self, request_id: str, max_verify_bytes: int) -> TransferResult | None:
+        """admit() at once, when that is known to be cheap: the KV is complete already and admitting it
+        reads at most max_verify_bytes (checksums) and copies nothing. None: call admit() off the event
+        loop. Raises what admit() raises."""
+        return None
+
     @abstractmethod
     def cancel(self, request_id: str) -> None:
         """Forgets a request (abort, lease expiry); later writes for it are refused. Idempotent."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.device_transport import DeviceWriter
 from kvtransfer.grpc_transport import GrpcWriter
@@ -37,9 +38,6 @@ from prefill_worker.kv_export import (
 from prefill_worker.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
-# shm handoffs up to this size (completion records' checksums over the pages) are finished on the event
-# loop: xxh3 covers 1 MiB in well under 0.1 ms, less than a hop to a worker thread and back costs.
-INLINE_HANDOFF_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -217,7 +215,7 @@ class PrefillService:
         """Whether an shm handoff checksums few enough bytes to finish on the event loop (microseconds)
         rather than pay a thread hop on the first token's path; larger ones go to a thread."""
         pages = len(destination.page_ids) * destination.num_ranks
-        return pages * self.layout.bytes_per_page <= INLINE_HANDOFF_BYTES
+        return pages * self.layout.bytes_per_page <= INLINE_CHECKSUM_BYTES
 
     def _drop_if_queued(self, job: _Job) -> bool:
         with self._lock:

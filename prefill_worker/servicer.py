@@ -5,7 +5,7 @@ import grpc
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination
-from rpc.convert import load_to_proto, logprob_to_proto, sampling_fields
+from rpc.convert import load_method, logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, parse_field, unary
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.service import PrefillService
@@ -35,7 +35,4 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def Cancel(self, request: worker_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> worker_pb2.CancelResponse:
         return worker_pb2.CancelResponse(dropped=await self._service.cancel(request.request_id))
 
-    @unary
-    async def GetPrefillLoad(self, request: worker_pb2.GetPrefillLoadRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetPrefillLoadResponse:
-        return load_to_proto(worker_pb2.GetPrefillLoadResponse, self._service.load,
-                             device=self._service.config.engine.device)
+    GetPrefillLoad = load_method(worker_pb2.GetPrefillLoadResponse, "device")

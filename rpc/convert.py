@@ -3,7 +3,7 @@ floor 0 needs no engine import: the workers build SamplingParams(**sampling_fiel
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
@@ -11,6 +11,7 @@ from google.protobuf.message import Message
 from rpc.v1 import gateway_pb2, logprobs_pb2
 from rpc.internal.v1 import worker_pb2
 from rpc.processes import node_id
+from rpc.status import unary
 
 # Tokens per Decode / Generate message, at most (GenerateRequest.stream_interval, DecodeRequest.stream_interval).
 MAX_STREAM_INTERVAL = 1024
@@ -58,6 +59,20 @@ def load_to_proto(message_cls: type[M], load: Any, **placement: str) -> M:
     fields = dataclasses.asdict(load)
     where = worker_pb2.WorkerPlacement(node_id=node_id(), tp_size=fields.pop("tp_size"), **placement)
     return message_cls(**fields, placement=where)
+
+
+def load_method(message_cls: type[M], *placement: str) -> Callable[..., Awaitable[M]]:
+    """A worker servicer's Get*Load RPC (servicers keep their service as self._service): the service's load
+    snapshot as a message_cls, with the named fields of its engine config (service.config.engine) in the
+    placement."""
+
+    @unary
+    async def get_load(self: Any, request: Message, context: Any) -> M:
+        service = self._service
+        engine = service.config.engine
+        return load_to_proto(message_cls, service.load, **{name: getattr(engine, name) for name in placement})
+
+    return get_load
 
 
 def logprob_to_proto(logprob: Any) -> logprobs_pb2.TokenLogprob:

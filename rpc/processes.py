@@ -3,6 +3,7 @@ one place that ties a child's life to its parent (Linux prctl PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -23,8 +24,10 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
         return False
 
 
+@functools.cache
 def node_id() -> str:
-    """This machine's identity for "same node?" questions: the kernel's boot id (hostname as a fallback)."""
+    """This machine's identity for "same node?" questions: the kernel's boot id (hostname as a fallback).
+    Read once per process (it changes only with a reboot): every load poll sends it."""
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
             return file.read().strip()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import check_tp_split
-from engine.config_base import MLAShape, alias
+from engine.config_base import MLAShape, alias, length_of
 from engine.model_configs.linear_attn import LinearAttnConfig
 from engine.model_configs.quantization import QuantizationConfig
 from engine.state_pool import StateShape
@@ -114,13 +114,8 @@ class KimiLinearConfig(MLAShape):
         """Ordinal of MLA layer `layer` among the MLA layers (its layer in the page cache)."""
         return self.mla_layer_ids.index(layer)
 
-    @property
-    def num_kda_layers(self) -> int:
-        return len(self.linear_attn.kda_layers)
-
-    @property
-    def num_mla_layers(self) -> int:
-        return len(self.linear_attn.full_attn_layers)
+    num_kda_layers = length_of("linear_attn.kda_layers")
+    num_mla_layers = length_of("linear_attn.full_attn_layers")
 
     @property
     def num_cache_layers(self) -> int:

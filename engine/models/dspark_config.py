@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import RopeConfig
+from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, MLAShape, check_int_fields
 from engine.models.dflash import DFlashConfig
 from engine.models.dspark_markov import MARKOV_KINDS
 
@@ -27,37 +28,19 @@ MLA_ARCHITECTURE = "KimiK3DSparkMLADraftModel"
 
 
 @dataclass(frozen=True)
-class MlaDraftShape:
+class MlaDraftShape(MLAShape):
     """The MLA-layer variant's attention (K3 MLA with RoPE on the rope part, no output gate): q through
     q_a_proj / q_a_layernorm / q_b_proj (q_lora_rank None: one q_proj), kv_a_proj_with_mqa -> latent
-    kv_lora_rank (kv_a_layernorm) + rope part, kv_b_proj -> per head [k_nope | v]. rope_interleave: pairs
-    (2i, 2i+1) rotate together (K3's checkpoints); False: half-split."""
+    kv_lora_rank (kv_a_layernorm) + rope part, kv_b_proj -> per head [k_nope | v]; one context-cache entry
+    is kv_cache_dim wide: [kv_a_layernorm(c_kv) | RoPE(k_pe)]. rope_interleave: pairs (2i, 2i+1) rotate
+    together (K3's checkpoints); False: half-split."""
 
-    num_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
     rope_interleave: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-            raise ValueError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
+        check_int_fields(self, positive=MLA_POSITIVE, optional_positive=MLA_OPTIONAL_POSITIVE)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
-
-    @property
-    def latent_dim(self) -> int:
-        """Width of one context-cache entry: [kv_a_layernorm(c_kv) | RoPE(k_pe)]."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MlaDraftShape:
@@ -65,7 +48,8 @@ class MlaDraftShape:
         if missing:
             raise ValueError(f"DSpark MLA draft config is missing {missing}")
         q_lora = d.get("q_lora_rank")
-        return cls(num_heads=int(d["num_attention_heads"]), q_lora_rank=None if q_lora is None else int(q_lora),
+        return cls(hidden_size=int(d["hidden_size"]), num_attention_heads=int(d["num_attention_heads"]),
+                   q_lora_rank=None if q_lora is None else int(q_lora),
                    kv_lora_rank=int(d["kv_lora_rank"]), qk_nope_head_dim=int(d["qk_nope_head_dim"]),
                    qk_rope_head_dim=int(d["qk_rope_head_dim"]), v_head_dim=int(d["v_head_dim"]),
                    rope_interleave=bool(d.get("rope_interleave", True)))
@@ -95,6 +79,9 @@ class DSparkConfig:
             raise ValueError(f"markov_rank must be positive, got {self.markov_rank}")
         if self.markov_kind not in MARKOV_KINDS:
             raise ValueError(f"markov_head_type {self.markov_kind!r} is not supported (supported: {MARKOV_KINDS})")
+        if self.mla is not None and self.mla.hidden_size != self.backbone.hidden_size:
+            raise ValueError(f"the MLA attention's hidden_size {self.mla.hidden_size} differs from the backbone's "
+                             f"{self.backbone.hidden_size}")
         if self.backbone.mask_token_id >= self.vocab_size:
             raise ValueError(f"mask_token_id {self.backbone.mask_token_id} outside vocab_size {self.vocab_size}")
 
@@ -105,7 +92,7 @@ class DSparkConfig:
 
     @property
     def draft_dim(self) -> int:
-        return self.mla.latent_dim if self.mla is not None else self.backbone.draft_dim
+        return self.mla.kv_cache_dim if self.mla is not None else self.backbone.draft_dim
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:

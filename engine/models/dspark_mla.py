@@ -34,7 +34,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
 
 
 def mla_softmax_scale(mla: MlaDraftShape, rope: RopeConfig) -> float:
-    scale = mla.qk_head_dim ** -0.5
+    scale = mla.softmax_scale
     if rope.rope_type != "default" and rope.mscale_all_dim:
         scale *= yarn_get_mscale(rope.factor, rope.mscale_all_dim) ** 2
     return scale
@@ -46,7 +46,7 @@ class DSparkMLALayer(nn.Module):
     def __init__(self, hidden: int, intermediate: int, eps: float, mla: MlaDraftShape, rope: RopeConfig) -> None:
         super().__init__()
         self.mla, self.scale = mla, mla_softmax_scale(mla, rope)
-        heads = mla.num_heads
+        heads = mla.num_attention_heads
         self.input_norm = RMSNorm(hidden, eps)
         if mla.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, heads * mla.qk_head_dim, bias=False)
@@ -54,7 +54,7 @@ class DSparkMLALayer(nn.Module):
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.kv_cache_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=False)
@@ -79,14 +79,14 @@ class DSparkMLALayer(nn.Module):
         m = self.mla
         s, q_len, _ = hidden.shape
         x = self.input_norm(hidden)
-        q_nope, q_pe = self._queries(x).view(s, q_len, m.num_heads, m.qk_head_dim).split(
+        q_nope, q_pe = self._queries(x).view(s, q_len, m.num_attention_heads, m.qk_head_dim).split(
             [m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         q_pe = rotate(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2), m.rope_interleave)
         rows = torch.cat((context, self.context_entry(x, cos, sin)), dim=1)  # [S, C + Q, latent]
         latent, k_pe = rows.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
-        k_nope, values = self.kv_b_proj(latent).view(s, rows.shape[1], m.num_heads, -1).split(
+        k_nope, values = self.kv_b_proj(latent).view(s, rows.shape[1], m.num_attention_heads, -1).split(
             [m.qk_nope_head_dim, m.v_head_dim], -1)
-        keys = torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, m.num_heads, -1)), dim=-1)
+        keys = torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, m.num_attention_heads, -1)), dim=-1)
         queries = torch.cat((q_nope, q_pe), dim=-1)
         attended = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from engine.paths import DEFAULT_MODEL_DIR as ENGINE_DEFAULT_MODEL_DIR
 from rpc.interceptors import read_token_file
@@ -88,3 +90,18 @@ def fail(prog: str, message: object, code: int = 2) -> int:
     sys.stderr.write(f"pdserve {prog}: error: {' '.join(str(message).split())}\n")
     sys.stderr.flush()
     return code
+
+
+def run_worker(role: str, args: argparse.Namespace, build_config: Callable[..., Any],
+               serve: Callable[..., Awaitable[None]], **role_kwargs: Any) -> int:
+    """The body of `pdserve prefill` / `pdserve decode`: build_config(listen=..., metrics_listen=...,
+    <engine flags>, **role_kwargs) (a bad flag: one line on stderr, exit 2), then serve(config) until stopped."""
+    from rpc.server import run as run_event_loop
+
+    try:
+        config = build_config(listen=args.listen, metrics_listen=args.metrics_listen, **role_kwargs,
+                              **engine_kwargs(args))  # device checks too
+    except (ValueError, OSError) as error:
+        return fail(role, error)
+    run_event_loop(lambda: serve(config, ready_file=args.ready_file))
+    return 0

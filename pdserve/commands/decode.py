@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.commands.common import add_engine_arguments, engine_kwargs, fail
+from pdserve.commands.common import add_engine_arguments, run_worker
 from rpc.logging_setup import configure_logging
 
 
@@ -22,14 +22,6 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("decode", 0, args.log_level)
     from decode_worker.config import DecodeWorkerConfig
     from decode_worker.server import serve
-    from rpc.server import run as run_event_loop
 
-    try:
-        config = DecodeWorkerConfig.build(listen=args.listen, metrics_listen=args.metrics_listen,
-                                          max_running=args.max_running, lease_ttl_s=args.lease_ttl,
-                                          advertise_address=args.advertise, kv_pool=args.kv_pool,
-                                          **engine_kwargs(args))
-    except (ValueError, OSError) as error:
-        return fail("decode", error)
-    run_event_loop(lambda: serve(config, ready_file=args.ready_file))
-    return 0
+    return run_worker("decode", args, DecodeWorkerConfig.build, serve, max_running=args.max_running,
+                      lease_ttl_s=args.lease_ttl, advertise_address=args.advertise, kv_pool=args.kv_pool)

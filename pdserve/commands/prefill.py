@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.commands.common import add_engine_arguments, engine_kwargs, fail
+from pdserve.commands.common import add_engine_arguments, run_worker
 from prefill_worker.batch_policy import DEFAULT_BATCH_TARGET_MS
 from rpc.logging_setup import configure_logging
 
@@ -20,15 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("prefill", 0, args.log_level)
-    from rpc.server import run as run_event_loop
     from prefill_worker.config import PrefillWorkerConfig
     from prefill_worker.server import serve
 
-    try:
-        config = PrefillWorkerConfig.build(listen=args.listen, metrics_listen=args.metrics_listen,
-                                           batch_tokens=args.batch_tokens,
-                                           batch_target_ms=args.batch_target_ms, **engine_kwargs(args))  # device checks too
-    except (ValueError, OSError) as error:
-        return fail("prefill", error)
-    run_event_loop(lambda: serve(config, ready_file=args.ready_file))
-    return 0
+    return run_worker("prefill", args, PrefillWorkerConfig.build, serve, batch_tokens=args.batch_tokens,
+                      batch_target_ms=args.batch_target_ms)

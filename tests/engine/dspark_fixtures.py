@@ -15,8 +15,8 @@ from tests.engine.k3_checkpoint import make_k3_checkpoint
 YARN = RopeConfig(rope_type="yarn", theta=10000.0, factor=4.0, original_max_position_embeddings=64)
 
 
-# The MLA-layer variant's attention at tiny scale: 4 heads, q through a rank-24 bottleneck, latent 16 + rope 8.
-TINY_MLA = MlaDraftShape(num_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+# The MLA-layer variant's attention at tiny scale (the tiny K3's hidden 64): 4 heads, q through a rank-24 bottleneck, latent 16 + rope 8.
+TINY_MLA = MlaDraftShape(hidden_size=64, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                          v_head_dim=8)
 
 
@@ -27,8 +27,8 @@ def dspark_config_for(model_dir: Path, gamma: int = 7, target_layer_ids: tuple[i
     text = json.loads((model_dir / "config.json").read_text())["text_config"]
     hidden, vocab = text["hidden_size"], text["vocab_size"]
     backbone = DFlashConfig(
-        hidden_size=hidden, num_layers=2, num_heads=mla.num_heads if mla else 4,
-        num_kv_heads=mla.num_heads if mla else 2, head_dim=mla.qk_rope_head_dim if mla else 16,
+        hidden_size=hidden, num_layers=2, num_heads=mla.num_attention_heads if mla else 4,
+        num_kv_heads=mla.num_attention_heads if mla else 2, head_dim=mla.qk_rope_head_dim if mla else 16,
         intermediate_size=2 * hidden, target_layer_ids=target_layer_ids, target_hidden_size=hidden, block_size=gamma,
         mask_token_id=vocab - 1, rms_norm_eps=1e-6,
     )

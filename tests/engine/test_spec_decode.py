@@ -111,7 +111,7 @@ def test_broken_verifier_is_detected(small_vocab_llm, monkeypatch):
         finals = torch.stack([p[-1].argmax() for p in target_probs])
         return None, accepted, finals
 
-    monkeypatch.setattr(spec_decode, "verify_sampled_tensors", accept_everything)
+    monkeypatch.setattr(spec_decode, "verify_sampled", accept_everything)
     llm = small_vocab_llm
     exact = _exact_second_token_distribution(llm, temperature=1.0)
     p_value = chi_square_pvalue(_second_tokens(llm, temperature=1.0), exact, min_expected=5)

@@ -85,7 +85,7 @@ def test_always_accept_verifier_is_rejected_on_k3(llm, exact_joint, monkeypatch)
         finals = torch.stack([p[-1].argmax() for p in target_probs])
         return None, accepted, finals
 
-    monkeypatch.setattr(spec_decode, "verify_sampled_tensors", accept_everything)
+    monkeypatch.setattr(spec_decode, "verify_sampled", accept_everything)
     p_value = chi_square_pvalue(_joint_counts(llm), exact_joint, min_expected=5)
     print(f"always-accept verifier chi-square p-value {p_value:.3g}")
     assert not math.isnan(p_value)

@@ -43,7 +43,7 @@ Verifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tor
 
 
 def real_verifier(drafts, num_drafts, q, p, gen):
-    results = verify_sampled(drafts, q, p, gen, num_drafts=num_drafts.tolist())
+    results = verify_sampled(drafts, q, p, gen, num_drafts=num_drafts.tolist()).per_sequence()
     return (torch.tensor([r.num_accepted_drafts for r in results]), torch.tensor([r.tokens[-1] for r in results]))
 
 
@@ -146,16 +146,16 @@ def test_verify_greedy_mixed_lengths() -> None:
         drafts.append(draft)
         logits.append(row_logits)
         expected.append(reference_greedy(draft.tolist(), wanted.tolist()))
-    results = verify_greedy(drafts, logits)
+    results = verify_greedy(drafts, logits).per_sequence()
     assert [r.tokens for r in results] == expected
     assert [r.num_accepted_drafts for r in results] == [3, 0, 2, 0, 3, 0, 2]
-    assert verify_greedy(torch.cat(drafts), torch.cat(logits), num_drafts=lengths) == results
+    assert verify_greedy(torch.cat(drafts), torch.cat(logits), num_drafts=lengths).per_sequence() == results
     padded_drafts = torch.zeros(len(lengths), 5, dtype=torch.long)
     padded_logits = torch.zeros(len(lengths), 6, 50)
     for index, (draft, row_logits) in enumerate(zip(drafts, logits)):
         padded_drafts[index, : len(draft)] = draft
         padded_logits[index, : len(row_logits)] = row_logits
-    assert verify_greedy(padded_drafts, padded_logits, num_drafts=lengths) == results
+    assert verify_greedy(padded_drafts, padded_logits, num_drafts=lengths).per_sequence() == results
 
 
 def test_verify_greedy_bonus_ties_take_lowest_index() -> None:
@@ -163,7 +163,7 @@ def test_verify_greedy_bonus_ties_take_lowest_index() -> None:
     logits = torch.zeros(2, 6)
     logits[0, 4] = 1.0
     logits[1, [1, 3]] = 2.0
-    assert verify_greedy([torch.tensor([4])], [logits]) == [VerifyResult([4, 1], 1)]
+    assert verify_greedy([torch.tensor([4])], [logits]).per_sequence() == [VerifyResult([4, 1], 1)]
 
 
 # ---- sampled verification: edge cases and reproducibility -------------------------------
@@ -173,7 +173,7 @@ def test_sampled_accepts_everything_when_draft_equals_target() -> None:
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(64, 4, VOCAB, generator=gen), dim=-1)
     drafts = sample(probs[:, :3].reshape(-1, VOCAB), gen).reshape(64, 3)
-    results = verify_sampled(drafts, probs[:, :3], probs, gen)
+    results = verify_sampled(drafts, probs[:, :3], probs, gen).per_sequence()
     assert all(r.num_accepted_drafts == 3 for r in results)
 
 
@@ -184,7 +184,7 @@ def test_sampled_never_accepts_impossible_draft() -> None:
     target[:, 0, 5] = 0.0
     target = target / target.sum(dim=-1, keepdim=True)
     draft_probs = torch.full((500, 1, VOCAB), 1.0 / VOCAB)
-    results = verify_sampled(torch.full((500, 1), 5), draft_probs, target, gen)
+    results = verify_sampled(torch.full((500, 1), 5), draft_probs, target, gen).per_sequence()
     assert all(r.num_accepted_drafts == 0 and r.tokens[0] != 5 for r in results)
 
 
@@ -200,12 +200,12 @@ def test_seeded_verification_is_reproducible_in_any_batch() -> None:
     def seeded() -> list[torch.Generator]:
         return [torch.Generator().manual_seed(100 + i) for i in range(len(lengths))]
 
-    batch = verify_sampled(drafts, q, p, seeded())
-    assert verify_sampled(torch.cat(drafts), torch.cat(q), torch.cat(p), seeded(), num_drafts=lengths) == batch
+    batch = verify_sampled(drafts, q, p, seeded()).per_sequence()
+    assert verify_sampled(torch.cat(drafts), torch.cat(q), torch.cat(p), seeded(), num_drafts=lengths).per_sequence() == batch
     for index in range(len(lengths)):
-        alone = verify_sampled([drafts[index]], [q[index]], [p[index]], [seeded()[index]])
+        alone = verify_sampled([drafts[index]], [q[index]], [p[index]], [seeded()[index]]).per_sequence()
         assert alone == [batch[index]]
-    draws = {tuple(verify_sampled([drafts[1]], [q[1]], [p[1]], [torch.Generator().manual_seed(s)])[0].tokens)
+    draws = {tuple(verify_sampled([drafts[1]], [q[1]], [p[1]], [torch.Generator().manual_seed(s)]).per_sequence()[0].tokens)
              for s in range(40)}
     assert len(draws) > 1, "different seeds should give different outcomes"
 
@@ -219,14 +219,14 @@ def test_one_hot_rows_reduce_sampled_to_greedy() -> None:
               for n, lg in zip(lengths, logits)]
     one_hot_p = [torch.nn.functional.one_hot(lg.argmax(dim=-1), VOCAB).float() for lg in logits]
     one_hot_q = [torch.nn.functional.one_hot(d, VOCAB).float() for d in drafts]
-    assert verify_sampled(drafts, one_hot_q, one_hot_p, gen) == verify_greedy(drafts, logits)
+    assert verify_sampled(drafts, one_hot_q, one_hot_p, gen).per_sequence() == verify_greedy(drafts, logits).per_sequence()
 
 
 def test_sampled_with_no_drafts_emits_one_target_token() -> None:
     """A batch where no sequence has drafts emits exactly one token per sequence, from p's support."""
     p = torch.zeros(200, 1, VOCAB)
     p[:, 0, 3], p[:, 0, 6] = 0.25, 0.75
-    results = verify_sampled(torch.zeros(200, 0, dtype=torch.long), torch.zeros(200, 0, VOCAB), p, None)
+    results = verify_sampled(torch.zeros(200, 0, dtype=torch.long), torch.zeros(200, 0, VOCAB), p, None).per_sequence()
     tokens = [r.tokens for r in results]
     assert all(r.num_accepted_drafts == 0 for r in results) and {tuple(t) for t in tokens} == {(3,), (6,)}
 

@@ -312,3 +312,16 @@ def test_lease_expiring_mid_push_is_reported_as_such(decode):
         with pytest.raises(LeaseExpired):
             GrpcWriter(LAYOUT, max_chunk=4096).push(source, [0, 1, 2], destination)
     assert wait_for(lambda: failed == ["r"]) and allocator.num_free == 12
+
+
+def test_push_receiver_admits_once_every_rank_pushed(decode):
+    """admit_now of a gRPC push: None while a rank is missing; the result once both ranks' pushes finished."""
+    pools, receiver, allocator, reserve, failed, writer = decode
+    source = random_cache(LAYOUT, 2, seed=5)
+    destination = reserve("p", 20)
+    assert push_raw(writer, destination, encode_all(destination, source, [0, 1], rank=0), rank=0).ok
+    assert receiver.admit_now("p", 0) is None
+    assert push_raw(writer, destination, encode_all(destination, source, [0, 1], rank=1), rank=1).ok
+    result = receiver.admit_now("p", 0)
+    assert result is not None and result.bytes == 2 * 2 * LAYOUT.bytes_per_page
+    assert failed == []

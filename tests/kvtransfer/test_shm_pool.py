@@ -46,7 +46,7 @@ def test_attached_views_share_memory_with_the_owner_bf16():
         pool.cache.kv[3, 4] = values
         pool.cache.draft[1, 0, 2] = 7.0
         with SharedPagePool.attach(pool.name, SMALL_WITH_DRAFT) as attached:
-            assert not attached.is_owner and attached.owner_pid == os.getpid()
+            assert not attached.is_owner and attached.header.owner_pid == os.getpid()
             assert torch.equal(attached.cache.kv[3, 4], values)
             assert attached.cache.draft[1, 0, 2].eq(7.0).all()
             attached.cache.kv[0, 0, 0, 0] = -3.0

@@ -15,7 +15,7 @@ from kvtransfer.chunks import ChunkEncoder, WireChunk
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import BadChunk, ChecksumMismatch, IncompleteTransfer, LayoutMismatch
 from kvtransfer.grpc_transport import GrpcWriter
-from kvtransfer.layout import KVLayout, SegmentKind
+from kvtransfer.layout import KVLayout, SegmentKind, StateLayout
 from kvtransfer.leases import LeaseTable
 from kvtransfer.page_spans import cache_view, segment_offset
 from kvtransfer.shm_pool import SharedPagePool
@@ -26,9 +26,9 @@ from rpc.internal.v1 import kv_pb2, kv_pb2_grpc
 from .conftest import SMALL_WITH_DRAFT
 
 # The tiny K3 of the tests at TP=2: 6 KDA layers, 12 heads of 8, conv window 3 (fp32 conv and state).
-STATE = dict(state_layers=6, conv_width=3, conv_channels=3 * 12 * 8, state_heads=12, head_k_dim=8, head_v_dim=8,
-             conv_dtype="float32", ssm_dtype="float32")
-LAYOUT = dataclasses.replace(SMALL_WITH_DRAFT, **STATE)
+STATE = StateLayout(state_layers=6, conv_width=3, conv_channels=3 * 12 * 8, state_heads=12, head_k_dim=8, head_v_dim=8,
+                    conv_dtype="float32", ssm_dtype="float32")
+LAYOUT = dataclasses.replace(SMALL_WITH_DRAFT, state=STATE)
 NUM_PAGES, NUM_SLOTS = 8, 3
 
 
@@ -37,13 +37,17 @@ def test_hash_covers_state_shapes_and_dtypes_and_keeps_pure_mla_hashes():
     hashes = {LAYOUT.hash}
     for name, value in [("state_layers", 7), ("conv_width", 2), ("conv_channels", 3 * 6 * 8), ("state_heads", 6),
                         ("head_k_dim", 16), ("head_v_dim", 16), ("conv_dtype", "bfloat16"), ("ssm_dtype", "bfloat16")]:
-        hashes.add(dataclasses.replace(LAYOUT, **{name: value}).hash)
+        hashes.add(dataclasses.replace(LAYOUT, state=dataclasses.replace(STATE, **{name: value})).hash)
     assert len(hashes) == 9
     assert SMALL_WITH_DRAFT.hash != LAYOUT.hash
     assert "state" not in SMALL_WITH_DRAFT.canonical  # unchanged text => unchanged hash for DeepSeek-V3
     assert KVLayout.from_proto(LAYOUT.to_proto()) == LAYOUT
+    partial = SMALL_WITH_DRAFT.to_proto()
+    partial.conv_width = 3  # a state field without state_layers
     with pytest.raises(ValueError, match="state"):
-        dataclasses.replace(SMALL_WITH_DRAFT, conv_width=3)
+        KVLayout.from_proto(partial)
+    with pytest.raises(ValueError, match="StateLayout.conv_width"):
+        dataclasses.replace(STATE, conv_width=0)
 
 
 def test_state_shape_round_trips_through_the_engine_cache_shape():
@@ -201,7 +205,7 @@ def test_grpc_state_layout_mismatch_is_failed_precondition_before_any_byte(grpc_
     """A prefill whose state shapes differ (here: TP=1 heads against a TP=2 decode) pushes under another
     layout hash: Push answers FAILED_PRECONDITION (LayoutMismatch) and no byte of the pool changed."""
     pools, receiver, leases = grpc_decode
-    other = dataclasses.replace(LAYOUT, conv_channels=3 * 24 * 8, state_heads=24)
+    other = dataclasses.replace(LAYOUT, state=dataclasses.replace(STATE, conv_channels=3 * 24 * 8, state_heads=24))
     destination = receiver.expect(leases.grant("mm", (1,), 60, state_slot=2), 4)
     before = [bytes(cache_view(pool.cache)[2]) for pool in pools]
     mine = PagedLatentCache(other.to_cache_shape(4, 1))
@@ -226,7 +230,7 @@ def test_grpc_state_layout_mismatch_is_failed_precondition_before_any_byte(grpc_
 def test_shm_state_layout_mismatch_is_refused_before_any_byte(shm_decode):
     """A prefill with other state shapes cannot attach decode's pool nor open its destination."""
     pools, receiver, leases = shm_decode
-    other = dataclasses.replace(LAYOUT, ssm_dtype="bfloat16")
+    other = dataclasses.replace(LAYOUT, state=dataclasses.replace(STATE, ssm_dtype="bfloat16"))
     destination = receiver.expect(leases.grant("mm", (1,), 60, state_slot=2), 4)
     before = [bytes(cache_view(pool.cache)[2]) for pool in pools]
     with pytest.raises(LayoutMismatch):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
 from rpc.status import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from tests.services.decode_hooks import engine_thread_blocked
+from tests.services.decode_hooks import engine_thread_blocked, mark_kv_complete
 from tests.services.helpers import eventually, greedy
 
 PAGE_SIZE = 16
@@ -123,3 +124,22 @@ async def test_lease_deadline_follows_the_callers_deadline(service):
     assert before_ms + 300 <= long.lease_deadline_unix_ms <= after_ms + 300
     for request_id in ("r4", "r5"):
         await service.release(request_id)
+
+
+async def test_complete_small_kv_is_admitted_on_the_event_loop(service, monkeypatch):
+    """A Decode whose KV is already complete (the gateway's order: Prefill returned first) and small is
+    admitted on the event loop: the receiver's check runs on the loop's thread, no worker thread is used,
+    and the request streams to its end."""
+    receiver = service.receivers[TransportKind.SHM]
+    admitted_on: list[threading.Thread] = []
+    admit = receiver.admit
+    monkeypatch.setattr(receiver, "admit", lambda *a, **k: admitted_on.append(threading.current_thread()) or admit(*a, **k))
+    hops: list[object] = []
+    to_thread = asyncio.to_thread
+    monkeypatch.setattr(asyncio, "to_thread", lambda fn, *a, **k: hops.append(fn) or to_thread(fn, *a, **k))
+    destination = await service.reserve("r6", 20, 4, TransportKind.SHM)
+    mark_kv_complete(service.engine, destination)
+    tokens = [t async for update in service.decode("r6", destination.lease_id, [5] * 20, 7, greedy(4))
+              for t in update.token_ids]
+    assert len(tokens) == 3  # the first of the 4 came from prefill
+    assert admitted_on == [threading.current_thread()] and hops == []

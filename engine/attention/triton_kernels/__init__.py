@@ -7,6 +7,8 @@ moment), so TRITON_INTERPRET=1 must be set before the modules here are first imp
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -30,13 +32,29 @@ def split_head_dim(dim: int) -> tuple[int, int]:
     return first, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
 
 
-def launch_defaults(q: torch.Tensor, upcast: bool | None, block_n: int | None) -> tuple[bool, int]:
-    """(upcast, block_n) where the caller left them None: upcast for float32 inputs and in the CPU
-    interpreter (whose tl.dot on bf16 is wrong); key blocks of 16 on CPU, 32 on a GPU."""
-    on_cpu = q.device.type == "cpu"
-    if upcast is None:
-        upcast = on_cpu or q.dtype == torch.float32
-    return upcast, block_n or (16 if on_cpu else 32)
+@dataclass(frozen=True)
+class Tiles:
+    """The tile choices both attention kernels share. head_block: heads per program (a power of two >= 16,
+    the tensor-core tile rows; the head count must be a multiple of it); block_n: keys per inner step (None:
+    16 on CPU, 32 on a GPU); upcast: cast to float32 before every dot, exact (None: for float32 inputs and
+    in the CPU interpreter, whose tl.dot on bf16 is wrong); False: bf16/fp16 dots, float32 accumulation."""
+
+    head_block: int = 16
+    block_n: int | None = None
+    upcast: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_block < 16 or self.head_block & (self.head_block - 1):
+            raise ValueError(f"head_block must be a power of two >= 16 (tensor-core tile rows), got {self.head_block}")
+
+    def for_query(self, q: torch.Tensor) -> tuple[bool, int]:
+        """(upcast, block_n) for q: [T, H, D], the defaults filled in; ValueError unless H is a multiple
+        of head_block."""
+        if q.shape[1] % self.head_block:
+            raise ValueError(f"{q.shape[1]} heads is not a multiple of {self.head_block}; wrap with HeadPaddedBackend")
+        on_cpu = q.device.type == "cpu"
+        upcast = self.upcast if self.upcast is not None else on_cpu or q.dtype == torch.float32
+        return upcast, self.block_n or (16 if on_cpu else 32)
 
 
 def block_for(dim: int) -> int:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import block_for, launch_defaults
+from engine.attention.triton_kernels import Tiles, block_for
 from engine.attention.triton_kernels.online_softmax import (
     load_query, online_softmax_step, score_dot, softmax_start,
 )
@@ -105,30 +105,26 @@ def paged_decode(
     max_kv_len: int,
     latent_dim: int,
     softmax_scale: float,
-    head_block: int = 16,
+    tiles: Tiles = Tiles(),
     num_splits: int | None = None,
-    block_n: int | None = None,
-    upcast: bool | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, latent_dim + rope_dim] (H a multiple of head_block), kv_cache: [num_pages, page_size,
+    """q: [T, H, latent_dim + rope_dim] (H a multiple of tiles.head_block), kv_cache: [num_pages, page_size,
     latent_dim + rope_dim], cu_seqlens_q: [num_seqs + 1], kv_lens: [num_seqs], block_table:
     [num_seqs, max_pages] -> [T, H, latent_dim] in q's dtype.
 
     num_splits > 1 splits every context into that many key ranges run by separate programs and merges
     them by log-sum-exp (default: choose_num_splits)."""
     num_heads, entry_dim = q.shape[1], q.shape[2]
-    if num_heads % head_block:
-        raise ValueError(f"{num_heads} heads is not a multiple of {head_block}; wrap with HeadPaddedBackend")
+    upcast, block_n = tiles.for_query(q)
     if kv_cache.dim() != 3 or kv_cache.shape[2] != entry_dim or not 0 < latent_dim <= entry_dim:
         raise ValueError(f"cache {tuple(kv_cache.shape)} does not match q {tuple(q.shape)} / latent {latent_dim}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache's last dim must be contiguous")
-    upcast, block_n = launch_defaults(q, upcast, block_n)
     rope_dim = entry_dim - latent_dim
     num_seqs = cu_seqlens_q.numel() - 1
-    head_groups = num_heads // head_block
+    head_groups = num_heads // tiles.head_block
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs * max_q_len * head_groups, max_kv_len, q.device)
     if q.shape[0] == 0 or num_seqs == 0:
@@ -146,7 +142,7 @@ def paged_decode(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         out.stride(2), lse.stride(0), lse.stride(1), table.stride(0), softmax_scale * LOG2E, kv_cache.shape[1],
         LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=block_for(latent_dim),
-        BLOCK_R=block_for(rope_dim) if rope_dim else 16, HEAD_BLOCK=head_block, BLOCK_N=block_n,
+        BLOCK_R=block_for(rope_dim) if rope_dim else 16, HEAD_BLOCK=tiles.head_block, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, UPCAST=upcast,
     )
     if num_splits == 1:

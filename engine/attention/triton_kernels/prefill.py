@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import block_for, launch_defaults, split_head_dim
+from engine.attention.triton_kernels import Tiles, block_for, split_head_dim
 from engine.attention.triton_kernels.online_softmax import (
     load_query, online_softmax_step, score_dot, softmax_start,
 )
@@ -85,35 +85,29 @@ def flash_prefill(
     cu_seqlens_k: torch.Tensor,
     max_q_len: int,
     softmax_scale: float,
-    head_block: int = 16,
+    tiles: Tiles = Tiles(),
     block_m: int | None = None,
-    block_n: int | None = None,
-    upcast: bool | None = None,
 ) -> torch.Tensor:
-    """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] (H a multiple of head_block; last dim contiguous),
-    cu_seqlens_q / cu_seqlens_k: [num_seqs + 1] int32 -> [Tq, H, Dv] in q's dtype.
-
-    upcast (default: fp32 inputs or CPU interpreter) casts to float32 before every dot (exact);
-    otherwise bf16/fp16 dots with float32 accumulation."""
+    """q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] (H a multiple of tiles.head_block; last dim
+    contiguous), cu_seqlens_q / cu_seqlens_k: [num_seqs + 1] int32 -> [Tq, H, Dv] in q's dtype.
+    block_m: query rows per program (default: 16 on CPU, 64 on a GPU)."""
     num_heads, dqk, dv = q.shape[1], q.shape[2], v.shape[2]
-    if num_heads % head_block:
-        raise ValueError(f"{num_heads} heads is not a multiple of {head_block}; wrap with HeadPaddedBackend")
+    upcast, block_n = tiles.for_query(q)
     if k.shape[1] != num_heads or v.shape[1] != num_heads or k.shape[2] != dqk:
         raise ValueError(f"shape mismatch q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    upcast, block_n = launch_defaults(q, upcast, block_n)
     block_m = block_m or (16 if q.device.type == "cpu" else 64)
     out = torch.empty(q.shape[0], num_heads, dv, dtype=q.dtype, device=q.device)
     num_seqs = cu_seqlens_q.numel() - 1
     if q.shape[0] == 0 or num_seqs == 0:
         return out
     block_d1, block_d2 = split_head_dim(dqk)
-    grid = (num_seqs, triton.cdiv(max_q_len, block_m), num_heads // head_block)
+    grid = (num_seqs, triton.cdiv(max_q_len, block_m), num_heads // tiles.head_block)
     flash_prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         softmax_scale * LOG2E,
         DQK=dqk, DV=dv, BLOCK_D1=block_d1, BLOCK_D2=block_d2, BLOCK_DV=block_for(dv),
-        HEAD_BLOCK=head_block, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast,
+        HEAD_BLOCK=tiles.head_block, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast,
     )
     return out
