@@ -8,7 +8,8 @@ same prompts (held-out Python token ids, fixed input/output lengths, greedy, ign
              same prompts in consecutive groups of C through the engine's step loop. Output tok/s and TTFT
              p50 (gateway: send -> first streamed token; in process: add_request -> the step that
              produced the first token).
-  spec       speculation on vs off at concurrency 1, 4, 16, 64, through the gateway and in process.
+  spec       speculation on vs off at concurrency 1, 4, 16, 64, through the gateway and in process, on the
+             held-out prompt set of benchmarks/prompts.py (at least its 16 prompts of 8 kinds per run).
 Variants take turns; medians of --repeats (default 5); ratios and added TTFT are taken per round and shown as
 median (min..max), with the load averages the runs ended at. The CPU table sets the decode worker's CPU per
 output token against the in-process engine's (all steps, as issue 18 states the goal, and decode steps only:
@@ -35,6 +36,7 @@ from bench.metrics import compute_metrics
 from bench.workload import BenchRequest
 from benchmarks.common import (Metrics, Table, add_common_arguments, goal_line, interleave, load_note, make_prompts,
                                median, paired, print_header, process_cpu_seconds, ratio, spread, timed_groups)
+from benchmarks.prompts import DEFAULT_COUNT, held_out_prompts
 from engine import LLM, SamplingParams
 from pdserve.launcher import Cluster, ClusterSpec
 
@@ -148,7 +150,7 @@ def main() -> None:
             if not args.spec_concurrency:
                 print("spec: skipped (--spec-concurrency with no values)\n")
             elif llm.engine.has_draft:
-                bench_spec(args, llm, gateway, prompts, source)
+                bench_spec(args, llm, gateway)
             else:
                 print("spec: the model has no draft; skipped\n")
         finally:
@@ -216,13 +218,23 @@ def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> l
     return goals
 
 
-def bench_spec(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> None:
+def spec_request_count(concurrency: int) -> int:
+    """Requests per speculation run: the whole held-out set (benchmarks/prompts.py) at least."""
+    return max(request_count(concurrency), DEFAULT_COUNT)
+
+
+def bench_spec(args, llm: LLM, gateway: GatewayRunner) -> None:
+    """Speculation on vs off, gateway and in process, on the held-out prompt set bench_spec and bench_k3_spec use."""
+    config = llm.model_config
+    prompts, source = held_out_prompts(args.model, max(spec_request_count(c) for c in args.spec_concurrency),
+                                       args.input_len, config.vocab_size, list(config.eos_token_id), args.seed)
+    prompts = [p.token_ids for p in prompts]
     table = Table(f"speculative decoding on vs off, greedy, {args.input_len} in / {args.output_len} out ({source})",
                   ["concurrency", "requests", "gateway off tok/s", "gateway on tok/s", "gateway speed-up",
                    "gateway accept len", "in-process off tok/s", "in-process on tok/s", "in-process speed-up",
-                   "in-process accept len", "gateway TPOT p50 off / on ms"])
+                   "in-process accept len", "gateway TPOT p50 off / on ms", "load"])
     for concurrency in args.spec_concurrency:
-        batch = prompts[: request_count(concurrency)]
+        batch = prompts[: spec_request_count(concurrency)]
         runs = interleave({
             "gateway off": lambda: gateway.run(batch, args.output_len, concurrency, speculative=False),
             "gateway on": lambda: gateway.run(batch, args.output_len, concurrency, speculative=True),
@@ -235,7 +247,8 @@ def bench_spec(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> None:
                   rate["in-process off"], rate["in-process on"],
                   f"{ratio(rate['in-process on'], rate['in-process off']):.2f}x",
                   median(runs["in-process on"], "accept_len"),
-                  f"{median(runs['gateway off'], 'tpot_ms'):.2f} / {median(runs['gateway on'], 'tpot_ms'):.2f}")
+                  f"{median(runs['gateway off'], 'tpot_ms'):.2f} / {median(runs['gateway on'], 'tpot_ms'):.2f}",
+                  load_note(runs))
     table.print()
 
 

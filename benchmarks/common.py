@@ -203,9 +203,14 @@ def timed_generate(engine, prompts: list[list[int]], params) -> TimedRun:
 def timed_groups(engine, prompts: list[list[int]], params, group_size: int) -> TimedRun:
     """The prompts in consecutive groups of `group_size` (one timed_generate each), merged into one TimedRun
     (times and tokens summed, TTFTs pooled): a closed loop at concurrency `group_size`."""
+    return merge_runs([timed_generate(engine, prompts[start : start + group_size], params)
+                       for start in range(0, len(prompts), group_size)])
+
+
+def merge_runs(runs: Sequence[TimedRun]) -> TimedRun:
+    """Runs one after another as one TimedRun (times and tokens summed, outputs in order, TTFTs pooled)."""
     merged = TimedRun(outputs=[], total_s=0.0)
-    for start in range(0, len(prompts), group_size):
-        run = timed_generate(engine, prompts[start : start + group_size], params)
+    for run in runs:
         merged.outputs += run.outputs
         merged.total_s += run.total_s
         merged.decode_s += run.decode_s

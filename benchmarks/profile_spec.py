@@ -19,13 +19,16 @@ Times are the engine thread's CPU time by default (--clock cpu: at 1 torch threa
 work, and it stays steady when other processes share the cores; --clock wall for wall time). Each cell is the
 median over --repeats runs of the run's mean per decode step (ms), with the spread (min..max) of those means; "step / plain" is the ratio of medians; "ms / token" divides by the tokens a step emits (the
 acceptance length for speculative steps). The load average is printed before and after: the machine is shared.
-Goal (issue 18): a speculative step <= 1.3x a plain step.
+Goal (issue 18): a speculative step <= 1.3x a plain step. --baseline adds each variant as the engine was before
+the specpay changes (draft context stored in every forward, per-layer draft context entries) and prints the
+per-round after / before ratios: an in-process before / after.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.profile_spec [--models DIR ...] [--repeats 5]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -34,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import REPO_ROOT, Table, interleave, make_prompts, print_header, ratio
-from engine import LLM, SamplingParams
+from benchmarks.common import REPO_ROOT, Table, interleave, make_prompts, paired, print_header, ratio
+from engine import LLM, SamplingParams, llm_engine
 
 MODELS = (REPO_ROOT / "models" / "pdserve-k3-tiny", REPO_ROOT / "models" / "pdserve-tiny")
 PIECES = ("draft fwd", "draft host", "propose rest", "target fwd", "target host", "sample", "commit", "rest")
@@ -80,12 +83,36 @@ def split_of(totals: dict[str, float], step: float) -> dict[str, float]:
     return {key: 1e3 * value for key, value in pieces.items()}
 
 
-def variant(llm: LLM, clock: StepClock, prompt: list[int], params: SamplingParams, outputs: dict, key: str):
+@contextlib.contextmanager
+def issue18_baseline(llm: LLM, active: bool):
+    """active: the engine as it was before the specpay changes of issue 18, for an in-process before / after -
+    every forward stores draft context (also for speculative=False requests) and the draft computes its
+    context entries layer by layer."""
+    if not active:
+        yield
+        return
+    draft = llm.engine.runner.draft
+    saved = llm_engine.speculates
+    llm_engine.speculates = lambda params, has_draft: has_draft
+    draft._fused_context_entries = lambda *args: None
+    try:
+        yield
+    finally:
+        llm_engine.speculates = saved
+        del draft._fused_context_entries
+
+
+def variant(llm: LLM, clock: StepClock, prompt: list[int], params: SamplingParams, outputs: dict, key: str,
+            baseline: bool = False):
     """One greedy generation of the prompt; metrics: the mean of each piece per decode step, tokens per step."""
     engine = llm.engine
     counter = iter(range(10**9))
 
     def run() -> dict[str, float]:
+        with issue18_baseline(llm, baseline):
+            return measured()
+
+    def measured() -> dict[str, float]:
         request = f"profile-{key}-{next(counter)}"
         engine.add_request(request, list(prompt), params)
         tokens: list[int] = []
@@ -136,6 +163,11 @@ def profile_model(model: Path, args: argparse.Namespace) -> None:
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, speculative=True,
                                 block_size=block)
         variants[f"B={block}"] = variant(llm, clock, prompt, params, outputs, f"B={block}")
+    if args.baseline:
+        for name in list(variants):
+            params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True,
+                                    speculative=name != "plain", block_size=None if name == "plain" else int(name[2:]))
+            variants[f"{name} (before)"] = variant(llm, clock, prompt, params, outputs, f"{name} (before)", True)
     load_before = os.getloadavg()[0]
     runs = interleave(variants, args.repeats)
     load_after = os.getloadavg()[0]
@@ -157,12 +189,16 @@ def profile_model(model: Path, args: argparse.Namespace) -> None:
                   f"{ratio(step, plain_step):.2f}x", "yes" if outputs[name] == outputs["plain"] else "NO")
     table.print()
     for name in runs:
-        if name != "plain":
+        if not name.startswith("plain") and not name.endswith("(before)"):
             step = statistics.median(m["step"] for m in runs[name])
             per_token = statistics.median(m["step"] / m["tokens_per_step"] for m in runs[name])
             met = "MET" if ratio(step, plain_step) <= GOAL else "NOT MET"
             print(f"- {model.name} {name}: spec step / plain step {ratio(step, plain_step):.2f}x (goal <= {GOAL}x: "
                   f"{met}); decode-step speed-up {ratio(plain_per_token, per_token):.2f}x")
+    for name in [n for n in runs if f"{n} (before)" in runs]:
+        ratios = paired(runs[name], runs[f"{name} (before)"], "step")
+        print(f"- {model.name} {name}: step after / before (the specpay changes of issue 18), per round: median "
+              f"{statistics.median(ratios):.3f}x ({', '.join(f'{r:.3f}' for r in ratios)})")
     print(flush=True)
     llm.close()
 
@@ -176,6 +212,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--blocks", type=int, nargs="+", default=[8])
+    parser.add_argument("--baseline", action="store_true",
+                        help="also run every variant as the engine was before the specpay changes of issue 18 "
+                             "(draft context stored in every forward, per-layer context entries): in-process "
+                             "before / after, per-round ratios")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: the engine thread's CPU time (default; steady on a shared machine); wall: wall time")
     args = parser.parse_args()

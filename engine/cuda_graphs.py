@@ -105,7 +105,9 @@ class CudaGraphRunner:
         q_len = uniform_query_len(plan)
         bucket = bucket_for(len(plan.q_lens), self.buckets) if q_len is not None else None
         captured = self.steps.get((bucket, q_len)) if bucket is not None else None
-        if captured is None or plan.write_draft_context != self.write_draft or \
+        # A graph that writes the draft context also serves a plan that skips it (the entries land in the
+        # plan's own pages and nothing reads them); one that does not write it cannot serve a plan needing them.
+        if captured is None or (plan.write_draft_context and not self.write_draft) or \
                 any(len(p) > self.max_pages for p in plan.page_tables):
             return None
         padded = pad_target_plan(plan, bucket, self.scratch_page, self.runner.config.page_size)

@@ -15,7 +15,10 @@ from engine.sequence import TokenLogprob
 @dataclass(frozen=True)
 class EngineConfig:
     """Built once from the CLI or LLM(...) arguments. draft_model_dir None = the model's draft/ folder if
-    present, "" = no draft. spec_block_size is the server's maximum speculative block size. kv_pool "shm"
+    present, "" = no draft. spec_block_size is the server's maximum speculative block size;
+    spec_min_tokens_per_step > 1: a sequence whose verify steps emit fewer tokens than this (moving average)
+    decodes plainly for a while, then probes again (engine/spec_policy.py; set it to the deployment's spec step /
+    plain step cost ratio, ~2 for the embedded models on CPU). kv_pool "shm"
     (CPU shared memory) or "device" (device memory exported over IPC) puts this engine's pages in a pool
     made by page_pools; page_pools also attaches other engines' pools
     (a prefill engine writing into a decode worker's pages). None: private pages only.
@@ -29,6 +32,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     draft_model_dir: str | None = None
     spec_block_size: int = 8
+    spec_min_tokens_per_step: float = 0.0  # speculation backs off below this many tokens per verify step (0: never)
     page_size: int = 16
     kv_memory_bytes: int = 512 * 2**20
     max_running: int = 64
@@ -59,6 +63,8 @@ class EngineConfig:
                                  "kv_pool 'local' or 'device' (a device pool exported over IPC)")
         if self.spec_block_size < 2:
             raise ValueError(f"spec_block_size must be >= 2, got {self.spec_block_size}")
+        if not self.spec_min_tokens_per_step >= 0.0:
+            raise ValueError(f"spec_min_tokens_per_step must be >= 0, got {self.spec_min_tokens_per_step!r}")
         if not 0.0 < self.state_memory_fraction < 1.0:
             raise ValueError(f"state_memory_fraction must be in (0, 1), got {self.state_memory_fraction}")
         if self.page_size <= 0 or self.kv_memory_bytes <= 0:

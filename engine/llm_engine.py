@@ -18,9 +18,10 @@ from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, StepOutput
 from engine.host_fetch import fetch_to_host
 from engine.sampling import exponential_noise, make_generator
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, speculates
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SeqStatus, TokenLogprob
+from engine.spec_policy import SpecBackoff, record_verify, should_speculate
 from engine.spec_verify import AcceptanceStats, VerifyResult
 from engine.state_pool import split_memory_budget
 from engine.step_plan import (CommitStatePlan, DecodeItem, PrefillItem, ReadStatePlan, TargetPlan, decode_plan,
@@ -101,6 +102,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
                                    self.state_pool)
         self.acceptance_stats = AcceptanceStats()
+        self.spec_backoff = SpecBackoff(config.spec_min_tokens_per_step)
         self._markov = getattr(self.runner.draft, "markov_head", None)  # DSpark: Markov head used when proposing
         self.num_preemptions = 0  # running sequences preempted for lack of pages, since start
         self._seqs: dict[str, Sequence] = {}
@@ -337,7 +339,7 @@ class LLMEngine:
     def _run_prefill(self, chunks: tuple[PrefillChunk, ...]) -> None:
         items = [PrefillItem(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages,
                              c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0) for c in chunks]
-        plan = prefill_plan(items, write_draft_context=self.has_draft)
+        plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft))
         logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
         sampled = [c.seq for c, item in zip(chunks, items) if item.needs_logits]
         tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], logits) if sampled else []
@@ -368,7 +370,7 @@ class LLMEngine:
         drafts: spec_decode.Proposals = {}
         by_block: dict[int, list[Sequence]] = {}
         for seq in seqs:
-            if seq.spec_block_size >= 2:
+            if seq.spec_block_size >= 2 and should_speculate(self.spec_backoff, seq.spec_state):
                 by_block.setdefault(seq.spec_block_size, []).append(seq)
         for block, group in by_block.items():
             drafts.update(spec_decode.propose(self.leader.execute, block, group, self._markov))
@@ -379,7 +381,7 @@ class LLMEngine:
         verifies the drafted ones, and fetches both in the step's one device-to-host copy."""
         items = [DecodeItem([seq.last_token] + drafts.get(seq.request_id, ([], None))[0], seq.num_cached,
                             seq.page_table.pages) for seq in seqs]
-        plan = decode_plan(items, write_draft_context=self.has_draft,
+        plan = decode_plan(items, write_draft_context=speculates([seq.params for seq in seqs], self.has_draft),
                            snapshot_state=bool(drafts) and self.state_pool is not None)
         logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
@@ -410,6 +412,7 @@ class LLMEngine:
         for i in sorted(results):
             seq, result = seqs[i], results[i]
             self.acceptance_stats.record(result, len(drafts[seq.request_id][0]))
+            record_verify(self.spec_backoff, seq.spec_state, len(result.tokens))
             accepted = result.tokens
             lps = self._logprobs_of(seq, logits[offsets[i] : offsets[i] + len(accepted)], accepted)
             seq.num_cached += len(accepted)

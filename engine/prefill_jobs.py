@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.engine_types import PrefillJob, PrefillResult
 from engine.sampling import make_generator
+from engine.sampling_params import speculates
 from engine.step_plan import PrefillItem, prefill_plan, with_state_slots
 from engine.step_results import sample_tokens, token_logprobs
 
@@ -60,7 +61,8 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
                 slots.append(job.state_slot)
                 if done == 0:
                     fresh.append(job.state_slot)
-            plan = prefill_plan(items, pool_names, write_draft_context=engine.has_draft)
+            plan = prefill_plan(items, pool_names,
+                                write_draft_context=speculates([job.params for job, _ in stepping], engine.has_draft))
             if engine.state_pool is not None:  # the KDA state runs in the job's slot (decode's, for shm)
                 plan = with_state_slots(plan, slots, tuple(fresh))
             logits = engine.leader.execute(plan)

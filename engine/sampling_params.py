@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -65,3 +66,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def speculates(params: Sequence[SamplingParams], has_draft: bool) -> bool:
+    """Whether a forward over requests with these settings must store the draft model's context (its KV /
+    hidden-state entries): only when a draft is loaded and some request may speculate. A request with
+    speculative=False never reads its draft context (the engine decides per request, once, from the same
+    field), so a batch of such requests skips the writes."""
+    return has_draft and any(p.speculative is not False for p in params)

@@ -8,6 +8,7 @@ import torch
 
 from engine.kv_cache import PageTable
 from engine.sampling_params import SamplingParams
+from engine.spec_policy import SpecState
 
 
 class SeqStatus(enum.Enum):
@@ -45,6 +46,7 @@ class Sequence:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival_order: int = 0
     state_slot: int | None = None  # the state-pool slot (models with linear attention), held while cached
+    spec_state: SpecState = field(default_factory=SpecState)  # speculation back-off (engine/spec_policy.py)
 
     @property
     def num_tokens(self) -> int:

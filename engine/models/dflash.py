@@ -109,11 +109,11 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def fused_weight(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]) -> Tensor | None:
-    """The linears' weights stacked along the output dim, built once and kept on `owner` (rebuilt when one is
+def fused_weight(owner: nn.Module, name: str, linears: tuple[nn.Module, ...]) -> Tensor | None:
+    """The linears' (or norms') weights stacked along the output dim, built once and kept on `owner` (rebuilt when one is
     written again), so an inference forward runs them as one matmul; None while autograd records (training
     keeps the separate linears so gradients reach each weight)."""
-    if torch.is_grad_enabled() or any(linear.bias is not None for linear in linears):
+    if torch.is_grad_enabled() or any(getattr(linear, "bias", None) is not None for linear in linears):
         return None
     sources = tuple(linear.weight for linear in linears)
     key = tuple((id(weight), weight._version) for weight in sources)
@@ -227,7 +227,30 @@ class DFlashDraft(nn.Module):
         dtype = self.fc.weight.dtype
         feature = self.context_norm(self.fc(captured.to(dtype)))
         cos, sin = self._rope(positions, dtype)
+        fused = self._fused_context_entries(feature, cos, sin)
+        if fused is not None:
+            return fused
         return torch.stack([layer.context_entry(feature, cos, sin) for layer in self.layers])
+
+    def _fused_context_entries(self, feature: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+        """Every DFlashLayer's context_entry at once (inference; None otherwise): the layers' k / v projections
+        as one matmul and their key norms and RoPE as one op each, instead of a dozen ops per layer - this
+        runs in every verify and prefill forward that stores draft context."""
+        layers = list(self.layers)
+        if not all(type(layer) is DFlashLayer for layer in layers):
+            return None
+        projections = fused_weight(self, "_context_kv_weight", tuple(p for layer in layers for p in (layer.k_proj,
+                                                                                                      layer.v_proj)))
+        norms = fused_weight(self, "_context_norm_weight", tuple(layer.k_norm for layer in layers))
+        if projections is None or norms is None:
+            return None
+        kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
+        rows = F.linear(feature, projections).unflatten(-1, (len(layers), 2, kv_heads, head_dim)).movedim(-4, 0)
+        keys, values = rows.unbind(-3)  # [layers, ..., T, kv_heads, head_dim]
+        scale = norms.view(len(layers), *(1,) * (keys.dim() - 2), head_dim)
+        keys = F.rms_norm(keys.float(), (head_dim,), eps=layers[0].k_norm.eps).to(keys.dtype) * scale
+        keys = apply_rope(keys, cos, sin)
+        return torch.cat((keys.flatten(-2), values.flatten(-2)), dim=-1)
 
     def _run(self, hidden: Tensor, positions: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
         cos, sin = self._rope(positions, hidden.dtype)

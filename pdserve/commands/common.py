@@ -31,6 +31,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--kv-memory-mb", type=int, default=default_memory_mb, help="KV pool size per rank (MiB)")
     parser.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk size (tokens per forward)")
     parser.add_argument("--spec-block-size", type=int, default=8, help="largest speculative block size")
+    parser.add_argument("--spec-min-tokens-per-step", type=float, default=0.0,
+                        help="a request whose verify steps emit fewer tokens than this (moving average) decodes "
+                             "plainly for a while, then probes again; ~2 pays on CPU (default 0: always speculate)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
     parser.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                         help="serve Prometheus GET /metrics here (port 0: any free port; default: none)")
@@ -76,7 +79,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         model_dir=args.model, tp_size=args.tp_size, attention_backend=args.attention_backend,
         draft_model_dir=args.draft_model, dtype=args.dtype, page_size=args.page_size,
         kv_memory_bytes=args.kv_memory_mb * 2**20, max_batched_tokens=args.max_batched_tokens,
-        spec_block_size=args.spec_block_size, num_threads=args.num_threads, share_weights=args.share_weights,
+        spec_block_size=args.spec_block_size, spec_min_tokens_per_step=args.spec_min_tokens_per_step,
+        num_threads=args.num_threads, share_weights=args.share_weights,
         internal_token=read_token_file(args.internal_token_file),
     )
 

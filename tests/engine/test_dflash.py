@@ -125,3 +125,19 @@ def test_unpadded_context_needs_no_mask_and_fused_weights_follow_writes(draft: D
         unfused = draft(embeds, positions, context, lens)  # autograd on: the separate linears
     torch.testing.assert_close(changed, unfused.detach())
     assert not torch.allclose(changed, masked)
+
+
+def test_fused_context_entries_equal_the_per_layer_ones(draft: DFlashDraft) -> None:
+    """At inference every layer's context entry comes from one fused k/v matmul, one key norm and one RoPE;
+    the result equals stacking each layer's context_entry (the training path), for batched positions too."""
+    captured = torch.randn(3, 5, 2 * 24)
+    positions = torch.arange(5).expand(3, 5) + torch.tensor([[0], [7], [30]])
+    with torch.no_grad():
+        feature = draft.context_norm(draft.fc(captured))
+        cos, sin = draft._rope(positions, feature.dtype)
+        per_layer = torch.stack([layer.context_entry(feature, cos, sin) for layer in draft.layers])
+        fused = draft._fused_context_entries(feature, cos, sin)
+        assert fused is not None
+        torch.testing.assert_close(fused, per_layer, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(draft.context_entries(captured, positions), per_layer, rtol=1e-6, atol=1e-6)
+    assert draft._fused_context_entries(feature, cos, sin) is None  # grad enabled: the training path
