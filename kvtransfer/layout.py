@@ -93,14 +93,14 @@ class KVLayout:
     state slots:  models with linear attention (state not None), after the pages
     """
 
-    num_layers: int
-    latent_dim: int
-    rope_dim: int
-    page_size: int
-    dtype: str = "bfloat16"
-    draft_layers: int = 0
-    draft_dim: int = 0
-    state: StateLayout | None = None
+    num_layers: int  # MLA layers whose latents the pages hold (K3: the MLA layers only, not the KDA ones)
+    latent_dim: int  # compressed KV width, kv_lora_rank (512 in DeepSeek-V3)
+    rope_dim: int  # decoupled RoPE key width, qk_rope_head_dim (64 in DeepSeek-V3)
+    page_size: int  # tokens per page
+    dtype: str = "bfloat16"  # torch dtype name of the page elements
+    draft_layers: int = 0  # draft-model layers sharing each page (0: no draft context)
+    draft_dim: int = 0  # width of one draft-context entry per token and draft layer
+    state: StateLayout | None = None  # recurrent-state slots of linear-attention layers (K3), else None
 
     def __post_init__(self) -> None:
         check_positive(self, ("num_layers", "latent_dim", "page_size"), "KVLayout.")
