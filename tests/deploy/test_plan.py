@@ -76,6 +76,7 @@ def test_deepseek_v3_at_tp8_needs_no_padding(capsys):
     assert not any(kernel["padded"] for kernel in heads["kernels"])
 
 
+@pytest.mark.slow
 def test_48_heads_per_rank_pad_to_64_from_the_engines_table(capsys):
     """96 heads / TP2 = 48 per rank: mla_decode_fwd has no 48-head kernel (8, 16, 32, 64, 128), so the plan
     pads to 64, as the engine's AITER backend does; the fp8 persistent prefill runs 48 natively; each kernel
@@ -106,6 +107,7 @@ def test_tok_s_per_dollar_reproduces_the_seed(capsys, gpu, gpus, throughput, exp
     assert plan["cost"]["price_source"] == "seed deployment"
 
 
+@pytest.mark.slow
 def test_gpu_price_override_changes_only_the_cost(capsys):
     """--gpu-price replaces the catalog price: the cost halves when the price halves; memory is unchanged."""
     base = plan_json(capsys, "--throughput", "952")
@@ -145,6 +147,7 @@ def test_kimi_k2_thinking_matches_its_published_checkpoint_size(capsys):
     assert thinking["model"]["params_total"] == fp8["model"]["params_total"]
 
 
+@pytest.mark.slow
 def test_params_override_scales_weights_proportionally(capsys):
     """--params keeps the mix of parameter groups, so weight bytes scale with the count."""
     base = plan_json(capsys, "--model", "kimi-k3")
@@ -154,6 +157,7 @@ def test_params_override_scales_weights_proportionally(capsys):
     assert plan_json(capsys, "--params", "2.8T")["model"]["params_total"] == pytest.approx(2.8e12, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_reserve_comes_out_of_the_kv_budget(capsys):
     """Every GB reserved is a GB less for KV; sequences = budget // (context length x KV per token + the
     per-request state of linear-attention layers, zero for pure-MLA models)."""
@@ -173,6 +177,7 @@ def test_mixed_dtypes_and_group_size(capsys):
     assert plan["weights"]["bits_per_weight"] < 5
 
 
+@pytest.mark.slow
 def test_replicas_multiply_sequences_not_per_gpu_tokens(capsys):
     """16 GPUs as 2 x TP8 hold the model twice: twice the sequences, the same tokens per GPU."""
     one = plan_json(capsys, "--gpus", "8", "--tp-size", "8")
@@ -182,6 +187,7 @@ def test_replicas_multiply_sequences_not_per_gpu_tokens(capsys):
     assert two["kv"]["concurrent_sequences"] == 2 * one["kv"]["concurrent_sequences"]
 
 
+@pytest.mark.slow
 def test_table_output_names_the_verdicts(capsys):
     """The default output is a readable table with the padding, node and cost verdicts (96 heads / TP16 = 6
     per rank: AITER's smallest MLA decode kernel has 8 heads)."""

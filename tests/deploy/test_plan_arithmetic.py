@@ -51,6 +51,7 @@ def test_groups_partition_the_engines_weights():
         weight_group("model.layers.0.self_attn.rotary_emb.inv_freq")
 
 
+@pytest.mark.slow
 def test_k3_groups_partition_the_engines_k3_tensors():
     """Every tensor of the engine's K3 list (but the MXFP4 scales) falls in a group, every group (the latent
     projections too) is used, and the groups sum to all weights with an MXFP4 byte counted as two weights."""

@@ -115,6 +115,7 @@ def test_k3_capacity_facts_of_the_seed(capsys: pytest.CaptureFixture[str]) -> No
     assert plan["scale"]["min_gpus"] == 8
 
 
+@pytest.mark.slow
 def test_k3_config_json_file_plans_like_the_preset(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     """K3's config.json on disk (nested text_config, compressed-tensors MXFP4) gives the preset's figures."""
     from pdserve.plan.kimi_k3_config import KIMI_K3_CONFIG

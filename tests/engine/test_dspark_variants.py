@@ -157,6 +157,7 @@ def _check_greedy_spec(model_dir, prompts, blocks) -> None:
         assert llm.engine.state_pool.num_free == llm.engine.state_pool.num_slots
 
 
+@pytest.mark.slow
 def test_greedy_spec_with_mla_rnn_draft_equals_plain(tmp_path):
     """With the MLA-layer draft and an rnn Markov head, greedy speculation (block 6, batched and alone) emits
     exactly the plain greedy tokens on a tiny K3."""
