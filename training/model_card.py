@@ -10,11 +10,19 @@ def write_model_card(path: Path, m: dict, samples: dict[str, str], c: dict, d: d
 
     The YAML front matter carries the numbers tests read (loss_ratio_threshold)."""
     rope = c["rope_parameters"]
-    rerun = ("\nThe shipped draft was retrained after the full run with `--reuse-target` (same code and defaults as the"
-             "\ncommand above; the target phase is unaffected by draft settings); the wall time adds the full run's target"
-             "\nphase to the draft rerun." if m.get("draft_rerun") else "")
+    rerun = ("\nThe shipped draft was retrained after the full run with `--reuse-target` (the target phase is unaffected"
+             " by\ndraft settings; the target weights are not rewritten); the wall time adds the full run's target phase"
+             f" to the\ndraft rerun. The draft's own command ({m.get('draft_minutes', 0):.1f} min, "
+             f"{m.get('draft_threads', m['threads'])} thread(s)):\n\n```\n"
+             f"{m.get('draft_command', m['command'])}\n```" if m.get("draft_rerun") else "")
     sample_text = "\n".join(f"Prompt `{p!r}`:\n\n```python\n{p}{s}\n```\n" for p, s in samples.items())
     per_position = ", ".join(f"{r:.2f}" for r in m["acceptance_per_position"])
+    low = m.get("draft_prompt_min", m["accept_prompt_length"])
+    high = m.get("draft_prompt_max", low)
+    prompts = (f"{high}-token prompts from the train split + {m['draft_generated']} greedy tokens" if low == high else
+               f"{low}..{high}-token prompts (one length per generation batch) from the train split,\ncontinued "
+               f"greedily to {high + m['draft_generated']} tokens")
+    warm = " Warm-started from the previous draft (`--draft-init`)." if m.get("draft_init") else ""
     path.write_text(f"""---
 held_out_loss: {m['held_out_loss']:.4f}
 unigram_entropy: {m['unigram_entropy']:.4f}
@@ -97,14 +105,33 @@ Measured on the saved bf16 weights loaded in float32.
 keys/values in every draft layer. {d['num_layers']} layers, {d['num_heads']} query / {d['num_kv_heads']} KV heads of
 {d['head_dim']}, intermediate {d['intermediate_size']}, block size {d['block_size']}, mask token {d['mask_token_id']};
 the target's embedding and LM head are shared (frozen). Trained {m['draft_steps']} steps x {m['draft_batch']} sequences
-on the target's own greedy continuations ({m['draft_sequences']} sequences: {m['accept_prompt_length']}-token prompts
-from the train split + {m['draft_generated']} greedy tokens), {m['draft_anchors']} anchors per sequence, loss weights
-exp(-(i-1)/4) over block positions, AdamW lr {m['draft_lr']:g} with cosine decay.
+on the target's own greedy continuations ({m['draft_sequences']} sequences: {prompts}), {m['draft_anchors']} anchors per
+sequence, loss weights exp(-(i-1)/4) over block positions, AdamW lr {m['draft_lr']:g} with cosine decay.{warm}
 
 Acceptance (greedy draft-then-verify with the transformers target, block size 8, bonus token counted;
 {m['accept_prompts']} held-out prompts of {m['accept_prompt_length']} tokens, {m['accept_new_tokens']} new tokens each):
 **{m['acceptance_length']:.2f} accepted tokens per verify step**; fraction of verify steps in which draft positions 1..{len(m["acceptance_per_position"])} were accepted: {per_position}.
+{bench_line(m)}{previous_line(m.get("previous_draft"))}
 
 ## Greedy samples
 
 {sample_text}""")
+
+
+def bench_line(m: dict) -> str:
+    """The acceptance at the speculative benchmarks' shape (64-token prompts, 128 new), when measured."""
+    if "acceptance_length_64_128" not in m:
+        return ""
+    rates = ", ".join(f"{r:.2f}" for r in m["acceptance_per_position_64_128"])
+    return (f"At the benchmarks' shape ({m['accept_prompts']} held-out prompts of 64 tokens, 128 new tokens each): "
+            f"**{m['acceptance_length_64_128']:.2f}**; per position {rates}.\n")
+
+
+def previous_line(prev: dict | None) -> str:
+    """The draft this one replaced, from training_metrics.json's previous_draft."""
+    if not prev:
+        return ""
+    rates = ", ".join(f"{r:.2f}" for r in prev["acceptance_per_position"])
+    return (f"\nThe previous draft ({prev['draft_steps']} steps, {prev['draft_sequences']} sequences, lr "
+            f"{prev['draft_lr']:g}) measured {prev['acceptance_length']:.2f} on the same {prev['accept_prompts']}"
+            f" prompts (per position {rates}); all its figures are under `previous_draft` in training_metrics.json.\n")

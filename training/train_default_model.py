@@ -19,6 +19,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
+from engine import LLM
 from engine.models.dflash import DFlashConfig, load_draft, save_draft
 from training import evaluate
 from training.block_draft import DistillText
@@ -27,7 +28,7 @@ from training.model_card import write_model_card
 from training.options import base_parser, command_line, start_run
 from training.target_shape import TargetShape, build_config
 from training.tokenizer import encode_corpus, special_ids, train_tokenizer, write_tokenizer_config
-from training.train_draft import DRAFT_SCHEDULE, DraftTraining, build_dataset, train_draft
+from training.train_draft import DRAFT_SCHEDULE, DraftTraining, build_dataset, engine_continuations, train_draft
 from training.train_target import TARGET_SCHEDULE, TargetTraining, train_target
 
 logger = logging.getLogger("training")
@@ -63,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-prompt-lengths", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
                         help="distillation prompts of MIN..MAX tokens, continued to MAX + the generated length")
     parser.add_argument("--draft-lr", type=float, default=None, help="draft peak learning rate (default 2e-3)")
+    parser.add_argument("--engine-distill", action="store_true",
+                        help="generate the draft's distillation text with the serving engine (greedy, ~15x faster "
+                             "on CPU) instead of transformers' generate loop")
     return parser.parse_args(argv)
 
 
@@ -128,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         hidden_size=shape.hidden_size, target_hidden_size=shape.hidden_size,
         target_layer_ids=(0, layers // 2), block_size=8, mask_token_id=special["mask"], rms_norm_eps=1e-6,
         rope_theta=10000.0, **scale.draft_shape.as_kwargs())
-    data = build_dataset(target, train_stream, draft_cfg, draft_config.target_layer_ids, args.seed)
+    llm = LLM(str(out), draft_model="", num_threads=args.threads,
+              max_running=draft_cfg.text.generate_batch) if args.engine_distill else None
+    data = build_dataset(target, train_stream, draft_cfg, draft_config.target_layer_ids, args.seed,
+                         engine_continuations(llm) if llm is not None else None)
+    if llm is not None:
+        llm.close()
     draft = train_draft(target, draft_config, data, draft_cfg, args.seed, args.draft_init)
     draft_params = sum(p.numel() for p in draft.parameters())
     save_draft(draft, out / "draft")
@@ -166,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         "draft_minutes": draft_time / 60, "acceptance_length_64_128": bench_accept,
         "acceptance_per_position_64_128": bench_per_position,
         "wall_minutes": (time.monotonic() - started) / 60, "train_minutes": train_time / 60,
-        "draft_rerun": args.reuse_target,
+        "draft_rerun": args.reuse_target, "draft_distill": "engine" if args.engine_distill else "transformers",
         "command": command_line("", "training.train_default_model", argv),
     }
     if reused_from is not None:
         metrics["draft_command"], metrics["command"] = metrics["command"], reused_from["command"]
+        metrics["draft_threads"], metrics["threads"] = args.threads, reused_from["threads"]
         metrics["previous_draft"] = {k: reused_from[k] for k in DRAFT_KEYS if k in reused_from}
     logger.info("metrics: %s", json.dumps(metrics, indent=1))
     (out / "training_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")

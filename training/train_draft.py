@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from transformers import DeepseekV3ForCausalLM
 
+from engine import LLM
 from engine.models.dflash import DFlashConfig, DFlashDraft, load_draft, read_draft_config
 from training.block_draft import (
     DistillText, batch_prompt_lengths, format_accuracy, fresh_draft, random_anchors, sample_prompts,
     weighted_block_loss,
 )
+from engine.sampling_params import SamplingParams
 from training.schedule import Schedule, optimizer_step, set_lr
 
 logger = logging.getLogger(__name__)
 
 
+Continue = Callable[[torch.Tensor, int], torch.Tensor]  # (prompts [N, P], new tokens) -> [N, P + new]
 DRAFT_SCHEDULE = Schedule(lr=2e-3, min_lr_ratio=0.05, warmup_steps=20, weight_decay=0.01, batch_size=16, log_every=25)
 
 
@@ -47,6 +52,16 @@ def greedy_continuations(target: DeepseekV3ForCausalLM, prompts: torch.Tensor, n
     return torch.cat(pieces, dim=1)
 
 
+def engine_continuations(llm: LLM) -> Continue:
+    """Greedy continuations by the serving engine (the same tokens the transformers loop gives up to float
+    ties, and the ones speculation is verified against; ~15x faster batched on CPU)."""
+    def run(prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        rows = prompts.tolist()
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, speculative=False)
+        return torch.tensor([row + out for row, out in zip(rows, llm.generate(rows, params))])
+    return run
+
+
 @torch.no_grad()
 def capture_hidden(target: DeepseekV3ForCausalLM, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
     """tokens: [N, T] -> [N, T, len(layer_ids) * hidden]: outputs of decoder layers ``layer_ids``."""
@@ -55,11 +70,15 @@ def capture_hidden(target: DeepseekV3ForCausalLM, tokens: torch.Tensor, layer_id
 
 
 def build_dataset(
-    target: DeepseekV3ForCausalLM, train_stream: torch.Tensor, cfg: DraftTraining, layer_ids: tuple[int, ...], seed: int
+    target: DeepseekV3ForCausalLM, train_stream: torch.Tensor, cfg: DraftTraining, layer_ids: tuple[int, ...], seed: int,
+    continue_greedily: Continue | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompts from the training split, continued greedily by the target to text.total_length tokens.
+    """Prompts from the training split, continued greedily by the target to text.total_length tokens
+    (continue_greedily(prompts, new_tokens); default: greedy_continuations on the transformers target).
 
     Returns tokens [N, T] (int64), captured hidden states [N, T, C] (bf16) and each row's prompt length [N]."""
+    if continue_greedily is None:
+        continue_greedily = partial(greedy_continuations, target)
     text = cfg.text
     prompts = sample_prompts(train_stream, text, seed)
     tokens, captured, lengths = [], [], []
@@ -67,7 +86,7 @@ def build_dataset(
     for batch_index, length in enumerate(batch_prompt_lengths(text, seed)):
         first = batch_index * text.generate_batch
         window = prompts[first : first + text.generate_batch, text.prompt_length - length :]
-        batch = greedy_continuations(target, window, text.total_length - length)
+        batch = continue_greedily(window, text.total_length - length)
         tokens.append(batch)
         captured.append(capture_hidden(target, batch, layer_ids).to(torch.bfloat16))
         lengths.append(torch.full((batch.shape[0],), length))
