@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM
 
+from engine import LLM
 from engine.models.dflash import DFlashConfig, DFlashDraft, save_draft
 from training.block_draft import DistillText
 from training.target_shape import TargetShape, build_config
-from training.train_draft import DraftTraining, build_dataset, greedy_continuations, warm_draft
+from training.train_draft import DraftTraining, build_dataset, engine_continuations, greedy_continuations, warm_draft
 
 SHAPE = TargetShape(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                     num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
@@ -57,3 +58,16 @@ def test_warm_start_loads_the_saved_weights(tmp_path: Path) -> None:
     other = DFlashConfig(**{**DRAFT.__dict__, "intermediate_size": 48})
     with pytest.raises(ValueError, match="--draft-init"):
         warm_draft(tmp_path / "draft", other, target)
+
+
+@pytest.mark.slow
+def test_engine_continuations_match_the_transformers_loop() -> None:
+    """--engine-distill's text: the serving engine's greedy continuations of the embedded model equal the
+    transformers greedy loop's for random prompts of two lengths (the draft learns what it is verified on)."""
+    model = Path(__file__).resolve().parents[2] / "models" / "pdserve-tiny"
+    target = DeepseekV3ForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    prompts = torch.randint(4, 4096, (3, 12), generator=torch.Generator().manual_seed(0))
+    with LLM(str(model), draft_model="", num_threads=1, max_running=4) as llm:
+        for length in (5, 12):
+            got = engine_continuations(llm)(prompts[:, :length], 10)
+            assert torch.equal(got, greedy_continuations(target, prompts[:, :length], 10))
