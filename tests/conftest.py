@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # (measured: 17x the CPU seconds and 10x the wall time of one thread on the engine-vs-transformers tests).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-pytest_plugins = ["tests.cpu_durations", "tests.xdist_order"]
+pytest_plugins = ["tests.xdist_order", "tests.cpu_durations"]  # (cpu_durations imports xdist_order)
 
 # Fixtures that start a deployment of worker processes: every test using one is `slow` (not in the fast loop).
 PROCESS_CLUSTER_FIXTURES = frozenset({"cluster", "tp2_cluster", "mixed_tp_cluster", "live_gateway"})

@@ -7,9 +7,12 @@ started by session fixtures are reaped at session end, so their CPU shows up in 
 test that used them, and their per-test cost only as wall time.
 
 Under pytest-xdist each worker measures its own tests and sends the figures to the controller on the
-teardown report (user_properties), so the summary covers every worker."""
+teardown report (user_properties), so the summary covers every worker. `--write-scope-costs PATH` also
+writes the wall seconds of every xdist work unit (tests/xdist_order.py's scopes) that took >= 1 s as JSON,
+the table tests/xdist_order.py hands the slow scopes out by."""
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
@@ -17,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
+from tests.xdist_order import scope_of
 
 _PROPERTY = "cpu_durations"
 _START = pytest.StashKey[tuple[float, float]]()
@@ -43,11 +48,13 @@ _USAGE: dict[str, Usage] = {}
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
                      help="list the N tests that used the most CPU seconds (0: all)")
+    parser.addoption("--write-scope-costs", default=None, metavar="PATH",
+                     help="write {xdist scope: wall seconds} of the scopes taking >= 1 s as JSON to PATH")
 
 
 @pytest.hookimpl(tryfirst=True)  # before the fixtures are set up
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.config.getoption("cpu_durations") is not None:
+    if item.config.getoption("cpu_durations") is not None or item.config.getoption("write_scope_costs"):
         item.stash[_START] = (_cpu_seconds(), time.monotonic())
 
 
@@ -68,7 +75,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             usage.wall_s += value[1]
 
 
+def scope_costs(usages: list[Usage], min_s: float = 1.0) -> dict[str, float]:
+    """Wall seconds per xdist scope, the scopes of >= min_s, longest first."""
+    costs: dict[str, float] = {}
+    for usage in usages:
+        costs[scope_of(usage.nodeid)] = costs.get(scope_of(usage.nodeid), 0.0) + usage.wall_s
+    return {scope: round(cost, 1) for scope, cost in sorted(costs.items(), key=lambda kv: -kv[1]) if cost >= min_s}
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    path = config.getoption("write_scope_costs")
+    if path and _USAGE and "PYTEST_XDIST_WORKER" not in os.environ:  # the controller has every worker's figures
+        with open(path, "w") as out:
+            json.dump(scope_costs(list(_USAGE.values())), out, indent=0)
+            out.write("\n")
+        terminalreporter.write_line(f"wrote the scopes' wall seconds to {path}")
     count = config.getoption("cpu_durations")
     if count is None or not _USAGE:
         return

@@ -2,12 +2,15 @@
 tests/cpu_durations.py (CPU seconds reported across workers). Each runs a child pytest on generated tests."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cpu_durations import Usage, scope_costs
 
 pytest.importorskip("xdist")
 
@@ -45,3 +48,29 @@ def test_slow_scopes_run_first_and_cpu_durations_cover_every_worker(tmp_path: Pa
                                     [("a", "fast_0"), ("a", "fast_1"), ("a", "fast_2"), ("b", "fast_9"),
                                      ("z", "slow_0"), ("z", "slow_1")]), summary
     assert "over 6 tests" in summary
+
+
+@pytest.mark.slow  # two child pytests: a few seconds of CPU
+def test_slow_scopes_go_longest_first_and_their_costs_can_be_recorded(tmp_path: Path):
+    """Slow scopes are handed out by the recorded wall seconds, longest first (an unlisted slow scope counts
+    as DEFAULT_COST_S), then the fast ones; --write-scope-costs records every scope's wall seconds."""
+    (tmp_path / "test_a.py").write_text(FAST.format(i=0))
+    for name in ("m", "n", "o"):
+        (tmp_path / f"test_{name}.py").write_text(f"import pytest\n\n\n@pytest.mark.slow\ndef test_{name}():\n    assert True\n")
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"test_m.py": 1.0, "test_n.py": 99.0}))  # test_o.py unlisted: 10 s
+    order = _child_pytest(tmp_path, "-n", "1", "--dist", "loadscope", "--no-loadscope-reorder", "-v",
+                          "--scope-costs", str(costs))
+    ran = [line.split("PASSED ")[1].split("::")[1].strip() for line in order.splitlines() if "PASSED " in line]
+    assert ran == ["test_n", "test_o", "test_m", "test_fast_0"], ran
+
+    written = tmp_path / "written.json"
+    _child_pytest(tmp_path, "-n", "2", "--dist", "loadscope", "--write-scope-costs", str(written))
+    assert json.loads(written.read_text()) == {}  # only scopes of >= 1 s are kept: none of these
+
+
+def test_scope_costs_sum_a_scopes_tests_and_drop_short_scopes():
+    """Wall seconds add up per xdist scope (module, or class), longest first, scopes under 1 s left out."""
+    usages = [Usage("t/test_a.py::test_x", wall_s=0.7), Usage("t/test_a.py::test_y", wall_s=0.6),
+              Usage("t/test_b.py::Cls::test_z", wall_s=5.0), Usage("t/test_c.py::test_w", wall_s=0.2)]
+    assert scope_costs(usages) == {"t/test_b.py::Cls": 5.0, "t/test_a.py": 1.3}

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import DeepseekV3ForCausalLM
+from transformers import DeepseekV3ForCausalLM, DynamicCache
 
 from engine.models.dflash import DFlashDraft
 
@@ -73,30 +73,40 @@ def acceptance_length(
     target: DeepseekV3ForCausalLM, draft: DFlashDraft, prompts: Sequence[Sequence[int]], block_size: int,
     new_tokens: int,
 ) -> tuple[float, list[float]]:
-    """Mean accepted tokens per verify step (bonus included) and per-position acceptance rates [B-1]."""
+    """Mean accepted tokens per verify step (bonus included) and per-position acceptance rates [B-1].
+
+    The target keeps a KV cache, cropped back to the accepted tokens after each verify forward, and the draft's
+    context entries are appended for the accepted positions only: each step costs a block, not the sequence."""
     layer_ids, mask_id = draft.config.target_layer_ids, draft.config.mask_token_id
     embed, lm_head = target.get_input_embeddings(), target.lm_head
     steps, accepted, reached = 0, 0, torch.zeros(block_size - 1)
+
+    def entries(out, start: int, count: int) -> torch.Tensor:  # draft context of target positions start..+count
+        captured = torch.cat([out.hidden_states[i + 1][0, :count] for i in layer_ids], dim=-1)
+        return draft.context_entries(captured, start + torch.arange(count))
+
     for prompt in prompts:
-        seq = list(prompt)
-        out = target(torch.tensor([seq]), output_hidden_states=True)
-        captured = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+        seq, cache = list(prompt), DynamicCache()
+        out = target(torch.tensor([seq]), cache=cache, use_cache=True, output_hidden_states=True)
+        context = entries(out, 0, len(seq))  # [layers, T, dim]: positions 0..n-2 (n = len(seq) below)
         seq.append(int(out.logits[0, -1].argmax()))
         while len(seq) - len(prompt) < new_tokens:
-            n = len(seq)  # last accepted token at n-1; captured covers 0..n-2
-            context = draft.context_entries(captured, torch.arange(n - 1))
+            n = len(seq)  # last accepted token at n-1; the cache and the context cover 0..n-2
             block = torch.tensor([[seq[-1]] + [mask_id] * (block_size - 1)])
             hidden = draft(embed(block), (n - 1 + torch.arange(block_size))[None], context[:, None],
                            torch.tensor([n - 1]))
             drafts = lm_head(hidden[0, 1:]).argmax(-1).tolist()
-            out = target(torch.tensor([seq + drafts]), output_hidden_states=True)
-            verified = out.logits[0, n - 1 :].argmax(-1).tolist()  # target's token for positions n ..
+            out = target(torch.tensor([[seq[-1]] + drafts]), cache=cache, use_cache=True,
+                         output_hidden_states=True)
+            verified = out.logits[0].argmax(-1).tolist()  # target's token for positions n ..
             matched = 0
             while matched < block_size - 1 and drafts[matched] == verified[matched]:
                 matched += 1
             reached[:matched] += 1
             seq += drafts[:matched] + [verified[matched]]
-            captured = torch.cat([out.hidden_states[i + 1][0, : n + matched] for i in layer_ids], dim=-1)
+            context = torch.cat([context, entries(out, n - 1, matched + 1)], dim=1)
+            if matched < block_size - 1:  # keep positions 0 .. n-1+matched (transformers: crop(-k) drops k)
+                cache.crop(-(block_size - 1 - matched))
             steps += 1
             accepted += matched + 1
     return accepted / steps, (reached / steps).tolist()
