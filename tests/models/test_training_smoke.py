@@ -44,3 +44,27 @@ def test_tiny_training_run_writes_loadable_model(tmp_path: Path) -> None:
     card = (out / "README.md").read_text()
     assert "loss_ratio_threshold: 0.60" in card
     assert "python -m training.train_default_model --tiny" in card
+
+
+@pytest.mark.slow
+def test_draft_only_rerun_warm_starts_and_keeps_the_target(tmp_path: Path) -> None:
+    """--reuse-target --draft-init retrains only the draft: the target's bytes are unchanged, the draft starts from
+    the given one, and the metrics keep the previous draft's figures and both commands."""
+    out = tmp_path / "tiny"
+    common = [sys.executable, "-m", "training.train_default_model", "--tiny", "--out", str(out), "--threads", "1"]
+    first = subprocess.run(common, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    target_bytes = (out / "model.safetensors").read_bytes()
+    old_metrics = json.loads((out / "training_metrics.json").read_text())
+    rerun = ["--reuse-target", "--draft-init", str(out / "draft"), "--draft-prompt-lengths", "4", "8",
+             "--draft-sequences", "8", "--draft-lr", "1e-3"]
+    second = subprocess.run(common + rerun, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert (out / "model.safetensors").read_bytes() == target_bytes
+    metrics = json.loads((out / "training_metrics.json").read_text())
+    assert metrics["command"] == old_metrics["command"] and "--draft-init" in metrics["draft_command"]
+    assert metrics["previous_draft"]["acceptance_length"] == old_metrics["acceptance_length"]
+    assert (metrics["draft_prompt_min"], metrics["draft_prompt_max"], metrics["draft_lr"]) == (4, 8, 1e-3)
+    assert metrics["draft_init"] == str(out / "draft") and metrics["held_out_loss"] == old_metrics["held_out_loss"]
+    assert "Warm-started from the previous draft" in (out / "README.md").read_text()
+    load_draft(out / "draft")

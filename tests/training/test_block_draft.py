@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.block_draft import DistillText, fresh_draft, random_anchors, sample_prompts, weighted_block_loss
+from training.block_draft import (
+    DistillText, batch_prompt_lengths, fresh_draft, random_anchors, sample_prompts, weighted_block_loss,
+)
 
 
 def test_anchors_are_sorted_distinct_and_in_range() -> None:
@@ -14,6 +16,28 @@ def test_anchors_are_sorted_distinct_and_in_range() -> None:
     assert anchors.shape == (6, 4)
     for row in anchors.tolist():
         assert row == sorted(set(row)) and all(5 <= a <= 20 for a in row)
+
+
+def test_anchors_respect_a_lower_bound_per_row() -> None:
+    """With one low per row, row r's anchors are distinct, ascending and within lows[r]..high."""
+    lows = [3, 10, 17, 3]
+    anchors = random_anchors(4, lows, 20, 4, torch.Generator().manual_seed(2))
+    for low, row in zip(lows, anchors.tolist()):
+        assert row == sorted(set(row)) and all(low <= a <= 20 for a in row)
+    with pytest.raises(ValueError, match="rows"):
+        random_anchors(3, lows, 20, 4, torch.Generator().manual_seed(2))
+
+
+def test_prompt_lengths_per_generate_batch() -> None:
+    """Fixed prompts: every batch gets prompt_length; varied: one length per batch in min..max, seeded."""
+    fixed = DistillText(num_sequences=10, prompt_length=7, generated_length=3, generate_batch=4)
+    assert batch_prompt_lengths(fixed, seed=0) == [7, 7, 7] and fixed.total_length == 10
+    varied = DistillText(num_sequences=400, prompt_length=9, generated_length=3, generate_batch=4, min_prompt_length=2)
+    lengths = batch_prompt_lengths(varied, seed=1)
+    assert len(lengths) == 100 and set(lengths) == set(range(2, 10))
+    assert lengths == batch_prompt_lengths(varied, seed=1) != batch_prompt_lengths(varied, seed=2)
+    with pytest.raises(ValueError, match="min_prompt_length"):
+        DistillText(num_sequences=4, prompt_length=7, generated_length=3, generate_batch=2, min_prompt_length=8)
 
 
 def test_block_loss_weights_slot_s_by_exp_minus_s_over_decay() -> None:
