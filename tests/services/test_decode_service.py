@@ -109,7 +109,7 @@ async def test_reserve_is_answered_while_the_engine_thread_is_busy(service, how)
         assert not gate.is_set()
         assert service.engine.num_free_pages == total and service.load.leases == 0
     assert not await service.release("r3")
-    assert await service._engine.call(lambda engine: engine.num_free_pages) == total
+    assert await service._port.engine_thread.call(lambda engine: engine.num_free_pages) == total
 
 
 async def test_lease_deadline_follows_the_callers_deadline(service):

@@ -74,5 +74,5 @@ async def test_reserve_is_answered_while_a_decode_step_is_blocked(held):
     finally:
         step_may_go_on.set()
     assert len(await asyncio.wait_for(decoding, timeout=120)) == MAX_TOKENS - 1  # prefill made the first token
-    idle = await service._engine.call(lambda engine: (engine.has_work(), engine.num_free_pages))
+    idle = await service._port.engine_thread.call(lambda engine: (engine.has_work(), engine.num_free_pages))
     assert idle == (False, total)
