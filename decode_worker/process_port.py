@@ -74,6 +74,7 @@ class ProcessPort:
         self._tags = itertools.count(1)
         self._gone: str | None = None  # why the engine process can no longer be used
         self._stopping = False
+        self._events_closed = False  # the engine process's end of the pipe is closed
         self.engine: EngineView | None = None
         self.engine_steps = 0
         self.engine_step_tokens = 0
@@ -197,11 +198,17 @@ class ProcessPort:
 
     # --- event loop: what the engine process sends -------------------------------------------------------
     def _on_events(self) -> None:
+        if self._events_closed:
+            return
         try:
             while self._events.poll():
                 self._handle(self._events.recv())
-        except (EOFError, OSError):
-            self._lost_while_serving("the decode engine process closed its pipe")
+        except (EOFError, OSError):  # it exited (or is exiting): the exit handler says how
+            self._events_closed = True
+            assert self._loop is not None
+            self._loop.remove_reader(self._events.fileno())
+            if self._process.exitcode is not None:
+                self._on_exit()
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -238,6 +245,8 @@ class ProcessPort:
     def _on_exit(self) -> None:
         if self._gone is None:
             self._on_events()  # what it sent before it died goes first
+        if self._process.exitcode is None:  # its pipes close a moment before it can be reaped
+            self._process.join(5)
         self._lost_while_serving(f"the decode engine process exited (exit code {self._process.exitcode})")
 
     def _lost_while_serving(self, reason: str) -> None:
@@ -255,8 +264,9 @@ class ProcessPort:
             return
         self._gone = reason
         if self._loop is not None:
-            for fd in (self._events.fileno(), self._process.sentinel):
-                self._loop.remove_reader(fd)
+            self._loop.remove_reader(self._process.sentinel)
+            if not self._events_closed:
+                self._loop.remove_reader(self._events.fileno())
         failure = EngineFailed(reason)
         for future in self._pending.values():
             if not future.done():
