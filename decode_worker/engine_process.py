@@ -10,13 +10,15 @@ Wire format. Worker -> engine: (tag, op, args), each answered (tag 0: nobody wai
 carries the load figures). ops: reserve (num_tokens,),
 free (page_ids, slot), add (request_id, prompt_ids, first_token, page_ids, params, slot), abort
 (request_id,), stop (). Engine -> worker: ("ready", EngineFacts) | ("error", text) at start, then
-("out", [output tuple], Load) | ("reply", tag, error | None, value, Load) | ("failed", text, Load);
+("out", [output tuple], Load) | ("reply", tag, error | None, value, Load) | ("failed", [request id], text,
+Load) (a failed step: those requests were aborted);
 error = (kind, text), kind "ValueError" / "ResourceExhausted" / "RuntimeError"."""
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
@@ -83,16 +85,19 @@ def error_tuple(error: BaseException) -> tuple[str, str]:
 
 
 class EngineHost:
-    """events: the pipe to the worker (written by both threads, under one lock)."""
+    """events: the pipe to the worker (written by both threads, under one lock); engine_factory (tests):
+    builds the engine instead of build_engine(config)."""
 
-    def __init__(self, config: DecodeWorkerConfig, events: Connection) -> None:
+    def __init__(self, config: DecodeWorkerConfig, events: Connection,
+                 engine_factory: Callable[[], Any] | None = None) -> None:
         self._events = events
         self._lock = threading.Lock()
         self._block = config.spec_block_size
         self._steps = StepLoop(self._send_outputs, self._send_failure)
-        self._thread: EngineThread[Any] = EngineThread(lambda: build_engine(config), self._steps.work,
-                                                       name=ROLE)
+        self._thread: EngineThread[Any] = EngineThread(engine_factory or (lambda: build_engine(config)),
+                                                       self._steps.work, name=ROLE)
         self._engine: Any = None
+        self._requests: set[str] = set()  # added and not finished or aborted (engine thread only)
 
     def serve(self, commands: Connection) -> None:
         """Builds the engine (its error goes to the worker), then answers commands until stop or EOF."""
@@ -140,6 +145,7 @@ class EngineHost:
         except Exception as error:  # noqa: BLE001 - answered to the caller
             self._reply(tag, error_tuple(error), None)
             return
+        (self._requests.add if op == "add" else self._requests.discard)(args[0])
         self._reply(tag, None, None)
 
     # --- to the worker -------------------------------------------------------------------------------
@@ -156,16 +162,24 @@ class EngineHost:
         self._send(("reply", tag, error, value))
 
     def _send_outputs(self, outputs: list[Any]) -> None:
+        for output in outputs:
+            if output.finished:
+                self._requests.discard(output.request_id)
         self._send(("out", [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.logprobs or None)
                             for o in outputs]))
 
     def _send_failure(self, engine: Any, error: Exception) -> None:
-        self._send(("failed", str(error) or type(error).__name__))
+        """A failed step aborts every request the engine holds (as on a worker's engine thread); the worker
+        ends their streams."""
+        failed, self._requests = sorted(self._requests), set()
+        StepLoop.abort_each(engine, failed)
+        self._send(("failed", failed, str(error) or type(error).__name__))
 
 
 def engine_process_main(config: DecodeWorkerConfig, commands: Connection, events: Connection, log_level: int) -> None:
     """The engine process's entry point (multiprocessing spawn); it dies with the worker."""
     die_with_parent(signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the worker stops us
     configure_logging(ROLE, 0, log_level)
     EngineHost(config, events).serve(commands)
 

@@ -227,12 +227,10 @@ class ProcessPort:
                     future.set_result(value)
                 else:
                     future.set_exception(_ERRORS.get(error[0], RuntimeError)(error[1]))
-        elif kind == "failed":
-            self._update(message[2])
-            failed = self._streams.open_ids()
-            for request_id in failed:
-                self.abort_soon(request_id)
-            self._streams.fail(failed, f"engine step failed: {message[1]}")
+        elif kind == "failed":  # the engine process aborted the step's requests already
+            _, failed, text, load = message
+            self._update(load)
+            self._streams.fail(failed, f"engine step failed: {text}")
         elif kind == "ready" and self._ready is not None and not self._ready.done():
             self._ready.set_result(message[1])
         elif kind == "error" and self._ready is not None and not self._ready.done():
