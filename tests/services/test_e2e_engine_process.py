@@ -49,3 +49,19 @@ def test_engine_process_stop_leaves_nothing(engine_process_cluster):
     engine_process_cluster.stop()
     assert not alive(processes | below)
     assert not existing_segments(segments)
+
+
+async def test_engine_process_serves_the_device_transport(service_model, reference, tmp_path):
+    """With the decode pool a device pool (the memfd IPC stand-in on the CPU) created by the engine process,
+    the worker attaches it by name and prefill writes into it: greedy outputs equal the in-process engine's."""
+    cluster = launch(service_model, tmp_path, transport="device", decode_args=("--engine-process",))
+    try:
+        async with gateway_stub(cluster.gateway_address) as stub:
+            results = await asyncio.gather(*(
+                generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                             speculative=False), timeout=300)
+                for prompt in PROMPTS[:6]))
+        assert [r.token_ids for r in results] == reference[False][:6]
+        assert "device handoff" in "".join(log.read_text() for log in tmp_path.glob("prefill*.log"))
+    finally:
+        cluster.stop()
