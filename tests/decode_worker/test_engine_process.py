@@ -20,16 +20,18 @@ from kvtransfer.destination import TransportKind
 from rpc.status import Unavailable
 from tests.services.decode_hooks import mark_kv_complete
 from tests.services.helpers import eventually, greedy
+from tests.services.k3_service_model import make_k3_service_model
 
 pytestmark = pytest.mark.slow
 PAGE_SIZE = 16
 PROMPT = [5 + i % 200 for i in range(40)]
 
 
-def _config(model: Path, engine_process: bool, draft: bool = False) -> DecodeWorkerConfig:
+def _config(model: Path, engine_process: bool, draft: bool = False, **engine: object) -> DecodeWorkerConfig:
+    fields = {"kv_memory_bytes": 256 * 1024} | engine
     return DecodeWorkerConfig.build(model_dir=str(model), draft_model_dir=None if draft else "",
-                                    attention_backend="torch", kv_memory_bytes=256 * 1024, page_size=PAGE_SIZE,
-                                    num_threads=1, engine_process=engine_process)
+                                    attention_backend="torch", page_size=PAGE_SIZE, num_threads=1,
+                                    engine_process=engine_process, **fields)
 
 
 async def _started(config: DecodeWorkerConfig, lost: list[str] | None = None) -> tuple[DecodeService, _Receivers]:
@@ -73,6 +75,29 @@ async def test_process_path_streams_what_the_thread_path_does(service_model, dra
             assert names and not [name for name in names if Path("/dev/shm", name).exists()]
     assert all(len(tokens) == 11 for tokens in outputs[True])  # the first of the 12 came from prefill
     assert outputs[True] == outputs[False]
+
+
+async def test_k3_state_slots_through_the_engine_process(tmp_path):
+    """A K3 model (KDA state slots in the pool): a reservation made through the engine process holds a slot
+    (the load shows it taken), the request decodes what it decodes on a thread, and its pages and slot
+    come back when it finishes."""
+    model = make_k3_service_model(tmp_path)
+    outputs = {}
+    for engine_process in (False, True):
+        service, receivers = await _started(_config(model, engine_process, kv_memory_bytes=2 * 2**20, max_running=3))
+        try:
+            pages, slots = service.load.free_pages, service.load.free_state_slots
+            assert slots == 4
+            destination = await service.reserve("k", len(PROMPT), 10, TransportKind.SHM)
+            assert destination.state_slot is not None and service.load.free_state_slots == slots - 1
+            mark_kv_complete(service.engine, destination)
+            outputs[engine_process] = [token async for update in service.decode(
+                "k", destination.lease_id, PROMPT, 7, greedy(10)) for token in update.token_ids]
+            await eventually(lambda: (service.load.free_pages, service.load.free_state_slots) == (pages, slots),
+                             "pages and slot freed")
+        finally:
+            await _stopped(service, receivers)
+    assert len(outputs[True]) == 9 and outputs[True] == outputs[False]
 
 
 async def test_cancel_and_release_free_the_pages(service_model):
