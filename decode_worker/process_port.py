@@ -9,16 +9,17 @@ waiting calls fail with EngineFailed, the death is logged and `on_lost` runs (th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_port import LoadSnapshot, snapshot_of
 from decode_worker.engine_process import EngineFacts, Load, WireOutput, engine_process_main
+from decode_worker.engine_view import EngineView
 from decode_worker.streams import EngineFailed, Streams
 from engine.sampling_params import SamplingParams
 from kvtransfer.shm_pool import cleanup_stale_segments
@@ -26,36 +27,6 @@ from rpc.status import ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
 _ERRORS: dict[str, type[Exception]] = {"ResourceExhausted": ResourceExhausted, "ValueError": ValueError}
-
-
-@dataclass(frozen=True)
-class _Limits:
-    max_position_embeddings: int = 0
-    num_pages: int = 0
-
-
-@dataclass(frozen=True)
-class _Acceptance:
-    num_verify_steps: int = 0
-    num_drafts: int = 0
-    num_accepted_drafts: int = 0
-
-
-class EngineView:
-    """The engine as the worker sees it: the facts fixed at its start (config, cache shape, pool names,
-    device, limits) and the figures of its latest message (the names LLMEngine gives them)."""
-
-    def __init__(self, facts: EngineFacts) -> None:
-        self.config, self.cache_shape, self.pool_names, self.device = facts.config, facts.cache_shape, facts.pool_names, facts.device
-        self.model_config = _Limits(max_position_embeddings=facts.max_context)
-        self.allocator = _Limits(num_pages=facts.num_pages)
-        self.num_state_slots = facts.num_state_slots
-        self.update(facts.load)
-
-    def update(self, load: Load) -> None:
-        self.num_free_pages, self.num_free_state_slots = load.free_pages, load.free_state_slots
-        self.num_running, self.num_waiting, self.num_preemptions = load.running, load.waiting, load.preemptions
-        self.acceptance_stats = _Acceptance(load.verify_steps, load.draft_tokens, load.accepted_drafts)
 
 
 class ProcessPort:
@@ -119,7 +90,8 @@ class ProcessPort:
         if self._process is None:
             return
         if self._gone is None:
-            self._send(0, "stop")
+            with contextlib.suppress(Unavailable):  # its pipe broke: it is gone or going, reaped below
+                self._send(0, "stop")
         await self._reap(timeout)
 
     async def _reap(self, timeout: float) -> None:
@@ -274,3 +246,5 @@ class ProcessPort:
             self._ready.set_exception(RuntimeError(f"engine failed to start: {reason}"))
         self._streams.fail_all(str(failure))
         self._commands.close()
+        self._events_closed = True
+        self._events.close()
