@@ -1,8 +1,9 @@
 """The decode engine in its own process, seen from the worker (DecodeWorkerConfig.engine_process).
 
 The worker spawns decode_worker/engine_process.py (spawn context; it dies with the worker, and its TP
-followers with it) and talks to it over two pipes: commands out, and one message per engine step or per
-command back, read by the event loop itself (loop.add_reader on the pipe): no thread of this process
+followers with it) and talks to it over two pipes: commands out (never blocking the loop: pipe_writer.py),
+and one message per engine step or per command back, read by the event loop itself (loop.add_reader on the
+pipe): no thread of this process
 touches the engine, so nothing here takes the GIL from its step loop. Reservations are answered by the
 engine process's command thread (never behind a step). If the engine process dies, the open streams and
 waiting calls fail with EngineFailed, the death is logged and `on_lost` runs (the server then stops)."""
@@ -20,6 +21,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_port import LoadSnapshot, snapshot_of
 from decode_worker.engine_process import EngineFacts, Load, WireOutput, engine_process_main
 from decode_worker.engine_view import EngineView
+from decode_worker.pipe_writer import PipeWriter
 from decode_worker.streams import EngineFailed, Streams
 from engine.sampling_params import SamplingParams
 from kvtransfer.shm_pool import cleanup_stale_segments
@@ -37,7 +39,7 @@ class ProcessPort:
         self._streams = streams
         self.on_lost = on_lost
         self._process: Any = None
-        self._commands: Any = None  # multiprocessing.connection.Connection (send end)
+        self._commands: PipeWriter | None = None
         self._events: Any = None  # (receive end)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[EngineFacts] | None = None
@@ -63,13 +65,14 @@ class ProcessPort:
         loop = self._loop = asyncio.get_running_loop()
         context = mp.get_context("spawn")
         events, child_events = context.Pipe(duplex=False)
-        child_commands, self._commands = context.Pipe(duplex=False)
+        child_commands, commands = context.Pipe(duplex=False)
         self._events = events
         self._process = context.Process(target=engine_process_main, name="pdserve-decode-engine", daemon=False,
                                         args=(self._config, child_commands, child_events, logging.getLogger().level))
         await asyncio.to_thread(self._process.start)
         child_events.close()
         child_commands.close()
+        self._commands = PipeWriter(commands, loop)
         self._ready = loop.create_future()
         loop.add_reader(events.fileno(), self._on_events)
         loop.add_reader(self._process.sentinel, self._on_exit)
@@ -110,9 +113,10 @@ class ProcessPort:
     def _send(self, tag: int, op: str, *args: Any) -> None:
         if self._gone is not None:
             raise Unavailable(f"decode engine unavailable: {self._gone}")
+        assert self._commands is not None
         try:
             self._commands.send((tag, op, args))
-        except (BrokenPipeError, OSError) as error:
+        except OSError as error:
             self._lost(f"decode engine pipe broke: {error}")
             raise Unavailable(f"decode engine unavailable: {self._gone}") from error
 
@@ -125,7 +129,11 @@ class ProcessPort:
         except BaseException:
             self._pending.pop(tag, None)
             raise
-        return await asyncio.shield(future)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:  # nobody waits for the answer now: take its error, if any, when it comes
+            future.add_done_callback(lambda done: done.cancelled() or done.exception())
+            raise
 
     def _post(self, op: str, *args: Any) -> None:
         """A command nobody waits for (its answer only updates the load figures); dropped if the engine is gone."""
@@ -245,6 +253,7 @@ class ProcessPort:
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(f"engine failed to start: {reason}"))
         self._streams.fail_all(str(failure))
-        self._commands.close()
+        if self._commands is not None:
+            self._commands.close()
         self._events_closed = True
         self._events.close()
