@@ -1,12 +1,11 @@
 """The decode engine in its own process, seen from the worker (DecodeWorkerConfig.engine_process).
 
 The worker spawns decode_worker/engine_process.py (spawn context; it dies with the worker, and its TP
-followers with it) and talks to it over two pipes: commands out (never blocking the loop: pipe_writer.py),
-and one message per engine step or per command back, read by the event loop itself (loop.add_reader on the
-pipe): no thread of this process
+followers with it) over two pipes: commands out (never blocking the loop: pipe_writer.py), and one message
+per engine step or command back, read by the event loop itself (add_reader): no thread of this process
 touches the engine, so nothing here takes the GIL from its step loop. Reservations are answered by the
 engine process's command thread (never behind a step). If the engine process dies, the open streams and
-waiting calls fail with EngineFailed, the death is logged and `on_lost` runs (the server then stops)."""
+waiting calls fail (EngineFailed / Unavailable), the death is logged and `on_lost` runs."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +21,7 @@ from decode_worker.engine_port import LoadSnapshot, snapshot_of
 from decode_worker.engine_process import EngineFacts, Load, WireOutput, engine_process_main
 from decode_worker.engine_view import EngineView
 from decode_worker.pipe_writer import PipeWriter
-from decode_worker.streams import EngineFailed, Streams
+from decode_worker.streams import Streams
 from engine.sampling_params import SamplingParams
 from kvtransfer.shm_pool import cleanup_stale_segments
 from rpc.status import ResourceExhausted, Unavailable
@@ -40,7 +39,7 @@ class ProcessPort:
         self.on_lost = on_lost
         self._process: Any = None
         self._commands: PipeWriter | None = None
-        self._events: Any = None  # (receive end)
+        self._events: Any = None  # multiprocessing Connection (receive end)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[EngineFacts] | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
@@ -245,14 +244,13 @@ class ProcessPort:
             self._loop.remove_reader(self._process.sentinel)
             if not self._events_closed:
                 self._loop.remove_reader(self._events.fileno())
-        failure = EngineFailed(reason)
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(Unavailable(f"decode engine unavailable: {reason}"))
         self._pending.clear()
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(f"engine failed to start: {reason}"))
-        self._streams.fail_all(str(failure))
+        self._streams.fail_all(reason)
         if self._commands is not None:
             self._commands.close()
         self._events_closed = True
