@@ -34,7 +34,8 @@ def _inject_failure() -> None:
 async def served(service_model) -> AsyncIterator[tuple[DecodeService, worker_pb2_grpc.DecodeServiceStub, NextDecodeForward]]:
     receivers = _Receivers()
     config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
-                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1)
+                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1,
+                                      engine_process=False)  # the test reaches into the engine thread
     service = DecodeService(config, receivers)
     await service.start()
     failure = NextDecodeForward(service.engine.leader.execute, _inject_failure)
