@@ -6,7 +6,7 @@ beta = sigmoid(b_proj(x)) -> per-head RMSNorm(o_norm) * sigmoid(output gate) -> 
 
 State (engine/state_pool.py): cache.state.conv[kda_index] [slots, W-1, 3*P_local] (q|k|v blocks) and
 cache.state.recurrent[kda_index] [slots, H_local, K, V], at batch.state_slots. EXTEND runs the chunked
-form per sequence, DECODE the recurrent form over all sequences at once; both continue from the slot.
+form and DECODE the recurrent form, each over all sequences of one length at once (kda_ragged); both continue from the slot.
 On CUDA with fla importable (and agreeing with the reference), prefill uses fla's chunk_kda instead.
 Parameter names are the on-disk ones (q_conv1d, f_a_proj, A_log, ...). Conv weights stay float32.
 """
@@ -18,8 +18,8 @@ from torch import nn
 from engine.distributed import TPGroup
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.kda_fla import fla_chunked_kda
-from engine.layers.kda_ops import (causal_conv, causal_conv_batch, conv_windows, kda_chunked, kda_gate, kda_recurrent,
-                                   l2_normalize)
+from engine.layers.kda_ops import kda_gate, kda_recurrent, l2_normalize
+from engine.layers.kda_ragged import conv_group, kda_chunked_group, kda_recurrent_group, length_groups, token_rows
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.sharding import shard_weight
@@ -163,50 +163,51 @@ class KimiDeltaAttention(nn.Module):
     def _conv_uniform(self, mixed, conv_pool, slots, n: int, t: int, cache, snapshot: bool) -> torch.Tensor:
         """n sequences of t tokens each: one batched conv. Verify (snapshot): the window after each position
         goes to the snapshot scratch, the slots untouched; otherwise the slots take their new windows."""
-        width = self.conv_width - 1
-        conv_out, window = causal_conv_batch(mixed.view(n, t, -1), conv_pool.index_select(0, slots),
-                                             self.conv_weight())
+        conv_out, window, after = conv_group(mixed.view(n, t, -1), conv_pool.index_select(0, slots), self.conv_weight())
         if snapshot:
-            windows = window.unfold(1, width, 1)[:, 1:].transpose(2, 3)  # [n, t, W-1, C]
-            cache.state.snapshot_conv[self.kda_index, :n, :t] = windows
+            cache.state.snapshot_conv[self.kda_index, :n, :t] = after
         else:
-            conv_pool.index_copy_(0, slots, window[:, -width:].to(conv_pool.dtype))
+            conv_pool.index_copy_(0, slots, window.to(conv_pool.dtype))
         return conv_out.view(n * t, -1)
 
     def _conv_each(self, mixed, conv_pool, slots: tuple[int, ...], lengths: tuple[int, ...], cache,
                    snapshot: bool) -> torch.Tensor:
-        """Sequences of different lengths (prefill, mixed verify): one conv per sequence."""
+        """Sequences of different lengths (prefill, mixed verify): one batched conv per length."""
         conv_out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
-        start = 0
-        for i, (slot, length) in enumerate(zip(slots, lengths)):
-            rows = slice(start, start + length)
-            start += length
-            conv_out[rows], window = causal_conv(mixed[rows], conv_pool[slot], self.conv_weight())
-            if snapshot:  # verify: the window after each position, the slot untouched
-                cache.state.snapshot_conv[self.kda_index, i, :length] = conv_windows(mixed[rows], conv_pool[slot])
+        for length, members in length_groups(lengths):
+            rows = token_rows(lengths, members, mixed.device)
+            index = torch.tensor([slots[i] for i in members], dtype=torch.long, device=mixed.device)
+            out, window, after = conv_group(mixed.index_select(0, rows).view(len(members), length, -1),
+                                            conv_pool.index_select(0, index), self.conv_weight())
+            conv_out.index_copy_(0, rows, out.view(len(members) * length, -1))
+            if snapshot:  # verify: the window after each position, the slots untouched
+                cache.state.snapshot_conv[self.kda_index, list(members), :length] = after.to(cache.state.snapshot_conv.dtype)
             else:
-                conv_pool[slot] = window.to(conv_pool.dtype)
+                conv_pool.index_copy_(0, index, window.to(conv_pool.dtype))
         return conv_out
 
     def _recur(self, q, k, v, g, beta, ssm_pool, slots: tuple[int, ...], lengths: tuple[int, ...], mode, snapshot: bool,
                snapshots) -> torch.Tensor:
-        """Sequences of different lengths, one at a time -> o [T, H, V] float32. Prefill: the chunked form;
-        decode: the recurrent form; both advance the slots in place. Verify (snapshot): the recurrent form,
-        the state after every position into snapshots[kda_index, i], the slots untouched."""
+        """Sequences of different lengths, one batched call per length (kda_ragged) -> o [T, H, V] float32.
+        Prefill: the chunked form (fla's, one sequence at a time, where it runs); decode: the recurrent form;
+        both advance the slots. Verify (snapshot): the recurrent form, the state after every position into
+        snapshots[kda_index, i], the slots untouched."""
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        chunked = fla_chunked_kda(v.device) or (lambda *args: kda_chunked(*args, CHUNK_SIZE))
-        start = 0
-        for i, (slot, length) in enumerate(zip(slots, lengths)):
-            rows = slice(start, start + length)
-            start += length
+        fla = fla_chunked_kda(v.device) if mode != ForwardMode.DECODE else None
+        for length, members in length_groups(lengths):
+            rows = token_rows(lengths, members, v.device)
+            index = torch.tensor([slots[i] for i in members], dtype=torch.long, device=v.device)
+            parts = [z.index_select(0, rows).view(len(members), length, *z.shape[1:]) for z in (q, k, v, g, beta)]
+            state = ssm_pool.index_select(0, index)
             if mode == ForwardMode.DECODE:
-                snap = snapshots[self.kda_index, i : i + 1] if snapshot else None
-                o, state = kda_recurrent(q[None, rows], k[None, rows], v[None, rows], g[None, rows],
-                                         beta[None, rows], ssm_pool[slot][None], snap)
-                o, state = o[0], state[0]
+                scratch = snapshots[self.kda_index] if snapshot else None
+                o, state = kda_recurrent_group(*parts, state, scratch, members)
+            elif fla is not None:
+                pieces = [fla(*(part[i] for part in parts), state[i]) for i in range(len(members))]
+                o, state = torch.stack([p[0] for p in pieces]), torch.stack([p[1] for p in pieces])
             else:
-                o, state = chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_pool[slot])
-            out[rows] = o
+                o, state = kda_chunked_group(*parts, state, CHUNK_SIZE)
+            out.index_copy_(0, rows, o.reshape(len(members) * length, *o.shape[2:]))
             if not snapshot:
-                ssm_pool[slot] = state.to(ssm_pool.dtype)
+                ssm_pool.index_copy_(0, index, state.to(ssm_pool.dtype))
         return out
