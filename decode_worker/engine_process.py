@@ -120,19 +120,20 @@ class EngineHost:
                     return
                 if op == "stop":
                     return
-                self._handle(tag, op, args)
+                try:
+                    self._handle(tag, op, args)
+                except (ResourceExhausted, ValueError) as error:  # a refusal: the caller reports it
+                    self._reply(tag, error_tuple(error), None)
+                except Exception as error:  # noqa: BLE001 - one bad command must not stop the engine
+                    logger.exception("engine command %s failed", op)
+                    self._reply(tag, error_tuple(error), None)
         finally:
             self._thread.stop()  # closes the engine: its pools go, its TP followers stop
 
     def _handle(self, tag: int, op: str, args: tuple[Any, ...]) -> None:
         engine = self._engine
         if op == "reserve":
-            try:
-                value = allocate_admitted(engine, args[0], self._block)
-            except Exception as error:  # noqa: BLE001 - answered to the caller
-                self._reply(tag, error_tuple(error), None)
-                return
-            self._reply(tag, None, value)
+            self._reply(tag, None, allocate_admitted(engine, args[0], self._block))  # a refusal: answered by serve
         elif op == "free":
             engine.free_reservation(*args)
             self._reply(tag, None, None)
