@@ -14,9 +14,12 @@ Variants take turns; medians of --repeats (default 5); ratios and added TTFT are
 median (min..max), with the load averages the runs ended at. The CPU table sets the decode worker's CPU per
 output token against the in-process engine's (all steps, as issue 18 states the goal, and decode steps only:
 the decode worker runs no prefill). Goals (issue 18): gateway >= 95% of in-process throughput at
-concurrency 16 and >= 85% at 1, <= 5 ms added TTFT p50 at 1, decode worker CPU per token <= 1.1x.
+concurrency 16 and >= 85% at 1, <= 5 ms added TTFT p50 at 1, decode worker CPU per token <= 1.1x. A worker's
+CPU counts its descendants too (the decode worker's engine process and TP followers). --engine-process on runs
+the decode worker with its engine in a process of its own; both: two deployments side by side, taking turns.
 
 Run: .venv/bin/python -m benchmarks.bench_gateway --threads 1 [--spec-concurrency] [--stream-interval N]
+     [--engine-process off|on|both]
 """
 from __future__ import annotations
 
@@ -35,10 +38,18 @@ from bench.load import LoadPlan, run_load
 from bench.metrics import compute_metrics
 from bench.workload import BenchRequest
 from benchmarks.common import (Metrics, Table, add_common_arguments, goal_line, interleave, load_note, make_prompts,
-                               median, paired, print_header, process_cpu_seconds, ratio, spread, timed_groups)
+                               median, paired, print_header, ratio, spread, timed_groups, tree_cpu_seconds)
 from benchmarks.prompts import DEFAULT_COUNT, held_out_prompts
 from engine import LLM, SamplingParams
 from pdserve.launcher import Cluster, ClusterSpec
+
+
+# --engine-process: the deployments to compare, by variant name, with the decode worker's extra flags
+ENGINE_PATHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "off": [("gateway", ())],
+    "on": [("gateway, engine process", ("--engine-process",))],
+    "both": [("gateway", ()), ("gateway, engine process", ("--engine-process",))],
+}
 
 
 def request_count(concurrency: int) -> int:
@@ -63,13 +74,13 @@ class GatewayRunner:
     def run(self, prompts: list[list[int]], output_len: int, concurrency: int, speculative: bool,
             stream_interval: int | None = None) -> Metrics:
         """Also reports each process's CPU milliseconds per output token (cpu_<role>, the client included)."""
-        before = {role: process_cpu_seconds(pid) for role, pid in self.pids.items()}
+        before = {role: tree_cpu_seconds(pid) for role, pid in self.pids.items()}
         client_before = time.process_time()
         metrics = self.loop.run_until_complete(self._run(prompts, output_len, concurrency, speculative, stream_interval))
         tokens = metrics.pop("tokens")
         metrics["cpu_client"] = 1e3 * (time.process_time() - client_before) / tokens
         for role, pid in self.pids.items():
-            metrics[f"cpu_{role}"] = 1e3 * (process_cpu_seconds(pid) - before[role]) / tokens
+            metrics[f"cpu_{role}"] = 1e3 * (tree_cpu_seconds(pid) - before[role]) / tokens
         return metrics
 
     async def _run(self, prompts, output_len, concurrency, speculative, stream_interval) -> Metrics:
@@ -122,6 +133,8 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="> 1: also run the gateway with GenerateRequest.stream_interval N (chunks of N tokens)")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
+    parser.add_argument("--engine-process", choices=tuple(ENGINE_PATHS), default="off",
+                        help="the decode worker's engine on a thread (off), in its own process (on), or both side by side")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
@@ -130,42 +143,51 @@ def main() -> None:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     worker_args = ("--num-threads", str(args.threads), "--kv-memory-mb", str(args.kv_memory_mb))
-    spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
-                       worker_args=worker_args, log_level="WARNING")
-    cluster = Cluster(spec, log_dir=log_dir)
-    address = cluster.start(timeout_s=300)
-    print(f"cluster: gateway {address}, 1 prefill + 1 decode worker (TP 1, shm, torch attention, "
-          f"{args.threads} threads each), logs in {log_dir}\n", flush=True)
+    clusters: dict[str, Cluster] = {}
+    gateways: dict[str, GatewayRunner] = {}
     try:
+        for name, decode_args in ENGINE_PATHS[args.engine_process]:
+            spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch",
+                               transport="shm", worker_args=worker_args, decode_args=decode_args, log_level="WARNING")
+            cluster_logs = log_dir / name.replace(", ", "-").replace(" ", "-")
+            cluster_logs.mkdir(exist_ok=True)
+            cluster = clusters[name] = Cluster(spec, log_dir=cluster_logs)
+            address = cluster.start(timeout_s=300)
+            gateways[name] = GatewayRunner(address, {child.role.split("-")[0]: child.process.pid
+                                                     for child in cluster.children})
+            print(f"{name}: gateway {address}, 1 prefill + 1 decode worker {decode_args or ''} (TP 1, shm, torch "
+                  f"attention, {args.threads} threads each), logs in {log_dir}\n", flush=True)
         llm = LLM(str(args.model), attention_backend="torch", num_threads=args.threads,
                   kv_memory_bytes=args.kv_memory_mb * 2**20)
-        gateway = GatewayRunner(address, {child.role.split("-")[0]: child.process.pid for child in cluster.children})
         try:
             config = llm.model_config
             count = max(request_count(c) for c in args.overhead_concurrency + args.spec_concurrency)
             prompts, source = make_prompts(args.model, count, args.input_len, args.seed, config.vocab_size,
                                            list(config.eos_token_id))
             print(f"prompts: {source}, {args.input_len} tokens in, {args.output_len} out\n", flush=True)
-            overhead = bench_overhead(args, llm, gateway, prompts, source)
+            overhead = bench_overhead(args, llm, gateways, prompts, source)
             if not args.spec_concurrency:
                 print("spec: skipped (--spec-concurrency with no values)\n")
             elif llm.engine.has_draft:
-                bench_spec(args, llm, gateway)
+                bench_spec(args, llm, next(iter(gateways.values())))
             else:
                 print("spec: the model has no draft; skipped\n")
         finally:
-            gateway.close()
             llm.close()
     finally:
-        cluster.stop()
+        for gateway in gateways.values():
+            gateway.close()
+        for cluster in clusters.values():
+            cluster.stop()
     print("## Goals\n")
     for line in overhead:
         print(f"- {line}")
 
 
-def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> list[str]:
-    """Gateway vs in process at each concurrency (and, with --stream-interval N > 1, the gateway with chunks of
-    N tokens). Ratios and added TTFT are per round (runs that took turns), shown as median (min..max)."""
+def bench_overhead(args, llm: LLM, gateways: dict[str, GatewayRunner], prompts, source) -> list[str]:
+    """Gateway vs in process at each concurrency, for each deployment in gateways (and, with --stream-interval
+    N > 1, the first one with chunks of N tokens). Ratios and added TTFT are per round (runs that took turns),
+    shown as median (min..max)."""
     table = Table(f"gateway vs in process, speculation off, {args.input_len} in / {args.output_len} out ({source}); "
                   f"{args.repeats} interleaved rounds, median (min..max) of per-round figures",
                   ["concurrency", "variant", "requests", "in-process tok/s", "variant tok/s", "variant / in-process",
@@ -174,15 +196,17 @@ def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> l
                 "in process: all steps, and decode steps only, the engine thread's CPU)",
                 ["concurrency", "variant", "in process", "in process, decode steps", "bench client", "gateway",
                  "prefill worker", "decode worker", "decode worker / in process", "decode worker / in-process decode"])
-    variants = {"gateway": None} | ({f"gateway, stream_interval {args.stream_interval}": args.stream_interval}
-                                    if args.stream_interval > 1 else {})
+    first = next(iter(gateways))
+    variants = {name: (gateway, None) for name, gateway in gateways.items()} | (
+        {f"{first}, stream_interval {args.stream_interval}": (gateways[first], args.stream_interval)}
+        if args.stream_interval > 1 else {})
     goals = []
     for concurrency in args.overhead_concurrency:
         batch = prompts[: request_count(concurrency)]
         runs = interleave({"in-process": lambda: in_process(llm, batch, args.output_len, concurrency)} | {
-            name: (lambda interval=interval: gateway.run(batch, args.output_len, concurrency, speculative=False,
-                                                         stream_interval=interval))
-            for name, interval in variants.items()}, args.repeats)
+            name: (lambda gateway=gateway, interval=interval: gateway.run(
+                batch, args.output_len, concurrency, speculative=False, stream_interval=interval))
+            for name, (gateway, interval) in variants.items()}, args.repeats)
         local = runs["in-process"]
         for name in variants:
             remote = runs[name]
@@ -195,7 +219,11 @@ def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> l
             all_steps, decode_steps = median(local, "cpu_in_process"), median(local, "decode_cpu_ms_per_token")
             cpu.add(concurrency, name, all_steps, decode_steps, median(remote, "cpu_client"), *roles.values(),
                     f"{ratio(roles['decode'], all_steps):.2f}x", f"{ratio(roles['decode'], decode_steps):.2f}x")
-            if name != "gateway":
+            if name not in gateways:
+                continue
+            goals.append(goal_line(f"{name}: decode worker CPU per output token / in process at concurrency "
+                                   f"{concurrency}", ratio(roles["decode"], all_steps), 1.1, higher_is_better=False))
+            if name != first:
                 continue
             loaded = max(m["load"] for m in local + remote) > (os.cpu_count() or 1)
             wall = []
@@ -211,8 +239,6 @@ def bench_overhead(args, llm: LLM, gateway: GatewayRunner, prompts, source) -> l
             # different shares of a machine others use: wall-clock ratios then say nothing about overhead.
             goals += [f"{line} - NOT JUDGED: load average above {os.cpu_count()} cores" if loaded else line
                       for line in wall]
-            goals.append(goal_line(f"decode worker CPU per output token / in process at concurrency {concurrency}",
-                                   ratio(roles["decode"], all_steps), 1.1, higher_is_better=False))
     table.print()
     cpu.print()
     return goals

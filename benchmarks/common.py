@@ -23,6 +23,7 @@ import torch
 
 from engine.paths import DSV3_MODEL_DIR
 from rpc.processes import cpu_seconds as process_cpu_seconds  # noqa: F401 - re-exported for the benches
+from rpc.processes import tree_cpu_seconds  # noqa: F401 - re-exported for the benches
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = DSV3_MODEL_DIR  # the figures in BENCHMARKS.md; bench_k3_spec.py measures the K3 default

@@ -11,7 +11,10 @@ a loaded machine does not distort the way it distorts wall clock:
   N tokens   + N-2 decode steps: (N - 2 tokens) / (N - 2) is the decode worker's CPU per streamed token.
 Also counts the decode engine's steps (its /metrics), so per-token figures are per step at concurrency 1.
 
-Run: .venv/bin/python -m benchmarks.profile_hops [--model DIR] [--requests 24] [--output-len 64]
+With --engine-process the decode worker runs its engine in a process of its own: that process's threads show
+as decode-engine/engine (the step loop) and decode-engine/loop (its command thread).
+
+Run: .venv/bin/python -m benchmarks.profile_hops [--model DIR] [--requests 24] [--output-len 64] [--engine-process]
 Needs py-spy (the dev extra) to name the services' Python threads.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import grpc
+import psutil
 
 from bench.client import GatewayClient, SamplingOptions
 from bench.workload import BenchRequest
@@ -79,6 +83,15 @@ def thread_group(name: str) -> str:
     return "other"
 
 
+def engine_process(decode_pid: int) -> int:
+    """The decode worker's engine process: its multiprocessing child that is not the resource tracker."""
+    for child in psutil.Process(decode_pid).children():
+        command = " ".join(child.cmdline())
+        if "spawn_main" in command and "resource_tracker" not in command:
+            return child.pid
+    raise RuntimeError(f"decode worker {decode_pid} has no engine process")
+
+
 async def send_all(address: str, prompts: list[list[int]], output_len: int) -> int:
     channel = grpc.aio.insecure_channel(address)
     client = GatewayClient(channel, SamplingOptions(temperature=0.0, speculative=False))
@@ -111,13 +124,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the table sums them)")
+    parser.add_argument("--engine-process", action="store_true", help="the decode worker's engine in its own process")
     args = parser.parse_args()
     if args.output_len < 3:
         parser.error("--output-len must be at least 3")
     py_spy = find_py_spy()
     print(f"machine: {machine_description()}", flush=True)
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
-                       worker_args=("--num-threads", str(args.threads), "--kv-memory-mb", "512"), log_level="WARNING")
+                       worker_args=("--num-threads", str(args.threads), "--kv-memory-mb", "512"), log_level="WARNING",
+                       decode_args=("--engine-process",) if args.engine_process else ())
     cluster = Cluster(spec, log_dir=Path(tempfile.mkdtemp(prefix="profile-hops-")))
     address = cluster.start(timeout_s=300)
     try:
@@ -125,6 +140,8 @@ def main() -> None:
         prompts, _ = make_prompts(args.model, args.requests, args.input_len, 0, config.vocab_size,
                                   list(config.eos_token_id))
         pids = {child.role.split("-")[0]: child.process.pid for child in cluster.children}
+        if args.engine_process:
+            pids["decode-engine"] = engine_process(pids["decode"])
         asyncio.run(send_all(address, prompts[:4], 8))  # warm-up
         names = {role: python_thread_names(py_spy, pid) for role, pid in pids.items()}
         lengths = [1, 2, args.output_len]

@@ -1,9 +1,11 @@
 """The decode worker's reservation book: which request holds which pages (and state slot) under which
 lease, from Reserve until Decode claims it, Release frees it or the sweeper expires it.
 
-Reservations are made on the event loop, straight from the engine's page allocator and state pool under
-its pool lock (the engine thread takes that lock only while it schedules, never across a forward), so a
-Reserve is answered without waiting for the engine step in progress. Every path that ends a reservation
+Reservations are allocated by `allocate_admitted` under the engine's pool lock (the stepping thread takes
+that lock only while it schedules, never across a forward): on the event loop when the engine runs on a
+thread of this process, on the engine process's command thread when it runs in its own process
+(decode_worker/engine_port.py, process_port.py). Either way a Reserve is answered without waiting for the
+engine step in progress. Every path that ends a reservation
 gives its pages and slot back exactly once: whoever removes the lease from the LeaseTable frees it.
 
 Page-exhaustion policy: a reservation keeps `headroom_pages` free for the running requests to grow (one
@@ -14,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from decode_worker.admission import admits, fits_ever, headroom
 from decode_worker.config import DecodeWorkerConfig
@@ -27,6 +29,29 @@ from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, NotFo
 logger = logging.getLogger(__name__)
 
 
+class PagePort(Protocol):
+    """Where reservations are allocated and freed (decode_worker/engine_port.py's ports)."""
+
+    async def allocate(self, num_tokens: int) -> tuple[list[int], int | None]: ...
+
+    def free(self, page_ids: list[int], state_slot: int | None) -> None: ...
+
+
+def allocate_admitted(engine: Any, num_tokens: int, spec_block_size: int) -> tuple[list[int], int | None]:
+    """The prompt's pages and, for a model with linear attention, its state slot: admission and allocation
+    under the engine's pool lock, so what was counted free is what gets taken. Raises ResourceExhausted."""
+    page_size = engine.config.page_size
+    with engine.pool_lock:
+        if not admits(engine.num_free_pages, num_tokens, engine.num_running, spec_block_size, page_size):
+            raise ResourceExhausted(
+                f"decode pool full: {engine.num_free_pages} pages free, "
+                f"{headroom(engine.num_running, spec_block_size, page_size)} kept for running requests"
+            )
+        if engine.num_state_slots and not engine.num_free_state_slots:
+            raise ResourceExhausted(f"decode state slots full: all {engine.num_state_slots} are in use or leased")
+        return engine.allocate_reservation(num_tokens)
+
+
 @dataclass
 class Reservation:
     lease: Lease
@@ -36,12 +61,14 @@ class Reservation:
 
 
 class ReservationBook:
-    """engine: an LLMEngine (or one with its reservation interface); receivers: {transport: KVReceiver}.
-    Event-loop only, apart from the engine's thread-safe allocate_reservation / free_reservation."""
+    """engine: an LLMEngine or a process port's EngineView (limits: context, pool size, page size); pages:
+    where reservations are allocated; receivers: {transport: KVReceiver}. Event-loop only."""
 
-    def __init__(self, config: DecodeWorkerConfig, engine: Any, receivers: Mapping[TransportKind, KVReceiver]) -> None:
+    def __init__(self, config: DecodeWorkerConfig, engine: Any, receivers: Mapping[TransportKind, KVReceiver],
+                 pages: PagePort) -> None:
         self.config = config
         self._engine = engine
+        self._pages = pages
         self._receivers = receivers
         self._leases = LeaseTable(grace_s=config.lease_grace_s)
         self._held: dict[str, Reservation] = {}  # request id -> its reservation, until its stream ends
@@ -55,10 +82,11 @@ class ReservationBook:
         return [held.lease for held in self._held.values() if not held.claimed]
 
     # --- Reserve ------------------------------------------------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, transport: TransportKind,
-                ttl_s: float | None = None) -> Destination:
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, transport: TransportKind,
+                      ttl_s: float | None = None) -> Destination:
         """Leases the prompt's pages. ttl_s: how long the lease may stay unclaimed (the caller's deadline;
-        None: the configured lease_ttl_s, which also caps it)."""
+        None: the configured lease_ttl_s, which also caps it). The only await is the allocation (none at all
+        on a thread port): everything after it runs in one go."""
         engine, config = self._engine, self.config
         if not request_id:
             raise InvalidArgument("request_id", "is empty")
@@ -76,7 +104,10 @@ class ReservationBook:
         if not fits_ever(num_prompt_tokens, max_new_tokens, config.spec_block_size, engine.config.page_size, total_pages):
             raise InvalidArgument("max_new_tokens", f"the request could never fit the pool of {total_pages} pages")
         ttl = config.lease_ttl_s if ttl_s is None else min(config.lease_ttl_s, max(ttl_s, 0.001))
-        page_ids, slot = self._allocate(num_prompt_tokens)
+        page_ids, slot = await self._pages.allocate(num_prompt_tokens)
+        if request_id in self._held:  # a second Reserve of the id won the race while this one allocated
+            self._pages.free(page_ids, slot)
+            raise AlreadyExists(f"request {request_id} already holds a reservation on this worker")
         lease = self._leases.grant(request_id, page_ids, ttl, slot)
         try:
             destination = receiver.expect(lease, num_prompt_tokens)
@@ -88,23 +119,8 @@ class ReservationBook:
         self.granted += 1
         return destination
 
-    def _allocate(self, num_tokens: int) -> tuple[list[int], int | None]:
-        """The prompt's pages and, for a model with linear attention, its state slot: admission and
-        allocation under the engine's pool lock, so what was counted free is what gets taken."""
-        engine = self._engine
-        page_size, block = engine.config.page_size, self.config.spec_block_size
-        with engine.pool_lock:
-            if not admits(engine.num_free_pages, num_tokens, engine.num_running, block, page_size):
-                raise ResourceExhausted(
-                    f"decode pool full: {engine.num_free_pages} pages free, "
-                    f"{headroom(engine.num_running, block, page_size)} kept for running requests"
-                )
-            if engine.num_state_slots and not engine.num_free_state_slots:
-                raise ResourceExhausted(f"decode state slots full: all {engine.num_state_slots} are in use or leased")
-            return engine.allocate_reservation(num_tokens)
-
     def _free(self, lease: Lease) -> None:
-        self._engine.free_reservation(list(lease.page_ids), lease.state_slot)
+        self._pages.free(list(lease.page_ids), lease.state_slot)
 
     # --- Decode claims, Release, expiry -------------------------------------------------------------
     def claim(self, request_id: str, lease_id: str, num_prompt_tokens: int) -> Reservation:

@@ -1,4 +1,5 @@
-"""The decode worker process: DecodeService behind gRPC (Decode + KVTransfer + health + reflection)."""
+"""The decode worker process: DecodeService behind gRPC (Decode + KVTransfer + health + reflection). With
+an engine process (--engine-process), that process dying stops the worker with an error."""
 from __future__ import annotations
 
 import asyncio
@@ -64,7 +65,14 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     if removed:
         logger.info("removed %d stale KV pool segment(s)", len(removed))
     receivers = _Receivers()
-    service = DecodeService(config, receivers)
+    stop = stop or asyncio.Event()
+    lost: list[str] = []
+
+    def engine_lost(reason: str) -> None:  # fail loudly: stop serving, exit non-zero (a supervisor restarts us)
+        lost.append(reason)
+        stop.set()
+
+    service = DecodeService(config, receivers, on_engine_lost=engine_lost)
     await service.start()
     push = receivers.push
     assert push is not None
@@ -87,3 +95,5 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
         on_bound=lambda address: push.advertise([config.advertise_address or address] * len(receivers.pools)),
         interceptors=server_interceptors(config.internal_token),
     )
+    if lost:
+        raise RuntimeError(f"decode worker stopped: {lost[0]}")

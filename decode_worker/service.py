@@ -10,80 +10,75 @@ release  -> frees whatever the request holds (unclaimed lease or running request
 A sweeper frees the pages (and state slots) of leases nobody claimed in time.
 
 If the running requests' growth still runs out of pages, the engine preempts the newest running request
-and recomputes it later (its stream just pauses)."""
+and recomputes it later (its stream just pauses).
+
+The engine runs on a thread of this process (engine_port.ThreadPort) or, with config.engine_process, in an
+engine process of its own (process_port.ProcessPort), where this process's event loop cannot take the GIL
+from the step loop.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from decode_worker.admission import DecodeUpdate, headroom
+from decode_worker.admission import DecodeUpdate
 from decode_worker.config import DecodeWorkerConfig
+from decode_worker.engine_port import LoadSnapshot, ThreadPort
+from decode_worker.engine_process import build_engine
 from decode_worker.leases import ReservationBook
 from decode_worker.streams import Streams
-from engine.config_base import alias
 from engine.sampling_params import SamplingParams
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import KVTransferError
 from kvtransfer.transport import KVReceiver
 from rpc.convert import MAX_STREAM_INTERVAL
-from rpc.engine_thread import EngineThread
 from rpc.status import FailedPrecondition, InvalidArgument
 
+__all__ = ["DecodeService", "LoadSnapshot"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LoadSnapshot:
-    free_pages: int = 0
-    total_pages: int = 0
-    running: int = 0
-    waiting: int = 0
-    leases: int = 0
-    leased_pages: int = 0
-    page_size: int = 16
-    tp_size: int = 1
-    headroom_pages: int = 0
-    requests_total: int = 0
-    free_state_slots: int = 0  # linear attention: state slots neither used nor leased (0 for pure MLA)
-    total_state_slots: int = 0
-
-
 class DecodeService:
-    """receivers_factory(engine) -> {transport: KVReceiver}, built once the engine (and its pools) exist."""
+    """receivers_factory(engine) -> {transport: KVReceiver}, built once the engine (and its pools) exist.
+    engine_factory (tests): builds the engine on an engine thread of this process, whatever the config says.
+    on_engine_lost(reason): an engine process died while serving (its streams have failed already)."""
 
     def __init__(self, config: DecodeWorkerConfig, receivers_factory: Callable[[Any], Mapping[TransportKind, KVReceiver]],
-                 engine_factory: Callable[[], Any] | None = None) -> None:
+                 engine_factory: Callable[[], Any] | None = None,
+                 on_engine_lost: Callable[[str], None] | None = None) -> None:
         self.config = config
         self._receivers_factory = receivers_factory
         self.receivers: Mapping[TransportKind, KVReceiver] = {}
-        factory = engine_factory or (lambda: _build_engine(config))
-        self._engine: EngineThread[Any] = EngineThread(factory, self._work, name="decode-engine")
-        self._streams = Streams(self._engine, self._publish)
+        self._streams = Streams(self._abort_soon)
+        if config.engine_process and engine_factory is None:
+            from decode_worker.process_port import ProcessPort
+
+            self._port: Any = ProcessPort(config, self._streams, on_engine_lost)
+        else:
+            self._port = ThreadPort(engine_factory or (lambda: build_engine(config)), self._streams,
+                                    config.spec_block_size)
         self._book: ReservationBook | None = None
-        self._snapshot = LoadSnapshot()
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.engine: Any = None
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._streams.start(asyncio.get_running_loop())
-        self.engine = await asyncio.to_thread(self._engine.start)
+        self.engine = await self._port.start()
         self.receivers = dict(self._receivers_factory(self.engine))
-        self._book = ReservationBook(self.config, self.engine, self.receivers)
-        await self._engine.call(self._publish)
+        self._book = ReservationBook(self.config, self.engine, self.receivers, self._port)
         self._sweeper = asyncio.create_task(self._book.sweep())
 
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._streams.fail_all("decode worker shutting down")
-        await asyncio.to_thread(self._engine.stop)
+        await self._port.stop()
 
     @property
     def book(self) -> ReservationBook:
@@ -95,10 +90,11 @@ class DecodeService:
     def load(self) -> LoadSnapshot:
         """The engine figures published after its last step; free pages and slots read now (they change
         on this loop too), with the reservation book's leases."""
+        snapshot = self._port.snapshot()
         if self._book is None:
-            return self._snapshot
+            return snapshot
         leases = self._book.unclaimed()
-        return replace(self._snapshot, free_pages=self.engine.num_free_pages,
+        return replace(snapshot, free_pages=self.engine.num_free_pages,
                        free_state_slots=self.engine.num_free_state_slots, leases=len(leases),
                        leased_pages=sum(len(lease.page_ids) for lease in leases), requests_total=self._book.granted)
 
@@ -106,28 +102,22 @@ class DecodeService:
     def lease_expiries(self) -> int:
         return self._book.expiries if self._book is not None else 0
 
-    engine_steps = alias("_streams.engine_steps")
-    engine_step_tokens = alias("_streams.engine_step_tokens")
+    @property
+    def engine_steps(self) -> int:
+        return self._port.engine_steps
 
-    # --- engine thread --------------------------------------------------------------------------------
-    def _work(self, engine: Any) -> bool:
-        return self._streams.work(engine)
+    @property
+    def engine_step_tokens(self) -> int:
+        return self._port.engine_step_tokens
 
-    def _publish(self, engine: Any) -> None:
-        running = engine.num_running
-        self._snapshot = LoadSnapshot(
-            free_pages=engine.num_free_pages, total_pages=engine.allocator.num_pages, running=running,
-            waiting=engine.num_waiting, page_size=engine.config.page_size, tp_size=engine.config.tp_size,
-            headroom_pages=headroom(running, self.config.spec_block_size, engine.config.page_size),
-            free_state_slots=engine.num_free_state_slots, total_state_slots=engine.num_state_slots,
-        )
+    def _abort_soon(self, request_id: str) -> None:
+        self._port.abort_soon(request_id)
 
     # --- requests -----------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       transport: TransportKind, ttl_s: float | None = None) -> Destination:
-        """Leases the prompt's pages (ReservationBook.reserve): done on this loop, so neither an engine step
-        in progress nor a cancellation can leave it half done."""
-        return self.book.reserve(request_id, num_prompt_tokens, max_new_tokens, transport, ttl_s)
+        """Leases the prompt's pages (ReservationBook.reserve), without waiting for the engine step in progress."""
+        return await self.book.reserve(request_id, num_prompt_tokens, max_new_tokens, transport, ttl_s)
 
     def abandon(self, request_id: str, lease_id: str) -> None:
         """The Reserve answer carrying lease_id never reached its caller: free the lease now."""
@@ -152,23 +142,12 @@ class DecodeService:
             if isinstance(error, KVTransferError):
                 raise FailedPrecondition(f"KV of request {request_id} not usable: {error}") from error
             raise
-        pages, slot = list(held.lease.page_ids), held.lease.state_slot
-
-        def add(engine: Any) -> None:
-            try:
-                engine.add_prefilled(request_id, list(prompt_ids), first_token, pages, params, slot)
-            except Exception:
-                engine.free_reservation(pages, slot)
-                raise
-            self._streams.force_step = True  # emits the request even if it finished on its first token
-
-        try:
-            await self._engine.call(add)
-        except BaseException as error:
+        try:  # on failure the port has freed the pages (or, if cancelled, aborts the request once added)
+            await self._port.add(request_id, list(prompt_ids), first_token, list(held.lease.page_ids), params,
+                                 held.lease.state_slot)
+        except BaseException:
             self._streams.close(request_id)
             book.forget(request_id)
-            if isinstance(error, asyncio.CancelledError):  # the command still runs: abort after it (FIFO) frees the pages
-                self._engine.post(lambda engine: self._streams.abort(engine, request_id))
             raise
         try:
             async with contextlib.aclosing(self._streams.stream(request_id, max(1, stream_interval))) as updates:
@@ -183,7 +162,7 @@ class DecodeService:
             return False
         if not held.claimed:
             return self.book.release_unclaimed(request_id)
-        await self._engine.call(lambda engine: self._streams.abort(engine, request_id))
+        await self._port.abort(request_id)
         return True
 
     def release_soon(self, request_id: str) -> None:
@@ -191,9 +170,3 @@ class DecodeService:
         task = asyncio.get_running_loop().create_task(self.release(request_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _build_engine(config: DecodeWorkerConfig) -> Any:
-    from engine.llm_engine import LLMEngine
-
-    return LLMEngine(config.engine_config())

@@ -1,26 +1,24 @@
-"""The engine thread's step loop and the per-request mailboxes it feeds.
+"""The per-request mailboxes the engine's step outputs are sorted into, and the streams that read them.
 
-The engine thread steps while there is work and queues each step's outputs in an outbox; the event loop
-is woken once per batch of steps (not per output) and sorts the outputs into the mailboxes of the
-requests being streamed. A stream merges whatever piled up in its mailbox into one update (or waits for
-stream_interval tokens). A failed step ends the running streams with an error; a stream whose reader
-leaves early aborts its request in the engine."""
+Whoever runs the engine (an engine thread in this process, decode_worker/engine_port.py, or an engine
+process, decode_worker/process_port.py) hands each batch of step outputs to `deliver` on the event loop,
+which sorts them into the mailboxes of the requests being streamed. A stream merges whatever piled up in
+its mailbox into one update (or waits for stream_interval tokens). A failed step ends the running streams
+with an error; a stream whose reader leaves early asks for its request to be aborted in the engine."""
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from decode_worker.admission import DecodeUpdate, merge_outputs, new_tokens
-from rpc.engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
 
 
 class EngineFailed(Exception):
-    """Ends a stream: the engine step failed or the worker is shutting down."""
+    """Ends a stream: the engine step failed, the engine process died or the worker is shutting down."""
 
 
 class _Mailbox:
@@ -49,23 +47,11 @@ class _Mailbox:
 
 
 class Streams:
-    """engine_thread: the thread stepping the engine (its work function is `work`); publish(engine) runs
-    on that thread after every work call (load figures)."""
+    """Event loop only. abort_soon(request_id): asks the engine to abort a request whose reader left early."""
 
-    def __init__(self, engine_thread: EngineThread[Any], publish: Callable[[Any], None]) -> None:
-        self._engine_thread = engine_thread
-        self._publish = publish
-        self._mailboxes: dict[str, _Mailbox] = {}  # claimed requests (event loop; the engine thread copies keys)
-        self._outbox: list[Any] = []  # step outputs the event loop has not dispatched yet
-        self._outbox_lock = threading.Lock()
-        self._dispatch_scheduled = False  # under _outbox_lock: a _dispatch is queued on the loop
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.force_step = False  # engine thread only: step once even without work (emits finished requests)
-        self.engine_steps = 0  # engine steps that produced output, and the tokens they produced (batch occupancy)
-        self.engine_step_tokens = 0
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self, abort_soon: Callable[[str], None]) -> None:
+        self._abort_soon = abort_soon
+        self._mailboxes: dict[str, _Mailbox] = {}  # claimed requests
 
     def open(self, request_id: str) -> None:
         """A claimed request: its outputs are kept from now on (and a failed step ends its stream)."""
@@ -74,67 +60,25 @@ class Streams:
     def close(self, request_id: str) -> None:
         self._mailboxes.pop(request_id, None)
 
-    def fail_all(self, reason: str) -> None:
-        for mailbox in list(self._mailboxes.values()):
-            mailbox.put(EngineFailed(reason))
+    def open_ids(self) -> list[str]:
+        return list(self._mailboxes)
 
-    # --- engine thread ------------------------------------------------------------------------------
-    def work(self, engine: Any) -> bool:
-        if self.force_step or engine.has_work():
-            self.force_step = False
-            try:
-                outputs = engine.step()
-            except Exception as error:  # noqa: BLE001 - fail the streams, keep serving
-                logger.exception("engine step failed; aborting running requests")
-                self._abort_all(engine, error)
-                outputs = []
-            if outputs:
-                self.engine_steps += 1
-                self.engine_step_tokens += sum(len(output.new_token_ids) for output in outputs)
-                self._hand_over(outputs)
-        self._publish(engine)
-        return engine.has_work()
-
-    def abort(self, engine: Any, request_id: str) -> None:
-        if engine.abort(request_id):
-            self.force_step = True
-
-    def _hand_over(self, outputs: list[Any]) -> None:
-        """Queues a step's outputs for the event loop, waking it only when no dispatch is pending yet
-        (a loop that fell behind takes several steps' outputs in one wake-up)."""
-        with self._outbox_lock:
-            self._outbox += outputs
-            wake, self._dispatch_scheduled = not self._dispatch_scheduled, True
-        if wake:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._dispatch)
-
-    def _abort_all(self, engine: Any, error: Exception) -> None:
-        failed = list(self._mailboxes)
-        for request_id in failed:
-            try:
-                engine.abort(request_id)
-            except Exception:  # noqa: BLE001
-                logger.exception("abort of %s failed", request_id)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_streams, failed, error)
-
-    # --- event loop ---------------------------------------------------------------------------------
-    def _dispatch(self) -> None:
-        with self._outbox_lock:
-            outputs, self._outbox, self._dispatch_scheduled = self._outbox, [], False
+    def deliver(self, outputs: Iterable[Any]) -> None:
+        """Step outputs (objects with request_id, new_token_ids, finished, finish_reason, logprobs), in order."""
         mailboxes = self._mailboxes
         for output in outputs:
             mailbox = mailboxes.get(output.request_id)
             if mailbox is not None:
                 mailbox.put(output)
 
-    def _fail_streams(self, request_ids: list[str], error: Exception) -> None:
-        self._dispatch()  # outputs of earlier steps go first
+    def fail(self, request_ids: Iterable[str], reason: str) -> None:
         for request_id in request_ids:
             mailbox = self._mailboxes.get(request_id)
             if mailbox is not None:
-                mailbox.put(EngineFailed(f"engine step failed: {error}"))
+                mailbox.put(EngineFailed(reason))
+
+    def fail_all(self, reason: str) -> None:
+        self.fail(list(self._mailboxes), reason)
 
     async def stream(self, request_id: str, interval: int) -> AsyncIterator[DecodeUpdate]:
         """The request's updates until it finishes. Leaving early (cancel, release) aborts it in the engine."""
@@ -164,4 +108,4 @@ class Streams:
             self.close(request_id)
             if not done:  # the caller went away (cancel / release): stop generating, free the pages
                 logger.info("decode stream of %s ended early; aborting it", request_id)
-                self._engine_thread.post(lambda engine: self.abort(engine, request_id))
+                self._abort_soon(request_id)

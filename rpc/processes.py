@@ -96,3 +96,15 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads) so far."""
     times = psutil.Process(pid).cpu_times()
     return times.user + times.system
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """cpu_seconds of a process and its living descendants (e.g. a worker with its engine process and TP
+    followers); a descendant that exits between the two reads is left out."""
+    total = cpu_seconds(pid)
+    for child in descendants(pid):
+        try:
+            total += cpu_seconds(child)
+        except psutil.NoSuchProcess:
+            continue
+    return total

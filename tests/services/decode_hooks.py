@@ -53,7 +53,7 @@ async def engine_thread_blocked(service: Any) -> AsyncIterator[threading.Event]:
         busy.set()
         gate.wait(120)
 
-    service._engine.post(block)
+    service._port.engine_thread.post(block)
     try:
         assert await asyncio.to_thread(busy.wait, 60), "the engine thread never ran the blocking command"
         yield gate

@@ -23,7 +23,8 @@ async def service(service_model):
     receivers = _Receivers()
     config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
                                       kv_memory_bytes=96 * 1024, page_size=PAGE_SIZE, num_threads=1, lease_ttl_s=0.3,
-                                      lease_grace_s=0.0, lease_sweep_interval_s=0.02, admit_timeout_s=0.2)
+                                      lease_grace_s=0.0, lease_sweep_interval_s=0.02, admit_timeout_s=0.2,
+                                      engine_process=False)  # the test reaches into the engine thread
     decode = DecodeService(config, receivers)
     await decode.start()
     receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))  # no pushes here; expect() needs an address
@@ -109,7 +110,7 @@ async def test_reserve_is_answered_while_the_engine_thread_is_busy(service, how)
         assert not gate.is_set()
         assert service.engine.num_free_pages == total and service.load.leases == 0
     assert not await service.release("r3")
-    assert await service._engine.call(lambda engine: engine.num_free_pages) == total
+    assert await service._port.engine_thread.call(lambda engine: engine.num_free_pages) == total
 
 
 async def test_lease_deadline_follows_the_callers_deadline(service):

@@ -34,7 +34,8 @@ def _inject_failure() -> None:
 async def served(service_model) -> AsyncIterator[tuple[DecodeService, worker_pb2_grpc.DecodeServiceStub, NextDecodeForward]]:
     receivers = _Receivers()
     config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
-                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1)
+                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1,
+                                      engine_process=False)  # the test reaches into the engine thread
     service = DecodeService(config, receivers)
     await service.start()
     failure = NextDecodeForward(service.engine.leader.execute, _inject_failure)
@@ -71,7 +72,7 @@ async def _engine_settles(service: Any, probe: Callable[[Any], Any], expected: A
     """Polls probe on the engine thread until it returns expected (the aborted requests leave the engine at its
     next step, which a loaded machine may delay); fails loudly with the last value after timeout seconds."""
     deadline = time.monotonic() + timeout
-    while (seen := await service._engine.call(probe)) != expected:
+    while (seen := await service._port.engine_thread.call(probe)) != expected:
         assert time.monotonic() < deadline, f"engine did not settle in {timeout} s: {seen} != {expected}"
         await asyncio.sleep(0.01)
 
@@ -85,8 +86,8 @@ async def test_failed_engine_step_ends_the_stream_frees_pages_and_keeps_serving(
     engine then holds no request, every page and state slot is free again, and the next request decodes
     all its tokens."""
     service, stub, failure = served
-    free_pages = await service._engine.call(lambda engine: engine.num_free_pages)
-    free_slots = await service._engine.call(_state_slots_free)
+    free_pages = await service._port.engine_thread.call(lambda engine: engine.num_free_pages)
+    free_slots = await service._port.engine_thread.call(_state_slots_free)
     failure.armed.set()
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _decode(service, stub, "doomed")

@@ -31,7 +31,8 @@ async def service(k3_model):
     config = DecodeWorkerConfig.build(model_dir=str(k3_model), draft_model_dir="", attention_backend="torch",
                                       kv_memory_bytes=2 * 2**20, page_size=PAGE_SIZE, num_threads=1, max_running=3,
                                       lease_ttl_s=0.3, lease_grace_s=0.0, lease_sweep_interval_s=0.02,
-                                      admit_timeout_s=0.3)
+                                      admit_timeout_s=0.3,
+                                      engine_process=False)  # the test reaches into the engine thread
     decode = DecodeService(config, receivers)
     await decode.start()
     receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))

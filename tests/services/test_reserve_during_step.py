@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow  # an engine start and a decode: ~15 s on the shar
 async def held(service_model) -> AsyncIterator[tuple[DecodeService, NextDecodeForward, threading.Event]]:
     receivers = _Receivers()
     config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
-                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1)
+                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1,
+                                      engine_process=False)  # the test reaches into the engine thread
     service = DecodeService(config, receivers)
     await service.start()
     step_may_go_on = threading.Event()
@@ -74,5 +75,5 @@ async def test_reserve_is_answered_while_a_decode_step_is_blocked(held):
     finally:
         step_may_go_on.set()
     assert len(await asyncio.wait_for(decoding, timeout=120)) == MAX_TOKENS - 1  # prefill made the first token
-    idle = await service._engine.call(lambda engine: (engine.has_work(), engine.num_free_pages))
+    idle = await service._port.engine_thread.call(lambda engine: (engine.has_work(), engine.num_free_pages))
     assert idle == (False, total)

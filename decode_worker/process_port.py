@@ -1,0 +1,257 @@
+"""The decode engine in its own process, seen from the worker (DecodeWorkerConfig.engine_process).
+
+The worker spawns decode_worker/engine_process.py (spawn context; it dies with the worker, and its TP
+followers with it) over two pipes: commands out (never blocking the loop: pipe_writer.py), and one message
+per engine step or command back, read by the event loop itself (add_reader): no thread of this process
+touches the engine, so nothing here takes the GIL from its step loop. Reservations are answered by the
+engine process's command thread (never behind a step). If the engine process dies, the open streams and
+waiting calls fail (EngineFailed / Unavailable), the death is logged and `on_lost` runs."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+from collections.abc import Callable
+from typing import Any
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.engine_port import LoadSnapshot, snapshot_of
+from decode_worker.engine_process import EngineFacts, Load, WireOutput, engine_process_main
+from decode_worker.engine_view import EngineView
+from decode_worker.pipe_writer import PipeWriter
+from decode_worker.streams import Streams
+from engine.sampling_params import SamplingParams
+from kvtransfer.shm_pool import cleanup_stale_segments
+from rpc.status import ResourceExhausted, Unavailable
+
+logger = logging.getLogger(__name__)
+_ERRORS: dict[str, type[Exception]] = {"ResourceExhausted": ResourceExhausted, "ValueError": ValueError}
+
+
+class ProcessPort:
+    """on_lost(reason): called once if the engine process dies or closes its pipe while serving."""
+
+    def __init__(self, config: DecodeWorkerConfig, streams: Streams, on_lost: Callable[[str], None] | None = None) -> None:
+        self._config = config
+        self._streams = streams
+        self.on_lost = on_lost
+        self._process: Any = None
+        self._commands: PipeWriter | None = None
+        self._events: Any = None  # multiprocessing Connection (receive end)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[EngineFacts] | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._tags = itertools.count(1)
+        self._gone: str | None = None  # why the engine process can no longer be used
+        self._stopping = False
+        self._events_closed = False  # the engine process's end of the pipe is closed
+        self.engine: EngineView | None = None
+        self.engine_steps = 0
+        self.engine_step_tokens = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def snapshot(self) -> LoadSnapshot:
+        return snapshot_of(self.engine, self._config.spec_block_size) if self.engine is not None else LoadSnapshot()
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> EngineView:
+        """Spawns the engine process and waits until its engine is built; raises its construction error."""
+        loop = self._loop = asyncio.get_running_loop()
+        context = mp.get_context("spawn")
+        events, child_events = context.Pipe(duplex=False)
+        child_commands, commands = context.Pipe(duplex=False)
+        self._events = events
+        self._process = context.Process(target=engine_process_main, name="pdserve-decode-engine", daemon=False,
+                                        args=(self._config, child_commands, child_events, logging.getLogger().level))
+        await asyncio.to_thread(self._process.start)
+        child_events.close()
+        child_commands.close()
+        self._commands = PipeWriter(commands, loop)
+        self._ready = loop.create_future()
+        loop.add_reader(events.fileno(), self._on_events)
+        loop.add_reader(self._process.sentinel, self._on_exit)
+        try:
+            facts = await self._ready
+        except BaseException:
+            self._stopping = True
+            await self._reap(timeout=30)
+            raise
+        self.engine = EngineView(facts)
+        logger.info("decode engine process %d ready: %d pages, pools %s", self._process.pid, facts.num_pages,
+                    ", ".join(facts.pool_names))
+        return self.engine
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Asks the engine process to finish (it closes the engine: pools unlinked, TP followers stopped)."""
+        self._stopping = True
+        if self._process is None:
+            return
+        if self._gone is None:
+            with contextlib.suppress(Unavailable):  # its pipe broke: it is gone or going, reaped below
+                self._send(0, "stop")
+        await self._reap(timeout)
+
+    async def _reap(self, timeout: float) -> None:
+        process = self._process
+        await asyncio.to_thread(process.join, timeout)
+        if process.is_alive():
+            logger.warning("decode engine process %d did not stop within %s s; killing it", process.pid, timeout)
+            process.kill()
+            await asyncio.to_thread(process.join, 10)
+        self._lost(f"decode engine process stopped (exit code {process.exitcode})")
+        removed = cleanup_stale_segments()  # a killed engine leaves its pool segments behind
+        if removed:
+            logger.info("removed %d KV pool segment(s) the engine process left", len(removed))
+
+    # --- commands ----------------------------------------------------------------------------------------
+    def _send(self, tag: int, op: str, *args: Any) -> None:
+        if self._gone is not None:
+            raise Unavailable(f"decode engine unavailable: {self._gone}")
+        assert self._commands is not None
+        try:
+            self._commands.send((tag, op, args))
+        except OSError as error:
+            self._lost(f"decode engine pipe broke: {error}")
+            raise Unavailable(f"decode engine unavailable: {self._gone}") from error
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        assert self._loop is not None
+        tag = next(self._tags)
+        future = self._pending[tag] = self._loop.create_future()
+        try:
+            self._send(tag, op, *args)
+        except BaseException:
+            self._pending.pop(tag, None)
+            raise
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:  # nobody waits for the answer now: take its error, if any, when it comes
+            future.add_done_callback(lambda done: done.cancelled() or done.exception())
+            raise
+
+    def _post(self, op: str, *args: Any) -> None:
+        """A command nobody waits for (its answer only updates the load figures); dropped if the engine is gone."""
+        if self._gone is None:
+            try:
+                self._send(0, op, *args)
+            except Unavailable:
+                logger.warning("engine command %s dropped: %s", op, self._gone)
+
+    async def allocate(self, num_tokens: int) -> tuple[list[int], int | None]:
+        """Admission and allocation by the engine process's command thread. A caller cancelled while it waits
+        leaves nothing behind: the pages are freed when the answer comes."""
+        future = self._call("reserve", num_tokens)
+        task = asyncio.ensure_future(future)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._free_answer)
+            raise
+
+    def _free_answer(self, task: asyncio.Future[Any]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.free(*task.result())
+
+    def free(self, page_ids: list[int], state_slot: int | None) -> None:
+        self._post("free", page_ids, state_slot)
+
+    async def add(self, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int],
+                  params: SamplingParams, state_slot: int | None) -> None:
+        try:
+            await self._call("add", request_id, prompt_ids, first_token, page_ids, params, state_slot)
+        except asyncio.CancelledError:  # the command still runs: an abort after it (FIFO) frees the pages
+            self.abort_soon(request_id)
+            raise
+
+    def abort_soon(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._gone is None:
+            await self._call("abort", request_id)
+
+    # --- event loop: what the engine process sends -------------------------------------------------------
+    def _on_events(self) -> None:
+        if self._events_closed:
+            return
+        try:
+            while self._events.poll():
+                self._handle(self._events.recv())
+        except (EOFError, OSError):  # it exited (or is exiting): the exit handler says how
+            self._events_closed = True
+            assert self._loop is not None
+            self._loop.remove_reader(self._events.fileno())
+            if self._process.exitcode is not None:
+                self._on_exit()
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "out":
+            outputs = [WireOutput._make(output) for output in message[1]]
+            self.engine_steps += 1
+            self.engine_step_tokens += sum(len(output.new_token_ids) for output in outputs)
+            self._update(message[2])
+            self._streams.deliver(outputs)
+        elif kind == "reply":
+            _, tag, error, value, load = message
+            self._update(load)
+            future = self._pending.pop(tag, None)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(value)
+                else:
+                    future.set_exception(_ERRORS.get(error[0], RuntimeError)(error[1]))
+        elif kind == "failed":  # the engine process aborted the step's requests already
+            _, failed, text, load = message
+            self._update(load)
+            self._streams.fail(failed, f"engine step failed: {text}")
+        elif kind == "ready" and self._ready is not None and not self._ready.done():
+            self._ready.set_result(message[1])
+        elif kind == "error" and self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(message[1]))
+
+    def _update(self, load: Load) -> None:
+        if self.engine is not None:
+            self.engine.update(load)
+
+    def _on_exit(self) -> None:
+        if self._gone is None:
+            self._on_events()  # what it sent before it died goes first
+        if self._process.exitcode is None:  # its pipes close a moment before it can be reaped
+            self._process.join(5)
+        self._lost_while_serving(f"the decode engine process exited (exit code {self._process.exitcode})")
+
+    def _lost_while_serving(self, reason: str) -> None:
+        if self._gone is not None:
+            return
+        if not self._stopping:
+            logger.error("%s; failing %d open stream(s)", reason, len(self._streams.open_ids()))
+        self._lost(reason)
+        if not self._stopping and self.on_lost is not None:
+            self.on_lost(reason)
+
+    def _lost(self, reason: str) -> None:
+        """Fails whatever waits on the engine process; idempotent."""
+        if self._gone is not None:
+            return
+        self._gone = reason
+        if self._loop is not None:
+            self._loop.remove_reader(self._process.sentinel)
+            if not self._events_closed:
+                self._loop.remove_reader(self._events.fileno())
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(Unavailable(f"decode engine unavailable: {reason}"))
+        self._pending.clear()
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"engine failed to start: {reason}"))
+        self._streams.fail_all(reason)
+        if self._commands is not None:
+            self._commands.close()
+        self._events_closed = True
+        self._events.close()

@@ -1,0 +1,168 @@
+"""DecodeService with its engine in a process of its own (config.engine_process), over the tiny service model
+and a shared-memory pool: reserve -> decode -> stream -> release, abort, engine death, construction errors,
+no segment left behind. Each test starts an engine process: all are slow."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.server import _Receivers
+from decode_worker.service import DecodeService
+from decode_worker.streams import EngineFailed
+from kvtransfer.destination import TransportKind
+from rpc.status import Unavailable
+from tests.services.decode_hooks import mark_kv_complete
+from tests.services.helpers import eventually, greedy
+from tests.services.k3_service_model import make_k3_service_model
+
+pytestmark = pytest.mark.slow
+PAGE_SIZE = 16
+PROMPT = [5 + i % 200 for i in range(40)]
+
+
+def _config(model: Path, engine_process: bool, draft: bool = False, **engine: object) -> DecodeWorkerConfig:
+    fields = {"kv_memory_bytes": 256 * 1024} | engine
+    return DecodeWorkerConfig.build(model_dir=str(model), draft_model_dir=None if draft else "",
+                                    attention_backend="torch", page_size=PAGE_SIZE, num_threads=1,
+                                    engine_process=engine_process, **fields)
+
+
+async def _started(config: DecodeWorkerConfig, lost: list[str] | None = None) -> tuple[DecodeService, _Receivers]:
+    receivers = _Receivers()
+    service = DecodeService(config, receivers, on_engine_lost=None if lost is None else lost.append)
+    await service.start()
+    receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))  # no pushes here; expect() needs an address
+    return service, receivers
+
+
+async def _stopped(service: DecodeService, receivers: _Receivers) -> None:
+    await service.stop()
+    receivers.close()
+
+
+async def _generate(service: DecodeService, request_id: str, max_tokens: int, speculative: bool | None = False) -> list[int]:
+    destination = await service.reserve(request_id, len(PROMPT), max_tokens, TransportKind.SHM)
+    mark_kv_complete(service.engine, destination)
+    return [token async for update in service.decode(request_id, destination.lease_id, PROMPT, 7,
+                                                     greedy(max_tokens, speculative)) for token in update.token_ids]
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "spec"])
+async def test_process_path_streams_what_the_thread_path_does(service_model, draft):
+    """The same reservation and Decode give the same greedy tokens with the engine on a thread and in its own
+    process (speculation off and on); afterwards every page is free again and, once stopped, the engine
+    process has exited and its pool segments are gone from /dev/shm."""
+    outputs = {}
+    for engine_process in (False, True):
+        service, receivers = await _started(_config(service_model, engine_process, draft))
+        try:
+            total = service.load.free_pages
+            outputs[engine_process] = [await _generate(service, f"r{i}", 12, None if draft else False) for i in range(2)]
+            await eventually(lambda: service.load.free_pages == total and service.load.running == 0, "pages freed")
+            pid = service._port.pid if engine_process else None
+            names = list(service.engine.pool_names)
+        finally:
+            await _stopped(service, receivers)
+        if engine_process:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            assert names and not [name for name in names if Path("/dev/shm", name).exists()]
+    assert all(len(tokens) == 11 for tokens in outputs[True])  # the first of the 12 came from prefill
+    assert outputs[True] == outputs[False]
+
+
+async def test_k3_state_slots_through_the_engine_process(tmp_path):
+    """A K3 model (KDA state slots in the pool): a reservation made through the engine process holds a slot
+    (the load shows it taken), the request decodes what it decodes on a thread, and its pages and slot
+    come back when it finishes."""
+    model = make_k3_service_model(tmp_path)
+    outputs = {}
+    for engine_process in (False, True):
+        service, receivers = await _started(_config(model, engine_process, kv_memory_bytes=2 * 2**20, max_running=3))
+        try:
+            pages, slots = service.load.free_pages, service.load.free_state_slots
+            assert slots == 4
+            destination = await service.reserve("k", len(PROMPT), 10, TransportKind.SHM)
+            assert destination.state_slot is not None and service.load.free_state_slots == slots - 1
+            mark_kv_complete(service.engine, destination)
+            outputs[engine_process] = [token async for update in service.decode(
+                "k", destination.lease_id, PROMPT, 7, greedy(10)) for token in update.token_ids]
+            await eventually(lambda: (service.load.free_pages, service.load.free_state_slots) == (pages, slots),
+                             "pages and slot freed")
+        finally:
+            await _stopped(service, receivers)
+    assert len(outputs[True]) == 9 and outputs[True] == outputs[False]
+
+
+async def test_cancel_and_release_free_the_pages(service_model):
+    """A Decode stream closed early aborts its request in the engine process, and Release of a running
+    request does too: both give every page back."""
+    service, receivers = await _started(_config(service_model, True))
+    try:
+        total = service.load.free_pages
+        destination = await service.reserve("early", len(PROMPT), 200, TransportKind.SHM)
+        mark_kv_complete(service.engine, destination)
+        stream = service.decode("early", destination.lease_id, PROMPT, 7, greedy(200))
+        assert (await anext(stream)).token_ids
+        await stream.aclose()
+        await eventually(lambda: service.load.free_pages == total and service.load.running == 0, "cancel freed")
+
+        destination = await service.reserve("released", len(PROMPT), 200, TransportKind.SHM)
+        mark_kv_complete(service.engine, destination)
+        stream = service.decode("released", destination.lease_id, PROMPT, 7, greedy(200))
+        first = await anext(stream)
+        assert first.token_ids and not first.finished
+        assert await service.release("released")
+        rest = [update async for update in stream]
+        assert rest and rest[-1].finished and rest[-1].finish_reason == "abort"
+        await eventually(lambda: service.load.free_pages == total and service.load.running == 0, "release freed")
+    finally:
+        await _stopped(service, receivers)
+
+
+async def test_engine_process_death_fails_streams_and_is_reported(service_model):
+    """Killing the engine process mid-stream ends the open stream with EngineFailed (no hang), calls
+    on_engine_lost, makes Reserve UNAVAILABLE, and stop() still completes with no pool segment left."""
+    lost: list[str] = []
+    service, receivers = await _started(_config(service_model, True), lost)
+    names = list(service.engine.pool_names)
+    try:
+        destination = await service.reserve("doomed", len(PROMPT), 1000, TransportKind.SHM)
+        mark_kv_complete(service.engine, destination)
+        stream = service.decode("doomed", destination.lease_id, PROMPT, 7, greedy(1000))
+        assert (await anext(stream)).token_ids
+        os.kill(service._port.pid, signal.SIGKILL)
+        with pytest.raises(EngineFailed, match="exit code -9"):
+            await asyncio.wait_for(_drain(stream), timeout=60)
+        assert lost and "exit code -9" in lost[0]
+        with pytest.raises(Unavailable):
+            await service.reserve("after", len(PROMPT), 8, TransportKind.SHM)
+    finally:
+        await _stopped(service, receivers)
+    assert not [name for name in names if Path("/dev/shm", name).exists()]
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_engine_construction_error_surfaces_at_start(service_model, tmp_path):
+    """An engine that cannot be built (a config.json the engine rejects) fails start() with the engine's
+    error, and the engine process is gone."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    config = json.loads((service_model / "config.json").read_text())
+    config["num_attention_heads"] = 7  # not divisible: the engine refuses the model
+    (broken / "config.json").write_text(json.dumps(config))
+    service = DecodeService(_config(broken, True), _Receivers())
+    with pytest.raises(RuntimeError, match="engine failed to start"):
+        await service.start()
+    pid = service._port.pid
+    assert pid is not None and (not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)

@@ -1,0 +1,54 @@
+"""The one switch: DecodeWorkerConfig.engine_process (off by default), `pdserve decode --engine-process` sets it,
+and `pdserve up --engine-process` hands the flag to every decode worker."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig
+from pdserve import launcher
+from pdserve.commands import decode, up
+
+
+def test_the_config_switch_is_off_by_default():
+    """Without the flag the engine runs on a thread of the worker."""
+    assert DecodeWorkerConfig.build().engine_process is False
+    assert DecodeWorkerConfig.build(engine_process=True).engine_process is True
+
+
+@pytest.mark.parametrize("argv, expected", [([], False), (["--engine-process"], True), (["--no-engine-process"], False)])
+def test_pdserve_decode_passes_the_flag_to_the_config(monkeypatch, argv, expected):
+    """`pdserve decode` hands --engine-process / --no-engine-process to DecodeWorkerConfig.build."""
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    parser.add_argument("--log-level", default="WARNING")  # the top-level parser's
+    seen = {}
+    monkeypatch.setattr(decode, "configure_logging", lambda *args: None)  # leave pytest's logging alone
+    monkeypatch.setattr(decode, "run_worker", lambda role, args, build, serve, **role_kwargs: seen.update(role_kwargs) or 0)
+    assert decode.run(parser.parse_args(argv)) == 0
+    assert seen["engine_process"] is expected
+
+
+def test_pdserve_up_hands_the_flag_to_the_decode_workers(monkeypatch):
+    """`pdserve up --engine-process` puts --engine-process in the decode workers' arguments (and only theirs)."""
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    parser.add_argument("--log-level", default="WARNING")  # the top-level parser's
+    specs = []
+
+    class _Stop(Exception):
+        pass
+
+    def capture(spec, *args, **kwargs):
+        specs.append(spec)
+        raise _Stop
+
+    monkeypatch.setattr(launcher, "Cluster", capture)
+    monkeypatch.setattr(up, "configure_logging", lambda *args: None)  # leave pytest's logging alone
+    monkeypatch.setattr(up.signal, "signal", lambda *args: None)  # and its signal handlers
+    for argv in ([], ["--engine-process"]):
+        with pytest.raises(_Stop):
+            up.run(parser.parse_args(argv))
+    assert "--engine-process" not in specs[0].decode_args and "--engine-process" in specs[1].decode_args
+    assert "--engine-process" not in specs[1].worker_args
