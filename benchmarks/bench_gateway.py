@@ -15,8 +15,9 @@ median (min..max), with the load averages the runs ended at. The CPU table sets 
 output token against the in-process engine's (all steps, as issue 18 states the goal, and decode steps only:
 the decode worker runs no prefill). Goals (issue 18): gateway >= 95% of in-process throughput at
 concurrency 16 and >= 85% at 1, <= 5 ms added TTFT p50 at 1, decode worker CPU per token <= 1.1x. A worker's
-CPU counts its descendants too (the decode worker's engine process and TP followers). --engine-process on runs
-the decode worker with its engine in a process of its own; both: two deployments side by side, taking turns.
+CPU counts its descendants too (the decode worker's engine process and TP followers). --engine-process on (the
+default) runs the decode worker with its engine in a process of its own, off on a thread of the worker; both:
+two deployments side by side, taking turns.
 
 Run: .venv/bin/python -m benchmarks.bench_gateway --threads 1 [--spec-concurrency] [--stream-interval N]
      [--engine-process off|on|both]
@@ -46,9 +47,9 @@ from pdserve.launcher import Cluster, ClusterSpec
 
 # --engine-process: the deployments to compare, by variant name, with the decode worker's extra flags
 ENGINE_PATHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "off": [("gateway", ())],
-    "on": [("gateway, engine process", ("--engine-process",))],
-    "both": [("gateway", ()), ("gateway, engine process", ("--engine-process",))],
+    "off": [("gateway, engine thread", ("--no-engine-process",))],
+    "on": [("gateway", ("--engine-process",))],
+    "both": [("gateway", ("--engine-process",)), ("gateway, engine thread", ("--no-engine-process",))],
 }
 
 
@@ -133,7 +134,7 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="> 1: also run the gateway with GenerateRequest.stream_interval N (chunks of N tokens)")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
-    parser.add_argument("--engine-process", choices=tuple(ENGINE_PATHS), default="off",
+    parser.add_argument("--engine-process", choices=tuple(ENGINE_PATHS), default="on",
                         help="the decode worker's engine on a thread (off), in its own process (on), or both side by side")
     args = parser.parse_args()
     if args.quick:

@@ -11,10 +11,11 @@ a loaded machine does not distort the way it distorts wall clock:
   N tokens   + N-2 decode steps: (N - 2 tokens) / (N - 2) is the decode worker's CPU per streamed token.
 Also counts the decode engine's steps (its /metrics), so per-token figures are per step at concurrency 1.
 
-With --engine-process the decode worker runs its engine in a process of its own: that process's threads show
-as decode-engine/engine (the step loop) and decode-engine/loop (its command thread).
+With --engine-process (the default) the decode worker runs its engine in a process of its own: that process's
+threads show as decode-engine/engine (the step loop) and decode-engine/loop (its command thread);
+--no-engine-process runs it on a thread of the worker.
 
-Run: .venv/bin/python -m benchmarks.profile_hops [--model DIR] [--requests 24] [--output-len 64] [--engine-process]
+Run: .venv/bin/python -m benchmarks.profile_hops [--model DIR] [--requests 24] [--output-len 64] [--no-engine-process]
 Needs py-spy (the dev extra) to name the services' Python threads.
 """
 from __future__ import annotations
@@ -124,7 +125,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the table sums them)")
-    parser.add_argument("--engine-process", action="store_true", help="the decode worker's engine in its own process")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="the decode worker's engine in its own process (the default) or on a thread")
     args = parser.parse_args()
     if args.output_len < 3:
         parser.error("--output-len must be at least 3")
@@ -132,7 +134,7 @@ def main() -> None:
     print(f"machine: {machine_description()}", flush=True)
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
                        worker_args=("--num-threads", str(args.threads), "--kv-memory-mb", "512"), log_level="WARNING",
-                       decode_args=("--engine-process",) if args.engine_process else ())
+                       decode_args=("--engine-process",) if args.engine_process else ("--no-engine-process",))
     cluster = Cluster(spec, log_dir=Path(tempfile.mkdtemp(prefix="profile-hops-")))
     address = cluster.start(timeout_s=300)
     try:

@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-pool", choices=("auto", "shm", "device"), default="auto",
                         help="where the KV pages live: shm (CPU shared memory), device (device memory exported over "
                              "CUDA/HIP IPC; on the CPU a memfd stand-in) or auto (device on a GPU, else shm)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the engine (and its TP followers) in a process of its own, fed through pipes, so the "
                              "gRPC server's event loop never takes the GIL from the step loop")
 

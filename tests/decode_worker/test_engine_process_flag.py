@@ -1,5 +1,5 @@
-"""The one switch: DecodeWorkerConfig.engine_process (off by default), `pdserve decode --engine-process` sets it,
-and `pdserve up --engine-process` hands the flag to every decode worker."""
+"""The one switch: DecodeWorkerConfig.engine_process (on by default), `pdserve decode --[no-]engine-process`
+sets it, and `pdserve up --[no-]engine-process` hands the flag to every decode worker."""
 from __future__ import annotations
 
 import argparse
@@ -11,13 +11,13 @@ from pdserve import launcher
 from pdserve.commands import decode, up
 
 
-def test_the_config_switch_is_off_by_default():
-    """Without the flag the engine runs on a thread of the worker."""
-    assert DecodeWorkerConfig.build().engine_process is False
-    assert DecodeWorkerConfig.build(engine_process=True).engine_process is True
+def test_the_config_switch_is_on_by_default():
+    """Without the flag the engine runs in a process of its own; engine_process=False puts it on a thread."""
+    assert DecodeWorkerConfig.build().engine_process is True
+    assert DecodeWorkerConfig.build(engine_process=False).engine_process is False
 
 
-@pytest.mark.parametrize("argv, expected", [([], False), (["--engine-process"], True), (["--no-engine-process"], False)])
+@pytest.mark.parametrize("argv, expected", [([], True), (["--engine-process"], True), (["--no-engine-process"], False)])
 def test_pdserve_decode_passes_the_flag_to_the_config(monkeypatch, argv, expected):
     """`pdserve decode` hands --engine-process / --no-engine-process to DecodeWorkerConfig.build."""
     parser = argparse.ArgumentParser()
@@ -31,7 +31,8 @@ def test_pdserve_decode_passes_the_flag_to_the_config(monkeypatch, argv, expecte
 
 
 def test_pdserve_up_hands_the_flag_to_the_decode_workers(monkeypatch):
-    """`pdserve up --engine-process` puts --engine-process in the decode workers' arguments (and only theirs)."""
+    """`pdserve up` puts --engine-process (--no-engine-process with that flag) in the decode workers' arguments,
+    and only theirs."""
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
     parser.add_argument("--log-level", default="WARNING")  # the top-level parser's
@@ -47,8 +48,9 @@ def test_pdserve_up_hands_the_flag_to_the_decode_workers(monkeypatch):
     monkeypatch.setattr(launcher, "Cluster", capture)
     monkeypatch.setattr(up, "configure_logging", lambda *args: None)  # leave pytest's logging alone
     monkeypatch.setattr(up.signal, "signal", lambda *args: None)  # and its signal handlers
-    for argv in ([], ["--engine-process"]):
+    for argv in ([], ["--no-engine-process"]):
         with pytest.raises(_Stop):
             up.run(parser.parse_args(argv))
-    assert "--engine-process" not in specs[0].decode_args and "--engine-process" in specs[1].decode_args
-    assert "--engine-process" not in specs[1].worker_args
+    assert "--engine-process" in specs[0].decode_args and "--no-engine-process" not in specs[0].decode_args
+    assert "--no-engine-process" in specs[1].decode_args and "--engine-process" not in specs[1].decode_args
+    assert not {"--engine-process", "--no-engine-process"} & set(specs[0].worker_args)
