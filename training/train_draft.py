@@ -46,7 +46,7 @@ def greedy_continuations(target: DeepseekV3ForCausalLM, prompts: torch.Tensor, n
     past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
     pieces = [prompts, token]
     for _ in range(new_tokens - 1):
-        out = target(token, past_key_values=past, use_cache=True, logits_to_keep=1)
+        out = target(token, cache=past, use_cache=True, logits_to_keep=1)
         past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         pieces.append(token)
     return torch.cat(pieces, dim=1)
