@@ -14,6 +14,7 @@ from decode_worker.admission import headroom
 from decode_worker.leases import allocate_admitted
 from decode_worker.step_loop import StepLoop
 from decode_worker.streams import Streams
+from engine.config_base import alias
 from engine.sampling_params import SamplingParams
 from rpc.engine_thread import EngineThread
 
@@ -61,13 +62,8 @@ class ThreadPort:
         self._snapshot = LoadSnapshot()
         self.engine: Any = None
 
-    @property
-    def engine_steps(self) -> int:
-        return self._steps.engine_steps
-
-    @property
-    def engine_step_tokens(self) -> int:
-        return self._steps.engine_step_tokens
+    engine_steps = alias("_steps.engine_steps")  # steps that produced output, and the tokens they produced
+    engine_step_tokens = alias("_steps.engine_step_tokens")
 
     def snapshot(self) -> LoadSnapshot:
         """The engine figures published after its last step."""

@@ -31,6 +31,7 @@ from decode_worker.engine_port import LoadSnapshot, ThreadPort
 from decode_worker.engine_process import build_engine
 from decode_worker.leases import ReservationBook
 from decode_worker.streams import Streams
+from engine.config_base import alias
 from engine.sampling_params import SamplingParams
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
@@ -102,13 +103,8 @@ class DecodeService:
     def lease_expiries(self) -> int:
         return self._book.expiries if self._book is not None else 0
 
-    @property
-    def engine_steps(self) -> int:
-        return self._port.engine_steps
-
-    @property
-    def engine_step_tokens(self) -> int:
-        return self._port.engine_step_tokens
+    engine_steps = alias("_port.engine_steps")
+    engine_step_tokens = alias("_port.engine_step_tokens")
 
     def _abort_soon(self, request_id: str) -> None:
         self._port.abort_soon(request_id)
