@@ -36,6 +36,19 @@ def greedy(max_tokens: int, speculative: bool | None = None) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True, speculative=speculative)
 
 
+async def greedy_through_gateway(address: str, prompts: list[list[int]], max_tokens: int, speculative: bool,
+                                 timeout: float = 300.0) -> list:
+    """Every prompt sent at once through the gateway at `address`, greedy, ignore_eos: their GenerateResults
+    (speculative=True: the server's default speculation, False: none)."""
+    from gateway.client import build_request, generate
+
+    async with gateway_stub(address) as stub:
+        return list(await asyncio.gather(*(
+            generate(stub, build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                         speculative=None if speculative else False), timeout=timeout)
+            for prompt in prompts)))
+
+
 @asynccontextmanager
 async def gateway_stub(address: str) -> AsyncIterator[gateway_pb2_grpc.GatewayServiceStub]:
     async with grpc.aio.insecure_channel(address) as channel:

@@ -3,14 +3,11 @@ the default is an engine process of its own, which every other end-to-end test r
 the gateway equal the in-process engine's, speculation on and off, and the pages are free again afterwards."""
 from __future__ import annotations
 
-import asyncio
-
 import psutil
 import pytest
 
-from gateway.client import build_request, generate
 from tests.services.conftest import MAX_TOKENS, PROMPTS, launch
-from tests.services.helpers import gateway_stub, idle_free_pages
+from tests.services.helpers import greedy_through_gateway, idle_free_pages
 from tests.services.processes import descendants
 
 pytestmark = pytest.mark.slow
@@ -30,11 +27,7 @@ async def test_engine_thread_outputs_match_in_process(engine_thread_cluster, ref
     decode worker has no engine process below it, and its pages are all free again afterwards."""
     decode = next(child for child in engine_thread_cluster.children if child.role.startswith("decode"))
     assert not [pid for pid in descendants(decode.process.pid) if "multiprocessing.spawn" in _cmdline(pid)]
-    async with gateway_stub(engine_thread_cluster.gateway_address) as stub:
-        results = await asyncio.gather(*(
-            generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                         speculative=None if speculative else False), timeout=300)
-            for prompt in PROMPTS))
+    results = await greedy_through_gateway(engine_thread_cluster.gateway_address, PROMPTS, MAX_TOKENS, speculative)
     assert [r.token_ids for r in results] == reference[speculative]
     assert await idle_free_pages(decode.address) > 0
 

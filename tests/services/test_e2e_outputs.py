@@ -8,7 +8,7 @@ import pytest
 from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
 from tests.services.conftest import MAX_TOKENS, PROMPTS
-from tests.services.helpers import gateway_stub, greedy, token_prompts
+from tests.services.helpers import gateway_stub, greedy, greedy_through_gateway, token_prompts
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "nospec"])
@@ -16,11 +16,7 @@ async def test_greedy_outputs_match_in_process(cluster, reference, speculative):
     """16 prompts of 1..2048 tokens, sent concurrently, come back token-identical to LLM.generate,
     each finishing with LENGTH and usage that counts its prompt and output; the decode steps reported times
     the tokens per step are the tokens decode made (one step per token without speculation)."""
-    async with gateway_stub(cluster.gateway_address) as stub:
-        results = await asyncio.gather(*(
-            generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                         speculative=None if speculative else False), timeout=300)
-            for prompt in PROMPTS))
+    results = await greedy_through_gateway(cluster.gateway_address, PROMPTS, MAX_TOKENS, speculative)
     assert [r.token_ids for r in results] == reference[speculative]
     for prompt, result in zip(PROMPTS, results):
         assert result.error is None and result.finish_reason == "LENGTH"
@@ -35,10 +31,7 @@ async def test_64_concurrent_streams_equal_their_solo_results(cluster, llm):
     """64 streaming requests in flight at once each produce what the same prompt produces alone."""
     prompts = token_prompts(tuple(3 + (i * 37) % 250 for i in range(64)), seed=1)
     solo = [llm.generate([prompt], greedy(12))[0] for prompt in prompts]
-    async with gateway_stub(cluster.gateway_address) as stub:
-        results = await asyncio.gather(*(
-            generate(stub, build_request(prompt, max_tokens=12, temperature=0.0, ignore_eos=True), timeout=300)
-            for prompt in prompts))
+    results = await greedy_through_gateway(cluster.gateway_address, prompts, 12, speculative=True)
     mismatched = [i for i, (result, expected) in enumerate(zip(results, solo)) if result.token_ids != expected]
     assert not mismatched, f"requests {mismatched} differ from their solo greedy results"
     assert all(len(result.deltas) >= 2 for result in results)  # streamed, not one final message

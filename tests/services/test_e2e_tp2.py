@@ -2,13 +2,10 @@
 engine's; stopping the deployment leaves no process and no shared-memory segment behind."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from gateway.client import build_request, generate
 from tests.services.conftest import MAX_TOKENS, PROMPTS, launch
-from tests.services.helpers import gateway_stub
+from tests.services.helpers import greedy_through_gateway
 from tests.services.processes import alive, existing_segments, group_members, mapped_kv_segments
 
 
@@ -23,12 +20,7 @@ def tp2_cluster(service_model, tmp_path_factory):
 async def test_tp2_greedy_outputs_match_in_process(tp2_cluster, reference, speculative):
     """Greedy outputs of the 16 prompts (1..2048 tokens) through TP=2 prefill and decode workers equal
     the TP=1 in-process engine's."""
-    spec = None if speculative else False
-    async with gateway_stub(tp2_cluster.gateway_address) as stub:
-        results = await asyncio.gather(*(
-            generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                         speculative=spec), timeout=300)
-            for prompt in PROMPTS))
+    results = await greedy_through_gateway(tp2_cluster.gateway_address, PROMPTS, MAX_TOKENS, speculative)
     assert [r.token_ids for r in results] == reference[speculative]
 
 
