@@ -51,7 +51,8 @@ FULL = {"shape": TargetShape(), "target": TargetTraining(), "draft": DraftTraini
 DRAFT_KEYS = ("acceptance_length", "acceptance_per_position", "accept_prompts", "accept_prompt_length",
               "accept_new_tokens", "acceptance_length_64_128", "acceptance_per_position_64_128", "draft_steps",
               "draft_batch", "draft_lr", "draft_sequences", "draft_generated", "draft_anchors", "draft_prompt_min",
-              "draft_prompt_max", "draft_init", "draft_minutes", "draft_command", "train_minutes", "wall_minutes")
+              "draft_prompt_max", "draft_init", "draft_minutes", "draft_command", "train_minutes", "wall_minutes",
+              "draft_seed", "draft_max_steps", "draft_budget_minutes")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
