@@ -22,7 +22,8 @@ def write_model_card(path: Path, m: dict, samples: dict[str, str], c: dict, d: d
     prompts = (f"{high}-token prompts from the train split + {m['draft_generated']} greedy tokens" if low == high else
                f"{low}..{high}-token prompts (one length per generation batch) from the train split,\ncontinued "
                f"greedily to {high + m['draft_generated']} tokens")
-    warm = " Warm-started from the previous draft (`--draft-init`)." if m.get("draft_init") else ""
+    commit = f"; the draft of commit {m['draft_init_commit']}" if m.get("draft_init_commit") else ""
+    warm = f" Warm-started from the previous draft (`--draft-init`{commit})." if m.get("draft_init") else ""
     if m.get("draft_budget_minutes"):
         warm += (f" The draft phase ran under a {m['draft_budget_minutes']:g}-min wall-clock budget (`--draft-minutes`,"
                  f" data generation included; at most {m['draft_max_steps']} steps), the cosine decaying over whichever"
