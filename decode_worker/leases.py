@@ -90,7 +90,7 @@ class ReservationBook:
         claimed by a prompt of at most num_prompt_tokens tokens (shm only: its receiver narrows the
         destination). The only await is the allocation (none at all on a thread port): everything after it
         runs in one go."""
-        engine, config = self._engine, self.config
+        config = self.config
         if not request_id:
             raise InvalidArgument("request_id", "is empty")
         if request_id in self._held:

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 
 from gateway.config import GatewayConfig
-from gateway.standing_leases import StandingLeases
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
+from gateway.standing_leases import StandingLeases
 from gateway.transport_choice import Placement, choose_transport
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from rpc.interceptors import token_metadata
