@@ -155,6 +155,12 @@ def report(spans: Spans, ttft: dict[str, list[float]], cpu: dict[str, dict[str, 
               f"(TTFT - Reserve RPC - Prefill RPC)")
         print(f"  {'added TTFT [' + name + ']':28s} {med(values) - med(spans['  engine forward']):7.2f}  "
               f"(TTFT - engine forward)")
+    names = list(ttft)
+    for name in names[1:]:  # the same prompt in the same turn: paired differences cancel the load's drift
+        paired = [b - a for a, b in zip(ttft[names[0]], ttft[name])]
+        quartiles = statistics.quantiles(paired, n=4)
+        print(f"  {'TTFT ' + name + ' - ' + names[0]:28s} {med(paired):7.2f}  ({quartiles[0]:.2f}..{quartiles[-1]:.2f} "
+              f"quartiles of the paired differences)")
     print(f"\nCPU ms per request by process (gateway variants: {args.output_len} output tokens, incl. Decode):")
     roles = list(next(iter(cpu.values())))
     print("| variant | " + " | ".join(roles) + " |\n|---|" + "---:|" * len(roles))

@@ -172,7 +172,11 @@ class RequestRun:
         if self._observer is not None:
             self._observer.admitted(reserved - self._arrival, len(job.prompt_ids))
         sampling = sampling_to_proto(params)
-        response = await self._run_prefill(destination, sampling)
+        try:
+            response = await self._run_prefill(destination, sampling)
+        finally:
+            if standing is not None:  # the spare's refill waits until this prefill no longer competes with it
+                self._pool.refill_standing()
         prefilled = time.perf_counter()
         self._ttft_ms = (prefilled - self._arrival) * 1000
         if self._observer is not None:

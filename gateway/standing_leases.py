@@ -7,7 +7,8 @@ checks the destination names the request it prefills), and the destination is na
 pages (Destination.narrowed: still bound to the whole lease, so the prefill worker's lease check holds).
 The decode worker frees the pages past the prompt when Decode claims the lease. A spare is taken at most
 once (take() removes it), only from a reachable worker whose transport is shm, and only while at least
-half its lease is left; the refill task replaces taken, ageing and refused spares, holds off while the
+half its lease is left; the refill task (woken once the taker's prefill returned, else at its next
+poll-interval pass) replaces taken, ageing and refused spares, holds off while the
 worker is short of pages (and gives its spare back when a Reserve there is refused for room), and
 close() releases every spare. Unclaimed spares show in the decode worker's load reports as leases."""
 from __future__ import annotations
@@ -76,13 +77,17 @@ class StandingLeases:
             if spare is None or not self._usable(spare):
                 continue
             del self._spares[index]
-            self._wake.set()
             self.taken += 1
             state = spare.worker.state
             destination = Destination.from_proto(spare.destination).narrowed(num_prompt_tokens, state.page_size)
             state.running += 1
             return spare.worker, destination.to_proto()
         return None
+
+    def refill_soon(self) -> None:
+        """Wakes the refill task now rather than at its next poll-interval pass. The run that took a spare
+        calls this once its prefill returned, so the refill's Reserve does not compete with that prefill."""
+        self._wake.set()
 
     def give_back(self, worker: DecodeWorker) -> None:
         """A Reserve on `worker` was refused for room: release its spare so the request can have the pages."""
@@ -121,7 +126,7 @@ class StandingLeases:
             await self._sleep(self._pool.config.load_poll_interval_s)  # health and room change with the polls
 
     async def _sleep(self, seconds: float) -> None:
-        """Until take() wakes the task or `seconds` pass (asyncio.wait, not wait_for: Python 3.11's wait_for
+        """Until refill_soon() wakes the task or `seconds` pass (asyncio.wait, not wait_for: Python 3.11's wait_for
         can swallow a cancel that arrives as the event is set, and close() must be able to stop the task)."""
         waiter = asyncio.ensure_future(self._wake.wait())
         try:

@@ -189,6 +189,11 @@ class WorkerPool:
         return self.standing.take(num_prompt_tokens, self._decode_router.rank([w.state for w in self.decode],
                                                                               num_prompt_tokens))
 
+    def refill_standing(self) -> None:
+        """A run that took a standing lease has its first token: refill the spare now (standing_leases.py)."""
+        if self.standing is not None:
+            self.standing.refill_soon()
+
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       deadline: float | None, trace_id: str | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
         """Reserve on the best decode worker, with the transport chosen for it; on RESOURCE_EXHAUSTED tries the

@@ -50,6 +50,9 @@ class _Workers:
         spare, self.spare = self.spare, None
         return None if spare is None else (self, spare)
 
+    def refill_standing(self) -> None:
+        self.order.append("refill")
+
     async def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int, deadline: Any,
                       trace_id: str | None = None) -> tuple[Any, kv_pb2.KVDestination]:
         self.reserved.append(request_id)
@@ -150,8 +153,10 @@ async def test_observer_hears_each_phase_once_in_path_order():
 
 async def test_a_run_on_a_standing_lease_skips_reserve_and_runs_under_its_id():
     """A run that takes a standing lease sends no Reserve; Prefill (with the spare's destination) and Decode
-    (with its lease) name the spare's request id, which the workers know the lease by; tokens are unchanged."""
-    workers = _Workers([])
+    (with its lease) name the spare's request id, which the workers know the lease by; the refill is asked
+    for right after the prefill returned; tokens are unchanged."""
+    order: list[Any] = []
+    workers = _Workers(order)
     workers.spare = kv_pb2.KVDestination(request_id="standing.abc", lease_id="spare-lease", page_ids=[3],
                                          lease_deadline_unix_ms=int(time.time() * 1000) + 60_000)
     job = GenerateJob(request_id="r3", prompt_ids=(5, 6, 7),
@@ -164,5 +169,6 @@ async def test_a_run_on_a_standing_lease_skips_reserve_and_runs_under_its_id():
     prefill, decode = workers.prefill_requests[0], workers.decode_requests[0]
     assert prefill.request_id == prefill.destination.request_id == decode.request_id == "standing.abc"
     assert decode.lease_id == "spare-lease"
+    assert order[:2] == ["prefill", "refill"]  # the spare is refilled once the prefill no longer competes
     events = [run.events.get_nowait() for _ in range(run.events.qsize())]
     assert [t for event in events if isinstance(event, TokensEvent) for t in event.token_ids] == [FIRST, 7, 8, 9]

@@ -95,6 +95,7 @@ async def test_take_narrows_claims_once_and_refills():
     assert narrowed.page_ids == tuple(spare.page_ids[:2]) and narrowed.num_tokens == 20
     assert narrowed.binding == Destination.from_proto(spare).binding
     assert pool.standing.taken == 1 and pool.decode[0].state.running == 1
+    pool.refill_standing()  # as the run does once its prefill returned
     await _eventually(lambda: len(pool.standing.held()) == 1, "a refill")
     second = pool.standing.held()[0].destination
     assert second.request_id != spare.request_id  # a new lease, not the taken one again
