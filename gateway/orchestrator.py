@@ -172,11 +172,7 @@ class RequestRun:
         if self._observer is not None:
             self._observer.admitted(reserved - self._arrival, len(job.prompt_ids))
         sampling = sampling_to_proto(params)
-        try:
-            response = await self._run_prefill(destination, sampling)
-        finally:
-            if standing is not None:  # the spare's refill waits until this prefill no longer competes with it
-                self._pool.refill_standing()
+        response = await self._run_prefill(destination, sampling)
         prefilled = time.perf_counter()
         self._ttft_ms = (prefilled - self._arrival) * 1000
         if self._observer is not None:
@@ -189,6 +185,8 @@ class RequestRun:
             self._finish("stop" if job.ends_on(first) else "length")
             return
         await asyncio.sleep(0)  # the servicer sends the first token on before the Decode call is set up
+        if standing is not None:  # refill the spare now that it competes with neither prefill nor first token
+            self._pool.refill_standing()
         request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)

@@ -7,7 +7,7 @@ checks the destination names the request it prefills), and the destination is na
 pages (Destination.narrowed: still bound to the whole lease, so the prefill worker's lease check holds).
 The decode worker frees the pages past the prompt when Decode claims the lease. A spare is taken at most
 once (take() removes it), only from a reachable worker whose transport is shm, and only while at least
-half its lease is left; the refill task (woken once the taker's prefill returned, else at its next
+half its lease is left; the refill task (woken once the taker's first token is out, else at its next
 poll-interval pass) replaces taken, ageing and refused spares, holds off while the
 worker is short of pages (and gives its spare back when a Reserve there is refused for room), and
 close() releases every spare. Unclaimed spares show in the decode worker's load reports as leases."""
@@ -86,7 +86,8 @@ class StandingLeases:
 
     def refill_soon(self) -> None:
         """Wakes the refill task now rather than at its next poll-interval pass. The run that took a spare
-        calls this once its prefill returned, so the refill's Reserve does not compete with that prefill."""
+        calls this once its first token is out, so the refill's Reserve competes with neither its prefill
+        nor the first token's way to the client (a run that ends sooner leaves it to the next pass)."""
         self._wake.set()
 
     def give_back(self, worker: DecodeWorker) -> None:

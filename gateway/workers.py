@@ -190,7 +190,7 @@ class WorkerPool:
                                                                               num_prompt_tokens))
 
     def refill_standing(self) -> None:
-        """A run that took a standing lease has its first token: refill the spare now (standing_leases.py)."""
+        """A run that took a standing lease has sent its first token on: refill the spare now (standing_leases.py)."""
         if self.standing is not None:
             self.standing.refill_soon()
 

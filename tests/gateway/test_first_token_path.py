@@ -154,7 +154,7 @@ async def test_observer_hears_each_phase_once_in_path_order():
 async def test_a_run_on_a_standing_lease_skips_reserve_and_runs_under_its_id():
     """A run that takes a standing lease sends no Reserve; Prefill (with the spare's destination) and Decode
     (with its lease) name the spare's request id, which the workers know the lease by; the refill is asked
-    for right after the prefill returned; tokens are unchanged."""
+    for once the first token is out, before Decode; tokens are unchanged."""
     order: list[Any] = []
     workers = _Workers(order)
     workers.spare = kv_pb2.KVDestination(request_id="standing.abc", lease_id="spare-lease", page_ids=[3],
@@ -169,6 +169,6 @@ async def test_a_run_on_a_standing_lease_skips_reserve_and_runs_under_its_id():
     prefill, decode = workers.prefill_requests[0], workers.decode_requests[0]
     assert prefill.request_id == prefill.destination.request_id == decode.request_id == "standing.abc"
     assert decode.lease_id == "spare-lease"
-    assert order[:2] == ["prefill", "refill"]  # the spare is refilled once the prefill no longer competes
+    assert order[:3] == ["prefill", "refill", "decode call"]  # refilled after the first token, not during prefill
     events = [run.events.get_nowait() for _ in range(run.events.qsize())]
     assert [t for event in events if isinstance(event, TokensEvent) for t in event.token_ids] == [FIRST, 7, 8, 9]
