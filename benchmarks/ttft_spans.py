@@ -13,8 +13,9 @@ Medians of each span, and the differences that name the hops:
 and the CPU each process spent per request in each variant (psutil, whole process: all its threads).
 Wall spans on a loaded machine are inflated: trust the proportions and the CPU.
 
---gateway-args passes flags to the gateway (e.g. "--standing-lease-tokens 256"); --compare FLAGS starts a second gateway on
-the same workers with those flags and takes turns between the two gateways too (before/after in one run).
+--gateway-args passes flags to the gateway (e.g. "--standing-lease-tokens 256"); --compare FLAGS starts a second
+gateway on the same workers with those flags and takes turns between the two gateways too (before/after in one
+run), printing the paired per-turn TTFT difference.
 
 Run: .venv/bin/python -m benchmarks.ttft_spans [--requests 30] [--rounds 3] [--compare="--standing-lease-tokens 256"]
 """
@@ -149,11 +150,12 @@ def report(spans: Spans, ttft: dict[str, list[float]], cpu: dict[str, dict[str, 
         deciles = statistics.quantiles(values, n=10)
         print(f"  {name:28s} {med(values):7.2f}  ({deciles[0]:.2f}..{deciles[-1]:.2f})")
     prefill_rpc = med(spans["Prefill RPC"])
-    print(f"  {'prefill non-engine':28s} {prefill_rpc - med(spans['  engine forward']):7.2f}  (Prefill RPC - engine forward)")
+    engine = med(spans["  engine forward"])
+    print(f"  {'prefill non-engine':28s} {prefill_rpc - engine:7.2f}  (Prefill RPC - engine forward)")
     for name, values in ttft.items():
         print(f"  {'gateway own [' + name + ']':28s} {med(values) - med(spans['Reserve RPC']) - prefill_rpc:7.2f}  "
               f"(TTFT - Reserve RPC - Prefill RPC)")
-        print(f"  {'added TTFT [' + name + ']':28s} {med(values) - med(spans['  engine forward']):7.2f}  "
+        print(f"  {'added TTFT [' + name + ']':28s} {med(values) - engine:7.2f}  "
               f"(TTFT - engine forward)")
     names = list(ttft)
     for name in names[1:]:  # the same prompt in the same turn: paired differences cancel the load's drift

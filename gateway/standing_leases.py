@@ -122,13 +122,14 @@ class StandingLeases:
                     del self._spares[index]
                     if worker.state.healthy:
                         self._release_soon(spare)  # an unreachable worker frees it when the lease lapses
-                if index not in self._spares and self._has_room(worker) and time.monotonic() >= self._retry_at.get(index, 0):
+                due = time.monotonic() >= self._retry_at.get(index, 0.0)
+                if index not in self._spares and due and self._has_room(worker):
                     await self._grant(index, worker)
             await self._sleep(self._pool.config.load_poll_interval_s)  # health and room change with the polls
 
     async def _sleep(self, seconds: float) -> None:
-        """Until refill_soon() wakes the task or `seconds` pass (asyncio.wait, not wait_for: Python 3.11's wait_for
-        can swallow a cancel that arrives as the event is set, and close() must be able to stop the task)."""
+        """Until refill_soon() wakes the task or `seconds` pass (asyncio.wait, not wait_for: Python 3.11's
+        wait_for can swallow a cancel that arrives as the event is set, and close() must stop the task)."""
         waiter = asyncio.ensure_future(self._wake.wait())
         try:
             await asyncio.wait({waiter}, timeout=seconds)
