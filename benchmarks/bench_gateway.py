@@ -19,8 +19,11 @@ CPU counts its descendants too (the decode worker's engine process and TP follow
 default) runs the decode worker with its engine in a process of its own, off on a thread of the worker; both:
 two deployments side by side, taking turns.
 
+--standing-lease-tokens N adds a deployment like the first whose gateway keeps a standing lease of N prompt
+tokens per decode worker (gateway/standing_leases.py: no Reserve round trip before a fitting prompt's prefill).
+
 Run: .venv/bin/python -m benchmarks.bench_gateway --threads 1 [--spec-concurrency] [--stream-interval N]
-     [--engine-process off|on|both]
+     [--engine-process off|on|both] [--standing-lease-tokens N]
 """
 from __future__ import annotations
 
@@ -136,6 +139,9 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
     parser.add_argument("--engine-process", choices=tuple(ENGINE_PATHS), default="on",
                         help="the decode worker's engine on a thread (off), in its own process (on), or both side by side")
+    parser.add_argument("--standing-lease-tokens", type=int, default=0, metavar="N",
+                        help="> 0: one more deployment, like the first, whose gateway keeps standing leases of N "
+                             "prompt tokens (pdserve gateway --standing-lease-tokens), taking turns with the others")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
@@ -147,9 +153,15 @@ def main() -> None:
     clusters: dict[str, Cluster] = {}
     gateways: dict[str, GatewayRunner] = {}
     try:
-        for name, decode_args in ENGINE_PATHS[args.engine_process]:
+        deployments = [(name, decode_args, ()) for name, decode_args in ENGINE_PATHS[args.engine_process]]
+        if args.standing_lease_tokens > 0:
+            first_name, first_decode_args, _ = deployments[0]
+            deployments.append((f"{first_name}, standing lease", first_decode_args,
+                                ("--standing-lease-tokens", str(args.standing_lease_tokens))))
+        for name, decode_args, gateway_args in deployments:
             spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch",
-                               transport="shm", worker_args=worker_args, decode_args=decode_args, log_level="WARNING")
+                               transport="shm", worker_args=worker_args, decode_args=decode_args, log_level="WARNING",
+                               gateway_args=gateway_args)
             cluster_logs = log_dir / name.replace(", ", "-").replace(" ", "-")
             cluster_logs.mkdir(exist_ok=True)
             cluster = clusters[name] = Cluster(spec, log_dir=cluster_logs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from decode_worker.admission import admits, fits_ever, headroom
@@ -58,6 +58,7 @@ class Reservation:
     receiver: KVReceiver
     num_prompt_tokens: int
     claimed: bool = False  # Decode took the lease: the pages are the running request's (or the engine's)
+    standing: bool = False  # granted before its request existed: any prompt of <= num_prompt_tokens may claim it
 
 
 class ReservationBook:
@@ -83,26 +84,25 @@ class ReservationBook:
 
     # --- Reserve ------------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, transport: TransportKind,
-                      ttl_s: float | None = None) -> Destination:
+                      ttl_s: float | None = None, standing: bool = False) -> Destination:
         """Leases the prompt's pages. ttl_s: how long the lease may stay unclaimed (the caller's deadline;
-        None: the configured lease_ttl_s, which also caps it). The only await is the allocation (none at all
-        on a thread port): everything after it runs in one go."""
-        engine, config = self._engine, self.config
+        None: the configured lease_ttl_s, which also caps it). standing: a lease for a request yet to come,
+        claimed by a prompt of at most num_prompt_tokens tokens (shm only: its receiver narrows the
+        destination). The only await is the allocation (none at all on a thread port): everything after it
+        runs in one go."""
+        config = self.config
         if not request_id:
             raise InvalidArgument("request_id", "is empty")
         if request_id in self._held:
             raise AlreadyExists(f"request {request_id} already holds a reservation on this worker")
         if num_prompt_tokens <= 0 or max_new_tokens <= 0:
             raise InvalidArgument("num_prompt_tokens", "prompt and max_new_tokens must be positive")
-        max_context = engine.model_config.max_position_embeddings
-        if num_prompt_tokens + max_new_tokens > max_context:
-            raise InvalidArgument("max_new_tokens", f"prompt + max_new_tokens exceeds the model context {max_context}")
+        self._check_fits(num_prompt_tokens, max_new_tokens)
         receiver = self._receivers.get(transport)
         if receiver is None:
             raise FailedPrecondition(f"transport {TransportKind(transport).name} is not served by this decode worker")
-        total_pages = engine.allocator.num_pages
-        if not fits_ever(num_prompt_tokens, max_new_tokens, config.spec_block_size, engine.config.page_size, total_pages):
-            raise InvalidArgument("max_new_tokens", f"the request could never fit the pool of {total_pages} pages")
+        if standing and transport != TransportKind.SHM:
+            raise FailedPrecondition(f"standing leases travel by shm only, not {TransportKind(transport).name}")
         ttl = config.lease_ttl_s if ttl_s is None else min(config.lease_ttl_s, max(ttl_s, 0.001))
         page_ids, slot = await self._pages.allocate(num_prompt_tokens)
         if request_id in self._held:  # a second Reserve of the id won the race while this one allocated
@@ -115,7 +115,7 @@ class ReservationBook:
             self._leases.release(lease.lease_id)
             self._free(lease)
             raise
-        self._held[request_id] = Reservation(lease, receiver, num_prompt_tokens)
+        self._held[request_id] = Reservation(lease, receiver, num_prompt_tokens, standing=standing)
         self.granted += 1
         return destination
 
@@ -123,14 +123,20 @@ class ReservationBook:
         self._pages.free(list(lease.page_ids), lease.state_slot)
 
     # --- Decode claims, Release, expiry -------------------------------------------------------------
-    def claim(self, request_id: str, lease_id: str, num_prompt_tokens: int) -> Reservation:
-        """Decode takes the lease: its pages are then the caller's (hand them to the engine or drop them)."""
+    def claim(self, request_id: str, lease_id: str, num_prompt_tokens: int, max_new_tokens: int = 1) -> Reservation:
+        """Decode takes the lease: its pages are then the caller's (hand them to the engine or drop them).
+        A standing lease is narrowed to the prompt: the pages past it go back to the pool."""
         held = self._held.get(request_id)
         if held is None or held.lease.lease_id != lease_id:
             raise NotFound(f"no reservation {lease_id!r} for request {request_id}")
         if held.claimed:
             raise AlreadyExists(f"request {request_id} is already decoding")
-        if num_prompt_tokens != held.num_prompt_tokens:
+        if held.standing:
+            if not 0 < num_prompt_tokens <= held.num_prompt_tokens:
+                raise InvalidArgument("token_ids", f"the standing lease holds {held.num_prompt_tokens} prompt tokens, "
+                                      f"got {num_prompt_tokens}")
+            self._check_fits(num_prompt_tokens, max_new_tokens)
+        elif num_prompt_tokens != held.num_prompt_tokens:
             raise InvalidArgument("token_ids", f"the reservation is for {held.num_prompt_tokens} prompt tokens, "
                                   f"got {num_prompt_tokens}")
         try:
@@ -139,7 +145,23 @@ class ReservationBook:
             self.drop(request_id, free=isinstance(error, LeaseExpired))
             raise FailedPrecondition(f"lease of request {request_id}: {error}") from error
         held.claimed = True
+        if num_prompt_tokens < held.num_prompt_tokens:
+            keep = len(held.receiver.narrow(request_id, num_prompt_tokens).page_ids)
+            self._pages.free(list(held.lease.page_ids[keep:]), None)
+            held.lease = replace(held.lease, page_ids=held.lease.page_ids[:keep])
+            held.num_prompt_tokens = num_prompt_tokens
         return held
+
+    def _check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """The request fits the model's context and could ever fit the pool (Reserve, and the prompt that
+        claims a standing lease)."""
+        max_context = self._engine.model_config.max_position_embeddings
+        if num_prompt_tokens + max_new_tokens > max_context:
+            raise InvalidArgument("max_new_tokens", f"prompt + max_new_tokens exceeds the model context {max_context}")
+        total_pages = self._engine.allocator.num_pages
+        if not fits_ever(num_prompt_tokens, max_new_tokens, self.config.spec_block_size,
+                         self._engine.config.page_size, total_pages):
+            raise InvalidArgument("max_new_tokens", f"the request could never fit the pool of {total_pages} pages")
 
     def drop(self, request_id: str, free: bool) -> None:
         """Forgets a request that never reached the engine; free: its pages go back to the pool."""

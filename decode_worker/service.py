@@ -111,9 +111,9 @@ class DecodeService:
 
     # --- requests -----------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
-                      transport: TransportKind, ttl_s: float | None = None) -> Destination:
+                      transport: TransportKind, ttl_s: float | None = None, standing: bool = False) -> Destination:
         """Leases the prompt's pages (ReservationBook.reserve), without waiting for the engine step in progress."""
-        return await self.book.reserve(request_id, num_prompt_tokens, max_new_tokens, transport, ttl_s)
+        return await self.book.reserve(request_id, num_prompt_tokens, max_new_tokens, transport, ttl_s, standing)
 
     def abandon(self, request_id: str, lease_id: str) -> None:
         """The Reserve answer carrying lease_id never reached its caller: free the lease now."""
@@ -127,7 +127,7 @@ class DecodeService:
         if not 0 <= stream_interval <= MAX_STREAM_INTERVAL:
             raise InvalidArgument("stream_interval", f"must be in 0..{MAX_STREAM_INTERVAL}, got {stream_interval}")
         book = self.book
-        held = book.claim(request_id, lease_id, len(prompt_ids))
+        held = book.claim(request_id, lease_id, len(prompt_ids), params.max_new_tokens)
         self._streams.open(request_id)
         try:
             if held.receiver.admit_now(request_id, INLINE_CHECKSUM_BYTES) is None:  # else: no thread hop

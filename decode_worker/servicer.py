@@ -32,7 +32,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
         destination = await self._service.reserve(
             request.request_id, request.num_prompt_tokens, request.max_new_tokens,
-            transport_from_proto(request.transport), ttl_s=context.time_remaining(),
+            transport_from_proto(request.transport), ttl_s=context.time_remaining(), standing=request.standing,
         )
 
         def on_done(done: grpc.aio.ServicerContext) -> None:  # the answer was lost (deadline, cancel)

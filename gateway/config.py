@@ -18,7 +18,10 @@ class GatewayConfig:
     tokenising; tokenize_inline_chars / tokenize_processes: texts longer than this are tokenised in that
     many spawned processes, off the event loop (0 processes: inline). internal_token: sent to the
     workers (TCP deployments); api_keys: clients must send one as `authorization: Bearer <key>` (none:
-    no authentication; health checks need none); tls_cert / tls_key: PEM files, serve TLS only."""
+    no authentication; health checks need none); tls_cert / tls_key: PEM files, serve TLS only.
+    standing_lease_tokens: > 0 keeps one spare reservation of that many prompt tokens per decode worker
+    (gateway/standing_leases.py), taken by a request whose prompt fits instead of a Reserve round trip
+    before its prefill (0: off); standing_lease_ttl_s: the lease a spare asks for."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -38,6 +41,8 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     tls_cert: str | None = None
     tls_key: str | None = None
+    standing_lease_tokens: int = 0
+    standing_lease_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
@@ -63,6 +68,9 @@ class GatewayConfig:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if self.tokenize_inline_chars < 0 or self.tokenize_processes < 0:
             raise ValueError("tokenize_inline_chars and tokenize_processes must be non-negative")
-        for name in ("load_poll_interval_s", "worker_timeout_s", "admission_timeout_s", "cleanup_timeout_s"):
+        if self.standing_lease_tokens < 0:
+            raise ValueError(f"standing_lease_tokens must be non-negative, got {self.standing_lease_tokens}")
+        for name in ("load_poll_interval_s", "worker_timeout_s", "admission_timeout_s", "cleanup_timeout_s",
+                     "standing_lease_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")

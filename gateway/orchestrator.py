@@ -158,8 +158,13 @@ class RequestRun:
         job, params = self.job, self.job.params
         if not self._pool.polled.is_set():
             await asyncio.wait_for(self._pool.polled.wait(), remaining(self._deadline))
-        self._decode, destination = await self._pool.reserve(
-            self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=job.request_id)
+        standing = self._pool.take_standing(len(job.prompt_ids))
+        if standing is not None:  # a spare reservation: no Reserve round trip; run under its id on the workers
+            self._decode, destination = standing
+            self.worker_id = destination.request_id
+        else:
+            self._decode, destination = await self._pool.reserve(
+                self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=job.request_id)
         self._decode_state = DecodeState.RESERVED
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         self.admitted = True
@@ -180,6 +185,8 @@ class RequestRun:
             self._finish("stop" if job.ends_on(first) else "length")
             return
         await asyncio.sleep(0)  # the servicer sends the first token on before the Decode call is set up
+        if standing is not None:  # refill the spare now that it competes with neither prefill nor first token
+            self._pool.refill_standing()
         request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)

@@ -13,6 +13,7 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
+from gateway.standing_leases import StandingLeases
 from gateway.transport_choice import Placement, choose_transport
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from rpc.interceptors import token_metadata
@@ -57,6 +58,8 @@ class WorkerPool:
         self._poller: asyncio.Task[None] | None = None
         self.healthy = False
         self.polled = asyncio.Event()  # set after the first polling round
+        self.standing = (StandingLeases(self, config.standing_lease_tokens, config.standing_lease_ttl_s)
+                         if config.standing_lease_tokens else None)
 
     @staticmethod
     def _prefill(address: str) -> PrefillWorker:
@@ -71,10 +74,14 @@ class WorkerPool:
     # --- polling and health -------------------------------------------------------------------------
     def start(self) -> None:
         self._poller = asyncio.create_task(self._poll_forever())
+        if self.standing is not None:
+            self.standing.start()
 
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        if self.standing is not None:
+            await self.standing.close()
         for worker in (*self.prefill, *self.decode):
             await worker.channel.close()
 
@@ -174,6 +181,19 @@ class WorkerPool:
         """The Transport of a request reserved on `decode` (gateway/transport_choice.py)."""
         return TRANSPORT_VALUES[choose_transport(self.config.transport, self.prefill_placement(), decode.state.placement)]
 
+    def take_standing(self, num_prompt_tokens: int) -> tuple[DecodeWorker, kv_pb2.KVDestination] | None:
+        """A standing lease (gateway/standing_leases.py) for the prompt, on the best decode worker that holds
+        one, or None: Reserve as usual. The destination names the spare's request id: run under it."""
+        if self.standing is None:
+            return None
+        return self.standing.take(num_prompt_tokens, self._decode_router.rank([w.state for w in self.decode],
+                                                                              num_prompt_tokens))
+
+    def refill_standing(self) -> None:
+        """A run that took a standing lease has sent its first token on: refill the spare now (standing_leases.py)."""
+        if self.standing is not None:
+            self.standing.refill_soon()
+
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       deadline: float | None, trace_id: str | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
         """Reserve on the best decode worker, with the transport chosen for it; on RESOURCE_EXHAUSTED tries the
@@ -203,6 +223,8 @@ class WorkerPool:
                     if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         last = error.details() or "full"
                         worker.state.free_pages = 0  # until the next poll says otherwise
+                        if self.standing is not None:
+                            self.standing.give_back(worker)
                         continue
                     if error.code() == grpc.StatusCode.UNAVAILABLE:
                         self.mark_unreachable(worker.state, error)

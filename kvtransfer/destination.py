@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtransfer.errors import BadChunk, LeaseExpired
 from kvtransfer.layout import KVLayout, SegmentKind, check_layout
@@ -54,10 +54,14 @@ class Destination:
     data_addresses: tuple[int, ...] = ()
     record_addresses: tuple[int, ...] = ()
     state_slot: int | None = None  # models with linear attention: the decode state slot reserved with the pages
+    # A standing lease used by a shorter prompt: every page it holds (page_ids is a prefix) and the token count
+    # it was granted for; the completion slot is bound to these. Empty / 0: the lease is page_ids, num_tokens.
+    lease_page_ids: tuple[int, ...] = ()
+    lease_num_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", TransportKind(self.transport))
-        for name in ("page_ids", "targets", "data_addresses", "record_addresses"):
+        for name in ("page_ids", "targets", "data_addresses", "record_addresses", "lease_page_ids"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if not self.request_id or not self.lease_id:
             raise ValueError("Destination needs a request id and a lease id")
@@ -75,10 +79,27 @@ class Destination:
             len(self.data_addresses) == len(self.record_addresses) == len(self.targets)
         ):
             raise ValueError("a mooncake Destination needs a data and a record address per target")
+        if bool(self.lease_page_ids) != bool(self.lease_num_tokens):
+            raise ValueError("Destination.lease_page_ids and lease_num_tokens go together")
+        if self.lease_page_ids and (self.lease_page_ids[:len(self.page_ids)] != self.page_ids
+                                    or self.num_tokens > self.lease_num_tokens):
+            raise ValueError("a Destination's pages and tokens must be a prefix of its lease's")
 
     @property
     def binding(self) -> str:
-        return lease_binding(self.lease_id, self.transport, self.page_ids, self.num_tokens, self.state_slot)
+        """What the completion slot is bound to: the lease as granted (a standing lease: all its pages)."""
+        return lease_binding(self.lease_id, self.transport, self.lease_page_ids or self.page_ids,
+                             self.lease_num_tokens or self.num_tokens, self.state_slot)
+
+    def narrowed(self, num_tokens: int, page_size: int) -> Destination:
+        """This destination for a prompt of num_tokens <= num_tokens tokens: the first ceil(num_tokens /
+        page_size) pages, still bound to the whole lease (a standing lease claimed by a shorter prompt)."""
+        if not 0 < num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot narrow a destination of {self.num_tokens} tokens to {num_tokens}")
+        pages = -(-num_tokens // page_size)
+        return replace(self, page_ids=self.page_ids[:pages], num_tokens=num_tokens,
+                       lease_page_ids=self.lease_page_ids or self.page_ids,
+                       lease_num_tokens=self.lease_num_tokens or self.num_tokens)
 
     @property
     def num_ranks(self) -> int:
@@ -120,6 +141,7 @@ class Destination:
             pool_num_pages=self.pool_num_pages, completion_slot=self.completion_slot,
             completion_sequence=self.completion_sequence, data_addresses=self.data_addresses,
             record_addresses=self.record_addresses, state_slot=self.state_slot,
+            lease_page_ids=self.lease_page_ids, lease_num_tokens=self.lease_num_tokens,
         )
 
     @classmethod
@@ -134,4 +156,5 @@ class Destination:
             completion_slot=message.completion_slot, completion_sequence=message.completion_sequence,
             data_addresses=tuple(message.data_addresses), record_addresses=tuple(message.record_addresses),
             state_slot=message.state_slot if message.HasField("state_slot") else None,
+            lease_page_ids=tuple(message.lease_page_ids), lease_num_tokens=message.lease_num_tokens,
         )

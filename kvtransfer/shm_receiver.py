@@ -85,6 +85,15 @@ class ShmReceiver(KVReceiver):
             self._pending[lease.request_id] = _Pending(destination)
         return destination
 
+    def narrow(self, request_id: str, num_tokens: int) -> Destination:
+        with self._lock:
+            pending = self._pending.get(request_id)
+            if pending is None:
+                raise UnknownTransfer(f"no KV transfer expected for request {request_id}")
+            destination = pending.destination.narrowed(num_tokens, self.layout.page_size)
+            self._pending[request_id] = _Pending(destination)
+        return destination
+
     # --- admit ----------------------------------------------------------------------------------------
     def records(self, request_id: str) -> list[CompletionRecord | None]:
         destination = self._get(request_id).destination

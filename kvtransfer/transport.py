@@ -129,6 +129,12 @@ class KVReceiver(ABC):
     def expect(self, lease: Lease, num_tokens: int) -> Destination:
         """Registers a reserved request and returns where prefill must write it."""
 
+    def narrow(self, request_id: str, num_tokens: int) -> Destination:
+        """A standing lease claimed by a prompt of num_tokens (<= the lease's) tokens: from now on the
+        request's KV is its first ceil(num_tokens / page_size) pages (Destination.narrowed), still bound to
+        the whole lease. Transports that cannot do this raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve standing leases")
+
     @abstractmethod
     def admit(self, request_id: str, timeout_s: float = 0.0) -> TransferResult:
         """Waits up to timeout_s for the request's KV; returns once complete and verified.

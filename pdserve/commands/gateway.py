@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request leaves it unset")
     parser.add_argument("--admission-timeout", type=float, default=30.0,
                         help="seconds a request waits for decode room before RESOURCE_EXHAUSTED")
+    parser.add_argument("--standing-lease-tokens", type=int, default=0, metavar="N",
+                        help="keep one spare decode reservation of N prompt tokens per decode worker, so that a "
+                             "request whose prompt fits skips the Reserve round trip before prefill (default 0: off)")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="largest request (and prompt text) accepted, refused before tokenising (default 4 MiB)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = GatewayConfig(model_dir=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
                                listen=args.listen, http_listen=args.http_listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
-                               admission_timeout_s=args.admission_timeout,
+                               admission_timeout_s=args.admission_timeout, standing_lease_tokens=args.standing_lease_tokens,
                                max_request_bytes=args.max_request_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                api_keys=tuple(args.api_key) + (read_key_file(args.api_key_file) if args.api_key_file else ()),
                                internal_token=read_token_file(args.internal_token_file))

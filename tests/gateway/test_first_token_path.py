@@ -42,9 +42,20 @@ class _Workers:
         self.polled.set()
         self.prefill_worker = PrefillWorker(PrefillState("prefill"), channel=None, stub=self)  # type: ignore[arg-type]
         self.decode_requests: list[worker_pb2.DecodeRequest] = []
+        self.prefill_requests: list[worker_pb2.PrefillRequest] = []
+        self.reserved: list[str] = []
+        self.spare: kv_pb2.KVDestination | None = None  # a standing lease take_standing hands out once
+
+    def take_standing(self, num_prompt_tokens: int) -> tuple[Any, kv_pb2.KVDestination] | None:
+        spare, self.spare = self.spare, None
+        return None if spare is None else (self, spare)
+
+    def refill_standing(self) -> None:
+        self.order.append("refill")
 
     async def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int, deadline: Any,
                       trace_id: str | None = None) -> tuple[Any, kv_pb2.KVDestination]:
+        self.reserved.append(request_id)
         destination = kv_pb2.KVDestination(request_id=request_id, lease_id="lease",
                                            lease_deadline_unix_ms=int(time.time() * 1000) + 60_000)
         return self, destination
@@ -58,6 +69,7 @@ class _Workers:
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, **_: Any) -> worker_pb2.PrefillResponse:  # noqa: N802
         self.order.append("prefill")
+        self.prefill_requests.append(request)
         return worker_pb2.PrefillResponse(first_token=FIRST)
 
     def Decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> _DecodeStream:  # noqa: N802
@@ -137,3 +149,26 @@ async def test_observer_hears_each_phase_once_in_path_order():
     took = dict(phases.seen)
     assert all(value >= 0 for value in took.values())
     assert took["admitted"] + took["prefilled"] <= took["first_token"] <= took["finished"]
+
+
+async def test_a_run_on_a_standing_lease_skips_reserve_and_runs_under_its_id():
+    """A run that takes a standing lease sends no Reserve; Prefill (with the spare's destination) and Decode
+    (with its lease) name the spare's request id, which the workers know the lease by; the refill is asked
+    for once the first token is out, before Decode; tokens are unchanged."""
+    order: list[Any] = []
+    workers = _Workers(order)
+    workers.spare = kv_pb2.KVDestination(request_id="standing.abc", lease_id="spare-lease", page_ids=[3],
+                                         lease_deadline_unix_ms=int(time.time() * 1000) + 60_000)
+    job = GenerateJob(request_id="r3", prompt_ids=(5, 6, 7),
+                      params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    run = RequestRun(job, workers, None, time.perf_counter(), None, cleanup_timeout_s=5.0)  # type: ignore[arg-type]
+    run.start()
+    assert run.task is not None
+    await asyncio.wait_for(run.task, 30)
+    assert workers.reserved == [] and run.worker_id == "standing.abc"
+    prefill, decode = workers.prefill_requests[0], workers.decode_requests[0]
+    assert prefill.request_id == prefill.destination.request_id == decode.request_id == "standing.abc"
+    assert decode.lease_id == "spare-lease"
+    assert order[:3] == ["prefill", "refill", "decode call"]  # refilled after the first token, not during prefill
+    events = [run.events.get_nowait() for _ in range(run.events.qsize())]
+    assert [t for event in events if isinstance(event, TokensEvent) for t in event.token_ids] == [FIRST, 7, 8, 9]

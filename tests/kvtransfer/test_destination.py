@@ -62,3 +62,27 @@ def test_checks_before_writing():
         dataclasses.replace(destination, num_tokens=32).check_against(SMALL_WITH_DRAFT, "test")
     with pytest.raises(LeaseExpired):
         dataclasses.replace(destination, lease_deadline_unix_ms=1).check_lease()
+
+
+def test_narrowed_keeps_the_lease_binding():
+    """A standing lease narrowed to a shorter prompt names the first ceil(n / page_size) pages and n tokens,
+    keeps the binding of the whole lease (the completion slot's key), survives the proto round trip, and a
+    destination whose pages are not a prefix of its lease's is refused."""
+    whole = make(page_ids=(7, 3, 9, 1), num_tokens=64)
+    narrow = whole.narrowed(20, 16)
+    assert narrow.page_ids == (7, 3) and narrow.num_tokens == 20
+    assert narrow.lease_page_ids == (7, 3, 9, 1) and narrow.lease_num_tokens == 64
+    assert narrow.binding == whole.binding
+    assert Destination.from_proto(narrow.to_proto()) == narrow
+    assert narrow.narrowed(5, 16).binding == whole.binding  # narrowing again stays bound to the lease
+    assert whole.narrowed(64, 16).binding == whole.binding
+    for bad in (0, 65):
+        with pytest.raises(ValueError):
+            whole.narrowed(bad, 16)
+    with pytest.raises(ValueError, match="prefix"):
+        dataclasses.replace(narrow, page_ids=(3, 7))
+    with pytest.raises(ValueError, match="prefix"):
+        dataclasses.replace(narrow, num_tokens=65)
+    with pytest.raises(ValueError, match="together"):
+        dataclasses.replace(narrow, lease_num_tokens=0)
+    assert dataclasses.replace(whole, page_ids=(7, 3)).binding != whole.binding  # an unnarrowed subset does not bind

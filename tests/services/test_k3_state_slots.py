@@ -13,7 +13,7 @@ from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
 from kvtransfer.shm_transport import ShmWriter
 from rpc.status import FailedPrecondition, ResourceExhausted
-from tests.services.decode_hooks import engine_thread_blocked
+from tests.services.decode_hooks import engine_thread_blocked, mark_kv_complete
 from tests.services.helpers import eventually, greedy
 from tests.services.k3_service_model import make_k3_service_model
 
@@ -133,3 +133,18 @@ async def test_a_slot_is_reserved_and_released_while_the_engine_thread_is_busy(s
         assert await service.release("b1")
         assert (service.load.free_pages, service.load.free_state_slots, service.load.leases) == (pages, slots, 0)
         assert not gate.is_set()
+
+
+async def test_a_standing_lease_keeps_its_slot_when_narrowed(service):
+    """A standing lease (48 tokens: 3 pages and a state slot) claimed by a 20-token prompt keeps its state
+    slot through the narrowing (the KV, state included, is checked against the narrowed destination), the
+    request streams to its end, and pages and slot all come back."""
+    pages, slots = _start(service)
+    destination = await service.reserve("w1", 48, 1, TransportKind.SHM, standing=True)
+    assert destination.state_slot is not None and len(destination.page_ids) == 3
+    narrowed = destination.narrowed(20, PAGE_SIZE)
+    mark_kv_complete(service.engine, narrowed)
+    tokens = [t async for update in service.decode("w1", destination.lease_id, [5] * 20, 7, greedy(4))
+              for t in update.token_ids]
+    assert len(tokens) == 3
+    await _settled(service, pages, slots)

@@ -102,16 +102,18 @@ class GetPrefillLoadResponse(_message.Message):
     def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "transport")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "transport", "standing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    STANDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_new_tokens: int
     transport: _kv_pb2.Transport
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., transport: _Optional[_Union[_kv_pb2.Transport, str]] = ...) -> None: ...
+    standing: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., transport: _Optional[_Union[_kv_pb2.Transport, str]] = ..., standing: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("destination",)

@@ -1,0 +1,175 @@
+"""Standing leases: one spare reservation per decode worker, granted before a request arrives, so that a
+request whose prompt fits takes it instead of paying a Reserve round trip before its prefill.
+
+A spare is a Reserve with `standing` set for `tokens` prompt tokens under an id of its own
+("standing.<hex>"); the request that takes it runs under that id on both workers (the prefill worker
+checks the destination names the request it prefills), and the destination is narrowed to the prompt's
+pages (Destination.narrowed: still bound to the whole lease, so the prefill worker's lease check holds).
+The decode worker frees the pages past the prompt when Decode claims the lease. A spare is taken at most
+once (take() removes it), only from a reachable worker whose transport is shm, and only while at least
+half its lease is left; the refill task (woken once the taker's first token is out, else at its next
+poll-interval pass) replaces taken, ageing and refused spares, holds off while the
+worker is short of pages (and gives its spare back when a Reserve there is refused for room), and
+close() releases every spare. Unclaimed spares show in the decode worker's load reports as leases."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvtransfer.destination import Destination
+from rpc.internal.v1 import kv_pb2, worker_pb2
+from rpc.logging_setup import request_metadata
+
+if TYPE_CHECKING:
+    from gateway.workers import DecodeWorker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Spare:
+    worker: DecodeWorker
+    destination: kv_pb2.KVDestination
+
+    @property
+    def left_s(self) -> float:
+        """Seconds until the lease lapses on the decode worker."""
+        return self.destination.lease_deadline_unix_ms / 1000 - time.time()
+
+
+class StandingLeases:
+    """tokens: the prompt tokens each spare holds (longer prompts Reserve as usual); ttl_s: the lease asked
+    for (the decode worker caps it at its lease TTL); a spare is used and kept while >= ttl_s / 2 is left."""
+
+    def __init__(self, pool: WorkerPool, tokens: int, ttl_s: float) -> None:
+        if tokens <= 0 or ttl_s <= 0:
+            raise ValueError("standing lease tokens and ttl_s must be positive")
+        self._pool = pool
+        self.tokens = tokens
+        self.ttl_s = ttl_s
+        self._spares: dict[int, Spare] = {}  # decode worker index -> its spare
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._releases: set[asyncio.Task[None]] = set()
+        self._retry_at: dict[int, float] = {}  # decode worker index -> when to try again after a refusal
+        self.taken = 0  # spares requests took (for tests and logs)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._refill_forever())
+
+    def held(self) -> list[Spare]:
+        return list(self._spares.values())
+
+    def take(self, num_prompt_tokens: int, order: list[int]) -> tuple[DecodeWorker, kv_pb2.KVDestination] | None:
+        """The spare of the first worker in `order` (the router's ranking) that has a usable one, narrowed to
+        the prompt, or None (then Reserve as usual). Removes it: no other request can take it."""
+        if num_prompt_tokens > self.tokens:
+            return None
+        for index in order:
+            spare = self._spares.get(index)
+            if spare is None or not self._usable(spare):
+                continue
+            del self._spares[index]
+            self.taken += 1
+            state = spare.worker.state
+            destination = Destination.from_proto(spare.destination).narrowed(num_prompt_tokens, state.page_size)
+            state.running += 1
+            return spare.worker, destination.to_proto()
+        return None
+
+    def refill_soon(self) -> None:
+        """Wakes the refill task now rather than at its next poll-interval pass. The run that took a spare
+        calls this once its first token is out, so the refill's Reserve competes with neither its prefill
+        nor the first token's way to the client (a run that ends sooner leaves it to the next pass)."""
+        self._wake.set()
+
+    def give_back(self, worker: DecodeWorker) -> None:
+        """A Reserve on `worker` was refused for room: release its spare so the request can have the pages."""
+        for index, spare in list(self._spares.items()):
+            if spare.worker is worker:
+                del self._spares[index]
+                self._release_soon(spare)
+
+    async def close(self) -> None:
+        """Stops refilling and releases every spare (gateway shutdown)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        spares, self._spares = list(self._spares.values()), {}
+        await asyncio.gather(*(self._release(spare) for spare in spares), *self._releases)
+
+    # --- refill -------------------------------------------------------------------------------------
+    def _usable(self, spare: Spare) -> bool:
+        state = spare.worker.state
+        return (state.healthy and spare.left_s >= self.ttl_s / 2
+                and self._pool.transport_for(spare.worker) == kv_pb2.TRANSPORT_SHM)
+
+    async def _refill_forever(self) -> None:
+        await self._pool.polled.wait()
+        while True:
+            self._wake.clear()
+            for index, worker in enumerate(self._pool.decode):
+                spare = self._spares.get(index)
+                if spare is not None and not self._usable(spare):
+                    del self._spares[index]
+                    if worker.state.healthy:
+                        self._release_soon(spare)  # an unreachable worker frees it when the lease lapses
+                due = time.monotonic() >= self._retry_at.get(index, 0.0)
+                if index not in self._spares and due and self._has_room(worker):
+                    await self._grant(index, worker)
+            await self._sleep(self._pool.config.load_poll_interval_s)  # health and room change with the polls
+
+    async def _sleep(self, seconds: float) -> None:
+        """Until refill_soon() wakes the task or `seconds` pass (asyncio.wait, not wait_for: Python 3.11's
+        wait_for can swallow a cancel that arrives as the event is set, and close() must stop the task)."""
+        waiter = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=seconds)
+        finally:
+            waiter.cancel()
+
+    def _has_room(self, worker: DecodeWorker) -> bool:
+        """Reachable, shm, and (by its last load report) room for two spares: never the last pages."""
+        state = worker.state
+        return (state.healthy and self._pool.transport_for(worker) == kv_pb2.TRANSPORT_SHM
+                and state.free_pages >= 2 * state.pages_for(self.tokens))
+
+    async def _grant(self, index: int, worker: DecodeWorker) -> None:
+        request_id = f"standing.{uuid.uuid4().hex[:16]}"
+        request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=self.tokens, max_new_tokens=1,
+                                            transport=kv_pb2.TRANSPORT_SHM, standing=True)
+        try:
+            response = await worker.stub.Reserve(request, timeout=self.ttl_s, metadata=self._metadata(request_id))
+        except grpc.aio.AioRpcError as error:
+            logger.info("no standing lease on %s: %s %s", worker.state.address, error.code().name, error.details())
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                worker.state.free_pages = 0  # until the next poll says otherwise
+            self._retry_at[index] = time.monotonic() + 1.0
+            return
+        worker.state.free_pages = max(0, worker.state.free_pages - len(response.destination.page_ids))
+        self._spares[index] = Spare(worker, response.destination)
+
+    def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
+        return request_metadata(request_id) + self._pool.metadata
+
+    def _release_soon(self, spare: Spare) -> None:
+        task = asyncio.get_running_loop().create_task(self._release(spare))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, spare: Spare) -> None:
+        request_id = spare.destination.request_id
+        try:
+            await spare.worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id),
+                                            timeout=self._pool.config.cleanup_timeout_s,
+                                            metadata=self._metadata(request_id))
+        except grpc.aio.AioRpcError as error:
+            logger.warning("could not release standing lease %s: %s", request_id, error.code().name)
