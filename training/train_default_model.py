@@ -51,7 +51,8 @@ FULL = {"shape": TargetShape(), "target": TargetTraining(), "draft": DraftTraini
 DRAFT_KEYS = ("acceptance_length", "acceptance_per_position", "accept_prompts", "accept_prompt_length",
               "accept_new_tokens", "acceptance_length_64_128", "acceptance_per_position_64_128", "draft_steps",
               "draft_batch", "draft_lr", "draft_sequences", "draft_generated", "draft_anchors", "draft_prompt_min",
-              "draft_prompt_max", "draft_init", "draft_minutes", "draft_command", "train_minutes", "wall_minutes")
+              "draft_prompt_max", "draft_init", "draft_minutes", "draft_command", "train_minutes", "wall_minutes",
+              "draft_seed", "draft_max_steps", "draft_budget_minutes")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,6 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-prompt-lengths", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
                         help="distillation prompts of MIN..MAX tokens, continued to MAX + the generated length")
     parser.add_argument("--draft-lr", type=float, default=None, help="draft peak learning rate (default 2e-3)")
+    parser.add_argument("--draft-minutes", type=float, default=None,
+                        help="wall-clock budget of the draft phase (data generation + training): the update loop "
+                             "gets what the data left and stops at --draft-steps or the budget, the cosine "
+                             "decaying over whichever runs out first")
     parser.add_argument("--engine-distill", action="store_true",
                         help="generate the draft's distillation text with the serving engine (greedy, ~15x faster "
                              "on CPU) instead of transformers' generate loop")
@@ -138,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                          engine_continuations(llm) if llm is not None else None)
     if llm is not None:
         llm.close()
-    draft = train_draft(target, draft_config, data, draft_cfg, args.seed, args.draft_init)
+    if args.draft_minutes is not None:
+        left = args.draft_minutes - (time.monotonic() - draft_started) / 60
+        if left <= 0:
+            raise ValueError(f"--draft-minutes {args.draft_minutes}: the distillation data alone took longer")
+        draft_cfg = replace(draft_cfg, minutes=left)
+    draft, draft_steps = train_draft(target, draft_config, data, draft_cfg, args.seed, args.draft_init)
     draft_params = sum(p.numel() for p in draft.parameters())
     save_draft(draft, out / "draft")
     draft = load_draft(out / "draft")
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "accept_prompts": len(prompts), "accept_prompt_length": length, "accept_new_tokens": plan["accept_new_tokens"],
         "target_steps": target_cfg.steps, "target_batch": target_cfg.schedule.batch_size,
         "target_lr": target_cfg.schedule.lr, "target_warmup": target_cfg.schedule.warmup_steps,
-        "draft_steps": draft_cfg.steps, "draft_batch": draft_cfg.schedule.batch_size, "draft_lr": draft_cfg.schedule.lr,
+        "draft_steps": draft_steps, "draft_batch": draft_cfg.schedule.batch_size, "draft_lr": draft_cfg.schedule.lr,
         "draft_sequences": draft_cfg.text.num_sequences, "draft_generated": draft_cfg.text.generated_length,
         "draft_anchors": draft_cfg.anchors_per_sequence, "target_minutes": target_time / 60,
         "draft_prompt_min": draft_cfg.text.min_prompt_length or draft_cfg.text.prompt_length,
@@ -175,12 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         "draft_minutes": draft_time / 60, "acceptance_length_64_128": bench_accept,
         "acceptance_per_position_64_128": bench_per_position,
         "wall_minutes": (time.monotonic() - started) / 60, "train_minutes": train_time / 60,
+        "draft_max_steps": draft_cfg.steps, "draft_budget_minutes": args.draft_minutes,
         "draft_rerun": args.reuse_target, "draft_distill": "engine" if args.engine_distill else "transformers",
         "command": command_line("", "training.train_default_model", argv),
     }
     if reused_from is not None:
         metrics["draft_command"], metrics["command"] = metrics["command"], reused_from["command"]
         metrics["draft_threads"], metrics["threads"] = args.threads, reused_from["threads"]
+        metrics["draft_seed"], metrics["seed"] = args.seed, reused_from["seed"]  # the target's seed stays
         metrics["previous_draft"] = {k: reused_from[k] for k in DRAFT_KEYS if k in reused_from}
     logger.info("metrics: %s", json.dumps(metrics, indent=1))
     (out / "training_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")

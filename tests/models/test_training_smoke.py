@@ -49,7 +49,8 @@ def test_tiny_training_run_writes_loadable_model(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_draft_only_rerun_warm_starts_and_keeps_the_target(tmp_path: Path) -> None:
     """--reuse-target --draft-init retrains only the draft: the target's bytes are unchanged, the draft starts from
-    the given one, and the metrics keep the previous draft's figures and both commands."""
+    the given one, and the metrics keep the previous draft's figures, both commands and the target's seed (the
+    draft's own --seed and time budget recorded beside them)."""
     out = tmp_path / "tiny"
     common = [sys.executable, "-m", "training.train_default_model", "--tiny", "--out", str(out), "--threads", "1"]
     first = subprocess.run(common, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -57,7 +58,7 @@ def test_draft_only_rerun_warm_starts_and_keeps_the_target(tmp_path: Path) -> No
     target_bytes = (out / "model.safetensors").read_bytes()
     old_metrics = json.loads((out / "training_metrics.json").read_text())
     rerun = ["--reuse-target", "--draft-init", str(out / "draft"), "--draft-prompt-lengths", "4", "8",
-             "--draft-sequences", "8", "--draft-lr", "1e-3"]
+             "--draft-sequences", "8", "--draft-lr", "1e-3", "--seed", "5", "--draft-minutes", "30"]
     second = subprocess.run(common + rerun, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0, second.stderr[-3000:]
     assert (out / "model.safetensors").read_bytes() == target_bytes
@@ -66,5 +67,7 @@ def test_draft_only_rerun_warm_starts_and_keeps_the_target(tmp_path: Path) -> No
     assert metrics["previous_draft"]["acceptance_length"] == old_metrics["acceptance_length"]
     assert (metrics["draft_prompt_min"], metrics["draft_prompt_max"], metrics["draft_lr"]) == (4, 8, 1e-3)
     assert metrics["draft_init"] == str(out / "draft") and metrics["held_out_loss"] == old_metrics["held_out_loss"]
+    assert (metrics["seed"], metrics["draft_seed"]) == (old_metrics["seed"], 5)  # the target's seed is kept
+    assert (metrics["draft_budget_minutes"], metrics["draft_steps"]) == (30, metrics["draft_max_steps"])
     assert "Warm-started from the previous draft" in (out / "README.md").read_text()
     load_draft(out / "draft")

@@ -2,6 +2,7 @@
 target) and the warm start from a saved draft."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from engine import LLM
 from engine.models.dflash import DFlashConfig, DFlashDraft, save_draft
 from training.block_draft import DistillText
 from training.target_shape import TargetShape, build_config
-from training.train_draft import DraftTraining, build_dataset, engine_continuations, greedy_continuations, warm_draft
+from training.train_draft import (
+    DRAFT_SCHEDULE, DraftTraining, build_dataset, engine_continuations, greedy_continuations, train_draft, warm_draft,
+)
 
 SHAPE = TargetShape(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                     num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
@@ -58,6 +61,24 @@ def test_warm_start_loads_the_saved_weights(tmp_path: Path) -> None:
     other = DFlashConfig(**{**DRAFT.__dict__, "intermediate_size": 48})
     with pytest.raises(ValueError, match="--draft-init"):
         warm_draft(tmp_path / "draft", other, target)
+
+
+def test_time_budget_stops_the_update_loop() -> None:
+    """DraftTraining.minutes bounds the update loop: a spent budget makes no update (the draft is returned as
+    it was built), an ample one runs exactly cfg.steps; a non-positive budget is refused naming the field."""
+    target = tiny_target()
+    text = DistillText(num_sequences=2, prompt_length=4, generated_length=8, generate_batch=2)
+    cfg = DraftTraining(text=text, steps=3, anchors_per_sequence=2, schedule=DRAFT_SCHEDULE.smoke())
+    data = build_dataset(target, torch.arange(4, 60), cfg, DRAFT.target_layer_ids, 0)
+    fresh, updates = train_draft(target, DRAFT, data, replace(cfg, minutes=1e-9), 0)
+    assert updates == 0
+    again, _ = train_draft(target, DRAFT, data, replace(cfg, minutes=1e-9), 0)
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    trained, updates = train_draft(target, DRAFT, data, replace(cfg, minutes=10.0), 0)
+    assert updates == 3 and not torch.equal(trained.state_dict()["fc.weight"], fresh.state_dict()["fc.weight"])
+    with pytest.raises(ValueError, match="minutes"):
+        replace(cfg, minutes=0.0)
 
 
 @pytest.mark.slow
