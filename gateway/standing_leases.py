@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvtransfer.destination import Destination
 from rpc.internal.v1 import kv_pb2, worker_pb2
 from rpc.logging_setup import request_metadata
 
@@ -79,6 +78,8 @@ class StandingLeases:
             del self._spares[index]
             self.taken += 1
             state = spare.worker.state
+            from kvtransfer.destination import Destination  # torch (through the layout): only with spares taken
+
             destination = Destination.from_proto(spare.destination).narrowed(num_prompt_tokens, state.page_size)
             state.running += 1
             return spare.worker, destination.to_proto()

@@ -28,6 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_HANDOFF_TESTS = "tests/services/test_gpu_handoff.py"
+# A child pytest; hypothesis's plugin (~1 s of start-up) is left out: no stage selects a hypothesis test.
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
 
 
 class Stages:
@@ -74,7 +76,7 @@ def stage_attention_kernels(args, stages: Stages):
     CPU, in the dry run, only the collection runs: the interpreter version is part of the CPU suite)."""
     env = {"TRITON_INTERPRET": "0" if args.device == "cuda" else "1", "PDSERVE_TEST_DEVICE": args.device}
     select = [] if args.device == "cuda" else ["-m", "gpu"]
-    result = run_command([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *select,
+    result = run_command([*PYTEST, "-rs", *select,
                           "tests/engine/test_attention_backends.py"], min(stages.left() - 240, 150), env)
     return _pytest_status(result)
 
@@ -85,7 +87,7 @@ def stage_pytest_gpu_marked(args, stages: Stages):
     env = {"TRITON_INTERPRET": "0" if args.device == "cuda" else "1"}
     paths = (["tests", "--ignore", GPU_HANDOFF_TESTS] if args.device == "cuda" else
              ["tests/engine/test_fused_moe.py", "tests/engine/test_fp8_gemm.py"])
-    result = run_command([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs", *paths],
+    result = run_command([*PYTEST, "-m", "gpu", "-rs", *paths],
                          min(stages.left() - 240, 150), env)
     return _pytest_status(result)
 
@@ -94,7 +96,7 @@ def stage_gpu_handoff(args, stages: Stages):
     """Weight sharing and device KV handoff through the real services on one GPU (collection only in the
     dry run: the CPU suite runs the same code over the memfd stand-in)."""
     select = [] if args.device == "cuda" else ["--collect-only"]
-    result = run_command([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-s", *select,
+    result = run_command([*PYTEST, "-rs", "-s", *select,
                           GPU_HANDOFF_TESTS], min(stages.left() - 120, 240))
     if args.device != "cuda":
         return ("passed" if result.returncode == 0 else "failed"), "collected only (dry run)"

@@ -88,3 +88,19 @@ def test_floor_zero_has_no_heavy_dependencies():
     for package, forbidden in FORBIDDEN_THIRD_PARTY.items():
         used = _imports(package)
         assert not {name: sorted(used[name]) for name in forbidden if name in used}, package
+
+
+def test_the_gateway_process_starts_without_torch():
+    """The gateway (tokenizer, routing, gRPC) loads no torch: ~2 s of CPU and ~300 MB less per gateway
+    process. Its model facts come from config.json; torch is imported lazily where the engine needs it."""
+    import subprocess
+    import sys
+
+    check = ("import sys; from gateway.server import serve; from gateway.model_info import ModelFacts; "
+             "[ModelFacts.from_dir(d) for d in sys.argv[1:]]; "
+             "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    models = [str(ROOT / "models" / name) for name in ("pdserve-tiny", "pdserve-k3-tiny")]
+    result = subprocess.run([sys.executable, "-c", check, *models], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "torch" not in result.stdout, result.stdout

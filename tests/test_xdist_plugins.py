@@ -23,7 +23,8 @@ def _child_pytest(root: Path, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PYTEST_XDIST_WORKER", None)  # the child is a fresh controller, even when this test runs in a worker
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.xdist_order", "-p", "tests.cpu_durations",
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",  # ~1 s per process
+         "-p", "tests.xdist_order", "-p", "tests.cpu_durations",
          "-o", "markers=slow: slow", "--rootdir", str(root), *args, str(root)],
         cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -8,18 +8,21 @@ engine/model_configs/kimi_parse.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import check_tp_split
 from engine.config_base import MLAShape, alias, length_of
 from engine.model_configs.linear_attn import LinearAttnConfig
 from engine.model_configs.quantization import QuantizationConfig
-from engine.state_pool import StateShape
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.state_pool import StateShape
 
 MODEL_TYPES = ("kimi_linear", "kimi_k3")
 HIDDEN_ACTS = ("silu", "situ")
-SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SSM_DTYPES = ("float32", "bfloat16")  # mamba_ssm_dtype: torch dtype names (torch is imported only for the engine)
 # transformers' kimi_linear builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps.
 HF_LATENT_NORM_EPS = 1e-6
 
@@ -128,13 +131,17 @@ class KimiLinearConfig(MLAShape):
 
     def state_shape(self, tp_size: int, num_slots: int, conv_dtype: torch.dtype) -> StateShape:
         """This rank's state-pool geometry: heads and q|k|v conv channels divided by tp_size."""
+        import torch  # here, not at module level: the gateway reads this config without torch
+
+        from engine.state_pool import StateShape
+
         heads = self.linear_attn.num_heads // tp_size
         dim = self.linear_attn.head_dim
         return StateShape(
             num_kda_layers=self.num_kda_layers, num_slots=num_slots,
             conv_width=self.linear_attn.short_conv_kernel_size - 1, conv_channels=3 * heads * dim,
             num_heads=heads, head_k_dim=dim, head_v_dim=dim, conv_dtype=conv_dtype,
-            ssm_dtype=SSM_DTYPES[self.mamba_ssm_dtype],
+            ssm_dtype=getattr(torch, self.mamba_ssm_dtype),
         )
 
     @property

@@ -13,9 +13,10 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
+if TYPE_CHECKING:  # the gateway reads configs through this module without importing torch
+    import torch
 
 class ModelEntry(NamedTuple):
     model_module: str

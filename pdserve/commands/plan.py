@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from pdserve.plan.capacity import PlanRequest
 from pdserve.plan.dtypes import KV_DTYPE_BYTES, WEIGHT_DTYPES, Quantization, WeightFormat, weight_format
 from pdserve.plan.gpus import CATALOG, lookup_gpu
-from pdserve.plan.model_source import load_model
-from pdserve.plan.params import count_parameters
 from pdserve.plan.presets import PRESETS
-from pdserve.plan.report import format_json, format_table
-from pdserve.plan.result import CapacityPlan, build_plan
+
+if TYPE_CHECKING:  # the planning itself reads the engine's tables (torch): imported when a plan is made,
+    from pdserve.plan.result import CapacityPlan  # not by every `pdserve` command that builds the parser
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -68,6 +66,11 @@ def _format(name: str | None, shipped: WeightFormat, group: int | None, scale: s
 
 def make_plan(args: argparse.Namespace) -> CapacityPlan:
     """Builds and runs the request the arguments describe; ValueError on any bad input."""
+    from pdserve.plan.capacity import PlanRequest
+    from pdserve.plan.model_source import load_model
+    from pdserve.plan.params import count_parameters
+    from pdserve.plan.result import build_plan
+
     model = load_model(args.model)
     computed = count_parameters(model.config)
     if args.params is not None and args.params <= 0:
@@ -93,6 +96,8 @@ def make_plan(args: argparse.Namespace) -> CapacityPlan:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.plan.report import format_json, format_table
+
     try:
         plan = make_plan(args)
     except (ValueError, OSError) as error:

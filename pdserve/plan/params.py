@@ -107,10 +107,21 @@ def _k3_tensors(config) -> dict[str, tuple[int, ...]]:
     return {name: shape for name, (shape, _) in expected_k3_tensors(config, lambda layer: kda).items()}
 
 
+_COUNTED: dict[str, ParamBreakdown] = {}  # repr(config) -> its count: walking K3's ~10^5 tensor names takes ~1.5 s
+
+
 def count_parameters(config) -> ParamBreakdown:
     """Counts the weights the engine loads for `config`, by group: a DeepSeek-V3 ModelConfig through
     engine.weights.expected_weight_shapes (transformers' DeepseekV3ForCausalLM layout, no MTP layer), Kimi K3
-    through engine.models.kimi_k3_weights.expected_k3_tensors (MXFP4 experts: two weights per packed byte)."""
+    through engine.models.kimi_k3_weights.expected_k3_tensors (MXFP4 experts: two weights per packed byte).
+    Remembered per config (the configs are frozen dataclasses, so their repr names every field)."""
+    key = repr(config)
+    if key not in _COUNTED:
+        _COUNTED[key] = _count(config)
+    return _COUNTED[key]
+
+
+def _count(config) -> ParamBreakdown:
     groups = dict.fromkeys((item.name for item in fields(ParamBreakdown)), 0)
     if isinstance(config, ModelConfig):
         from engine.weights import expected_weight_shapes  # torch: only when counting
