@@ -35,7 +35,6 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def target() -> DeepseekV3ForCausalLM:
-    torch.set_num_threads(2)
     return DeepseekV3ForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32, experts_implementation="eager").eval()
 
 

@@ -2,6 +2,10 @@
 gateway processes on loopback) for the whole session, and in-process reference outputs."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +20,23 @@ MAX_TOKENS = 16
 PROMPTS = token_prompts(PROMPT_LENGTHS)  # 16 prompts of 1 to 2048 tokens
 
 
+@contextlib.contextmanager
+def run_wide(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A directory every pytest-xdist worker of this run shares (the workers' base temp directories have one
+    parent), held under an exclusive lock: the first worker to need it builds what goes in, the others wait
+    and reuse it instead of building their own (each build costs ~7-12 CPU seconds)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    root.mkdir(exist_ok=True)
+    with open(f"{root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield root
+
+
 @pytest.fixture(scope="session")
 def service_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_service_model(tmp_path_factory.mktemp("service_model"))
+    with run_wide(tmp_path_factory, "service_model") as root:
+        return make_service_model(root)  # returns the existing directory when another worker built it
 
 
 def launch(model: Path, log_dir: Path, **overrides: object) -> Cluster:
@@ -54,9 +72,20 @@ def llm(service_model: Path) -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def reference(llm) -> dict[bool, list[list[int]]]:
-    """In-process greedy outputs of PROMPTS: with speculation (speculative=None, the draft is loaded) and without."""
-    return {spec: llm.generate(PROMPTS, greedy(MAX_TOKENS, None if spec else False)) for spec in (True, False)}
+def reference(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[bool, list[list[int]]]:
+    """In-process greedy outputs of PROMPTS: with speculation (speculative=None, the draft is loaded) and without.
+    Computed once per run (by the first xdist worker that needs them) and read back by the others."""
+    with run_wide(tmp_path_factory, "service_reference") as root:
+        saved = root / "outputs.json"
+        if not saved.exists():
+            from engine import LLM
+
+            with LLM(str(service_model), attention_backend="torch", kv_memory_bytes=64 * 2**20,
+                     num_threads=1) as llm:
+                outputs = {str(spec): llm.generate(PROMPTS, greedy(MAX_TOKENS, None if spec else False))
+                           for spec in (True, False)}
+            saved.write_text(json.dumps(outputs))
+        return {spec: json.loads(saved.read_text())[str(spec)] for spec in (True, False)}
 
 
 def worker_address(cluster: Cluster, role: str) -> str:
