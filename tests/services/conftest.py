@@ -2,35 +2,20 @@
 gateway processes on loopback) for the whole session, and in-process reference outputs."""
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pdserve.launcher import Cluster, ClusterSpec
+from tests.run_wide import run_wide
 from tests.services.helpers import PROMPT_LENGTHS, greedy, token_prompts
 from tests.services.service_model import make_service_model
 
 WORKER_ARGS = ("--kv-memory-mb", "64", "--num-threads", "1")
 MAX_TOKENS = 16
 PROMPTS = token_prompts(PROMPT_LENGTHS)  # 16 prompts of 1 to 2048 tokens
-
-
-@contextlib.contextmanager
-def run_wide(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
-    """A directory every pytest-xdist worker of this run shares (the workers' base temp directories have one
-    parent), held under an exclusive lock: the first worker to need it builds what goes in, the others wait
-    and reuse it instead of building their own (each build costs ~7-12 CPU seconds)."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
-    root.mkdir(exist_ok=True)
-    with open(f"{root}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield root
 
 
 @pytest.fixture(scope="session")
