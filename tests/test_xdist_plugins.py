@@ -75,3 +75,24 @@ def test_scope_costs_sum_a_scopes_tests_and_drop_short_scopes():
     usages = [Usage("t/test_a.py::test_x", wall_s=0.7), Usage("t/test_a.py::test_y", wall_s=0.6),
               Usage("t/test_b.py::Cls::test_z", wall_s=5.0), Usage("t/test_c.py::test_w", wall_s=0.2)]
     assert scope_costs(usages) == {"t/test_b.py::Cls": 5.0, "t/test_a.py": 1.3}
+
+
+def test_the_session_cluster_unit_names_every_module_that_takes_the_cluster():
+    """tests/xdist_order.py's SESSION_CLUSTER_MODULES (one xdist work unit, so the session deployment starts
+    once per run) are exactly the test modules with a test or fixture taking the `cluster` fixture; a module
+    left out would only start a second deployment, one listed wrongly would only lengthen the unit."""
+    import ast
+
+    from tests.xdist_order import SESSION_CLUSTER_MODULES, SESSION_CLUSTER_SCOPE, scope_of
+
+    taking = set()
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            fixture = any("fixture" in ast.unparse(decorator) for decorator in node.decorator_list)
+            if (node.name.startswith("test_") or fixture) and "cluster" in [a.arg for a in node.args.args]:
+                taking.add(path.relative_to(REPO).as_posix())
+    assert taking == set(SESSION_CLUSTER_MODULES)
+    assert scope_of("tests/services/test_e2e_api.py::test_x[a]") == SESSION_CLUSTER_SCOPE
+    assert scope_of("tests/engine/test_llm.py::Cls::test_y") == "tests/engine/test_llm.py::Cls"

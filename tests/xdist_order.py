@@ -11,9 +11,12 @@ running alone on one worker while the other idles. Without xdist the collection 
 Refresh the table after adding or changing slow tests: `bash scripts/test.sh --write-scope-costs
 tests/scope_costs.json` on an idle machine (tests/cpu_durations.py writes it).
 
-(`--dist loadgroup` with xdist_group marks would also keep the session cluster in one worker, but
-pytest-xdist 3.8 writes the group into Item._nodeid, which pytest 9.2 no longer reads, so the marks are
-ignored: the session `cluster` fixture is started once per worker that runs a cluster module.)"""
+The modules that share the session `cluster` deployment (tests/services/conftest.py) form ONE work unit
+(SESSION_CLUSTER_SCOPE, by a loadscope scheduler that knows it), so that deployment and the in-process `llm`
+are started once per run instead of once in each worker (~13 CPU seconds). (`--dist loadgroup` with
+xdist_group marks would do the same, but pytest-xdist 3.8 writes the group into Item._nodeid, which pytest
+9.2 no longer reads, so the marks are ignored.) tests/test_xdist_plugins.py checks that the list below names
+exactly the modules whose tests or fixtures take `cluster`."""
 from __future__ import annotations
 
 import json
@@ -21,14 +24,35 @@ import os
 from pathlib import Path
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 COSTS_FILE = Path(__file__).with_name("scope_costs.json")
 DEFAULT_COST_S = 10.0
 
 
+SESSION_CLUSTER_SCOPE = "tests/services[session cluster]"
+SESSION_CLUSTER_MODULES = frozenset(f"tests/services/test_{name}.py" for name in (
+    "auth", "client_examples", "e2e_api", "e2e_errors", "e2e_outputs", "e2e_standing_lease", "gateway_loop",
+    "kv_isolation", "metrics_http", "openai_http", "soak_short"))
+
+
 def scope_of(nodeid: str) -> str:
-    """The work unit of `--dist loadscope` (xdist's own rule): the node id up to its last `::`."""
+    """The work unit of `--dist loadscope`: xdist's own rule (the node id up to its last `::`), except that
+    the session-cluster modules are one unit."""
+    if nodeid.split("::", 1)[0] in SESSION_CLUSTER_MODULES:
+        return SESSION_CLUSTER_SCOPE
     return nodeid.rsplit("::", 1)[0]
+
+
+class _ClusterAwareScopes(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+        return scope_of(nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: only called when it runs the session
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadscope` with the session-cluster modules as one work unit (None: xdist's own scheduler)."""
+    return _ClusterAwareScopes(config, log) if config.getoption("dist") == "loadscope" else None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

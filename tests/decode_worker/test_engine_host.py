@@ -111,10 +111,10 @@ def test_engine_host_answers_commands_and_streams_steps():
         facts = _next(events, "ready")[1]
         assert (facts.num_pages, facts.pool_names, facts.max_context, facts.load.free_pages) == (PAGES, ("pool-0",), 4096, PAGES)
 
-        commands.send((1, "reserve", (40,)))
+        commands.send((1, "reserve", (40, 0)))
         _, tag, error, value, load = _next(events, "reply")
         assert (tag, error, value, load.free_pages) == (1, None, ([0, 1, 2], None), PAGES - 3)
-        commands.send((2, "reserve", (16 * 6,)))  # 6 pages asked, 5 free, growth headroom for none running
+        commands.send((2, "reserve", (16 * 6, 0)))  # 6 pages asked, 5 free, growth headroom for none running
         _, tag, error, value, _ = _next(events, "reply")
         assert tag == 2 and error[0] == "ResourceExhausted" and value is None
 
@@ -127,14 +127,14 @@ def test_engine_host_answers_commands_and_streams_steps():
             tokens += new
         assert request_id == "r1" and reason == "length" and tokens == [8, 9, 10] and load.free_pages == PAGES
 
-        commands.send((4, "reserve", (16,)))
+        commands.send((4, "reserve", (16, 0)))
         pages = _next(events, "reply")[3][0]
         commands.send((5, "add", ("bad", [], 7, pages, SamplingParams(max_new_tokens=4), None)))
         _, tag, error, _, load = _next(events, "reply")
         assert tag == 5 and error == ("ValueError", "prompt_ids is empty") and load.free_pages == PAGES
 
         engine.fail_next_step = True
-        commands.send((6, "reserve", (16,)))
+        commands.send((6, "reserve", (16, 0)))
         pages = _next(events, "reply")[3][0]
         commands.send((7, "add", ("r2", [5], 7, pages, SamplingParams(max_new_tokens=4), None)))
         _, failed, text, load = _next(events, "failed")
@@ -153,14 +153,14 @@ def test_reserve_is_answered_while_a_step_runs():
     commands, events, thread = _serve(engine)
     try:
         _next(events, "ready")
-        commands.send((1, "reserve", (16,)))
+        commands.send((1, "reserve", (16, 0)))
         pages = _next(events, "reply")[3][0]
         engine.step_gate = gate = threading.Event()
         commands.send((2, "add", ("long", [5], 7, pages, SamplingParams(max_new_tokens=3), None)))
         _next(events, "reply")
         assert engine.stepping.wait(30)
         engine.stepping.clear()
-        commands.send((3, "reserve", (33,)))
+        commands.send((3, "reserve", (33, 0)))
         _, tag, error, value, load = _next(events, "reply")
         assert (tag, error, value) == (3, None, ([1, 2, 3], None)) and not gate.is_set()
         commands.send((4, "free", value))
