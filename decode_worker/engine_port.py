@@ -79,8 +79,8 @@ class ThreadPort:
         await asyncio.to_thread(self.engine_thread.stop)
 
     # --- reservations: on the event loop, under the engine's pool lock ---------------------------------
-    async def allocate(self, num_tokens: int) -> tuple[list[int], int | None]:
-        return allocate_admitted(self.engine, num_tokens, self._block)  # no await: cancellation cannot split it
+    async def allocate(self, num_tokens: int, pending: int = 0) -> tuple[list[int], int | None]:
+        return allocate_admitted(self.engine, num_tokens, self._block, pending)  # no await: cancellation cannot split it
 
     def free(self, page_ids: list[int], state_slot: int | None) -> None:
         self.engine.free_reservation(page_ids, state_slot)

@@ -133,7 +133,7 @@ class EngineHost:
     def _handle(self, tag: int, op: str, args: tuple[Any, ...]) -> None:
         engine = self._engine
         if op == "reserve":
-            self._reply(tag, None, allocate_admitted(engine, args[0], self._block))  # a refusal: answered by serve
+            self._reply(tag, None, allocate_admitted(engine, args[0], self._block, args[1]))  # a refusal: answered by serve
         elif op == "free":
             engine.free_reservation(*args)
             self._reply(tag, None, None)

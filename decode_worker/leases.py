@@ -9,7 +9,8 @@ engine step in progress. Every path that ends a reservation
 gives its pages and slot back exactly once: whoever removes the lease from the LeaseTable frees it.
 
 Page-exhaustion policy: a reservation keeps `headroom_pages` free for the running requests to grow (one
-speculative block each) and is refused with ResourceExhausted instead of eating into them."""
+speculative block each), and as much for every unclaimed standing lease (a request that will run without
+passing admission again), and is refused with ResourceExhausted instead of eating into them."""
 from __future__ import annotations
 
 import asyncio
@@ -32,20 +33,24 @@ logger = logging.getLogger(__name__)
 class PagePort(Protocol):
     """Where reservations are allocated and freed (decode_worker/engine_port.py's ports)."""
 
-    async def allocate(self, num_tokens: int) -> tuple[list[int], int | None]: ...
+    async def allocate(self, num_tokens: int, pending: int = 0) -> tuple[list[int], int | None]: ...
 
     def free(self, page_ids: list[int], state_slot: int | None) -> None: ...
 
 
-def allocate_admitted(engine: Any, num_tokens: int, spec_block_size: int) -> tuple[list[int], int | None]:
+def allocate_admitted(engine: Any, num_tokens: int, spec_block_size: int,
+                      pending: int = 0) -> tuple[list[int], int | None]:
     """The prompt's pages and, for a model with linear attention, its state slot: admission and allocation
-    under the engine's pool lock, so what was counted free is what gets taken. Raises ResourceExhausted."""
+    under the engine's pool lock, so what was counted free is what gets taken. pending: requests that hold
+    pages but are not running yet and will (unclaimed standing leases): their growth is kept free too.
+    Raises ResourceExhausted."""
     page_size = engine.config.page_size
     with engine.pool_lock:
-        if not admits(engine.num_free_pages, num_tokens, engine.num_running, spec_block_size, page_size):
+        growing = engine.num_running + pending
+        if not admits(engine.num_free_pages, num_tokens, growing, spec_block_size, page_size):
             raise ResourceExhausted(
                 f"decode pool full: {engine.num_free_pages} pages free, "
-                f"{headroom(engine.num_running, spec_block_size, page_size)} kept for running requests"
+                f"{headroom(growing, spec_block_size, page_size)} kept for running and standing requests"
             )
         if engine.num_state_slots and not engine.num_free_state_slots:
             raise ResourceExhausted(f"decode state slots full: all {engine.num_state_slots} are in use or leased")
@@ -104,7 +109,10 @@ class ReservationBook:
         if standing and transport != TransportKind.SHM:
             raise FailedPrecondition(f"standing leases travel by shm only, not {TransportKind(transport).name}")
         ttl = config.lease_ttl_s if ttl_s is None else min(config.lease_ttl_s, max(ttl_s, 0.001))
-        page_ids, slot = await self._pages.allocate(num_prompt_tokens)
+        # An unclaimed standing lease becomes a running request the moment a prompt claims it (no admission
+        # then): its growth headroom is kept from every later reservation, as a running request's is.
+        standing_pending = sum(1 for held in self._held.values() if held.standing and not held.claimed)
+        page_ids, slot = await self._pages.allocate(num_prompt_tokens, standing_pending)
         if request_id in self._held:  # a second Reserve of the id won the race while this one allocated
             self._pages.free(page_ids, slot)
             raise AlreadyExists(f"request {request_id} already holds a reservation on this worker")

@@ -142,10 +142,10 @@ class ProcessPort:
             except Unavailable:
                 logger.warning("engine command %s dropped: %s", op, self._gone)
 
-    async def allocate(self, num_tokens: int) -> tuple[list[int], int | None]:
+    async def allocate(self, num_tokens: int, pending: int = 0) -> tuple[list[int], int | None]:
         """Admission and allocation by the engine process's command thread. A caller cancelled while it waits
         leaves nothing behind: the pages are freed when the answer comes."""
-        future = self._call("reserve", num_tokens)
+        future = self._call("reserve", num_tokens, pending)
         task = asyncio.ensure_future(future)
         try:
             return await asyncio.shield(task)

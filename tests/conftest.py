@@ -11,11 +11,27 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # on a loaded 2-core machine two OpenMP threads spin at every barrier waiting for each other to be scheduled
 # (measured: 17x the CPU seconds and 10x the wall time of one thread on the engine-vs-transformers tests).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The same for the tokenizers library's Rust thread pool (encoding the training corpus: 12.8 CPU s on one
+# thread vs 16.6 on two, beside the other xdist worker).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest_plugins = ["tests.xdist_order", "tests.cpu_durations"]  # (cpu_durations imports xdist_order)
 
 # Fixtures that start a deployment of worker processes: every test using one is `slow` (not in the fast loop).
-PROCESS_CLUSTER_FIXTURES = frozenset({"cluster", "tp2_cluster", "mixed_tp_cluster", "live_gateway"})
+PROCESS_CLUSTER_FIXTURES = frozenset({"cluster", "mixed_tp_cluster", "live_gateway"})
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Puts torch back to one intra-op thread after a test that raised it (torch.set_num_threads, or an
+    in-process engine built with num_threads > 1): otherwise every later test in this xdist worker runs with
+    OpenMP threads that spin at each barrier beside the other worker (measured: one test module left at 2
+    threads cost its worker ~25 CPU s of spinning in the next test alone)."""
+    yield
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -39,11 +39,18 @@ def acceptance_prompts(held_out_stream: torch.Tensor, length: int, count: int) -
     return [held_out_stream[i * stride : i * stride + length].tolist() for i in range(count)]
 
 
-def unigram_entropy(train_docs: Sequence[Sequence[int]], vocab_size: int, windows: torch.Tensor) -> float:
-    """Cross-entropy (nats) of windows[:, 1:] under the add-one-smoothed training unigram."""
+def unigram_counts(train_docs: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the training documents (float64, [vocab_size])."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for doc in train_docs:
         counts += torch.bincount(torch.tensor(doc), minlength=vocab_size).double()
+    return counts
+
+
+def unigram_entropy(train_docs: Sequence[Sequence[int]] | torch.Tensor, vocab_size: int, windows: torch.Tensor) -> float:
+    """Cross-entropy (nats) of windows[:, 1:] under the add-one-smoothed training unigram (train_docs: the
+    documents' token ids, or their unigram_counts)."""
+    counts = train_docs if isinstance(train_docs, torch.Tensor) else unigram_counts(train_docs, vocab_size)
     log_probs = torch.log((counts + 1) / (counts.sum() + vocab_size))
     return -log_probs[windows[:, 1:].flatten()].mean().item()
 

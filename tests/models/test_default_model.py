@@ -13,8 +13,6 @@ from transformers import DeepseekV3ForCausalLM
 from engine.models.dflash import load_draft
 from engine.paths import DSV3_MODEL_DIR
 from training import evaluate
-from training.corpus import load_corpus
-from training.tokenizer import encode_documents
 
 pytestmark = pytest.mark.slow  # evaluates the trained model: held-out loss and draft acceptance
 
@@ -35,16 +33,7 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def target() -> DeepseekV3ForCausalLM:
-    torch.set_num_threads(2)
     return DeepseekV3ForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32, experts_implementation="eager").eval()
-
-
-@pytest.fixture(scope="module")
-def token_docs(tokenizer: Tokenizer) -> tuple[list[list[int]], torch.Tensor]:
-    corpus = load_corpus()
-    train = encode_documents(tokenizer, [d.text for d in corpus.train])
-    held = encode_documents(tokenizer, [d.text for d in corpus.held_out])
-    return train, torch.tensor([t for doc in held for t in doc])
 
 
 def test_shapes_and_size_budget() -> None:
@@ -58,21 +47,21 @@ def test_shapes_and_size_budget() -> None:
     assert size <= 25 * 1024 * 1024, size
 
 
-def test_held_out_loss_below_unigram_threshold(target, token_docs) -> None:
+def test_held_out_loss_below_unigram_threshold(target, corpus_tokens) -> None:
     """Next-token loss on the fixed held-out slice <= threshold (card) x unigram entropy of the slice."""
-    train_docs, held_stream = token_docs
+    train_counts, held_stream = corpus_tokens
     windows = evaluate.held_out_slice(held_stream, 256, 64)
     loss = evaluate.model_loss(target, windows)
-    entropy = evaluate.unigram_entropy(train_docs, target.config.vocab_size, windows)
+    entropy = evaluate.unigram_entropy(train_counts, target.config.vocab_size, windows)
     threshold = card_value("loss_ratio_threshold")
     print(f"held-out loss {loss:.4f} nats, unigram entropy {entropy:.4f} nats, ratio {loss / entropy:.4f}")
     assert threshold <= 0.60
     assert loss / entropy <= threshold
 
 
-def test_draft_acceptance_length(target, token_docs) -> None:
+def test_draft_acceptance_length(target, corpus_tokens) -> None:
     """Greedy draft-then-verify at block size 8 accepts >= 3.0 tokens per verify step on held-out prompts."""
-    _, held_stream = token_docs
+    _, held_stream = corpus_tokens
     draft = load_draft(MODEL_DIR / "draft")
     stride = (held_stream.numel() - 32) // 12
     prompts = [held_stream[i * stride : i * stride + 32].tolist() for i in range(12)]

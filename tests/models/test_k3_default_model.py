@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer
 
 from engine import LLM
+from engine.paths import DSV3_MODEL_DIR
 from training import evaluate, evaluate_k3
-from training.corpus import load_corpus
-from training.tokenizer import encode_documents
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "pdserve-k3-tiny"
 
@@ -21,12 +19,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def token_docs() -> tuple[list[list[int]], torch.Tensor]:
-    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
-    corpus = load_corpus()
-    train = encode_documents(tokenizer, [d.text for d in corpus.train])
-    held = encode_documents(tokenizer, [d.text for d in corpus.held_out])
-    return train, torch.tensor([t for doc in held for t in doc])
+def token_docs(corpus_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training unigram counts, held-out stream): tests/models/conftest.py encodes them with pdserve-tiny's
+    tokenizer, which this model ships byte for byte."""
+    assert (MODEL_DIR / "tokenizer.json").read_bytes() == (DSV3_MODEL_DIR / "tokenizer.json").read_bytes()
+    return corpus_tokens
 
 
 def test_architecture_and_size_budget() -> None:
@@ -48,11 +45,11 @@ def test_architecture_and_size_budget() -> None:
 
 def test_held_out_loss_below_unigram_threshold(token_docs) -> None:
     """Engine loss on the model card's held-out slice (64 windows) <= 0.6 x its training-unigram cross-entropy."""
-    train_docs, held = token_docs
+    train_counts, held = token_docs
     metrics = json.loads((MODEL_DIR / "training_metrics.json").read_text())
     windows = evaluate.held_out_slice(held, metrics["eval_length"], metrics["eval_windows"])
     loss = evaluate_k3.engine_loss(MODEL_DIR, windows, threads=1)
-    entropy = evaluate.unigram_entropy(train_docs, 4096, windows)
+    entropy = evaluate.unigram_entropy(train_counts, 4096, windows)
     print(f"held-out loss {loss:.4f}, unigram {entropy:.4f}, ratio {loss / entropy:.4f}")
     assert loss / entropy <= 0.6
 

@@ -2,12 +2,14 @@
 gateway processes on loopback) for the whole session, and in-process reference outputs."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pdserve.launcher import Cluster, ClusterSpec
+from tests.run_wide import run_wide
 from tests.services.helpers import PROMPT_LENGTHS, greedy, token_prompts
 from tests.services.service_model import make_service_model
 
@@ -18,7 +20,8 @@ PROMPTS = token_prompts(PROMPT_LENGTHS)  # 16 prompts of 1 to 2048 tokens
 
 @pytest.fixture(scope="session")
 def service_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_service_model(tmp_path_factory.mktemp("service_model"))
+    with run_wide(tmp_path_factory, "service_model") as root:
+        return make_service_model(root)  # returns the existing directory when another worker built it
 
 
 def launch(model: Path, log_dir: Path, **overrides: object) -> Cluster:
@@ -54,9 +57,20 @@ def llm(service_model: Path) -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def reference(llm) -> dict[bool, list[list[int]]]:
-    """In-process greedy outputs of PROMPTS: with speculation (speculative=None, the draft is loaded) and without."""
-    return {spec: llm.generate(PROMPTS, greedy(MAX_TOKENS, None if spec else False)) for spec in (True, False)}
+def reference(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[bool, list[list[int]]]:
+    """In-process greedy outputs of PROMPTS: with speculation (speculative=None, the draft is loaded) and without.
+    Computed once per run (by the first xdist worker that needs them) and read back by the others."""
+    with run_wide(tmp_path_factory, "service_reference") as root:
+        saved = root / "outputs.json"
+        if not saved.exists():
+            from engine import LLM
+
+            with LLM(str(service_model), attention_backend="torch", kv_memory_bytes=64 * 2**20,
+                     num_threads=1) as llm:
+                outputs = {str(spec): llm.generate(PROMPTS, greedy(MAX_TOKENS, None if spec else False))
+                           for spec in (True, False)}
+            saved.write_text(json.dumps(outputs))
+        return {spec: json.loads(saved.read_text())[str(spec)] for spec in (True, False)}
 
 
 def worker_address(cluster: Cluster, role: str) -> str:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
+from decode_worker.admission import growth_pages
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
@@ -18,19 +21,27 @@ from tests.services.helpers import eventually, greedy
 PAGE_SIZE = 16
 
 
-@pytest.fixture
-async def service(service_model):
+@contextlib.asynccontextmanager
+async def _running_service(service_model, lease_ttl_s: float) -> AsyncIterator[DecodeService]:
     receivers = _Receivers()
     config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
-                                      kv_memory_bytes=96 * 1024, page_size=PAGE_SIZE, num_threads=1, lease_ttl_s=0.3,
-                                      lease_grace_s=0.0, lease_sweep_interval_s=0.02, admit_timeout_s=0.2,
-                                      engine_process=False)  # the test reaches into the engine thread
+                                      kv_memory_bytes=96 * 1024, page_size=PAGE_SIZE, num_threads=1,
+                                      lease_ttl_s=lease_ttl_s, lease_grace_s=0.0, lease_sweep_interval_s=0.02,
+                                      admit_timeout_s=0.2, engine_process=False)  # tests reach into the engine thread
     decode = DecodeService(config, receivers)
     await decode.start()
     receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))  # no pushes here; expect() needs an address
-    yield decode
-    await decode.stop()
-    receivers.close()
+    try:
+        yield decode
+    finally:
+        await decode.stop()
+        receivers.close()
+
+
+@pytest.fixture
+async def service(service_model):
+    async with _running_service(service_model, lease_ttl_s=0.3) as decode:
+        yield decode
 
 
 async def _settled(decode: DecodeService, free_pages: int) -> None:
@@ -187,3 +198,24 @@ async def test_standing_lease_claims_are_checked(service):
     with pytest.raises(FailedPrecondition, match="shm only"):
         await service.reserve("s4", 32, 1, TransportKind.GRPC, standing=True)
     await _settled(service, total)
+
+
+async def test_an_unclaimed_standing_lease_keeps_its_growth_headroom(service_model):
+    """A standing lease will run the moment a prompt claims it, without passing admission again, so later
+    reservations keep one request's growth free for it (as for a running request): the reservation that
+    would take those pages is refused, one that leaves them is granted; once the spare is released its
+    headroom is no longer kept. (Leases live 60 s here: no expiry races the test.)"""
+    async with _running_service(service_model, lease_ttl_s=60.0) as service:
+        total = service.load.free_pages
+        growth = growth_pages(service.config.spec_block_size, PAGE_SIZE)
+        spare = await service.reserve("spare", PAGE_SIZE, 1, TransportKind.SHM, standing=True)
+        free = total - len(spare.page_ids)
+        with pytest.raises(ResourceExhausted, match="standing"):
+            await service.reserve("greedy", PAGE_SIZE * (free - growth + 1), 1, TransportKind.SHM)
+        fitting = await service.reserve("fits", PAGE_SIZE * (free - growth), 1, TransportKind.SHM)
+        assert len(fitting.page_ids) == free - growth and service.load.free_pages == growth
+        assert await service.release("fits") and await service.release("spare")
+        refused_before = await service.reserve("greedy", PAGE_SIZE * (free - growth + 1), 1, TransportKind.SHM)
+        assert len(refused_before.page_ids) == free - growth + 1
+        assert await service.release("greedy")
+        await _settled(service, total)
