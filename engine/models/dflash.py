@@ -193,9 +193,11 @@ class DFlashLayer(nn.Module):
         one qkv matmul, ONE rms_norm over the query and key heads together (weighted by the stacked q_norm /
         k_norm weights) and ONE RoPE over both. Inference on float32 only (None otherwise: training keeps the
         separate modules, other dtypes round between the norm and its weight)."""
+        if x.dtype != torch.float32 or self.q_norm.weight.dtype != torch.float32:
+            return None
         weight = fused_weight(self, "_qkv_weight", (self.q_proj, self.k_proj, self.v_proj))
         scale = fused_weight(self, "_qk_norm_weight", (self.q_norm,) * self.num_heads + (self.k_norm,) * self.num_kv_heads)
-        if weight is None or scale is None or x.dtype != torch.float32 or scale.dtype != torch.float32:
+        if weight is None or scale is None:
             return None
         normed = self.num_heads + self.num_kv_heads
         rows = F.linear(x, weight).unflatten(-1, (normed + self.num_kv_heads, self.head_dim))
