@@ -19,8 +19,8 @@ Times are the engine thread's CPU time by default (--clock cpu: at 1 torch threa
 work, and it stays steady when other processes share the cores; --clock wall for wall time). Each cell is the
 median over --repeats runs of the run's mean per decode step (ms), with the spread (min..max) of those means; "step / plain" is the ratio of medians; "ms / token" divides by the tokens a step emits (the
 acceptance length for speculative steps). The load average is printed before and after: the machine is shared.
-Goal (issue 18): a speculative step <= 1.3x a plain step. --baseline adds each variant as the engine was before
-the specpay changes (draft context stored in every forward, per-layer draft context entries) and prints the
+Goal (issue 18): a speculative step <= 1.3x a plain step. --baseline [specpay] adds each variant as the engine was
+before the specpay changes (draft context stored in every forward, per-layer draft context entries) and prints the
 per-round after / before ratios: an in-process before / after.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.profile_spec [--models DIR ...] [--repeats 5]
@@ -39,6 +39,7 @@ import torch
 
 from benchmarks.common import REPO_ROOT, Table, interleave, make_prompts, paired, print_header, ratio
 from engine import LLM, SamplingParams, llm_engine
+from engine.models.dflash import DFlashLayer
 
 MODELS = (REPO_ROOT / "models" / "pdserve-k3-tiny", REPO_ROOT / "models" / "pdserve-tiny")
 PIECES = ("draft fwd", "draft host", "propose rest", "target fwd", "target host", "sample", "commit", "rest")
@@ -84,6 +85,21 @@ def split_of(totals: dict[str, float], step: float) -> dict[str, float]:
 
 
 @contextlib.contextmanager
+def specfast_baseline(llm: LLM, active: bool):
+    """active: the DFlash draft layers as before branch specfast - a norm and a RoPE each for the queries and the
+    keys, instead of one of each over both (bit-identical either way)."""
+    if not active:
+        yield
+        return
+    saved = DFlashLayer._fused_queries_keys
+    DFlashLayer._fused_queries_keys = lambda *args: None
+    try:
+        yield
+    finally:
+        DFlashLayer._fused_queries_keys = saved
+
+
+@contextlib.contextmanager
 def issue18_baseline(llm: LLM, active: bool):
     """active: the engine as it was before the specpay changes of issue 18, for an in-process before / after -
     every forward stores draft context (also for speculative=False requests) and the draft computes its
@@ -102,14 +118,17 @@ def issue18_baseline(llm: LLM, active: bool):
         del draft._fused_context_entries
 
 
+BASELINES = {"specpay": issue18_baseline, "specfast": specfast_baseline}
+
+
 def variant(llm: LLM, clock: StepClock, prompt: list[int], params: SamplingParams, outputs: dict, key: str,
-            baseline: bool = False):
+            baseline: str | None = None):
     """One greedy generation of the prompt; metrics: the mean of each piece per decode step, tokens per step."""
     engine = llm.engine
     counter = iter(range(10**9))
 
     def run() -> dict[str, float]:
-        with issue18_baseline(llm, baseline):
+        with BASELINES[baseline or "specpay"](llm, baseline is not None):
             return measured()
 
     def measured() -> dict[str, float]:
@@ -163,11 +182,11 @@ def profile_model(model: Path, args: argparse.Namespace) -> None:
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, speculative=True,
                                 block_size=block)
         variants[f"B={block}"] = variant(llm, clock, prompt, params, outputs, f"B={block}")
-    if args.baseline:
+    if args.baseline:  # "(before)" variants: the engine before the named change, for paired after / before ratios
         for name in list(variants):
             params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True,
                                     speculative=name != "plain", block_size=None if name == "plain" else int(name[2:]))
-            variants[f"{name} (before)"] = variant(llm, clock, prompt, params, outputs, f"{name} (before)", True)
+            variants[f"{name} (before)"] = variant(llm, clock, prompt, params, outputs, f"{name} (before)", args.baseline)
     load_before = os.getloadavg()[0]
     runs = interleave(variants, args.repeats)
     load_after = os.getloadavg()[0]
@@ -197,7 +216,7 @@ def profile_model(model: Path, args: argparse.Namespace) -> None:
                   f"{met}); decode-step speed-up {ratio(plain_per_token, per_token):.2f}x")
     for name in [n for n in runs if f"{n} (before)" in runs]:
         ratios = paired(runs[name], runs[f"{name} (before)"], "step")
-        print(f"- {model.name} {name}: step after / before (the specpay changes of issue 18), per round: median "
+        print(f"- {model.name} {name}: step after / before (the {args.baseline} changes of issue 18), per round: median "
               f"{statistics.median(ratios):.3f}x ({', '.join(f'{r:.3f}' for r in ratios)})")
     print(flush=True)
     llm.close()
@@ -212,10 +231,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--blocks", type=int, nargs="+", default=[8])
-    parser.add_argument("--baseline", action="store_true",
-                        help="also run every variant as the engine was before the specpay changes of issue 18 "
-                             "(draft context stored in every forward, per-layer context entries): in-process "
-                             "before / after, per-round ratios")
+    parser.add_argument("--baseline", nargs="?", const="specpay", choices=sorted(BASELINES),
+                        help="also run every variant as the engine was before a change, in-process before / after with "
+                             "per-round ratios: specpay (the default; issue 18: draft context stored in every forward, "
+                             "per-layer context entries) or specfast (per-module draft query / key norms and RoPE)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: the engine thread's CPU time (default; steady on a shared machine); wall: wall time")
     args = parser.parse_args()

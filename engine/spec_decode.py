@@ -70,8 +70,10 @@ def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposal
         picked, _ = _markov_drafts(logits[rows], [s.last_token for _, s, _ in greedy], steps(rows),
                                    lambda corrected: (corrected.argmax(dim=-1), None))
         pieces.append(torch.cat([picked[j, :count] for j, (_, _, count) in enumerate(greedy)]))
-    elif greedy:
-        pieces.append(torch.cat([logits[i, :count].argmax(dim=-1) for i, _, count in greedy]))
+    elif greedy:  # one argmax over the whole block; the common case (all greedy, all full) needs no gather
+        top = logits.argmax(dim=-1)
+        full = len(greedy) == len(group) and all(count == block - 1 for _, _, count in greedy)
+        pieces.append(top.view(-1) if full else torch.cat([top[i, :count] for i, _, count in greedy]))
     if sampled:
         batch = SamplingBatch.from_params(
             [seq.params for _, seq, _ in sampled], [seq.generator for _, seq, _ in sampled], device=logits.device

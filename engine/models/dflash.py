@@ -131,6 +131,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin [..., head_dim] -> cat(-sin[first half], sin[second half]): the table apply_rope_signed takes."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope_signed(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """apply_rope(x, cos, sin) with sin_signed = signed_sin(sin), bit-identical (negating a factor of a product
+    is exact): one roll instead of two slices, a negation and a cat."""
+    return x * cos.unsqueeze(-2) + x.roll(x.shape[-1] // 2, -1) * sin_signed.unsqueeze(-2)
+
+
 class DFlashLayer(nn.Module):
     """Pre-norm decoder layer whose attention also reads the context entries."""
 
@@ -175,23 +187,47 @@ class DFlashLayer(nn.Module):
         gate, up = F.linear(x, weight).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def _fused_queries_keys(self, x: Tensor, cos: Tensor, sin: Tensor, sin_is_plain: bool,
+                            ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Roped, normed queries and keys and the values, bit-identical to the per-projection path, in a few ops:
+        one qkv matmul, ONE rms_norm over the query and key heads together (weighted by the stacked q_norm /
+        k_norm weights) and ONE RoPE over both. Inference on float32 only (None otherwise: training keeps the
+        separate modules, other dtypes round between the norm and its weight)."""
+        if x.dtype != torch.float32 or self.q_norm.weight.dtype != torch.float32:
+            return None
+        weight = fused_weight(self, "_qkv_weight", (self.q_proj, self.k_proj, self.v_proj))
+        scale = fused_weight(self, "_qk_norm_weight", (self.q_norm,) * self.num_heads + (self.k_norm,) * self.num_kv_heads)
+        if weight is None or scale is None:
+            return None
+        normed = self.num_heads + self.num_kv_heads
+        rows = F.linear(x, weight).unflatten(-1, (normed + self.num_kv_heads, self.head_dim))
+        both = F.rms_norm(rows[..., :normed, :], (self.head_dim,), eps=self.q_norm.eps) * scale.view(normed, self.head_dim)
+        both = apply_rope_signed(both, cos, signed_sin(sin) if sin_is_plain else sin)
+        queries, keys = both.split([self.num_heads, self.num_kv_heads], dim=-2)
+        return queries, keys, rows[..., normed:, :]
+
     def context_entry(self, feature: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """feature: [..., T, hidden] -> [..., T, draft_dim] = cat(k roped, v)."""
         keys, values = self.keys_values(feature, cos, sin)
         return torch.cat((keys.flatten(-2), values.flatten(-2)), dim=-1)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, context: Tensor, mask: Tensor | None,
+                sin_signed: Tensor | None = None) -> Tensor:
         """hidden: [S, Q, hidden]; context: [S, C, draft_dim]; mask: [S, Q, C + Q] (True = attend) or None (every
-        row sees everything)."""
+        row sees everything). sin_signed: signed_sin(sin) when the caller has it (the inference path uses it)."""
         s, q_len, _ = hidden.shape
         x = self.input_norm(hidden)
-        q, k, v = self._qkv(x)
-        queries = apply_rope(self.q_norm(q.view(s, q_len, self.num_heads, self.head_dim)), cos, sin)
-        keys, values = self.keys_values(x, cos, sin, (k, v))
+        fused = self._fused_queries_keys(x, cos, sin_signed if sin_signed is not None else sin, sin_signed is None)
+        if fused is not None:
+            queries, keys, values = fused
+        else:
+            q, k, v = self._qkv(x)
+            queries = apply_rope(self.q_norm(q.view(s, q_len, self.num_heads, self.head_dim)), cos, sin)
+            keys, values = self.keys_values(x, cos, sin, (k, v))
         half = context.shape[-1] // 2
-        ctx_shape = (s, context.shape[1], self.num_kv_heads, self.head_dim)
-        keys = torch.cat((context[..., :half].reshape(ctx_shape), keys), dim=1)
-        values = torch.cat((context[..., half:].reshape(ctx_shape), values), dim=1)
+        heads = (self.num_kv_heads, self.head_dim)
+        keys = torch.cat((context[..., :half].unflatten(-1, heads), keys), dim=1)
+        values = torch.cat((context[..., half:].unflatten(-1, heads), values), dim=1)
         attended = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=None if mask is None else mask.unsqueeze(1), enable_gqa=True,
@@ -254,8 +290,12 @@ class DFlashDraft(nn.Module):
 
     def _run(self, hidden: Tensor, positions: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
         cos, sin = self._rope(positions, hidden.dtype)
+        signed = signed_sin(sin)  # once for every DFlashLayer (apply_rope_signed)
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, context[index].to(hidden.dtype), mask)
+            if type(layer) is DFlashLayer:
+                hidden = layer(hidden, cos, sin, context[index].to(hidden.dtype), mask, signed)
+            else:
+                hidden = layer(hidden, cos, sin, context[index].to(hidden.dtype), mask)
         return self.norm(hidden)
 
     def forward(self, block_embeds: Tensor, block_positions: Tensor, context: Tensor, context_lens: Tensor,

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.models.dflash import DFlashConfig, DFlashDraft, load_draft, save_draft
+from engine.models.dflash import (DFlashConfig, DFlashDraft, apply_rope, apply_rope_signed, load_draft, save_draft,
+                                 signed_sin)
 
 BASE = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
             target_layer_ids=(0, 2), target_hidden_size=24, block_size=4, mask_token_id=3)
@@ -141,3 +142,21 @@ def test_fused_context_entries_equal_the_per_layer_ones(draft: DFlashDraft) -> N
         torch.testing.assert_close(fused, per_layer, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(draft.context_entries(captured, positions), per_layer, rtol=1e-6, atol=1e-6)
     assert draft._fused_context_entries(feature, cos, sin) is None  # grad enabled: the training path
+
+
+def test_fused_query_key_norm_and_rope_are_bit_identical(draft: DFlashDraft) -> None:
+    """At inference each layer's queries and keys get ONE rms_norm (stacked q_norm / k_norm weights) and ONE RoPE
+    (apply_rope_signed, with the signed sin table computed once per forward): the draft's output is bit-identical
+    to the per-module path (autograd on), masked and unmasked, and apply_rope_signed equals apply_rope."""
+    x = torch.randn(2, 5, 3, 8)
+    cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    assert torch.equal(apply_rope_signed(x, cos, signed_sin(sin)), apply_rope(x, cos, sin))
+    embeds, positions, context, lens = _inputs(draft, [6, 3], lmax=6)
+    with torch.no_grad():
+        fused = draft(embeds, positions, context, lens)
+        fused_full = draft(embeds, positions, context, torch.tensor([6, 6]), full_context=True)
+    assert all("_qk_norm_weight" in layer.__dict__ for layer in draft.layers)  # the fused path ran
+    with torch.enable_grad():
+        plain = draft(embeds, positions, context, lens).detach()
+        plain_full = draft(embeds, positions, context, torch.tensor([6, 6]), full_context=True).detach()
+    assert torch.equal(fused, plain) and torch.equal(fused_full, plain_full)
