@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +16,26 @@ from transformers import DeepseekV3ForCausalLM
 from engine.models.dflash import load_draft
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
-@pytest.mark.slow
-def test_tiny_training_run_writes_loadable_model(tmp_path: Path) -> None:
-    """--tiny trains a few steps; target, draft, tokenizer and card load and agree with each other."""
-    out = tmp_path / "tiny"
-    result = subprocess.run(
-        [sys.executable, "-m", "training.train_default_model", "--tiny", "--out", str(out), "--threads", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+def _train_tiny(out: Path, *extra: str) -> None:
+    command = [sys.executable, "-m", "training.train_default_model", "--tiny", "--out", str(out), "--threads", "1"]
+    result = subprocess.run([*command, *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One `--tiny` training run for the module (its tests copy it before changing anything)."""
+    out = tmp_path_factory.mktemp("training_smoke") / "tiny"
+    _train_tiny(out)
+    return out
+
+
+def test_tiny_training_run_writes_loadable_model(tiny_run: Path) -> None:
+    """--tiny trains a few steps; target, draft, tokenizer and card load and agree with each other."""
+    out = tiny_run
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
                  "README.md", "draft/config.json", "draft/model.safetensors"):
         assert (out / name).is_file(), name
@@ -46,21 +56,17 @@ def test_tiny_training_run_writes_loadable_model(tmp_path: Path) -> None:
     assert "python -m training.train_default_model --tiny" in card
 
 
-@pytest.mark.slow
-def test_draft_only_rerun_warm_starts_and_keeps_the_target(tmp_path: Path) -> None:
+def test_draft_only_rerun_warm_starts_and_keeps_the_target(tiny_run: Path, tmp_path: Path) -> None:
     """--reuse-target --draft-init retrains only the draft: the target's bytes are unchanged, the draft starts from
     the given one, and the metrics keep the previous draft's figures, both commands and the target's seed (the
     draft's own --seed and time budget recorded beside them)."""
     out = tmp_path / "tiny"
-    common = [sys.executable, "-m", "training.train_default_model", "--tiny", "--out", str(out), "--threads", "1"]
-    first = subprocess.run(common, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(tiny_run, out)
     target_bytes = (out / "model.safetensors").read_bytes()
     old_metrics = json.loads((out / "training_metrics.json").read_text())
     rerun = ["--reuse-target", "--draft-init", str(out / "draft"), "--draft-prompt-lengths", "4", "8",
              "--draft-sequences", "8", "--draft-lr", "1e-3", "--seed", "5", "--draft-minutes", "30"]
-    second = subprocess.run(common + rerun, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert second.returncode == 0, second.stderr[-3000:]
+    _train_tiny(out, *rerun)
     assert (out / "model.safetensors").read_bytes() == target_bytes
     metrics = json.loads((out / "training_metrics.json").read_text())
     assert metrics["command"] == old_metrics["command"] and "--draft-init" in metrics["draft_command"]
