@@ -24,7 +24,6 @@ import os
 from pathlib import Path
 
 import pytest
-from xdist.scheduler import LoadScopeScheduling
 
 COSTS_FILE = Path(__file__).with_name("scope_costs.json")
 DEFAULT_COST_S = 10.0
@@ -44,15 +43,18 @@ def scope_of(nodeid: str) -> str:
     return nodeid.rsplit("::", 1)[0]
 
 
-class _ClusterAwareScopes(LoadScopeScheduling):
-    def _split_scope(self, nodeid: str) -> str:
-        return scope_of(nodeid)
-
-
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: only called when it runs the session
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`--dist loadscope` with the session-cluster modules as one work unit (None: xdist's own scheduler)."""
-    return _ClusterAwareScopes(config, log) if config.getoption("dist") == "loadscope" else None
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # here: the plugin also loads where xdist is absent
+
+    class ClusterAwareScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return ClusterAwareScopes(config, log)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
