@@ -6,11 +6,11 @@ engine.prefill call (chunked inside the engine), writing KV straight into the de
 local pages (grpc); for models with linear attention the KDA state goes with them (straight into decode's
 reserved state slot on shm; from a local slot, pushed, on grpc). The KV export (completion records / push)
 then runs off the engine thread, so the next batch can start. On shm the KV is already in place when the
-forward ends, so the RPC is answered first (the first token is on its way to the client) and the completion
-record (the checksum decode verifies before it admits the request) is written right after the response
-has been handed to gRPC: the decode worker waits for the record if its Decode ever arrives sooner. cancel() drops a queued job, or stops a
-running one between two chunks (the engine asks before each chunk) and waits until it no longer touches
-its destination pages."""
+forward ends, so the RPC is answered first and the completion record (the checksum decode verifies before
+it admits the request) is written once the reply is out (the caller's `reply_sent`): on the event loop it
+would otherwise delay sending the first token. A Decode that arrives sooner waits for the record.
+cancel() drops a queued job, or stops a running one between two chunks (the engine asks before each
+chunk) and waits until it no longer touches its destination pages (a cancelled job writes no record)."""
 from __future__ import annotations
 
 import asyncio
@@ -67,7 +67,7 @@ class _Job:
     local_pages: list[int] = field(default_factory=list)
     local_slot: int | None = None  # grpc, linear attention: this engine's state slot for the prompt
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    answered: asyncio.Event = field(default_factory=asyncio.Event)  # the RPC took its answer (or was cancelled)
+    answered: asyncio.Event = field(default_factory=asyncio.Event)  # the reply is out (or the call ended)
     cancelled: bool = False
     task: asyncio.Task[Any] | None = None
 
@@ -161,11 +161,14 @@ class PrefillService:
             raise InvalidArgument("block_size", f"{params.block_size} exceeds the server maximum {limit}")
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      destination: Destination) -> PrefillOutcome:
+                      destination: Destination, reply_sent: asyncio.Event | None = None) -> PrefillOutcome:
+        """reply_sent: set by the caller once its reply has left (gRPC: the call's done callback, which also
+        fires when the call ends any other way); an shm completion record waits for it. None: the record
+        follows as soon as this returns."""
         self._check(request_id, prompt_ids, params, destination)
         assert self._loop is not None
         job = _Job(request_id, list(prompt_ids), params, destination, self._loop.create_future(),
-                   self._loop.create_future())
+                   self._loop.create_future(), answered=reply_sent or asyncio.Event())
         self._jobs[request_id] = job
         with self._lock:
             self._queue.append(job)
@@ -173,13 +176,16 @@ class PrefillService:
         self._engine.wake()
         job.task = self._loop.create_task(self._complete(job))
         try:
-            return await asyncio.shield(job.answer)  # a cancelled RPC must not interrupt a running job
-        except asyncio.CancelledError:
-            job.cancelled = True
-            self._drop_if_queued(job)
+            outcome = await asyncio.shield(job.answer)  # a cancelled RPC must not interrupt a running job
+        except BaseException as error:
+            if isinstance(error, asyncio.CancelledError):
+                job.cancelled = True
+                self._drop_if_queued(job)
+            job.answered.set()  # no reply to wait for
             raise
-        finally:
-            job.answered.set()  # (the caller's continuation - response to gRPC - runs before the job resumes)
+        if reply_sent is None:
+            job.answered.set()  # (the caller's continuation runs before the job resumes)
+        return outcome
 
     async def _complete(self, job: _Job) -> None:
         """Waits for the engine, answers the RPC and exports the KV (skipped when the request was cancelled
@@ -191,7 +197,7 @@ class PrefillService:
             if computed.pages is None and job.destination.transport == TransportKind.SHM:
                 _resolve(job.answer, self._outcome(job, computed, 0.0))  # the KV is in place: answer now
                 await job.answered.wait()
-                if job.cancelled:  # the RPC went away meanwhile: as before, no record for it
+                if job.cancelled:  # call or Cancel ended it before the reply was out: no record (lease released)
                     raise asyncio.CancelledError()
             started = time.perf_counter()
             num_bytes = await self._export(job, computed)

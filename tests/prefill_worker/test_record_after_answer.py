@@ -1,6 +1,7 @@
 """PrefillService over a real shm pool (a fake engine that writes nothing: the pages are already in place):
-the RPC is answered before the completion record is written, the record follows at once and verifies on
-the decode side, and a job whose RPC went away before it took its answer gets no record."""
+the RPC is answered before the completion record is written; the record follows at once (or, given
+reply_sent, once the caller says its reply is out) and verifies on the decode side; a job whose RPC went
+away before it took its answer gets no record."""
 from __future__ import annotations
 
 import asyncio
@@ -77,6 +78,44 @@ async def test_answer_comes_before_the_completion_record_which_then_verifies(dec
         admitted = receiver.admit_now("a", 1 << 20)
         assert admitted is not None and admitted.bytes == LAYOUT.request_bytes(2)
         assert await service.cancel("a") is False  # finished: nothing left to stop
+    finally:
+        await service.stop()
+
+
+async def test_the_record_waits_until_the_reply_is_out(decode_side):
+    """Given reply_sent, the record is not written while the caller has not set it (the reply is still being
+    sent), and is written once it is set."""
+    receiver, reserve = decode_side
+    service = await _service(_InPlaceEngine())
+    reply_sent = asyncio.Event()
+    try:
+        outcome = await service.prefill("c", [5] * 20, greedy(4), reserve("c", 20), reply_sent)
+        assert outcome.first_token == FIRST
+        for _ in range(20):  # nothing but reply_sent lets the record be written
+            await asyncio.sleep(0)
+        assert not receiver.ready("c")
+        reply_sent.set()
+        await eventually(lambda: receiver.ready("c"), "the completion record")
+        assert receiver.admit_now("c", 1 << 20) is not None
+    finally:
+        await service.stop()
+
+
+async def test_a_cancel_before_the_reply_is_out_leaves_no_record(decode_side):
+    """Cancel between the answer and the reply's departure (the gateway gave up on the call): cancel()
+    returns once the job is over, and the record is never written (the pages are released, not read)."""
+    receiver, reserve = decode_side
+    service = await _service(_InPlaceEngine())
+    reply_sent = asyncio.Event()
+    try:
+        await service.prefill("d", [5] * 20, greedy(4), reserve("d", 20), reply_sent)
+        cancel = asyncio.create_task(service.cancel("d"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not cancel.done()  # the job waits for the reply to be out (or the call to end)
+        reply_sent.set()  # the call ends
+        assert await asyncio.wait_for(cancel, 60) is False
+        assert not receiver.ready("d")
     finally:
         await service.stop()
 
