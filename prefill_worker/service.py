@@ -29,7 +29,7 @@ from kvtransfer.device_transport import DeviceWriter
 from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter
-from kvtransfer.errors import KVTransferError, LeaseExpired
+from kvtransfer.errors import KVTransferError, LeaseExpired, UnknownTransfer
 from rpc.engine_thread import EngineThread
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from rpc.interceptors import token_metadata
@@ -199,6 +199,7 @@ class PrefillService:
                 await job.answered.wait()
                 if job.cancelled:  # call or Cancel ended it before the reply was out: no record (lease released)
                     raise asyncio.CancelledError()
+                self._confirm(job.destination)  # still reserved? (a request that ended at its first token is not)
             started = time.perf_counter()
             num_bytes = await self._export(job, computed)
             transfer_s = time.perf_counter() - started
@@ -211,6 +212,13 @@ class PrefillService:
         except asyncio.CancelledError:
             self.metrics.prompts.labels("cancelled").inc()
             _resolve(job.answer, asyncio.CancelledError())
+        except (UnknownTransfer, LeaseExpired) as error:
+            if not job.answer.done():
+                self.metrics.prompts.labels("error").inc()
+                _resolve(job.answer, error)
+            else:  # released after the reply (e.g. the request ended at its first token): nobody admits this KV
+                logger.info("no completion record for %s: its lease ended after the reply (%s)", job.request_id, error)
+                self.metrics.prompts.labels("ok").inc()
         except Exception as error:  # noqa: BLE001 - handed to the RPC (or, once answered, to decode's admission)
             self.metrics.prompts.labels("error").inc()
             if job.answer.done():  # a deferred record failed: the writer marked it FAILED, decode refuses the KV

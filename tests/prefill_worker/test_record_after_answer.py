@@ -120,6 +120,24 @@ async def test_a_cancel_before_the_reply_is_out_leaves_no_record(decode_side):
         await service.stop()
 
 
+async def test_a_lease_released_after_the_reply_is_no_error(decode_side):
+    """The decode side drops the reservation right after the reply (the request ended at its first token):
+    no record is written and the prompt still counts as prefilled ok, not as an error."""
+    receiver, reserve = decode_side
+    service = await _service(_InPlaceEngine())
+    reply_sent = asyncio.Event()
+    try:
+        await service.prefill("e", [5] * 20, greedy(4), reserve("e", 20), reply_sent)
+        receiver.cancel("e")  # the decode worker's Release: the completion slot is no longer reserved
+        reply_sent.set()
+        await eventually(lambda: not service._jobs, "the job to end")
+        counts = {sample.labels["status"]: sample.value for metric in service.metrics.prompts.collect()
+                  for sample in metric.samples if sample.name.endswith("_total")}
+        assert counts.get("ok") == 1.0 and counts.get("error", 0.0) == 0.0, counts
+    finally:
+        await service.stop()
+
+
 async def test_a_call_cancelled_before_its_answer_gets_no_record(decode_side):
     """The RPC is cancelled while its prompt runs: the call ends cancelled, cancel() returns once the job is
     done, and no completion record is written for it (the gateway releases its lease)."""
