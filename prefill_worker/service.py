@@ -199,9 +199,9 @@ class PrefillService:
                 await job.answered.wait()
                 if job.cancelled:  # call or Cancel ended it before the reply was out: no record (lease released)
                     raise asyncio.CancelledError()
-                self._confirm(job.destination)  # still reserved? (a request that ended at its first token is not)
             started = time.perf_counter()
-            num_bytes = await self._export(job, computed)
+            num_bytes = await self._export_after_reply(job, computed) if job.answer.done() else \
+                await self._export(job, computed)
             transfer_s = time.perf_counter() - started
             logger.info("prefilled %d tokens: queue %.1f ms, prefill %.1f ms, %s handoff of %d bytes in %.1f ms",
                         len(job.prompt_ids), (job.started - job.arrival) * 1000, computed.prefill_ms,
@@ -212,13 +212,6 @@ class PrefillService:
         except asyncio.CancelledError:
             self.metrics.prompts.labels("cancelled").inc()
             _resolve(job.answer, asyncio.CancelledError())
-        except (UnknownTransfer, LeaseExpired) as error:
-            if not job.answer.done():
-                self.metrics.prompts.labels("error").inc()
-                _resolve(job.answer, error)
-            else:  # released after the reply (e.g. the request ended at its first token): nobody admits this KV
-                logger.info("no completion record for %s: its lease ended after the reply (%s)", job.request_id, error)
-                self.metrics.prompts.labels("ok").inc()
         except Exception as error:  # noqa: BLE001 - handed to the RPC (or, once answered, to decode's admission)
             self.metrics.prompts.labels("error").inc()
             if job.answer.done():  # a deferred record failed: the writer marked it FAILED, decode refuses the KV
@@ -233,6 +226,16 @@ class PrefillService:
         result = computed.result
         return PrefillOutcome(result.first_token, result.first_logprobs, result.num_prompt_tokens,
                               (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_ms)
+
+    async def _export_after_reply(self, job: _Job, computed: _Computed) -> int:
+        """The deferred shm record; none (0 bytes) once the lease has ended - released after the reply (a
+        request that ended at its first token) or expired: nobody will admit this KV."""
+        try:
+            self._confirm(job.destination)  # (checked first: the writer would log an abort)
+            return await self._export(job, computed)
+        except (UnknownTransfer, LeaseExpired) as error:
+            logger.info("no completion record for %s: its lease ended after the reply (%s)", job.request_id, error)
+            return 0
 
     async def _export(self, job: _Job, computed: _Computed) -> int:
         """The KV handoff after the forward; returns the bytes it covered."""
