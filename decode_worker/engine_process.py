@@ -29,7 +29,7 @@ from decode_worker.leases import allocate_admitted
 from decode_worker.step_loop import StepLoop
 from rpc.engine_thread import EngineThread
 from rpc.logging_setup import configure_logging
-from rpc.processes import die_with_parent
+from rpc.processes import die_with_parent, forget_parent_signals
 from rpc.server import SWITCH_INTERVAL_S
 from rpc.status import ResourceExhausted
 
@@ -179,9 +179,15 @@ class EngineHost:
         self._send(("failed", failed, str(error) or type(error).__name__))
 
 
-def engine_process_main(config: DecodeWorkerConfig, commands: Connection, events: Connection, log_level: int) -> None:
-    """The engine process's entry point (multiprocessing spawn); it dies with the worker."""
+def engine_process_main(config: DecodeWorkerConfig, commands: Connection, events: Connection, log_level: int,
+                        parent_ends: tuple[Connection, ...] = ()) -> None:
+    """The engine process's entry point (multiprocessing fork or spawn); it dies with the worker. A forked
+    one gets the worker's ends of the two pipes too (`parent_ends`) and closes them."""
     die_with_parent(signal.SIGKILL)
+    if parent_ends:
+        forget_parent_signals()
+        for end in parent_ends:
+            end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the worker stops us
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the command thread answers a Reserve without waiting 5 ms for the GIL
     configure_logging(ROLE, 0, log_level)

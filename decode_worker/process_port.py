@@ -1,11 +1,12 @@
 """The decode engine in its own process, seen from the worker (DecodeWorkerConfig.engine_process).
 
-The worker spawns decode_worker/engine_process.py (spawn context; it dies with the worker, and its TP
-followers with it) over two pipes: commands out (never blocking the loop: pipe_writer.py), and one message
-per engine step or command back, read by the event loop itself (add_reader): no thread of this process
-touches the engine, so nothing here takes the GIL from its step loop. Reservations are answered by the
-engine process's command thread (never behind a step). If the engine process dies, the open streams and
-waiting calls fail (EngineFailed / Unavailable), the death is logged and `on_lost` runs."""
+The worker starts decode_worker/engine_process.py (forked while the worker is single-threaded on the CPU,
+else spawned; it dies with the worker, and its TP followers with it) over two pipes: commands out (never
+blocking the loop: pipe_writer.py), and one message per engine step or command back, read by the event
+loop itself (add_reader): no thread of this process touches the engine, so nothing here takes the GIL from
+its step loop. Reservations are answered by the engine process's command thread (never behind a step). If
+the engine process dies, the open streams and waiting calls fail (EngineFailed / Unavailable), the death
+is logged and `on_lost` runs."""
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +25,7 @@ from decode_worker.pipe_writer import PipeWriter
 from decode_worker.streams import Streams
 from engine.sampling_params import SamplingParams
 from kvtransfer.shm_pool import cleanup_stale_segments
+from rpc.processes import child_start_method
 from rpc.status import ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -62,13 +64,19 @@ class ProcessPort:
     async def start(self) -> EngineView:
         """Spawns the engine process and waits until its engine is built; raises its construction error."""
         loop = self._loop = asyncio.get_running_loop()
-        context = mp.get_context("spawn")
+        method = child_start_method(self._config.engine.device)
+        context = mp.get_context(method)
         events, child_events = context.Pipe(duplex=False)
         child_commands, commands = context.Pipe(duplex=False)
         self._events = events
+        parent_ends = (events, commands) if method == "fork" else ()  # a forked child closes its copies
         self._process = context.Process(target=engine_process_main, name="pdserve-decode-engine", daemon=False,
-                                        args=(self._config, child_commands, child_events, logging.getLogger().level))
-        await asyncio.to_thread(self._process.start)
+                                        args=(self._config, child_commands, child_events, logging.getLogger().level,
+                                              parent_ends))
+        if method == "fork":
+            self._process.start()  # here, on the loop's thread: a second thread would make the fork unsafe
+        else:
+            await asyncio.to_thread(self._process.start)
         child_events.close()
         child_commands.close()
         self._commands = PipeWriter(commands, loop)
@@ -82,8 +90,8 @@ class ProcessPort:
             await self._reap(timeout=30)
             raise
         self.engine = EngineView(facts)
-        logger.info("decode engine process %d ready: %d pages, pools %s", self._process.pid, facts.num_pages,
-                    ", ".join(facts.pool_names))
+        logger.info("decode engine process %d (%s) ready: %d pages, pools %s", self._process.pid, method,
+                    facts.num_pages, ", ".join(facts.pool_names))
         return self.engine
 
     async def stop(self, timeout: float = 30.0) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from engine.layers.rotary import rope_inv_freq
 from engine.models.dflash import DFlashDraft

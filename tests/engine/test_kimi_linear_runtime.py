@@ -16,9 +16,7 @@ from engine import LLM, SamplingParams
 from engine.attention.head_padding import HeadPaddedBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed import TPGroup
-from engine.engine_types import EngineConfig
 from engine.forward_batch import ForwardMode
-from engine.llm_engine import LLMEngine
 from engine.models.kimi_linear import load_model
 from tests.engine.kimi_linear_models import KIMI_VARIANTS, StatefulRunner, make_kimi_checkpoint
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from rpc.processes import alive, cpu_seconds, descendants, group_members, start_ticks
 
@@ -58,3 +59,35 @@ def test_die_with_parent_kills_the_orphan() -> None:
     while alive({grandchild}):
         assert time.monotonic() < deadline, "the orphan outlived its parent"
         time.sleep(0.05)
+
+
+FORK_PROBE = """
+import os, signal, socket, sys, threading
+from rpc.processes import child_start_method, forget_parent_signals
+print(child_start_method("cpu"), child_start_method("cuda"))
+signal.signal(signal.SIGTERM, lambda *_: None)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+interrupt = signal.getsignal(signal.SIGINT)  # Python's KeyboardInterrupt handler, or SIG_IGN if we inherited that
+reader, writer = socket.socketpair()
+writer.setblocking(False)
+signal.set_wakeup_fd(writer.fileno())
+pid = os.fork()
+if pid == 0:
+    forget_parent_signals()
+    ok = (signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+          and signal.set_wakeup_fd(-1) == -1 and signal.getsignal(signal.SIGINT) is interrupt)
+    os._exit(0 if ok else 1)
+print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+print(child_start_method("cpu"))
+"""
+
+
+def test_fork_only_while_single_threaded_on_the_cpu_and_the_child_forgets_our_signals() -> None:
+    """child_start_method: "fork" for a CPU child of a one-thread process, "spawn" for a GPU child or once a
+    second thread runs; forget_parent_signals leaves a forked child with default handlers where the parent
+    had Python ones, still ignoring what the parent ignored, and no asyncio-style wake-up fd."""
+    result = subprocess.run([sys.executable, "-c", FORK_PROBE], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == ["fork spawn", "child 0", "spawn"], result.stdout

@@ -27,6 +27,13 @@ async def test_greedy_outputs_match_in_process(cluster, reference, speculative):
         assert (1 <= steps <= MAX_TOKENS - 1) if speculative else (steps, mean) == (MAX_TOKENS - 1, 1.0)
 
 
+def test_decode_worker_forks_its_engine_process(cluster):
+    """On the CPU the decode worker starts its engine process by fork (one thread at that point), so the
+    engine process does not import torch and the engine modules a second time; the log says which."""
+    log = (cluster.log_dir / "decode-0.log").read_text()
+    assert "decode engine process" in log and "(fork) ready" in log, log[-2000:]
+
+
 async def test_64_concurrent_streams_equal_their_solo_results(cluster, llm):
     """64 streaming requests in flight at once each produce what the same prompt produces alone."""
     prompts = token_prompts(tuple(3 + (i * 37) % 250 for i in range(64)), seed=1)
