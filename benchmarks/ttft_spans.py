@@ -5,7 +5,8 @@ takes turns request by request (each variant first in turn), one request at a ti
   gateway  a Generate through the gateway (128 prompt tokens, greedy, 4 output tokens): the client's TTFT;
   direct   the same first-token path driven by this script straight on the workers' sockets: Reserve on
            the decode worker, Prefill on the prefill worker (its PrefillTiming splits queue / engine
-           forward / KV handoff), then Release (off the path, not counted).
+           forward / KV handoff before the reply: 0 on shm, whose completion record follows the reply),
+           then Release (off the path, not counted).
 Medians of each span, and the differences that name the hops:
   Prefill RPC - engine forward   the prefill worker's loop -> engine thread hop, handoff and response;
   gateway TTFT - Reserve - Prefill RPC   the gateway's own work (request parsing, tokenisation, routing, the
@@ -72,7 +73,7 @@ async def direct_path(decode: worker_pb2_grpc.DecodeServiceStub, prefill: worker
     spans["Prefill RPC"].append((end - middle) * 1e3)
     spans["  prefill queue"].append(response.timing.queue_ms)
     spans["  engine forward"].append(response.timing.prefill_ms)
-    spans["  KV handoff record"].append(response.timing.transfer_ms)
+    spans["  KV handoff before reply"].append(response.timing.transfer_ms)
 
 
 def cpu_s(pids: dict[str, int]) -> dict[str, float]:
@@ -113,7 +114,7 @@ async def measure(args: argparse.Namespace, gateways: dict[str, str], decode: st
     prefill_stub = worker_pb2_grpc.PrefillServiceStub(prefill_channel)
     variants = [*gateways, "direct"]
     spans: Spans = {key: [] for key in ("Reserve RPC", "Prefill RPC", "  prefill queue", "  engine forward",
-                                        "  KV handoff record")}
+                                        "  KV handoff before reply")}
     ttft: dict[str, list[float]] = {name: [] for name in gateways}
     cpu: dict[str, dict[str, float]] = {variant: dict.fromkeys(pids, 0.0) for variant in variants}
     try:

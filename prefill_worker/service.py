@@ -5,9 +5,12 @@ tokens (fewer when that would take longer than `batch_target_ms`: batch_policy.p
 engine.prefill call (chunked inside the engine), writing KV straight into the decode pools (shm) or into
 local pages (grpc); for models with linear attention the KDA state goes with them (straight into decode's
 reserved state slot on shm; from a local slot, pushed, on grpc). The KV export (completion records / push)
-then runs off the engine thread, so the next batch can start. cancel() drops a queued job, or stops a
-running one between two chunks (the engine asks before each chunk) and waits until it no longer touches
-its destination pages."""
+then runs off the engine thread, so the next batch can start. On shm the KV is already in place when the
+forward ends, so the RPC is answered first and the completion record (the checksum decode verifies before
+it admits the request) is written once the reply is out (the caller's `reply_sent`): on the event loop it
+would otherwise delay sending the first token. A Decode that arrives sooner waits for the record.
+cancel() drops a queued job, or stops a running one between two chunks (the engine asks before each
+chunk) and waits until it no longer touches its destination pages (a cancelled job writes no record)."""
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +29,7 @@ from kvtransfer.device_transport import DeviceWriter
 from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter
-from kvtransfer.errors import KVTransferError, LeaseExpired
+from kvtransfer.errors import KVTransferError, LeaseExpired, UnknownTransfer
 from rpc.engine_thread import EngineThread
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from rpc.interceptors import token_metadata
@@ -56,13 +59,15 @@ class _Job:
     prompt_ids: list[int]
     params: SamplingParams
     destination: Destination
-    future: asyncio.Future[Any]
+    future: asyncio.Future[Any]  # the engine thread's _Computed (or error)
+    answer: asyncio.Future[PrefillOutcome]  # what the RPC returns (set before a deferred completion record)
     arrival: float = field(default_factory=time.perf_counter)
     state: str = "queued"  # queued -> running -> done | dropped
     started: float = 0.0
     local_pages: list[int] = field(default_factory=list)
     local_slot: int | None = None  # grpc, linear attention: this engine's state slot for the prompt
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    answered: asyncio.Event = field(default_factory=asyncio.Event)  # the reply is out (or the call ended)
     cancelled: bool = False
     task: asyncio.Task[Any] | None = None
 
@@ -156,10 +161,14 @@ class PrefillService:
             raise InvalidArgument("block_size", f"{params.block_size} exceeds the server maximum {limit}")
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      destination: Destination) -> PrefillOutcome:
+                      destination: Destination, reply_sent: asyncio.Event | None = None) -> PrefillOutcome:
+        """reply_sent: set by the caller once its reply has left (gRPC: the call's done callback, which also
+        fires when the call ends any other way); an shm completion record waits for it. None: the record
+        follows as soon as this returns."""
         self._check(request_id, prompt_ids, params, destination)
         assert self._loop is not None
-        job = _Job(request_id, list(prompt_ids), params, destination, self._loop.create_future())
+        job = _Job(request_id, list(prompt_ids), params, destination, self._loop.create_future(),
+                   self._loop.create_future(), answered=reply_sent or asyncio.Event())
         self._jobs[request_id] = job
         with self._lock:
             self._queue.append(job)
@@ -167,49 +176,79 @@ class PrefillService:
         self._engine.wake()
         job.task = self._loop.create_task(self._complete(job))
         try:
-            return await asyncio.shield(job.task)  # a cancelled RPC must not interrupt a running job
-        except asyncio.CancelledError:
-            job.cancelled = True
-            self._drop_if_queued(job)
+            outcome = await asyncio.shield(job.answer)  # a cancelled RPC must not interrupt a running job
+        except BaseException as error:
+            if isinstance(error, asyncio.CancelledError):
+                job.cancelled = True
+                self._drop_if_queued(job)
+            job.answered.set()  # no reply to wait for
             raise
+        if reply_sent is None:
+            job.answered.set()  # (the caller's continuation runs before the job resumes)
+        return outcome
 
-    async def _complete(self, job: _Job) -> PrefillOutcome:
-        """Waits for the engine, then exports the KV (skipped when the request was cancelled meanwhile)."""
+    async def _complete(self, job: _Job) -> None:
+        """Waits for the engine, answers the RPC and exports the KV (skipped when the request was cancelled
+        meanwhile); every outcome, error included, goes to job.answer (this task itself never fails)."""
         try:
             computed = await job.future
-            started = time.perf_counter()
             if job.cancelled:
                 raise asyncio.CancelledError()
-            transport = job.destination.transport
-            if computed.pages is None and transport == TransportKind.SHM and self._small(job.destination):
-                num_bytes = finish_shm(self._shm, job.destination, self.config.tp_size)  # no thread hop before TTFT
-            elif computed.pages is None:  # written in place (shm, or device on the pool's own device)
-                writer = self._shm if transport == TransportKind.SHM else self._device
-                num_bytes = await asyncio.to_thread(finish_shm, writer, job.destination, self.config.tp_size)
-            elif transport == TransportKind.DEVICE:  # another device of the node: a peer copy
-                num_bytes = await asyncio.to_thread(push_pages, self._device, job.destination, *computed.pages)
-            else:
-                target, draft = stage_to_host(computed.pages)
-                num_bytes = await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft,
-                                                    computed.states)
+            if computed.pages is None and job.destination.transport == TransportKind.SHM:
+                _resolve(job.answer, self._outcome(job, computed, 0.0))  # the KV is in place: answer now
+                await job.answered.wait()
+                if job.cancelled:  # call or Cancel ended it before the reply was out: no record (lease released)
+                    raise asyncio.CancelledError()
+            started = time.perf_counter()
+            num_bytes = await self._export_after_reply(job, computed) if job.answer.done() else \
+                await self._export(job, computed)
             transfer_s = time.perf_counter() - started
-            result = computed.result
             logger.info("prefilled %d tokens: queue %.1f ms, prefill %.1f ms, %s handoff of %d bytes in %.1f ms",
                         len(job.prompt_ids), (job.started - job.arrival) * 1000, computed.prefill_ms,
                         job.destination.transport.name.lower(), num_bytes, transfer_s * 1000)
             self.metrics.prefilled(job.started - job.arrival, computed.prefill_ms / 1000,
                                    job.destination.transport.name.lower(), num_bytes, transfer_s)
-            return PrefillOutcome(result.first_token, result.first_logprobs, result.num_prompt_tokens,
-                                  (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_s * 1000)
+            _resolve(job.answer, self._outcome(job, computed, transfer_s * 1000))
         except asyncio.CancelledError:
             self.metrics.prompts.labels("cancelled").inc()
-            raise
-        except Exception:
+            _resolve(job.answer, asyncio.CancelledError())
+        except Exception as error:  # noqa: BLE001 - handed to the RPC (or, once answered, to decode's admission)
             self.metrics.prompts.labels("error").inc()
-            raise
+            if job.answer.done():  # a deferred record failed: the writer marked it FAILED, decode refuses the KV
+                logger.warning("completion record of %s failed after its response: %s", job.request_id, error)
+            _resolve(job.answer, error)
         finally:
             self._jobs.pop(job.request_id, None)
             job.finished.set()
+
+    @staticmethod
+    def _outcome(job: _Job, computed: _Computed, transfer_ms: float) -> PrefillOutcome:
+        result = computed.result
+        return PrefillOutcome(result.first_token, result.first_logprobs, result.num_prompt_tokens,
+                              (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_ms)
+
+    async def _export_after_reply(self, job: _Job, computed: _Computed) -> int:
+        """The deferred shm record; none (0 bytes) once the lease has ended - released after the reply (a
+        request that ended at its first token) or expired: nobody will admit this KV."""
+        try:
+            self._confirm(job.destination)  # (checked first: the writer would log an abort)
+            return await self._export(job, computed)
+        except (UnknownTransfer, LeaseExpired) as error:
+            logger.info("no completion record for %s: its lease ended after the reply (%s)", job.request_id, error)
+            return 0
+
+    async def _export(self, job: _Job, computed: _Computed) -> int:
+        """The KV handoff after the forward; returns the bytes it covered."""
+        transport = job.destination.transport
+        if computed.pages is None and transport == TransportKind.SHM and self._small(job.destination):
+            return finish_shm(self._shm, job.destination, self.config.tp_size)  # microseconds: no thread hop
+        if computed.pages is None:  # written in place (shm, or device on the pool's own device)
+            writer = self._shm if transport == TransportKind.SHM else self._device
+            return await asyncio.to_thread(finish_shm, writer, job.destination, self.config.tp_size)
+        if transport == TransportKind.DEVICE:  # another device of the node: a peer copy
+            return await asyncio.to_thread(push_pages, self._device, job.destination, *computed.pages)
+        target, draft = stage_to_host(computed.pages)
+        return await asyncio.to_thread(push_pages, self._grpc, job.destination, target, draft, computed.states)
 
     def _small(self, destination: Destination) -> bool:
         """Whether an shm handoff checksums few enough bytes to finish on the event loop (microseconds)

@@ -1,6 +1,8 @@
 """gRPC Prefill servicer: protobuf <-> PrefillService calls, nothing else."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from engine.sampling_params import SamplingParams
@@ -21,7 +23,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         if not request.HasField("destination"):
             raise InvalidArgument("destination", "is required")
         destination = parse_field("destination", Destination.from_proto, request.destination)
-        outcome = await self._service.prefill(request.request_id, list(request.token_ids), params, destination)
+        reply_sent = asyncio.Event()  # the KV's completion record waits until the reply is out: see PrefillService
+        context.add_done_callback(lambda _: reply_sent.set())
+        outcome = await self._service.prefill(request.request_id, list(request.token_ids), params, destination,
+                                              reply_sent)
         response = worker_pb2.PrefillResponse(
             first_token=outcome.first_token, num_prompt_tokens=outcome.num_prompt_tokens,
             timing=worker_pb2.PrefillTiming(queue_ms=outcome.queue_ms, prefill_ms=outcome.prefill_ms,
