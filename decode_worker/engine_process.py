@@ -104,7 +104,7 @@ class EngineHost:
     def serve(self, commands: Connection) -> None:
         """Builds the engine (its error goes to the worker), then answers commands until stop or EOF."""
         try:
-            engine = self._engine = self._thread.start()
+            engine = self._engine = self._thread.start(build_here=True)  # one thread yet: TP followers may fork
         except Exception as error:  # noqa: BLE001 - reported to the worker's start()
             self._send(("error", str(error)))
             return

@@ -1,5 +1,6 @@
-"""Tensor-parallel process group: the leader (rank 0, this process) spawns follower ranks that run
-every step plan the leader broadcasts. Activations travel on the default group (gloo on CPU, NCCL /
+"""Tensor-parallel process group: the leader (rank 0, this process) starts follower ranks that run
+every step plan the leader broadcasts (forked on the CPU while the leader's process has one thread, else
+spawned: rpc.processes.child_start_method). Activations travel on the default group (gloo on CPU, NCCL /
 RCCL on GPUs); step plans always travel on a CPU gloo group, so broadcasting one never touches or
 synchronises a device."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from engine.devices import rank_device
 from engine.distributed import TPGroup
 from engine.model_runner import ModelRunner, RunnerConfig
 from engine.step_plan import ShutdownPlan
-from rpc.processes import die_with_parent
+from rpc.processes import child_start_method, die_with_parent, forget_parent_signals
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +49,16 @@ def _init_group(rank: int, size: int, port: int, config: RunnerConfig):
     return dist.new_group(backend="gloo") if config.device == "cuda" else None
 
 
-def _follower_main(rank: int, size: int, port: int, config: RunnerConfig, log_level: int) -> None:
+def _follower_main(rank: int, size: int, port: int, config: RunnerConfig, log_level: int, forked: bool = False) -> None:
     if not die_with_parent(signal.SIGKILL):  # a follower is killed when its leader dies, however it dies
         logger.warning("cannot tie follower lifetime to the leader on this platform")
     if os.getppid() == 1:  # the leader already died before the line above ran
         return
+    if forked:
+        forget_parent_signals()
     role = os.environ.get("PDSERVE_LOG_ROLE", "engine")
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{role} rank{rank}] %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{role} rank{rank}] %(name)s: %(message)s",
+                        force=forked)  # a forked follower has the leader's handlers: its lines say rank N
     plan_group = _init_group(rank, size, port, config)
     runner = ModelRunner(config, TPGroup(rank, size))
     dist.all_gather_object([None] * size, runner.pool_name, group=plan_group)
@@ -80,16 +84,18 @@ class TPLeader:
         self.plan_group = None
         if tp_size > 1:
             port = _free_port()
-            context = mp.get_context("spawn")
+            method = child_start_method(config.device)
+            context = mp.get_context(method)
             for rank in range(1, tp_size):
                 process = context.Process(
                     target=_follower_main,
-                    args=(rank, tp_size, port, config, logging.getLogger().level),
+                    args=(rank, tp_size, port, config, logging.getLogger().level, method == "fork"),
                     daemon=True,
                     name=f"pdserve-tp-rank{rank}",
                 )
                 process.start()
                 self.followers.append(process)
+            logger.info("started %d TP follower(s) (%s)", tp_size - 1, method)
             self.plan_group = _init_group(0, tp_size, port, config)
         self.runner = ModelRunner(config, TPGroup(0, tp_size))
         self.pool_names: tuple[str, ...] = ()

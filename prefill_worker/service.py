@@ -31,6 +31,7 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter
 from kvtransfer.errors import KVTransferError, LeaseExpired, UnknownTransfer
 from rpc.engine_thread import EngineThread
+from rpc.processes import child_start_method
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from rpc.interceptors import token_metadata
 from prefill_worker.batch_policy import PrefillCost, batch_token_limit
@@ -113,7 +114,10 @@ class PrefillService:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(self._engine.start)
+        if child_start_method(self.config.engine.device) == "fork":  # one thread yet: build here, TP followers fork
+            self.engine = self._engine.start(build_here=True)
+        else:
+            self.engine = await asyncio.to_thread(self._engine.start)
         self.layout = KVLayout.from_cache_shape(self.engine.cache_shape)
         self._shm = ShmWriter(self.layout)
         self._grpc = GrpcWriter(self.layout, metadata=token_metadata(self.config.internal_token))

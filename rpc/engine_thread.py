@@ -33,8 +33,16 @@ class EngineThread(Generic[E]):
         self._error: BaseException | None = None
         self.engine: E | None = None
 
-    def start(self, timeout: float | None = None) -> E:
-        """Starts the thread and blocks until the engine is built; re-raises its construction error."""
+    def start(self, timeout: float | None = None, build_here: bool = False) -> E:
+        """Starts the thread and blocks until the engine is built; re-raises its construction error.
+        build_here: the engine is built on the calling thread before the engine thread exists (in a process
+        with no other thread its TP followers can then be forked: rpc.processes.child_start_method)."""
+        if build_here:
+            try:
+                built = self._factory()
+            except Exception as error:
+                raise RuntimeError(f"engine failed to start: {error}") from error
+            self._factory = lambda: built
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("engine did not start in time")

@@ -63,3 +63,42 @@ def test_start_reports_construction_errors():
 
     with pytest.raises(RuntimeError, match="no model"):
         EngineThread(broken, _work).start(timeout=60)
+
+
+def test_an_engine_built_on_the_caller_serves_on_the_engine_thread() -> None:
+    """start(build_here=True) runs the factory on the calling thread (no engine thread yet: what lets a
+    process with one thread fork its TP followers), then work and calls run on the engine thread; a
+    failing factory raises from start() and no thread is left running."""
+
+    built_on, worked_on = [], []
+
+    class Engine:
+        def close(self) -> None:
+            pass
+
+    def factory() -> Engine:
+        built_on.append(threading.current_thread())
+        return Engine()
+
+    def work(engine: Engine) -> bool:
+        worked_on.append(threading.current_thread())
+        return False
+
+    thread = EngineThread(factory, work, name="built-here")
+    before = threading.active_count()
+    engine = thread.start(build_here=True)
+    try:
+        assert isinstance(engine, Engine) and built_on == [threading.current_thread()]
+        assert threading.active_count() == before + 1
+        called_on = asyncio.run(thread.call(lambda _: threading.current_thread().name))
+    finally:
+        thread.stop()
+    assert called_on == "built-here" and worked_on and all(t.name == "built-here" for t in worked_on)
+
+    def broken() -> Engine:
+        raise ValueError("no weights")
+
+    failing = EngineThread(broken, work)
+    with pytest.raises(RuntimeError, match="no weights"):
+        failing.start(build_here=True)
+    assert threading.active_count() == before
