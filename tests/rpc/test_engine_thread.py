@@ -80,8 +80,11 @@ def test_an_engine_built_on_the_caller_serves_on_the_engine_thread() -> None:
         built_on.append(threading.current_thread())
         return Engine()
 
+    worked = threading.Event()
+
     def work(engine: Engine) -> bool:
         worked_on.append(threading.current_thread())
+        worked.set()
         return False
 
     thread = EngineThread(factory, work, name="built-here")
@@ -91,9 +94,11 @@ def test_an_engine_built_on_the_caller_serves_on_the_engine_thread() -> None:
         assert isinstance(engine, Engine) and built_on == [threading.current_thread()]
         assert threading.active_count() == before + 1
         called_on = asyncio.run(thread.call(lambda _: threading.current_thread().name))
+        thread.wake()
+        assert worked.wait(60), "work() never ran"
     finally:
         thread.stop()
-    assert called_on == "built-here" and worked_on and all(t.name == "built-here" for t in worked_on)
+    assert called_on == "built-here" and all(t.name == "built-here" for t in worked_on)
 
     def broken() -> Engine:
         raise ValueError("no weights")
