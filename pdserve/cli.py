@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from pdserve.process_groups import die_with_parent_if_asked
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # numpy's OpenBLAS starts a worker thread per core at import; our processes compute with torch, and a
+    # process with that idle thread could not fork its engine process / TP followers (child_start_method).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     die_with_parent_if_asked()
     parser = build_parser()
     args = parser.parse_args(argv)
