@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rpc.processes import alive, cpu_seconds, descendants, group_members, start_ticks
 
 SLEEPER = [sys.executable, "-c", "import sys; sys.stdin.read()"]
@@ -91,3 +93,29 @@ def test_fork_only_while_single_threaded_on_the_cpu_and_the_child_forgets_our_si
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:3] == ["fork spawn", "child 0", "spawn"], result.stdout
+
+
+AFTER_CLI_START = """
+import sys
+from pdserve import cli
+try:
+    cli.main(["plan", "--help"])
+except SystemExit:
+    pass
+import numpy, torch
+from rpc.processes import child_start_method
+print(child_start_method("cpu"))
+"""
+
+
+@pytest.mark.slow  # a child interpreter that imports torch: ~2.5 s of CPU
+def test_a_pdserve_process_can_fork_its_engine_children_without_thread_settings() -> None:
+    """With no OMP_NUM_THREADS / OPENBLAS_NUM_THREADS in the environment (as under `pdserve up` from a
+    shell), a pdserve command that then imports numpy and torch still has one thread, so its decode engine
+    process and TP followers are forked: the CLI keeps numpy's OpenBLAS from starting its thread pool."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    result = subprocess.run([sys.executable, "-c", AFTER_CLI_START], capture_output=True, text=True, timeout=300,
+                            env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "fork", result.stdout
