@@ -19,8 +19,9 @@ CPU counts its descendants too (the decode worker's engine process and TP follow
 default) runs the decode worker with its engine in a process of its own, off on a thread of the worker; both:
 two deployments side by side, taking turns.
 
---standing-lease-tokens N adds a deployment like the first whose gateway keeps a standing lease of N prompt
-tokens per decode worker (gateway/standing_leases.py: no Reserve round trip before a fitting prompt's prefill).
+--standing-lease-tokens N adds a deployment like the first whose gateway runs with --standing-lease-tokens N (a
+standing lease of N prompt tokens per decode worker, gateway/standing_leases.py: no Reserve round trip before a
+fitting prompt's prefill; 0: none), to compare with the gateway's default.
 
 Run: .venv/bin/python -m benchmarks.bench_gateway --threads 1 [--spec-concurrency] [--stream-interval N]
      [--engine-process off|on|both] [--standing-lease-tokens N]
@@ -144,9 +145,9 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
     parser.add_argument("--engine-process", choices=tuple(ENGINE_PATHS), default="on",
                         help="the decode worker's engine on a thread (off), in its own process (on), or both side by side")
-    parser.add_argument("--standing-lease-tokens", type=int, default=0, metavar="N",
-                        help="> 0: one more deployment, like the first, whose gateway keeps standing leases of N "
-                             "prompt tokens (pdserve gateway --standing-lease-tokens), taking turns with the others")
+    parser.add_argument("--standing-lease-tokens", type=int, default=None, metavar="N",
+                        help="one more deployment, like the first, whose gateway runs with --standing-lease-tokens N "
+                             "(0: without standing leases), taking turns with the others")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
@@ -159,9 +160,11 @@ def main() -> None:
     gateways: dict[str, GatewayRunner] = {}
     try:
         deployments = [(name, decode_args, ()) for name, decode_args in ENGINE_PATHS[args.engine_process]]
-        if args.standing_lease_tokens > 0:
+        if args.standing_lease_tokens is not None:
             first_name, first_decode_args, _ = deployments[0]
-            deployments.append((f"{first_name}, standing lease", first_decode_args,
+            label = (f"standing lease {args.standing_lease_tokens}" if args.standing_lease_tokens
+                     else "no standing lease")
+            deployments.append((f"{first_name}, {label}", first_decode_args,
                                 ("--standing-lease-tokens", str(args.standing_lease_tokens))))
         for name, decode_args, gateway_args in deployments:
             spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch",
