@@ -21,7 +21,9 @@ class GatewayConfig:
     no authentication; health checks need none); tls_cert / tls_key: PEM files, serve TLS only.
     standing_lease_tokens: > 0 keeps one spare reservation of that many prompt tokens per decode worker
     (gateway/standing_leases.py), taken by a request whose prompt fits instead of a Reserve round trip
-    before its prefill (0: off); standing_lease_ttl_s: the lease a spare asks for."""
+    before its prefill (0: off); standing_lease_ttl_s: the lease a spare asks for. prefill_stream: send
+    prefills over one long-lived PrefillStream per prefill worker (gateway/prefill_stream.py) instead of a
+    unary Prefill call each."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -43,6 +45,7 @@ class GatewayConfig:
     tls_key: str | None = None
     standing_lease_tokens: int = 0
     standing_lease_ttl_s: float = 30.0
+    prefill_stream: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
