@@ -99,8 +99,9 @@ async def start_worker(pool: SharedPagePool, batch_tokens: int = 2048, token: st
 
 
 async def stop_worker(worker: StreamWorker) -> None:
-    worker.engine.gate.set()
+    """Stops the server at once (its calls end as when the process dies), then releases and stops the engine."""
     await worker.server.stop(None)
+    worker.engine.gate.set()
     await worker.service.stop()
 
 

@@ -1,0 +1,239 @@
+"""The gateway's PrefillStream (gateway/prefill_stream.py) against real prefill worker servers in this process
+(tests/prefill_worker/stream_server.py): concurrent prompts share one stream and get their own answers;
+failures are AioRpcErrors with the unary call's code (INVALID_ARGUMENT with its details, DEADLINE_EXCEEDED
+kept locally too, UNAUTHENTICATED); a worker that dies fails its pending prompts UNAVAILABLE and the next
+prompt opens a new stream; a cancelled prompt is dropped; closing fails what is pending; and a RequestRun
+whose prefill worker dies mid-prefill is answered by the other worker."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+
+from engine.sampling_params import SamplingParams
+from gateway.orchestrator import FinishEvent, RequestRun, TokensEvent
+from gateway.prefill_stream import PrefillStream
+from gateway.requests import GenerateJob
+from gateway.router import PrefillState
+from gateway.workers import PrefillWorker
+from kvtransfer.shm_pool import SharedPagePool
+from rpc.interceptors import token_metadata
+from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
+from rpc.status import status_of
+from tests.prefill_worker.stream_server import (  # noqa: F401 - fixtures
+    LAYOUT, TOKEN, StreamWorker, shm_pool, start_worker, stop_worker, stream_worker,
+)
+from tests.services.helpers import eventually
+
+
+def _client(worker: StreamWorker, token: str | None = TOKEN) -> tuple[grpc.aio.Channel, PrefillStream]:
+    channel = grpc.aio.insecure_channel(worker.address)
+    return channel, PrefillStream(worker_pb2_grpc.PrefillServiceStub(channel), token_metadata(token), worker.address)
+
+
+async def test_concurrent_prefills_share_one_stream_and_get_their_own_answers(stream_worker):
+    """Sixteen prompts at once through one PrefillStream: each gets its own first token, and the worker saw
+    one stream (one session), not a call per prompt."""
+    channel, stream = _client(stream_worker)
+    try:
+        prompts = {f"p{index}": [200 + index] * (3 + index) for index in range(16)}
+        answers = await asyncio.gather(*(stream.prefill(stream_worker.request(rid, prompt), 30, "t")
+                                         for rid, prompt in prompts.items()))
+        assert [answer.first_token for answer in answers] == [prompt[0] for prompt in prompts.values()]
+        assert len(stream_worker.servicer._streams._sessions) == 1
+        assert stream_worker.service.load.requests_total == 16
+    finally:
+        await stream.close()
+        await channel.close()
+
+
+async def test_a_refused_prompt_raises_the_unary_status_and_the_stream_goes_on(stream_worker):
+    """INVALID_ARGUMENT from the worker is an AioRpcError with that code, its message and the BadRequest
+    detail (status_of passes it to the client as a unary call's would); the next prompt uses the same stream."""
+    channel, stream = _client(stream_worker)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stream.prefill(stream_worker.request("bad", [5] * 8, block_size=1000), 30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("block_size")
+        status = status_of(refused.value)
+        assert status.code == grpc.StatusCode.INVALID_ARGUMENT
+        opened = stream._open
+        assert (await stream.prefill(stream_worker.request("good", [8] * 8), 30)).first_token == 8
+        assert stream._open is opened
+        details = dict(status.trailing_metadata)["grpc-status-details-bin"]
+        from google.rpc import status_pb2
+
+        violation = error_details_pb2.BadRequest()
+        assert status_pb2.Status.FromString(details).details[0].Unpack(violation)
+        assert violation.field_violations[0].field == "block_size"
+    finally:
+        await stream.close()
+        await channel.close()
+
+
+async def test_the_deadline_is_kept_by_the_gateway_and_sent_to_the_worker(stream_worker):
+    """A prompt held past its timeout fails DEADLINE_EXCEEDED, and the worker stops it too (its own timer:
+    no Cancel RPC here), writing no completion record."""
+    stream_worker.engine.gate.clear()
+    channel, stream = _client(stream_worker)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await stream.prefill(stream_worker.request("late", [4] * 8), 0.2)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        job = stream_worker.service._jobs["late"]  # still held in the engine
+        await eventually(lambda: job.cancelled, "the worker's own timeout to cancel the prompt")
+        stream_worker.engine.gate.set()
+        await eventually(lambda: not stream_worker.service._jobs, "the worker to drop the prompt")
+        assert stream_worker.engine.stopped == ["late"] and not stream_worker.receiver.ready("late")
+    finally:
+        await stream.close()
+        await channel.close()
+
+
+async def test_a_worker_that_dies_fails_pending_prompts_unavailable_and_the_stream_reopens(shm_pool):
+    """The server goes away while two prompts are pending: both fail UNAVAILABLE; a worker back on the same
+    address serves the next prompt over a new stream."""
+    worker = await start_worker(shm_pool)
+    worker.engine.gate.clear()
+    channel, stream = _client(worker)
+    port = int(worker.address.rsplit(":", 1)[1])
+    revived = None
+    try:
+        pending = [asyncio.ensure_future(stream.prefill(worker.request(rid, [6] * 8), 30)) for rid in ("a", "b")]
+        await eventually(lambda: worker.engine.started == ["a", "b"], "both prompts to run")
+        await stop_worker(worker)
+        for call in pending:
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await call
+            assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        with SharedPagePool.create(LAYOUT, 64, num_slots=32) as second_pool:
+            revived = await start_worker(second_pool, port=port)
+            assert (await stream.prefill(revived.request("c", [7] * 8), 30)).first_token == 7
+            await stop_worker(revived)
+    finally:
+        await stream.close()
+        await channel.close()
+
+
+async def test_a_cancelled_prompt_is_dropped_and_the_stream_serves_on(stream_worker):
+    """The caller gives up on a running prompt (its task is cancelled, as a client that went away): the call
+    ends CancelledError, the Cancel RPC stops the prompt on the worker, and the stream serves the next one."""
+    stream_worker.engine.gate.clear()
+    channel, stream = _client(stream_worker)
+    try:
+        call = stream.call(stream_worker.request("gone", [3] * 8), 30, (("x-request-id", "trace"),))
+        await eventually(lambda: stream_worker.engine.started == ["gone"], "the prompt to run")
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        stub = worker_pb2_grpc.PrefillServiceStub(channel)
+        job = stream_worker.service._jobs["gone"]
+        cancel = asyncio.ensure_future(stub.Cancel(worker_pb2.CancelRequest(request_id="gone"), timeout=30,
+                                                   metadata=token_metadata(TOKEN)))
+        await eventually(lambda: job.cancelled, "the Cancel RPC to reach the worker")
+        stream_worker.engine.gate.set()
+        assert (await cancel).dropped is False  # it was running: Cancel waited until it stopped
+        assert stream_worker.engine.stopped == ["gone"] and not stream_worker.receiver.ready("gone")
+        assert (await stream.prefill(stream_worker.request("next", [2] * 8), 30)).first_token == 2
+    finally:
+        await stream.close()
+        await channel.close()
+
+
+async def test_a_refused_stream_passes_its_code_and_close_fails_pending(stream_worker):
+    """Without the token the prompt fails UNAUTHENTICATED (not UNAVAILABLE: the worker is up); after close()
+    a pending prompt fails CANCELLED and new ones are refused."""
+    channel, stream = _client(stream_worker, token=None)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stream.prefill(stream_worker.request("n", [5] * 8), 30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await channel.close()
+    stream_worker.engine.gate.clear()
+    channel, stream = _client(stream_worker)
+    try:
+        pending = asyncio.ensure_future(stream.prefill(stream_worker.request("p", [5] * 8), 30))
+        await eventually(lambda: stream_worker.engine.started == ["p"], "the prompt to run")
+        await stream.close()
+        for call in (pending, stream.prefill(stream_worker.request("q", [5] * 8), 30)):
+            with pytest.raises(grpc.aio.AioRpcError) as closed:
+                await call
+            assert closed.value.code() == grpc.StatusCode.CANCELLED
+    finally:
+        await channel.close()
+
+
+class _RetryPool:
+    """A WorkerPool stand-in for RequestRun: a standing lease into the shm pool, two prefill workers over
+    real streams (the first that is healthy is picked), and a decode stub that finishes at once."""
+
+    def __init__(self, workers: list[PrefillWorker], destination: Any) -> None:
+        self.prefill = workers
+        self.metadata = token_metadata(TOKEN)
+        self.polled = asyncio.Event()
+        self.polled.set()
+        self.stub = self
+        self._destination = destination
+        self.marked: list[str] = []
+
+    def take_standing(self, num_prompt_tokens: int) -> Any:
+        return self, self._destination
+
+    def refill_standing(self) -> None:
+        pass
+
+    def pick_prefill(self) -> PrefillWorker:
+        return next(worker for worker in self.prefill if worker.state.healthy)
+
+    def mark_unreachable(self, state: PrefillState, error: grpc.aio.AioRpcError) -> None:
+        state.healthy = False
+        self.marked.append(error.code().name)
+
+    def Decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> Any:  # noqa: N802
+        async def chunks():
+            yield worker_pb2.DecodeResponse(token_ids=[1], finished=True, finish_reason="length", decode_steps=1)
+
+        return chunks()
+
+
+async def test_a_run_whose_prefill_worker_dies_is_answered_by_the_other(shm_pool):
+    """RequestRun over two workers' streams: the first dies mid-prefill (UNAVAILABLE), is marked unreachable,
+    and the prompt is sent once more, to the second, whose first token reaches the client."""
+    first, second = await start_worker(shm_pool), await start_worker(shm_pool)
+    first.engine.gate.clear()
+    channels, workers = [], []
+    for worker in (first, second):
+        channel, stream = _client(worker)
+        channels.append(channel)
+        workers.append(PrefillWorker(PrefillState(worker.address, healthy=True), channel,
+                                     worker_pb2_grpc.PrefillServiceStub(channel), stream))
+    destination = first.request("run", [9] * 8).destination
+    pool = _RetryPool(workers, destination)
+    job = GenerateJob(request_id="run", prompt_ids=(9,) * 8,
+                      params=SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+    run = RequestRun(job, pool, None, time.perf_counter(), time.monotonic() + 60, cleanup_timeout_s=5.0)  # type: ignore[arg-type]
+    try:
+        run.start()
+        await eventually(lambda: first.engine.started == ["run"], "the prompt to run on the first worker")
+        await stop_worker(first)
+        events = []
+        while not events or not isinstance(events[-1], FinishEvent):
+            events.append(await asyncio.wait_for(run.events.get(), 60))
+        assert isinstance(events[0], TokensEvent) and events[0].token_ids == [9], events
+        assert pool.marked == ["UNAVAILABLE"] and not workers[0].state.healthy
+        assert second.engine.started == ["run"]
+        assert run.task is not None
+        await asyncio.wait_for(run.task, 60)
+    finally:
+        for worker in workers:
+            assert worker.stream is not None
+            await worker.stream.close()
+        for channel in channels:
+            await channel.close()
+        await stop_worker(second)
