@@ -11,7 +11,7 @@ worker died) fails every request still pending on it with UNAVAILABLE (the strea
 refused outright, e.g. UNAUTHENTICATED) and is opened again by the next request. A request cancelled by
 its caller is dropped here (not sent when it was still waiting to be); stopping the work on the worker is
 the Cancel RPC's job, as on the unary path. The per-request deadline travels as timeout_ms and is also
-kept here."""
+kept here (LOCAL_DEADLINE_GRACE_S later)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +27,10 @@ from rpc.logging_setup import REQUEST_ID_KEY
 
 logger = logging.getLogger(__name__)
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# The local deadline fires this much after the request's: the worker's own DEADLINE_EXCEEDED answer (and the
+# gateway's incoming call, whose deadline this is) end the request first, as they do a unary call; the local
+# timer only covers a worker that never answers.
+LOCAL_DEADLINE_GRACE_S = 0.1
 Metadata = Sequence[tuple[str, Any]]
 
 
@@ -134,7 +138,7 @@ class PrefillStream:
         stream, request_id = self._open, request.request_id
         if request_id in stream.pending:
             raise rpc_error(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already being prefilled")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout + LOCAL_DEADLINE_GRACE_S
         future: asyncio.Future[worker_pb2.PrefillResponse] = asyncio.get_running_loop().create_future()
         stream.pending[request_id] = future
         message = worker_pb2.PrefillStreamRequest(request=request, trace_id=trace_id,

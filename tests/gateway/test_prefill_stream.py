@@ -237,3 +237,36 @@ async def test_a_run_whose_prefill_worker_dies_is_answered_by_the_other(shm_pool
         for channel in channels:
             await channel.close()
         await stop_worker(second)
+
+
+class _SilentPrefill(worker_pb2_grpc.PrefillServiceServicer):
+    """Takes every PrefillStream message and never answers (a hung worker)."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+
+    async def PrefillStream(self, requests: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        async for message in requests:
+            self.received.append(message.request.request_id)
+        await asyncio.Event().wait()
+
+
+async def test_a_worker_that_never_answers_fails_the_prompt_at_the_local_deadline():
+    """The worker takes the prompt and stays silent: the gateway's own timer (the deadline plus
+    LOCAL_DEADLINE_GRACE_S) fails it DEADLINE_EXCEEDED; the message carried the remaining time as timeout_ms."""
+    silent = _SilentPrefill()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_PrefillServiceServicer_to_server(silent, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stream = PrefillStream(worker_pb2_grpc.PrefillServiceStub(channel), (), "silent")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await stream.prefill(worker_pb2.PrefillRequest(request_id="hung", token_ids=[1]), 0.05)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert silent.received == ["hung"]
+    finally:
+        await stream.close()
+        await channel.close()
+        await server.stop(None)
