@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -123,32 +122,46 @@ class PrefillStream:
         self._closed = False
 
     def call(self, request: worker_pb2.PrefillRequest, timeout: float | None,
-             metadata: Metadata = ()) -> asyncio.Task[worker_pb2.PrefillResponse]:
+             metadata: Metadata = ()) -> asyncio.Future[worker_pb2.PrefillResponse]:
         """What stub.Prefill(request, timeout=, metadata=) does, over the stream: an awaitable with cancel().
         The x-request-id in metadata names the request in the worker's log."""
         trace_id = next((str(value) for key, value in metadata if key == REQUEST_ID_KEY), "")
-        return asyncio.ensure_future(self.prefill(request, timeout, trace_id))
+        return self.submit(request, timeout, trace_id)
 
     async def prefill(self, request: worker_pb2.PrefillRequest, timeout: float | None,
                       trace_id: str = "") -> worker_pb2.PrefillResponse:
+        return await self.submit(request, timeout, trace_id)
+
+    def submit(self, request: worker_pb2.PrefillRequest, timeout: float | None,
+               trace_id: str = "") -> asyncio.Future[worker_pb2.PrefillResponse]:
+        """Queues the request on the stream (opened if need be): a future of its response (no task of its own;
+        cancelling the future drops the request, which is not sent if it was still waiting to be)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[worker_pb2.PrefillResponse] = loop.create_future()
         if self._closed:
-            raise rpc_error(grpc.StatusCode.CANCELLED, "the gateway is shutting down")
+            future.set_exception(rpc_error(grpc.StatusCode.CANCELLED, "the gateway is shutting down"))
+            return future
         if self._open is None or self._open.broken:
             self._open = _Open(self._stub, self._metadata, self._address)
         stream, request_id = self._open, request.request_id
         if request_id in stream.pending:
-            raise rpc_error(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already being prefilled")
-        deadline = None if timeout is None else time.monotonic() + timeout + LOCAL_DEADLINE_GRACE_S
-        future: asyncio.Future[worker_pb2.PrefillResponse] = asyncio.get_running_loop().create_future()
+            future.set_exception(rpc_error(grpc.StatusCode.ALREADY_EXISTS,
+                                           f"request {request_id} is already being prefilled"))
+            return future
         stream.pending[request_id] = future
+        timer = None if timeout is None else loop.call_later(timeout + LOCAL_DEADLINE_GRACE_S, _expire, future)
+
+        def forget(_: asyncio.Future[Any]) -> None:
+            if stream.pending.get(request_id) is future:
+                del stream.pending[request_id]
+            if timer is not None:
+                timer.cancel()
+
+        future.add_done_callback(forget)
         message = worker_pb2.PrefillStreamRequest(request=request, trace_id=trace_id,
                                                   timeout_ms=0 if timeout is None else max(1, round(timeout * 1000)))
         stream.outbox.put_nowait((message, future))
-        try:
-            return await _within(future, deadline)
-        finally:
-            stream.pending.pop(request_id, None)
-            future.cancel()  # (no-op once resolved) the writer skips a request still waiting to be sent
+        return future
 
     async def close(self) -> None:
         """Ends the stream (gateway shutdown): requests still pending fail CANCELLED."""
@@ -157,11 +170,7 @@ class PrefillStream:
             self._open.fail(None, closing=True)
 
 
-async def _within(future: Awaitable[worker_pb2.PrefillResponse], deadline: float | None) -> worker_pb2.PrefillResponse:
-    """The future's result, or DEADLINE_EXCEEDED (as a unary call's) once the deadline passes."""
-    if deadline is None:
-        return await future
-    try:
-        return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
-        raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+def _expire(future: asyncio.Future[Any]) -> None:
+    """The local deadline passed: DEADLINE_EXCEEDED, as a unary call's."""
+    if not future.done():
+        future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
