@@ -102,10 +102,9 @@ async def test_a_worker_that_dies_fails_pending_prompts_unavailable_and_the_stre
     worker.engine.gate.clear()
     channel, stream = _client(worker)
     port = int(worker.address.rsplit(":", 1)[1])
-    revived = None
     try:
-        pending = [asyncio.ensure_future(stream.prefill(worker.request(rid, [6] * 8), 30)) for rid in ("a", "b")]
-        await eventually(lambda: worker.engine.started == ["a", "b"], "both prompts to run")
+        pending = [stream.submit(worker.request(rid, [6] * 8), 30) for rid in ("a", "b")]
+        await eventually(lambda: len(worker.service._jobs) == 2, "both prompts to reach the worker")
         await stop_worker(worker)
         for call in pending:
             with pytest.raises(grpc.aio.AioRpcError) as lost:
@@ -113,9 +112,12 @@ async def test_a_worker_that_dies_fails_pending_prompts_unavailable_and_the_stre
             assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
         with SharedPagePool.create(LAYOUT, 64, num_slots=32) as second_pool:
             revived = await start_worker(second_pool, port=port)
-            assert (await stream.prefill(revived.request("c", [7] * 8), 30)).first_token == 7
-            await stop_worker(revived)
+            try:
+                assert (await stream.prefill(revived.request("c", [7] * 8), 30)).first_token == 7
+            finally:
+                await stop_worker(revived)
     finally:
+        await stop_worker(worker)
         await stream.close()
         await channel.close()
 
@@ -236,6 +238,7 @@ async def test_a_run_whose_prefill_worker_dies_is_answered_by_the_other(shm_pool
             await worker.stream.close()
         for channel in channels:
             await channel.close()
+        await stop_worker(first)
         await stop_worker(second)
 
 

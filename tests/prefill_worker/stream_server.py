@@ -73,6 +73,7 @@ class StreamWorker:
     receiver: ShmReceiver
     allocator: PageAllocator
     leases: LeaseTable
+    stopped: bool = False
 
     def request(self, request_id: str, prompt: list[int], **sampling: Any) -> worker_pb2.PrefillRequest:
         """A PrefillRequest into freshly reserved pages (reserved as Reserve would)."""
@@ -99,7 +100,11 @@ async def start_worker(pool: SharedPagePool, batch_tokens: int = 2048, token: st
 
 
 async def stop_worker(worker: StreamWorker) -> None:
-    """Stops the server at once (its calls end as when the process dies), then releases and stops the engine."""
+    """Stops the server at once (its calls end as when the process dies), then releases and stops the engine.
+    Idempotent, so tests call it again in their `finally`."""
+    if worker.stopped:
+        return
+    worker.stopped = True
     await worker.server.stop(None)
     worker.engine.gate.set()
     await worker.service.stop()
