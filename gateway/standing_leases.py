@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from gateway.workers import DecodeWorker, WorkerPool
 
 logger = logging.getLogger(__name__)
+RETRY_S = 1.0  # after a refused spare (no room, unreachable)
+REFUSED_RETRY_S = 60.0  # after a spare the worker can never grant (its context or pool is too small for it)
 
 
 @dataclass(frozen=True)
@@ -150,10 +152,13 @@ class StandingLeases:
         try:
             response = await worker.stub.Reserve(request, timeout=self.ttl_s, metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as error:
-            logger.info("no standing lease on %s: %s %s", worker.state.address, error.code().name, error.details())
+            never = error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+            logger.log(logging.WARNING if never else logging.INFO, "no standing lease on %s: %s %s%s",
+                       worker.state.address, error.code().name, error.details(),
+                       f" (asking again in {REFUSED_RETRY_S:.0f} s)" if never else "")
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 worker.state.free_pages = 0  # until the next poll says otherwise
-            self._retry_at[index] = time.monotonic() + 1.0
+            self._retry_at[index] = time.monotonic() + (REFUSED_RETRY_S if never else RETRY_S)
             return
         worker.state.free_pages = max(0, worker.state.free_pages - len(response.destination.page_ids))
         self._spares[index] = Spare(worker, response.destination)

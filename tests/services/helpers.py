@@ -65,23 +65,44 @@ async def prefill_load(address: str) -> worker_pb2.GetPrefillLoadResponse:
         return await worker_pb2_grpc.PrefillServiceStub(channel).GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=30)
 
 
+def unspared_free_pages(load: worker_pb2.GetDecodeLoadResponse) -> int:
+    """Free pages plus the pages spares hold (unclaimed standing leases a gateway keeps, gateway/standing_leases.py):
+    what would be free without them. Constant while a spare is taken and refilled, unlike free_pages."""
+    return load.free_pages + load.standing_pages
+
+
+def at_rest(load: worker_pb2.GetDecodeLoadResponse, baseline: int, spares: int = 1) -> bool:
+    """Nothing runs or waits, the only leases held are exactly `spares` spares (one per gateway in front that
+    keeps them: a leaked lease, standing or not, is one too many) and the pages but for theirs are `baseline`."""
+    return ((load.running, load.waiting, load.leases, load.standing_leases) == (0, 0, spares, spares)
+            and unspared_free_pages(load) == baseline)
+
+
 async def idle_free_pages(address: str, timeout: float = 30.0) -> int:
-    """The decode worker's free pages once nothing runs and no lease is held (its idle baseline)."""
+    """The decode worker's idle baseline: free pages plus the spares' pages once nothing runs or waits and every
+    lease held is a spare, the same on two polls in a row (a spare being replaced can skew one reading)."""
     deadline = time.monotonic() + timeout
+    seen: int | None = None
     while True:
         load = await decode_load(address)
-        if load.running == 0 and load.leases == 0 and load.waiting == 0:
-            return load.free_pages
+        idle = load.running == 0 and load.waiting == 0 and load.leases == load.standing_leases
+        if idle and seen == unspared_free_pages(load):
+            return seen
+        seen = unspared_free_pages(load) if idle else None
         if time.monotonic() > deadline:
             raise AssertionError(f"decode worker never went idle: {load}")
         await asyncio.sleep(0.05)
 
 
-async def wait_for_free_pages(address: str, expected: int, timeout: float = 60.0) -> worker_pb2.GetDecodeLoadResponse:
-    """Polls GetDecodeLoad until free_pages == expected; returns the last Load either way."""
+async def wait_for_free_pages(address: str, expected: int, timeout: float = 60.0,
+                              spares: int = 1) -> worker_pb2.GetDecodeLoadResponse:
+    """Polls GetDecodeLoad until the worker is at_rest(load, expected, spares) on two polls in a row; returns the
+    last Load either way (callers assert at_rest on it)."""
     deadline = time.monotonic() + timeout
-    load = await decode_load(address)
-    while load.free_pages != expected and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        load = await decode_load(address)
+    load, streak = await decode_load(address), 0
+    while streak < 2 and time.monotonic() < deadline:
+        streak = streak + 1 if at_rest(load, expected, spares) else 0
+        if streak < 2:
+            await asyncio.sleep(0.05)
+            load = await decode_load(address)
     return load
