@@ -7,12 +7,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import aiohttp
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from rpc.v1 import gateway_pb2_grpc
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]  # (metric, labels) -> value
 PROMPT_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 100, 128, 255, 300, 512, 777, 1024, 1500, 2048)
 FIRST_ORDINARY_TOKEN = 4  # ids 0..3 are the special tokens
 VOCAB_LIMIT = 300          # the test tokenizer's vocabulary (the model's is 320)
@@ -53,6 +56,15 @@ async def greedy_through_gateway(address: str, prompts: list[list[int]], max_tok
 async def gateway_stub(address: str) -> AsyncIterator[gateway_pb2_grpc.GatewayServiceStub]:
     async with grpc.aio.insecure_channel(address) as channel:
         yield gateway_pb2_grpc.GatewayServiceStub(channel)
+
+
+async def scrape(http: aiohttp.ClientSession, address: str) -> Samples:
+    """A service's GET /metrics at `address`, parsed."""
+    async with http.get(f"http://{address}/metrics") as response:
+        assert response.status == 200
+        text = await response.text()
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 async def decode_load(address: str) -> worker_pb2.GetDecodeLoadResponse:

@@ -8,22 +8,12 @@ import time
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import build_request, generate
 from tests.services.conftest import worker_address
-from tests.services.helpers import at_rest, gateway_stub, idle_free_pages, wait_for_free_pages
+from tests.services.helpers import Samples, at_rest, gateway_stub, idle_free_pages, scrape, wait_for_free_pages
 
 pytestmark = pytest.mark.slow
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-async def scrape(http: aiohttp.ClientSession, address: str) -> Samples:
-    async with http.get(f"http://{address}/metrics") as response:
-        assert response.status == 200
-        text = await response.text()
-    return {(sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
