@@ -67,6 +67,20 @@ async def scrape(http: aiohttp.ClientSession, address: str) -> Samples:
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
+async def gateway_quiet(http_address: str, timeout: float = 60.0) -> None:
+    """Waits until the gateway at `http_address` (its HTTP front) has no request running or waiting: every run,
+    a straggler whose client already gave up included, has ended and cleaned up. Fails loudly after `timeout`."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while True:
+            samples = await scrape(http, http_address)
+            busy = [samples[(name, frozenset())] for name in ("pdserve_requests_running", "pdserve_requests_waiting")]
+            if busy == [0, 0]:
+                return
+            assert time.monotonic() < deadline, f"the gateway still has requests running / waiting: {busy}"
+            await asyncio.sleep(0.05)
+
+
 async def decode_load(address: str) -> worker_pb2.GetDecodeLoadResponse:
     async with grpc.aio.insecure_channel(address) as channel:
         return await worker_pb2_grpc.DecodeServiceStub(channel).GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=30)
@@ -90,31 +104,45 @@ def at_rest(load: worker_pb2.GetDecodeLoadResponse, baseline: int, spares: int =
             and unspared_free_pages(load) == baseline)
 
 
-async def idle_free_pages(address: str, timeout: float = 30.0) -> int:
-    """The decode worker's idle baseline: free pages plus the spares' pages once nothing runs or waits and every
-    lease held is a spare, the same on two polls in a row (a spare being replaced can skew one reading)."""
+# How long a decode worker must read the same at-rest load before a helper believes it: more than a few of the
+# gateway's load-poll intervals (0.2 s). A spare taken by a request still in flight (its Prefill not answered
+# yet) looks like a spare on the decode worker until the gateway's refill adds the next one, within about one
+# poll interval: a reading that lasts catches it (two standing leases), one reading may not.
+SETTLE_S = 1.0
+
+
+async def _settled(address: str, condition: Callable[[worker_pb2.GetDecodeLoadResponse], bool],
+                   timeout: float) -> tuple[bool, worker_pb2.GetDecodeLoadResponse]:
+    """(True, the load) once `condition` held on every poll for SETTLE_S with the same unspared free pages;
+    (False, the last load) after `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    seen: int | None = None
+    since: float | None = None
+    value = -1
     while True:
-        load = await decode_load(address)
-        idle = load.running == 0 and load.waiting == 0 and load.leases == load.standing_leases
-        if idle and seen == unspared_free_pages(load):
-            return seen
-        seen = unspared_free_pages(load) if idle else None
-        if time.monotonic() > deadline:
-            raise AssertionError(f"decode worker never went idle: {load}")
+        load, now = await decode_load(address), time.monotonic()
+        if not condition(load):
+            since = None
+        elif since is None or unspared_free_pages(load) != value:
+            since, value = now, unspared_free_pages(load)
+        elif now - since >= SETTLE_S:
+            return True, load
+        if now > deadline:
+            return False, load
         await asyncio.sleep(0.05)
+
+
+async def idle_free_pages(address: str, timeout: float = 60.0) -> int:
+    """The decode worker's idle baseline: free pages plus the spares' pages once nothing runs or waits and every
+    lease held is a spare, unchanged for SETTLE_S (a spare being replaced can skew one reading)."""
+    settled, load = await _settled(
+        address, lambda load: load.running == 0 and load.waiting == 0 and load.leases == load.standing_leases, timeout)
+    if not settled:
+        raise AssertionError(f"decode worker never went idle: {load}")
+    return unspared_free_pages(load)
 
 
 async def wait_for_free_pages(address: str, expected: int, timeout: float = 60.0,
                               spares: int = 1) -> worker_pb2.GetDecodeLoadResponse:
-    """Polls GetDecodeLoad until the worker is at_rest(load, expected, spares) on two polls in a row; returns the
-    last Load either way (callers assert at_rest on it)."""
-    deadline = time.monotonic() + timeout
-    load, streak = await decode_load(address), 0
-    while streak < 2 and time.monotonic() < deadline:
-        streak = streak + 1 if at_rest(load, expected, spares) else 0
-        if streak < 2:
-            await asyncio.sleep(0.05)
-            load = await decode_load(address)
-    return load
+    """Polls GetDecodeLoad until the worker is at_rest(load, expected, spares) for SETTLE_S; returns the last Load
+    either way (callers assert at_rest on it)."""
+    return (await _settled(address, lambda load: at_rest(load, expected, spares), timeout))[1]
