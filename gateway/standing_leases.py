@@ -10,7 +10,8 @@ once (take() removes it), only from a reachable worker whose transport is shm, a
 half its lease is left; the refill task (woken once the taker's first token is out, else at its next
 poll-interval pass) replaces taken, ageing and refused spares, holds off while the
 worker is short of pages (and gives its spare back when a Reserve there is refused for room), and
-close() releases every spare. Unclaimed spares show in the decode worker's load reports as leases."""
+close() releases every spare. On by default (GatewayConfig.standing_lease_tokens, 1024). Unclaimed spares show in
+the decode worker's load reports as leases, and apart as standing_leases / standing_pages / standing_state_slots."""
 from __future__ import annotations
 
 import asyncio
