@@ -141,10 +141,12 @@ class StandingLeases:
             waiter.cancel()
 
     def _has_room(self, worker: DecodeWorker) -> bool:
-        """Reachable, shm, and (by its last load report) room for two spares: never the last pages."""
+        """Reachable, shm, and (by its last load report) room for two spares: never the last pages, nor the last
+        state slot of a model with linear attention (a spare holds one)."""
         state = worker.state
         return (state.healthy and self._pool.transport_for(worker) == kv_pb2.TRANSPORT_SHM
-                and state.free_pages >= 2 * state.pages_for(self.tokens))
+                and state.free_pages >= 2 * state.pages_for(self.tokens)
+                and (state.free_state_slots is None or state.free_state_slots >= 2))
 
     async def _grant(self, index: int, worker: DecodeWorker) -> None:
         request_id = f"standing.{uuid.uuid4().hex[:16]}"
@@ -161,7 +163,10 @@ class StandingLeases:
                 worker.state.free_pages = 0  # until the next poll says otherwise
             self._retry_at[index] = time.monotonic() + (REFUSED_RETRY_S if never else RETRY_S)
             return
-        worker.state.free_pages = max(0, worker.state.free_pages - len(response.destination.page_ids))
+        state = worker.state
+        state.free_pages = max(0, state.free_pages - len(response.destination.page_ids))
+        if state.free_state_slots is not None:  # until the next poll says otherwise
+            state.free_state_slots = max(0, state.free_state_slots - 1)
         self._spares[index] = Spare(worker, response.destination)
 
     def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:

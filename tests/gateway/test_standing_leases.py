@@ -190,6 +190,25 @@ async def test_full_worker_gets_its_spare_back():
     await pool.close()
 
 
+@pytest.mark.parametrize(("free_slots", "spare"), [(None, True), (2, True), (1, False), (0, False)])
+async def test_a_spare_never_takes_the_last_state_slot(free_slots, spare):
+    """With linear attention a spare holds a state slot: it is made only where two slots are free (by the last
+    load report; None: the model has no state slots), as it is only where two spares' pages are."""
+    fake = _LeasingDecode()
+    pool = _pool(fake)
+    pool.decode[0].state.free_state_slots = free_slots
+    assert pool.standing._has_room(pool.decode[0]) is spare
+    pool.decode[0].state.free_state_slots, pool.decode[0].state.free_pages = 2, 2 * (TOKENS // PAGE_SIZE) - 1
+    assert not pool.standing._has_room(pool.decode[0])  # one page short of two spares
+    if spare:
+        pool.decode[0].state.free_state_slots, pool.decode[0].state.free_pages = free_slots, 100
+        pool.polled.set()
+        pool.standing.start()
+        await _eventually(lambda: len(pool.standing.held()) == 1, "a spare")
+        assert pool.decode[0].state.free_state_slots == (None if free_slots is None else free_slots - 1)
+    await pool.close()
+
+
 @pytest.mark.parametrize("bad", [0, -1])
 def test_ttl_must_be_positive(bad):
     """standing_lease_ttl_s <= 0 is refused by name; negative standing_lease_tokens too."""
