@@ -60,7 +60,7 @@ class ErrorEvent:
 class RunObserver(Protocol):
     """What a run reports as it goes (gateway.metrics.GatewayMetrics); times in seconds."""
 
-    def admitted(self, queue_s: float, prompt_tokens: int) -> None: ...
+    def admitted(self, queue_s: float, prompt_tokens: int, spare: bool = False) -> None: ...  # spare: took a standing lease
     def prefilled(self, prefill_s: float) -> None: ...
     def decode_started(self, setup_s: float) -> None: ...
     def first_token(self, ttft_s: float) -> None: ...
@@ -170,7 +170,7 @@ class RequestRun:
         self.admitted = True
         reserved = time.perf_counter()
         if self._observer is not None:
-            self._observer.admitted(reserved - self._arrival, len(job.prompt_ids))
+            self._observer.admitted(reserved - self._arrival, len(job.prompt_ids), spare=standing is not None)
         sampling = sampling_to_proto(params)
         response = await self._run_prefill(destination, sampling)
         prefilled = time.perf_counter()

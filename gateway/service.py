@@ -29,7 +29,8 @@ class GatewayService:
         self._runs: dict[str, RequestRun] = {}
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.metrics.track(running=lambda: sum(run.admitted and not run.finished for run in self._runs.values()),
-                           waiting=lambda: sum(not (run.admitted or run.finished) for run in self._runs.values()))
+                           waiting=lambda: sum(not (run.admitted or run.finished) for run in self._runs.values()),
+                           spares=lambda: len(pool.standing.held()) if pool.standing is not None else 0)
 
     async def submit(self, request: gateway_pb2.GenerateRequest, both_inputs: bool, arrival: float,
                      deadline: float | None) -> RequestRun:

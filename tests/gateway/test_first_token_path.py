@@ -115,7 +115,7 @@ class _Phases:
     def __init__(self) -> None:
         self.seen: list[tuple[str, float]] = []
 
-    def admitted(self, queue_s: float, prompt_tokens: int) -> None:
+    def admitted(self, queue_s: float, prompt_tokens: int, spare: bool = False) -> None:
         self.seen.append(("admitted", queue_s))
 
     def prefilled(self, prefill_s: float) -> None:

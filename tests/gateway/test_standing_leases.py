@@ -8,7 +8,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from gateway.config import GatewayConfig
+from gateway.config import DEFAULT_STANDING_LEASE_TOKENS, GatewayConfig
 from gateway.workers import WorkerPool
 from kvtransfer.destination import Destination
 from rpc.internal.v1 import kv_pb2, worker_pb2
@@ -73,11 +73,32 @@ async def _started(fake: _LeasingDecode, ttl_s: float = 30.0) -> WorkerPool:
     return pool
 
 
-async def test_off_by_default():
-    """Without standing_lease_tokens the pool keeps no spare and take_standing gives nothing."""
-    config = GatewayConfig(model_dir="unused", prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",))
-    pool = WorkerPool(config)
+async def test_on_by_default_and_zero_turns_it_off():
+    """The default config keeps spares of DEFAULT_STANDING_LEASE_TOKENS (1024) prompt tokens; with
+    standing_lease_tokens=0 the pool keeps no spare and take_standing gives nothing."""
+    addresses = dict(model_dir="unused", prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",))
+    assert GatewayConfig(**addresses).standing_lease_tokens == DEFAULT_STANDING_LEASE_TOKENS == 1024
+    pool = WorkerPool(GatewayConfig(**addresses))
+    assert pool.standing is not None and pool.standing.tokens == 1024
+    await pool.close()
+    pool = WorkerPool(GatewayConfig(**addresses, standing_lease_tokens=0))
     assert pool.standing is None and pool.take_standing(10) is None
+    await pool.close()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION])
+async def test_a_spare_the_worker_can_never_grant_is_not_asked_for_again_soon(code):
+    """A worker that refuses the spare for good (its context or pool is too small for it, or it does not
+    serve shm) is asked again only after REFUSED_RETRY_S, not at every refill pass; no spare is held."""
+    fake = _LeasingDecode()
+    fake.refuse = code
+    pool = _pool(fake)
+    pool.polled.set()
+    pool.standing.start()
+    await _eventually(lambda: len(fake.requests) == 1, "the first Reserve")
+    for _ in range(20):  # 20 refill passes (poll interval 0.01 s)
+        await asyncio.sleep(0.01)
+    assert len(fake.requests) == 1 and pool.standing.held() == []
     await pool.close()
 
 
@@ -166,6 +187,25 @@ async def test_full_worker_gets_its_spare_back():
     await _eventually(lambda: spare not in fake.held, "the spare's release")
     await asyncio.sleep(0.05)
     assert pool.standing.held() == [] and set(fake.held) == {"r"}
+    await pool.close()
+
+
+@pytest.mark.parametrize(("free_slots", "spare"), [(None, True), (2, True), (1, False), (0, False)])
+async def test_a_spare_never_takes_the_last_state_slot(free_slots, spare):
+    """With linear attention a spare holds a state slot: it is made only where two slots are free (by the last
+    load report; None: the model has no state slots), as it is only where two spares' pages are."""
+    fake = _LeasingDecode()
+    pool = _pool(fake)
+    pool.decode[0].state.free_state_slots = free_slots
+    assert pool.standing._has_room(pool.decode[0]) is spare
+    pool.decode[0].state.free_state_slots, pool.decode[0].state.free_pages = 2, 2 * (TOKENS // PAGE_SIZE) - 1
+    assert not pool.standing._has_room(pool.decode[0])  # one page short of two spares
+    if spare:
+        pool.decode[0].state.free_state_slots, pool.decode[0].state.free_pages = free_slots, 100
+        pool.polled.set()
+        pool.standing.start()
+        await _eventually(lambda: len(pool.standing.held()) == 1, "a spare")
+        assert pool.decode[0].state.free_state_slots == (None if free_slots is None else free_slots - 1)
     await pool.close()
 
 
