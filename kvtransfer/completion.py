@@ -12,6 +12,7 @@ is retried, so no cross-process lock is needed.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import struct
 import time
@@ -32,8 +33,10 @@ class SlotState(enum.IntEnum):
     FAILED = 3
 
 
+@functools.lru_cache(maxsize=1024)
 def key_of(text: str) -> bytes:
-    """16-byte fingerprint of a request or lease id (fixed size for the slot)."""
+    """16-byte fingerprint of a request or lease id (fixed size for the slot). Cached: a request's ids are
+    fingerprinted at every check of its slot (reserve, prefill's confirmations, the record, admission)."""
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
