@@ -15,7 +15,6 @@ Run: .venv/bin/python -m benchmarks.profile_first_token [--reps 400] [--rounds 7
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 from benchmarks.common import DEFAULT_MODEL
 from benchmarks.first_token_fixtures import GatewaySide, PrefillSide
+from rpc.server import run
 
 Piece = Callable[[], Awaitable[int]]  # one call; returns its CPU ns
 
@@ -92,4 +92,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run(main)  # uvloop and the GIL switch interval every pdserve process runs with

@@ -138,11 +138,9 @@ class LLMEngine:
         if len(prompt_ids) == 0:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        plain = set(map(type, prompt_ids)) <= {int}  # (then min / max: loops in C, on every serving request)
-        if not (plain and min(prompt_ids) >= 0 and max(prompt_ids) < vocab):
-            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]!r} is out of the vocabulary [0, {vocab})")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is out of the vocabulary [0, {vocab})")
         limit = self.model_config.max_position_embeddings
         total = len(prompt_ids) + (params.max_new_tokens if params else 0)
         if len(prompt_ids) > limit or total > limit:

@@ -69,9 +69,9 @@ def _token_ids(request: gateway_pb2.GenerateRequest, facts: ModelFacts) -> list[
     ids = list(request.token_ids.ids)
     if not ids:
         raise InvalidArgument("input.token_ids", "is empty")
-    if min(ids) < 0 or max(ids) >= facts.vocab_size:  # (min / max loop in C; the first bad one only on failure)
-        index, token = next((index, token) for index, token in enumerate(ids) if not 0 <= token < facts.vocab_size)
-        raise InvalidArgument(f"input.token_ids[{index}]", f"{token} is outside the vocabulary [0, {facts.vocab_size})")
+    for index, token in enumerate(ids):
+        if not 0 <= token < facts.vocab_size:
+            raise InvalidArgument(f"input.token_ids[{index}]", f"{token} is outside the vocabulary [0, {facts.vocab_size})")
     return ids
 
 
