@@ -10,11 +10,13 @@ Pieces are timed with thread_time_ns (CPU of the calling thread; 'handler' rows 
 prefill handler includes its engine thread), each the mean of --reps calls, median (min..max) of --rounds
 interleaved rounds; the clock's own cost is subtracted. CPU, not wall: the machine may be shared.
 
-Run: .venv/bin/python -m benchmarks.profile_first_token [--reps 400] [--rounds 7] [--prompt-tokens 128]
+Run: .venv/bin/python -m benchmarks.profile_first_token [--reps 400] [--rounds 7] [--prompt-tokens 128] [--json]
+(benchmarks/first_token_ab.py runs it in two source trees by turns: before / after a change.)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -73,6 +75,7 @@ async def main() -> None:
     parser.add_argument("--reps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--json", action="store_true", help="print {piece: [us per round]} as JSON only")
     args = parser.parse_args()
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(args.prompt_tokens)]
     prefill = await PrefillSide.start(args.model)
@@ -81,8 +84,12 @@ async def main() -> None:
         pieces: dict[str, Piece] = {}
         pieces.update(gateway.pieces(prompt))
         pieces.update(prefill.pieces(prompt))
-        print(f"load average before: {os.getloadavg()}")
+        load = os.getloadavg()[0]
         results = await measure(pieces, args.reps, args.rounds)
+        if args.json:
+            print(json.dumps({"load": [load, os.getloadavg()[0]], "pieces": results}))
+            return
+        print(f"load average before: {load:.2f}")
         print(f"load average after: {os.getloadavg()}; {args.rounds} rounds x {args.reps} calls, "
               f"{args.prompt_tokens}-token prompts")
         report(results)
