@@ -138,14 +138,20 @@ class _Phases:
         self.seen.append(("finished", e2e_s))
 
 
+def _observed_run(request_id: str, max_tokens: int = 4) -> tuple[RequestRun, _Phases]:
+    """A run over fake workers (greedy, ignore_eos) whose observer records its phases."""
+    phases = _Phases()
+    job = GenerateJob(request_id=request_id, prompt_ids=(5, 6, 7),
+                      params=SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    run = RequestRun(job, _Workers([]), None, time.perf_counter(), None, cleanup_timeout_s=5.0,  # type: ignore[arg-type]
+                     observer=phases)
+    return run, phases
+
+
 async def test_observer_hears_each_phase_once_in_path_order():
     """A run reports admission, prefill, first token, decode set-up and finish once each, in that order, with
     durations that are non-negative and add up: queue + prefill <= TTFT <= end to end."""
-    phases = _Phases()
-    job = GenerateJob(request_id="r2", prompt_ids=(5, 6, 7),
-                      params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
-    run = RequestRun(job, _Workers([]), None, time.perf_counter(), None, cleanup_timeout_s=5.0,  # type: ignore[arg-type]
-                     observer=phases)
+    run, phases = _observed_run("r2")
     run.start()
     assert run.task is not None
     await asyncio.wait_for(run.task, 30)
@@ -182,11 +188,7 @@ async def test_metrics_wait_until_the_first_token_is_handed_on():
     """Nothing is recorded before the servicer has the first token (the metrics' work is off its path):
     when the consumer takes it the observer has heard nothing; afterwards every phase is there, once, in
     path order, with the durations measured when they happened (queue + prefill <= TTFT)."""
-    phases = _Phases()
-    job = GenerateJob(request_id="r4", prompt_ids=(5, 6, 7),
-                      params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
-    run = RequestRun(job, _Workers([]), None, time.perf_counter(), None, cleanup_timeout_s=5.0,  # type: ignore[arg-type]
-                     observer=phases)
+    run, phases = _observed_run("r4")
 
     async def first_event() -> tuple[Any, list[tuple[str, float]]]:  # as the servicer: awaits the queue itself
         return await run.events.get(), list(phases.seen)
@@ -207,11 +209,7 @@ async def test_metrics_wait_until_the_first_token_is_handed_on():
 async def test_a_run_that_ends_at_its_first_token_still_reports_every_phase():
     """max_tokens 1: the run finishes without the first-token pass; the held metrics come out before the
     finish, in order."""
-    phases = _Phases()
-    job = GenerateJob(request_id="r5", prompt_ids=(5, 6, 7),
-                      params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
-    run = RequestRun(job, _Workers([]), None, time.perf_counter(), None, cleanup_timeout_s=5.0,  # type: ignore[arg-type]
-                     observer=phases)
+    run, phases = _observed_run("r5", max_tokens=1)
     run.start()
     assert run.task is not None
     await asyncio.wait_for(run.task, 30)
