@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.machine_load import OtherLoad
 from engine.paths import DSV3_MODEL_DIR
 from rpc.processes import cpu_seconds as process_cpu_seconds  # noqa: F401 - re-exported for the benches
 from rpc.processes import tree_cpu_seconds  # noqa: F401 - re-exported for the benches
@@ -91,8 +92,10 @@ def interleave(variants: dict[str, Callable[[], Metrics]], repeats: int,
     results: dict[str, list[Metrics]] = {name: [] for name in names}
     for round_index in range(repeats):
         for name in names if round_index % 2 == 0 else reversed(names):
+            others = OtherLoad()
             metrics = variants[name]()
             metrics.setdefault("load", os.getloadavg()[0])  # the 1-minute load average as the run ended
+            metrics.setdefault("other_cores", others.cores())  # what processes outside this run used meanwhile
             results[name].append(metrics)
     return results
 
@@ -113,12 +116,20 @@ def spread(values: Sequence[float], scale: float = 1.0, unit: str = "") -> str:
 
 
 def load_note(runs: dict[str, list[Metrics]]) -> str:
-    """The load averages the runs ended at, 'min..max', with how many runs saw more load than cores."""
+    """The load averages the runs ended at, 'min..max', with how many runs saw more load than cores, and the
+    most CPU processes outside the benchmark used during a run (machine_load.OtherLoad, in cores)."""
     loads = [m["load"] for samples in runs.values() for m in samples if "load" in m]
     if not loads:
         return "-"
     over = sum(load > (os.cpu_count() or 1) for load in loads)
-    return f"{min(loads):.1f}..{max(loads):.1f}" + (f" ({over}/{len(loads)} runs above {os.cpu_count()} cores)" if over else "")
+    others = [m["other_cores"] for samples in runs.values() for m in samples if "other_cores" in m]
+    return (f"{min(loads):.1f}..{max(loads):.1f}" + (f" ({over}/{len(loads)} runs above {os.cpu_count()} cores)" if over else "")
+            + (f"; others <= {max(others):.2f} cores" if others else ""))
+
+
+def most_other_load(runs: dict[str, list[Metrics]]) -> float:
+    """The most CPU (in cores) processes outside the benchmark used during any one of the runs."""
+    return max((m.get("other_cores", 0.0) for samples in runs.values() for m in samples), default=0.0)
 
 
 def median(samples: Sequence[Metrics], key: str) -> float:

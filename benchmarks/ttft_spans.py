@@ -38,7 +38,8 @@ import psutil
 from bench.client import GatewayClient, SamplingOptions
 from bench.workload import BenchRequest
 from benchmarks.profile_hops import thread_usage
-from benchmarks.common import DEFAULT_MODEL, machine_description, make_prompts
+from benchmarks.common import DEFAULT_MODEL, machine_description, make_prompts, timed_generate
+from engine import LLM
 from engine.models.registry import load_config
 from engine.sampling_params import SamplingParams
 from pdserve.launcher import Child, Cluster, ClusterSpec, read_ready_file
@@ -104,17 +105,23 @@ def start_gateway(cluster: Cluster, name: str, flags: list[str]) -> Child:
     return child
 
 
+def in_process_ttft(llm: LLM, prompt: list[int]) -> float:
+    """The in-process engine's TTFT for the prompt (add_request -> the step that produced the first token), ms."""
+    run = timed_generate(llm.engine, [prompt], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    return run.ttft_s[0] * 1e3
+
+
 async def measure(args: argparse.Namespace, gateways: dict[str, str], decode: str, prefill: str,
-                  pids: dict[str, int], prompts: list[list[int]]) -> None:
+                  pids: dict[str, int], prompts: list[list[int]], llm: LLM | None) -> None:
     channels = {name: grpc.aio.insecure_channel(address) for name, address in gateways.items()}
     clients = {name: GatewayClient(channel, SamplingOptions(temperature=0.0, speculative=False))
                for name, channel in channels.items()}
     decode_channel, prefill_channel = grpc.aio.insecure_channel(decode), grpc.aio.insecure_channel(prefill)
     decode_stub = worker_pb2_grpc.DecodeServiceStub(decode_channel)
     prefill_stub = worker_pb2_grpc.PrefillServiceStub(prefill_channel)
-    variants = [*gateways, "direct"]
+    variants = [*gateways, "direct", *(["in process"] if llm is not None else [])]
     spans: Spans = {key: [] for key in ("Reserve RPC", "Prefill RPC", "  prefill queue", "  engine forward",
-                                        "  KV handoff before reply")}
+                                        "  KV handoff before reply", *(["in-process TTFT"] if llm is not None else []))}
     ttft: dict[str, list[float]] = {name: [] for name in gateways}
     cpu: dict[str, dict[str, float]] = {variant: dict.fromkeys(pids, 0.0) for variant in variants}
     try:
@@ -122,6 +129,8 @@ async def measure(args: argparse.Namespace, gateways: dict[str, str], decode: st
             for name, client in clients.items():
                 await gateway_ttft(client, prompt, args.output_len)
             await direct_path(decode_stub, prefill_stub, prompt, {key: [] for key in spans})
+            if llm is not None:
+                in_process_ttft(llm, prompt)
         for round_index in range(args.rounds):
             for number, prompt in enumerate(prompts):
                 shift = (round_index + number) % len(variants)  # each variant goes first in turn
@@ -129,6 +138,8 @@ async def measure(args: argparse.Namespace, gateways: dict[str, str], decode: st
                     before = cpu_s(pids)
                     if variant == "direct":
                         await direct_path(decode_stub, prefill_stub, prompt, spans)
+                    elif variant == "in process":
+                        spans["in-process TTFT"].append(in_process_ttft(llm, prompt))
                     else:
                         ttft[variant].append(await gateway_ttft(clients[variant], prompt, args.output_len))
                     after = cpu_s(pids)
@@ -158,6 +169,9 @@ def report(spans: Spans, ttft: dict[str, list[float]], cpu: dict[str, dict[str, 
               f"(TTFT - Reserve RPC - Prefill RPC)")
         print(f"  {'added TTFT [' + name + ']':28s} {med(values) - engine:7.2f}  "
               f"(TTFT - engine forward)")
+        if "in-process TTFT" in spans:  # as bench_gateway counts it: against the engine in this process
+            paired = [a - b for a, b in zip(values, spans["in-process TTFT"])]
+            print(f"  {'vs in process [' + name + ']':28s} {med(paired):7.2f}  (TTFT - in-process TTFT, paired)")
     names = list(ttft)
     for name in names[1:]:  # the same prompt in the same turn: paired differences cancel the load's drift
         paired = [b - a for a, b in zip(ttft[names[0]], ttft[name])]
@@ -181,6 +195,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gateway-args", default="", help="extra flags for the gateway (one string)")
     parser.add_argument("--compare", default=None, help="flags of a second gateway to compare (one string)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="also take turns with the engine in this process (its TTFT, as bench_gateway counts it)")
     args = parser.parse_args()
     print(f"machine: {machine_description()}", flush=True)
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
@@ -200,7 +216,9 @@ def main() -> None:
         prompts, source = make_prompts(args.model, args.requests, args.input_len, 0, config.vocab_size,
                                        list(config.eos_token_id))
         print(f"prompts: {source}; gateways: {gateways}", flush=True)
-        asyncio.run(measure(args, gateways, roles["decode"].address, roles["prefill"].address, pids, prompts))
+        llm = (LLM(str(args.model), attention_backend="torch", num_threads=args.threads, kv_memory_bytes=512 * 2**20)
+               if args.in_process else None)
+        asyncio.run(measure(args, gateways, roles["decode"].address, roles["prefill"].address, pids, prompts, llm))
     finally:
         if extra is not None:
             extra.process.terminate()

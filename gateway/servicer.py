@@ -4,6 +4,7 @@ Generate is registered with a raw-bytes deserializer (gateway.wire) so that a re
 members of the input oneof can be rejected."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -31,6 +32,22 @@ def complete_message(event: FinishEvent) -> gateway_pb2.Complete:
     )
 
 
+def coalesce(first: TokensEvent, events: asyncio.Queue) -> tuple[TokensEvent, FinishEvent | ErrorEvent | None]:
+    """`first` merged with the TokensEvents already queued behind it (the stream fell behind: what piled up
+    goes as one message, as the HTTP front does), and the final event if one was queued after them."""
+    tokens, text, logprobs = list(first.token_ids), [first.text], list(first.logprobs)
+    while not events.empty():
+        event = events.get_nowait()
+        if not isinstance(event, TokensEvent):
+            return TokensEvent(tokens, "".join(text), logprobs), event
+        tokens += event.token_ids
+        text.append(event.text)
+        logprobs += event.logprobs
+    if len(text) == 1:
+        return first, None
+    return TokensEvent(tokens, "".join(text), logprobs), None
+
+
 class GatewayServicer:
     def __init__(self, service: GatewayService) -> None:
         self._service = service
@@ -51,10 +68,15 @@ class GatewayServicer:
             raise
         context.add_done_callback(lambda _: run.cancel())  # client gone: abort on every worker
         request_id = run.job.request_id
+        held: TokensEvent | FinishEvent | ErrorEvent | None = None
+        first = True  # the prefill's token goes alone: it is the client's time to first token
         try:
             while True:
-                event = await run.events.get()
+                event, held = (held, None) if held is not None else (await run.events.get(), None)
                 if isinstance(event, TokensEvent):
+                    if not first:
+                        event, held = coalesce(event, run.events)
+                    first = False
                     yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(
                         token_ids=event.token_ids, text=event.text, logprobs=event.logprobs))
                 elif isinstance(event, FinishEvent):
