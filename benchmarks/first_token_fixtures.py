@@ -32,7 +32,7 @@ from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillService, _build_engine
 from prefill_worker.servicer import PrefillServicer
 from rpc.convert import sampling_fields, sampling_to_proto
-from rpc.interceptors import MalformedRequestInterceptor
+from rpc.interceptors import MalformedRequestInterceptor, server_interceptors
 from rpc.internal.v1 import kv_pb2, worker_pb2
 from rpc.logging_setup import configure_logging
 from rpc.v1 import gateway_pb2
@@ -80,6 +80,53 @@ async def wrapped_handler(server_method: str, handler: grpc.RpcMethodHandler) ->
         return handler
 
     return await MalformedRequestInterceptor().intercept_service(continuation, _CallDetails(server_method, ()))
+
+
+def interceptor_pieces() -> dict[str, Piece]:
+    """Per call: the chain every pdserve server installs (rpc.interceptors.server_interceptors), as gRPC runs
+    it for each RPC, without and with an internal token; and the malformed-request wrapper's own call."""
+    handler = grpc.unary_unary_rpc_method_handler(_echo, lambda data: data, lambda data: data)
+    details = _CallDetails("/pdserve.internal.v1.PrefillService/Prefill", (("authorization", "Bearer t0ken"),))
+
+    def chain(tokens: tuple[str, ...]) -> Piece:
+        interceptors = server_interceptors(*tokens)
+
+        async def call(index: int, call_details: Any) -> grpc.RpcMethodHandler:
+            if index == len(interceptors):
+                return handler
+            return await interceptors[index].intercept_service(lambda d: call(index + 1, d), call_details)
+
+        async def once() -> int:
+            start = time.thread_time_ns()
+            await call(0, details)
+            return time.thread_time_ns() - start
+
+        return once
+
+    wrapped_box: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def wrapped_call() -> int:
+        if "h" not in wrapped_box:
+            wrapped_box["h"] = await wrapped_handler(details.method, handler)
+        context = FakeContext()
+        start = time.thread_time_ns()
+        await wrapped_box["h"].unary_unary(b"x", context)
+        return time.thread_time_ns() - start
+
+    async def raw_call() -> int:
+        context = FakeContext()
+        start = time.thread_time_ns()
+        await _echo(b"x", context)
+        return time.thread_time_ns() - start
+
+    return {"rpc: interceptor chain per call, no token": chain(()),
+            "rpc: interceptor chain per call, internal token": chain(("t0ken",)),
+            "rpc: a unary handler, bare": raw_call,
+            "rpc: a unary handler, malformed-request wrapped": wrapped_call}
+
+
+async def _echo(request: Any, context: Any) -> Any:
+    return request
 
 
 class _InstantEngine:

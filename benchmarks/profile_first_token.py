@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from benchmarks.common import DEFAULT_MODEL
-from benchmarks.first_token_fixtures import GatewaySide, PrefillSide
+from benchmarks.first_token_fixtures import GatewaySide, PrefillSide, interceptor_pieces
 from rpc.server import run
 
 Piece = Callable[[], Awaitable[int]]  # one call; returns its CPU ns
@@ -84,6 +84,7 @@ async def main() -> None:
         pieces: dict[str, Piece] = {}
         pieces.update(gateway.pieces(prompt))
         pieces.update(prefill.pieces(prompt))
+        pieces.update(interceptor_pieces())
         load = os.getloadavg()[0]
         results = await measure(pieces, args.reps, args.rounds)
         if args.json:
