@@ -4,7 +4,7 @@ of every run, with the spread (p10..p90) and the load average seen. CPU figures,
 inflates both sides alike; interleaving keeps drift from favouring either.
 
 The "before" tree needs the harness too: copy benchmarks/profile_first_token.py and
-benchmarks/first_token_fixtures.py into it (e.g. a `git archive <commit>` export).
+benchmarks/first_token_*.py into it (e.g. a `git archive <commit>` export).
 
 Run: .venv/bin/python -m benchmarks.first_token_ab --before DIR --after DIR [--runs 6] [--reps 150] [--rounds 3]
 """

@@ -20,14 +20,13 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
 from benchmarks.common import DEFAULT_MODEL
-from benchmarks.first_token_fixtures import GatewaySide, PrefillSide, interceptor_pieces
+from benchmarks.first_token_fixtures import Piece, interceptor_pieces
+from benchmarks.first_token_gateway import GatewaySide
+from benchmarks.first_token_prefill import PrefillSide
 from rpc.server import run
-
-Piece = Callable[[], Awaitable[int]]  # one call; returns its CPU ns
 
 
 def clock_cost_ns(clock: Callable[[], int], calls: int = 2000) -> int:
@@ -36,16 +35,6 @@ def clock_cost_ns(clock: Callable[[], int], calls: int = 2000) -> int:
     for _ in range(calls):
         clock()
     return (clock() - start) // calls
-
-
-def timed(fn: Callable[[], Any], clock: Callable[[], int] = time.thread_time_ns) -> Piece:
-    """A synchronous piece: fn's CPU on this thread."""
-    async def once() -> int:
-        start = clock()
-        fn()
-        return clock() - start
-
-    return once
 
 
 async def measure(pieces: dict[str, Piece], reps: int, rounds: int) -> dict[str, list[float]]:

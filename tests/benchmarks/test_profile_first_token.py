@@ -37,7 +37,9 @@ async def test_every_piece_of_the_harness_runs_over_the_real_services():
     """The harness's pieces (gateway and prefill handlers end to end without gRPC, the conversions, the
     interceptors) each run and report a CPU time; the prefill side leaves no job or reservation behind."""
     from benchmarks.common import DEFAULT_MODEL
-    from benchmarks.first_token_fixtures import GatewaySide, PrefillSide, interceptor_pieces
+    from benchmarks.first_token_fixtures import interceptor_pieces
+    from benchmarks.first_token_gateway import GatewaySide
+    from benchmarks.first_token_prefill import PrefillSide
 
     prefill = await PrefillSide.start(str(DEFAULT_MODEL))
     gateway = await GatewaySide.start(str(DEFAULT_MODEL), prefill.layout)
