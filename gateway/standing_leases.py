@@ -46,6 +46,22 @@ class Spare:
         return self.destination.lease_deadline_unix_ms / 1000 - time.time()
 
 
+def narrowed_destination(message: kv_pb2.KVDestination, num_tokens: int, page_size: int) -> kv_pb2.KVDestination:
+    """kvtransfer's Destination.narrowed done on the message (no round trip through the domain object on
+    the first token's path): the first ceil(num_tokens / page_size) pages, still bound to the whole lease
+    (lease_page_ids / lease_num_tokens: the lease as granted)."""
+    if not 0 < num_tokens <= message.num_tokens:
+        raise ValueError(f"cannot narrow a destination of {message.num_tokens} tokens to {num_tokens}")
+    narrowed = kv_pb2.KVDestination()
+    narrowed.CopyFrom(message)
+    if not message.lease_page_ids:
+        narrowed.lease_page_ids.extend(message.page_ids)
+        narrowed.lease_num_tokens = message.num_tokens
+    del narrowed.page_ids[-(-num_tokens // page_size):]
+    narrowed.num_tokens = num_tokens
+    return narrowed
+
+
 class StandingLeases:
     """tokens: the prompt tokens each spare holds (longer prompts Reserve as usual); ttl_s: the lease asked
     for (the decode worker caps it at its lease TTL); a spare is used and kept while >= ttl_s / 2 is left."""
@@ -81,11 +97,8 @@ class StandingLeases:
             del self._spares[index]
             self.taken += 1
             state = spare.worker.state
-            from kvtransfer.destination import Destination  # torch (through the layout): only with spares taken
-
-            destination = Destination.from_proto(spare.destination).narrowed(num_prompt_tokens, state.page_size)
             state.running += 1
-            return spare.worker, destination.to_proto()
+            return spare.worker, narrowed_destination(spare.destination, num_prompt_tokens, state.page_size)
         return None
 
     def refill_soon(self) -> None:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from gateway.config import DEFAULT_STANDING_LEASE_TOKENS, GatewayConfig
+from gateway.standing_leases import narrowed_destination
 from gateway.workers import WorkerPool
 from kvtransfer.destination import Destination
 from rpc.internal.v1 import kv_pb2, worker_pb2
@@ -216,3 +217,27 @@ def test_ttl_must_be_positive(bad):
         GatewayConfig(model_dir="unused", prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",), standing_lease_ttl_s=bad)
     with pytest.raises(ValueError, match="standing_lease_tokens"):
         GatewayConfig(model_dir="unused", prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",), standing_lease_tokens=-1)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 17, 40, TOKENS])
+@pytest.mark.parametrize("state_slot", [None, 3])
+def test_narrowed_message_matches_the_destinations_own(tokens, state_slot):
+    """narrowed_destination (on the message, the gateway's take() path) gives the message
+    Destination.narrowed(...).to_proto() gives, every field alike, state slot or none; narrowing twice too."""
+    spare = Destination(transport=1, layout_hash="h", request_id="standing.1", lease_id="secret",
+                        page_ids=(9, 4, 7, 2), targets=("pool-0", "pool-1"), lease_deadline_unix_ms=123,
+                        num_tokens=TOKENS, pool_num_pages=64, completion_slot=5, completion_sequence=8,
+                        state_slot=state_slot)
+    expected = spare.narrowed(tokens, PAGE_SIZE)
+    assert narrowed_destination(spare.to_proto(), tokens, PAGE_SIZE) == expected.to_proto()
+    again = narrowed_destination(expected.to_proto(), 1, PAGE_SIZE)
+    assert again == expected.narrowed(1, PAGE_SIZE).to_proto()
+    assert Destination.from_proto(again).binding == spare.binding  # still bound to the whole lease
+
+
+@pytest.mark.parametrize("tokens", [0, TOKENS + 1])
+def test_narrowing_beyond_the_lease_is_refused(tokens):
+    """Zero tokens or more than the lease holds: ValueError, as Destination.narrowed."""
+    message = kv_pb2.KVDestination(page_ids=[1, 2, 3, 4], num_tokens=TOKENS)
+    with pytest.raises(ValueError, match="cannot narrow"):
+        narrowed_destination(message, tokens, PAGE_SIZE)
