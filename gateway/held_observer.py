@@ -14,8 +14,8 @@ class HeldObserver:
         self._observer = observer
         self._calls: list[tuple[str, tuple[Any, ...]]] = []
 
-    def admitted(self, queue_s: float, prompt_tokens: int) -> None:
-        self._calls.append(("admitted", (queue_s, prompt_tokens)))
+    def admitted(self, queue_s: float, prompt_tokens: int, spare: bool = False) -> None:
+        self._calls.append(("admitted", (queue_s, prompt_tokens, spare)))
 
     def prefilled(self, prefill_s: float) -> None:
         self._calls.append(("prefilled", (prefill_s,)))

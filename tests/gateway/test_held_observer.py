@@ -17,7 +17,7 @@ def test_release_makes_every_held_call_in_order_and_returns_the_observer():
     made; release() returns the observer itself and holds nothing more."""
     recorder = _Recorder()
     held = HeldObserver(recorder)
-    held.admitted(0.5, 128)
+    held.admitted(0.5, 128, spare=True)
     held.prefilled(0.25)
     held.first_token(0.75)
     held.tokens(1, None)
@@ -25,6 +25,6 @@ def test_release_makes_every_held_call_in_order_and_returns_the_observer():
     held.finished(1.5, 3, 4)
     assert recorder.calls == []
     assert held.release() is recorder
-    assert recorder.calls == [("admitted", (0.5, 128)), ("prefilled", (0.25,)), ("first_token", (0.75,)),
+    assert recorder.calls == [("admitted", (0.5, 128, True)), ("prefilled", (0.25,)), ("first_token", (0.75,)),
                               ("tokens", (1, None)), ("decode_started", (0.01,)), ("finished", (1.5, 3, 4))]
     assert held.release() is recorder and len(recorder.calls) == 6  # released calls are not made twice
