@@ -10,15 +10,16 @@ takes turns request by request (each variant first in turn), one request at a ti
 Medians of each span, and the differences that name the hops:
   Prefill RPC - engine forward   the prefill worker's loop -> engine thread hop, handoff and response;
   gateway TTFT - Reserve - Prefill RPC   the gateway's own work (request parsing, tokenisation, routing, the
-                                 RequestRun task, events queue, servicer) plus the client's own hop.
+                                 RequestRun task, events queue, servicer) plus the client's own hop (a gateway
+                                 with standing leases, the default, pays no Reserve: this then reads Reserve less).
 and the CPU each process spent per request in each variant (psutil, whole process: all its threads).
 Wall spans on a loaded machine are inflated: trust the proportions and the CPU.
 
---gateway-args passes flags to the gateway (e.g. "--standing-lease-tokens 256"); --compare FLAGS starts a second
+--gateway-args passes flags to the gateway (e.g. "--standing-lease-tokens 0": no spares); --compare FLAGS starts a second
 gateway on the same workers with those flags and takes turns between the two gateways too (before/after in one
 run), printing the paired per-turn TTFT difference.
 
-Run: .venv/bin/python -m benchmarks.ttft_spans [--requests 30] [--rounds 3] [--compare="--standing-lease-tokens 256"]
+Run: .venv/bin/python -m benchmarks.ttft_spans [--requests 30] [--rounds 3] [--compare="--standing-lease-tokens 0"]
 """
 from __future__ import annotations
 

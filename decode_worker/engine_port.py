@@ -33,6 +33,9 @@ class LoadSnapshot:
     requests_total: int = 0
     free_state_slots: int = 0  # linear attention: state slots neither used nor leased (0 for pure MLA)
     total_state_slots: int = 0
+    standing_leases: int = 0  # of `leases`: unclaimed standing leases (gateways' spares)
+    standing_pages: int = 0  # of `leased_pages`: the pages they hold
+    standing_state_slots: int = 0  # the state slots they hold
 
 
 def snapshot_of(engine: Any, spec_block_size: int) -> LoadSnapshot:

@@ -78,14 +78,15 @@ class ReservationBook:
         self._receivers = receivers
         self._leases = LeaseTable(grace_s=config.lease_grace_s)
         self._held: dict[str, Reservation] = {}  # request id -> its reservation, until its stream ends
-        self.granted = 0  # reservations granted since start
+        self.granted = 0  # requests admitted since start: reservations, and standing leases once claimed
         self.expiries = 0  # leases freed because nobody claimed them in time
 
     def get(self, request_id: str) -> Reservation | None:
         return self._held.get(request_id)
 
-    def unclaimed(self) -> list[Lease]:
-        return [held.lease for held in self._held.values() if not held.claimed]
+    def unclaimed(self, standing: bool = False) -> list[Lease]:
+        """The leases no Decode claimed yet; standing: only the standing ones (spares)."""
+        return [held.lease for held in self._held.values() if not held.claimed and (held.standing or not standing)]
 
     # --- Reserve ------------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, transport: TransportKind,
@@ -111,7 +112,7 @@ class ReservationBook:
         ttl = config.lease_ttl_s if ttl_s is None else min(config.lease_ttl_s, max(ttl_s, 0.001))
         # An unclaimed standing lease becomes a running request the moment a prompt claims it (no admission
         # then): its growth headroom is kept from every later reservation, as a running request's is.
-        standing_pending = sum(1 for held in self._held.values() if held.standing and not held.claimed)
+        standing_pending = len(self.unclaimed(standing=True))
         page_ids, slot = await self._pages.allocate(num_prompt_tokens, standing_pending)
         if request_id in self._held:  # a second Reserve of the id won the race while this one allocated
             self._pages.free(page_ids, slot)
@@ -124,7 +125,7 @@ class ReservationBook:
             self._free(lease)
             raise
         self._held[request_id] = Reservation(lease, receiver, num_prompt_tokens, standing=standing)
-        self.granted += 1
+        self.granted += not standing  # a spare counts once a request claims it
         return destination
 
     def _free(self, lease: Lease) -> None:
@@ -153,6 +154,7 @@ class ReservationBook:
             self.drop(request_id, free=isinstance(error, LeaseExpired))
             raise FailedPrecondition(f"lease of request {request_id}: {error}") from error
         held.claimed = True
+        self.granted += held.standing
         if num_prompt_tokens < held.num_prompt_tokens:
             keep = len(held.receiver.narrow(request_id, num_prompt_tokens).page_ids)
             self._pages.free(list(held.lease.page_ids[keep:]), None)

@@ -22,6 +22,9 @@ class DecodeCollector(Collector):
             ("pdserve_kv_pages_free", "KV cache pages free in the decode pool", load.free_pages),
             ("pdserve_kv_pages_used", "KV cache pages in use (running requests and leases)", load.total_pages - load.free_pages),
             ("pdserve_kv_pages_leased", "Pages held by leases not yet claimed by a Decode call", load.leased_pages),
+            ("pdserve_kv_pages_standing", "Of the leased pages, those held by standing leases (gateways' spares)",
+             load.standing_pages),
+            ("pdserve_standing_leases", "Unclaimed standing leases (gateways' spares)", load.standing_leases),
             ("pdserve_decode_requests_running", "Requests decoding in the engine", load.running),
             ("pdserve_decode_requests_waiting", "Requests the engine holds but does not run (e.g. preempted)", load.waiting),
             ("pdserve_state_slots_free", "Linear-attention (KDA) state slots free (0 for pure-MLA models)",
@@ -34,7 +37,8 @@ class DecodeCollector(Collector):
         engine = self._service.engine
         stats = getattr(engine, "acceptance_stats", None)
         counters = [
-            ("pdserve_decode_reservations", "Reservations granted (requests admitted)", load.requests_total),
+            ("pdserve_decode_reservations", "Requests admitted: reservations granted, standing leases once claimed",
+             load.requests_total),
             ("pdserve_lease_expiries", "Leases freed because no Decode call claimed them in time",
              self._service.lease_expiries),
             ("pdserve_preemptions", "Running requests preempted for lack of pages (recomputed later)",

@@ -94,10 +94,12 @@ class DecodeService:
         snapshot = self._port.snapshot()
         if self._book is None:
             return snapshot
-        leases = self._book.unclaimed()
+        leases, standing = self._book.unclaimed(), self._book.unclaimed(standing=True)
         return replace(snapshot, free_pages=self.engine.num_free_pages,
                        free_state_slots=self.engine.num_free_state_slots, leases=len(leases),
-                       leased_pages=sum(len(lease.page_ids) for lease in leases), requests_total=self._book.granted)
+                       leased_pages=sum(len(lease.page_ids) for lease in leases), requests_total=self._book.granted,
+                       standing_leases=len(standing), standing_pages=sum(len(lease.page_ids) for lease in standing),
+                       standing_state_slots=sum(lease.state_slot is not None for lease in standing))
 
     @property
     def lease_expiries(self) -> int:

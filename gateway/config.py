@@ -6,6 +6,8 @@ from pathlib import Path
 
 from gateway.transport_choice import TRANSPORT_NAMES as TRANSPORTS
 
+DEFAULT_STANDING_LEASE_TOKENS = 1024  # prompt tokens of a spare reservation per decode worker (0: none)
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -19,11 +21,11 @@ class GatewayConfig:
     many spawned processes, off the event loop (0 processes: inline). internal_token: sent to the
     workers (TCP deployments); api_keys: clients must send one as `authorization: Bearer <key>` (none:
     no authentication; health checks need none); tls_cert / tls_key: PEM files, serve TLS only.
-    standing_lease_tokens: > 0 keeps one spare reservation of that many prompt tokens per decode worker
-    (gateway/standing_leases.py), taken by a request whose prompt fits instead of a Reserve round trip
-    before its prefill (0: off); standing_lease_ttl_s: the lease a spare asks for. prefill_stream: send
-    prefills over one long-lived PrefillStream per prefill worker (gateway/prefill_stream.py) instead of a
-    unary Prefill call each."""
+    standing_lease_tokens: > 0 (the default, DEFAULT_STANDING_LEASE_TOKENS) keeps one spare reservation of that
+    many prompt tokens per decode worker with room for two (gateway/standing_leases.py), taken by a request
+    whose prompt fits instead of a Reserve round trip before its prefill; longer prompts Reserve as before
+    (0: off); standing_lease_ttl_s: the lease a spare asks for. prefill_stream: send prefills over one
+    long-lived PrefillStream per prefill worker (gateway/prefill_stream.py) instead of a unary Prefill call each."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -43,7 +45,7 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     tls_cert: str | None = None
     tls_key: str | None = None
-    standing_lease_tokens: int = 0
+    standing_lease_tokens: int = DEFAULT_STANDING_LEASE_TOKENS
     standing_lease_ttl_s: float = 30.0
     prefill_stream: bool = True
 

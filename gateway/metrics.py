@@ -43,16 +43,24 @@ class GatewayMetrics:
                                            buckets=ACCEPT_BUCKETS, registry=r)
         self.running = Gauge("pdserve_requests_running", "Admitted requests not yet finished", registry=r)
         self.waiting = Gauge("pdserve_requests_waiting", "Requests waiting for admission (decode pages)", registry=r)
+        self.spares = Gauge("pdserve_standing_leases_held", "Spare decode reservations held (standing leases, "
+                            "one per decode worker with room)", registry=r)
+        self.spares_taken = Counter("pdserve_standing_leases_taken", "Requests that took a spare decode "
+                                    "reservation instead of a Reserve round trip", registry=r)
 
-    def track(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
-        """The running / waiting gauges read these at scrape time."""
+    def track(self, running: Callable[[], float], waiting: Callable[[], float],
+              spares: Callable[[], float] = lambda: 0) -> None:
+        """The running / waiting / spares-held gauges read these at scrape time."""
         self.running.set_function(running)
         self.waiting.set_function(waiting)
+        self.spares.set_function(spares)
 
     # --- the RequestRun observer ----------------------------------------------------------------------
-    def admitted(self, queue_s: float, prompt_tokens: int) -> None:
+    def admitted(self, queue_s: float, prompt_tokens: int, spare: bool = False) -> None:
         self.queue_time.observe(queue_s)
         self.prompt_tokens.inc(prompt_tokens)
+        if spare:
+            self.spares_taken.inc()
 
     def prefilled(self, prefill_s: float) -> None:
         self.prefill_time.observe(prefill_s)

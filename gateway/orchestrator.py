@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import grpc
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.held_observer import HeldObserver
 from gateway.requests import GenerateJob
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
@@ -60,7 +61,7 @@ class ErrorEvent:
 class RunObserver(Protocol):
     """What a run reports as it goes (gateway.metrics.GatewayMetrics); times in seconds."""
 
-    def admitted(self, queue_s: float, prompt_tokens: int) -> None: ...
+    def admitted(self, queue_s: float, prompt_tokens: int, spare: bool = False) -> None: ...  # spare: took a standing lease
     def prefilled(self, prefill_s: float) -> None: ...
     def decode_started(self, setup_s: float) -> None: ...
     def first_token(self, ttft_s: float) -> None: ...
@@ -98,7 +99,8 @@ class RequestRun:
         # soon as the Complete is sent while this run's cleanup still talks to the workers.
         self.worker_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
         self._metadata = request_metadata(job.request_id) + pool.metadata  # x-request-id (+ internal token)
-        self._observer = observer
+        # what the run reports before its first token is out is recorded after (_release_observer)
+        self._observer: RunObserver | HeldObserver | None = HeldObserver(observer) if observer is not None else None
         self._last_token_at: float | None = None
         self.admitted = False  # a decode worker reserved its pages
         self._pool = pool
@@ -170,7 +172,7 @@ class RequestRun:
         self.admitted = True
         reserved = time.perf_counter()
         if self._observer is not None:
-            self._observer.admitted(reserved - self._arrival, len(job.prompt_ids))
+            self._observer.admitted(reserved - self._arrival, len(job.prompt_ids), spare=standing is not None)
         sampling = sampling_to_proto(params)
         response = await self._run_prefill(destination, sampling)
         prefilled = time.perf_counter()
@@ -185,6 +187,7 @@ class RequestRun:
             self._finish("stop" if job.ends_on(first) else "length")
             return
         await asyncio.sleep(0)  # the servicer sends the first token on before the Decode call is set up
+        self._release_observer()  # (metrics held until the first token was handed on)
         if standing is not None:  # refill the spare now that it competes with neither prefill nor first token
             self._pool.refill_standing()
         request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
@@ -280,7 +283,13 @@ class RequestRun:
             reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
             self._decode_tokens, stop))
 
+    def _release_observer(self) -> None:
+        """Records what was held back (HeldObserver) and reports straight to the observer from now on."""
+        if isinstance(self._observer, HeldObserver):
+            self._observer = self._observer.release()
+
     def _observe_end(self) -> None:
+        self._release_observer()  # (in order: what was held comes before the finish)
         if self._observer is not None:
             self._observer.finished(time.perf_counter() - self._arrival, self._decode_steps, self._decode_tokens)
 

@@ -41,10 +41,10 @@ class GenerateJob:
         return not self.params.ignore_eos and token_id in self.eos_token_ids
 
 
-def text_to_tokenize(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
-                     both_inputs: bool = False, max_text_bytes: int | None = None) -> str | None:
-    """The cheap checks that come before tokenising: request id, the input oneof, token ids, the text's
-    size. Returns the text to tokenise, or None when the prompt is token ids."""
+def check_input(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
+                both_inputs: bool = False, max_text_bytes: int | None = None) -> str | list[int]:
+    """The cheap checks that come before tokenising: request id, the input oneof, token ids (in the
+    vocabulary), the text's size. Returns the text to tokenise, or the prompt's token ids (checked)."""
     if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
         raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID_LENGTH} characters")
     if both_inputs:
@@ -53,8 +53,7 @@ def text_to_tokenize(request: gateway_pb2.GenerateRequest, facts: ModelFacts, to
     if which is None:
         raise InvalidArgument("input", "set one of text and token_ids")
     if which == "token_ids":
-        _token_ids(request, facts)
-        return None
+        return _token_ids(request, facts)
     if not request.text:
         raise InvalidArgument("input.text", "is empty")
     if tokenizer is None:
@@ -77,15 +76,16 @@ def _token_ids(request: gateway_pb2.GenerateRequest, facts: ModelFacts) -> list[
 
 
 def _prompt_ids(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
-                both_inputs: bool, text_ids: list[int] | None) -> list[int]:
-    text = text_to_tokenize(request, facts, tokenizer, both_inputs)
-    if text is None:
-        return _token_ids(request, facts)
-    assert tokenizer is not None
-    ids = tokenizer.encode(text) if text_ids is None else text_ids
-    if not ids:
+                both_inputs: bool, prompt_ids: list[int] | None) -> list[int]:
+    if prompt_ids is None:
+        checked = check_input(request, facts, tokenizer, both_inputs)
+        if not isinstance(checked, str):
+            return checked
+        assert tokenizer is not None
+        prompt_ids = tokenizer.encode(checked)
+    if not prompt_ids:  # (token ids are never empty here: check_input refused them)
         raise InvalidArgument("input.text", "tokenizes to no tokens")
-    return ids
+    return prompt_ids
 
 
 def _max_tokens(request: gateway_pb2.GenerateRequest, facts: ModelFacts, prompt_len: int, default_max: int) -> int:
@@ -128,12 +128,13 @@ def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, ma
 
 def parse_generate_request(request: gateway_pb2.GenerateRequest, facts: ModelFacts, tokenizer: TextTokenizer | None,
                            default_max_tokens: int, both_inputs: bool = False,
-                           text_ids: list[int] | None = None) -> GenerateJob:
+                           prompt_ids: list[int] | None = None) -> GenerateJob:
     """Validates and converts; both_inputs: the wire message set text AND token_ids (protobuf keeps
-    only the last member of a oneof, so the caller detects this on the raw bytes). text_ids: the text
-    already tokenised by the caller (off the event loop); None: tokenised here."""
+    only the last member of a oneof, so the caller detects this on the raw bytes). prompt_ids: the
+    caller ran check_input on this request and passes its token ids, or its text as the caller tokenised
+    it (off the event loop); None: checked and tokenised here."""
     request_id = request.request_id or uuid.uuid4().hex
-    prompt = _prompt_ids(request, facts, tokenizer, both_inputs, text_ids)
+    prompt = _prompt_ids(request, facts, tokenizer, both_inputs, prompt_ids)
     max_tokens = _max_tokens(request, facts, len(prompt), default_max_tokens)
     params = _sampling_params(request, facts, max_tokens)
     for index, stop in enumerate(request.stop):

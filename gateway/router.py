@@ -30,6 +30,7 @@ class DecodeState:
     running: int = 0
     page_size: int = 16
     placement: Placement | None = None  # from its load answers (the transport choice)
+    free_state_slots: int | None = None  # linear-attention state slots free (None: the model has none)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // max(1, self.page_size))

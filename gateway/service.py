@@ -8,7 +8,7 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.model_info import ModelFacts
 from gateway.orchestrator import RequestRun
-from gateway.requests import parse_generate_request, text_to_tokenize
+from gateway.requests import check_input, parse_generate_request
 from gateway.tokenize_pool import TokenizePool
 from gateway.tokenizer import TextTokenizer
 from gateway.workers import WorkerPool
@@ -29,17 +29,19 @@ class GatewayService:
         self._runs: dict[str, RequestRun] = {}
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.metrics.track(running=lambda: sum(run.admitted and not run.finished for run in self._runs.values()),
-                           waiting=lambda: sum(not (run.admitted or run.finished) for run in self._runs.values()))
+                           waiting=lambda: sum(not (run.admitted or run.finished) for run in self._runs.values()),
+                           spares=lambda: len(pool.standing.held()) if pool.standing is not None else 0)
 
     async def submit(self, request: gateway_pb2.GenerateRequest, both_inputs: bool, arrival: float,
                      deadline: float | None) -> RequestRun:
         """Validates (InvalidArgument naming the field; long texts are tokenised off the event loop) and
         starts the request. A request_id is free again once its run has queued its final event."""
-        text = text_to_tokenize(request, self.facts, self.tokenizer, both_inputs, self.config.max_request_bytes)
+        checked = check_input(request, self.facts, self.tokenizer, both_inputs, self.config.max_request_bytes)
         self._check_free(request.request_id)
-        text_ids = await self._tokenize.encode(text) if text is not None and self._tokenize is not None else None
+        prompt_ids = checked if not isinstance(checked, str) else (  # text: tokenised off the loop when long
+            await self._tokenize.encode(checked) if self._tokenize is not None else None)  # (None: inline, below)
         job = parse_generate_request(request, self.facts, self.tokenizer, self.config.default_max_tokens, both_inputs,
-                                     text_ids)
+                                     prompt_ids)
         self._check_free(job.request_id)
         run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s, self.metrics)
         self._runs[job.request_id] = run

@@ -10,7 +10,8 @@ once (take() removes it), only from a reachable worker whose transport is shm, a
 half its lease is left; the refill task (woken once the taker's first token is out, else at its next
 poll-interval pass) replaces taken, ageing and refused spares, holds off while the
 worker is short of pages (and gives its spare back when a Reserve there is refused for room), and
-close() releases every spare. Unclaimed spares show in the decode worker's load reports as leases."""
+close() releases every spare. On by default (GatewayConfig.standing_lease_tokens, 1024). Unclaimed spares show in
+the decode worker's load reports as leases, and apart as standing_leases / standing_pages / standing_state_slots."""
 from __future__ import annotations
 
 import asyncio
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from gateway.workers import DecodeWorker, WorkerPool
 
 logger = logging.getLogger(__name__)
+RETRY_S = 1.0  # after a refused spare (no room, unreachable)
+REFUSED_RETRY_S = 60.0  # after a spare the worker can never grant (its context or pool is too small for it)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,22 @@ class Spare:
     def left_s(self) -> float:
         """Seconds until the lease lapses on the decode worker."""
         return self.destination.lease_deadline_unix_ms / 1000 - time.time()
+
+
+def narrowed_destination(message: kv_pb2.KVDestination, num_tokens: int, page_size: int) -> kv_pb2.KVDestination:
+    """kvtransfer's Destination.narrowed done on the message (no round trip through the domain object on
+    the first token's path): the first ceil(num_tokens / page_size) pages, still bound to the whole lease
+    (lease_page_ids / lease_num_tokens: the lease as granted)."""
+    if not 0 < num_tokens <= message.num_tokens:
+        raise ValueError(f"cannot narrow a destination of {message.num_tokens} tokens to {num_tokens}")
+    narrowed = kv_pb2.KVDestination()
+    narrowed.CopyFrom(message)
+    if not message.lease_page_ids:
+        narrowed.lease_page_ids.extend(message.page_ids)
+        narrowed.lease_num_tokens = message.num_tokens
+    del narrowed.page_ids[-(-num_tokens // page_size):]
+    narrowed.num_tokens = num_tokens
+    return narrowed
 
 
 class StandingLeases:
@@ -78,11 +97,8 @@ class StandingLeases:
             del self._spares[index]
             self.taken += 1
             state = spare.worker.state
-            from kvtransfer.destination import Destination  # torch (through the layout): only with spares taken
-
-            destination = Destination.from_proto(spare.destination).narrowed(num_prompt_tokens, state.page_size)
             state.running += 1
-            return spare.worker, destination.to_proto()
+            return spare.worker, narrowed_destination(spare.destination, num_prompt_tokens, state.page_size)
         return None
 
     def refill_soon(self) -> None:
@@ -138,10 +154,12 @@ class StandingLeases:
             waiter.cancel()
 
     def _has_room(self, worker: DecodeWorker) -> bool:
-        """Reachable, shm, and (by its last load report) room for two spares: never the last pages."""
+        """Reachable, shm, and (by its last load report) room for two spares: never the last pages, nor the last
+        state slot of a model with linear attention (a spare holds one)."""
         state = worker.state
         return (state.healthy and self._pool.transport_for(worker) == kv_pb2.TRANSPORT_SHM
-                and state.free_pages >= 2 * state.pages_for(self.tokens))
+                and state.free_pages >= 2 * state.pages_for(self.tokens)
+                and (state.free_state_slots is None or state.free_state_slots >= 2))
 
     async def _grant(self, index: int, worker: DecodeWorker) -> None:
         request_id = f"standing.{uuid.uuid4().hex[:16]}"
@@ -150,12 +168,18 @@ class StandingLeases:
         try:
             response = await worker.stub.Reserve(request, timeout=self.ttl_s, metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as error:
-            logger.info("no standing lease on %s: %s %s", worker.state.address, error.code().name, error.details())
+            never = error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+            logger.log(logging.WARNING if never else logging.INFO, "no standing lease on %s: %s %s%s",
+                       worker.state.address, error.code().name, error.details(),
+                       f" (asking again in {REFUSED_RETRY_S:.0f} s)" if never else "")
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 worker.state.free_pages = 0  # until the next poll says otherwise
-            self._retry_at[index] = time.monotonic() + 1.0
+            self._retry_at[index] = time.monotonic() + (REFUSED_RETRY_S if never else RETRY_S)
             return
-        worker.state.free_pages = max(0, worker.state.free_pages - len(response.destination.page_ids))
+        state = worker.state
+        state.free_pages = max(0, state.free_pages - len(response.destination.page_ids))
+        if state.free_state_slots is not None:  # until the next poll says otherwise
+            state.free_state_slots = max(0, state.free_state_slots - 1)
         self._spares[index] = Spare(worker, response.destination)
 
     def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:

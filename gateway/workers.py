@@ -125,6 +125,7 @@ class WorkerPool:
             state = worker.state
             state.free_pages = max(0, load.free_pages - load.headroom_pages)
             state.total_pages, state.running, state.page_size = load.total_pages, load.running, load.page_size or 16
+            state.free_state_slots = load.free_state_slots if load.total_state_slots else None
             state.placement = Placement(load.placement.node_id, kv_pool=load.placement.kv_pool)
             self._mark(state, True)
 

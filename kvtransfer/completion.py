@@ -12,6 +12,7 @@ is retried, so no cross-process lock is needed.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import struct
 import time
@@ -32,8 +33,10 @@ class SlotState(enum.IntEnum):
     FAILED = 3
 
 
+@functools.lru_cache(maxsize=1024)
 def key_of(text: str) -> bytes:
-    """16-byte fingerprint of a request or lease id (fixed size for the slot)."""
+    """16-byte fingerprint of a request or lease id (fixed size for the slot). Cached: a request's ids are
+    fingerprinted at every check of its slot (reserve, prefill's confirmations, the record, admission)."""
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
@@ -77,6 +80,16 @@ class CompletionRecord:
         return self.request_key == key_of(request_id) and self.lease_key == key_of(lease)
 
 
+_MAX_SEQUENCE = 2**64 - 1  # (the slot's sequence field: u64)
+
+
+@functools.lru_cache(maxsize=1024)
+def reserved_slot(sequence: int, request_id: str, lease: str) -> bytes:
+    """The slot's exact bytes (crc included) once reserve() has reserved it for this lease at `sequence`.
+    Cached: prefill checks the same reservation before, during and after its forward."""
+    return CompletionRecord(SlotState.RESERVED, sequence, request_key=key_of(request_id), lease_key=key_of(lease)).pack()
+
+
 class CompletionTable:
     """The slot table of one pool: num_slots records of SLOT_BYTES each, over a shared byte view."""
 
@@ -114,7 +127,7 @@ class CompletionTable:
         """Marks the slot RESERVED for a lease; returns the sequence number the writer's record must carry
         (one more than the slot's, or than at_least when larger: TP ranks' pools reserve in lockstep)."""
         base = max(self.sequence(slot), at_least)
-        self.write(slot, CompletionRecord(SlotState.RESERVED, base, request_key=key_of(request_id), lease_key=key_of(lease_id)))
+        self._view[self._range(slot)] = reserved_slot(base, request_id, lease_id)
         return base + 1
 
     def release(self, slot: int) -> None:
@@ -126,6 +139,9 @@ class CompletionTable:
     def check_reserved(self, slot: int, sequence: int, request_id: str, lease: str) -> None:
         """Raises UnknownTransfer unless the decode side reserved the slot for exactly this lease (request,
         lease id, transport, pages: see Destination.binding) and has not released it since."""
+        if 0 < sequence <= _MAX_SEQUENCE and bytes(self._view[self._range(slot)]) == reserved_slot(
+                sequence - 1, request_id, lease):
+            return  # byte for byte what reserve() wrote for this lease: no need to parse the record
         current = self.read(slot)
         if (
             current is None

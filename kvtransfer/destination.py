@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, replace
 
@@ -85,9 +86,10 @@ class Destination:
                                     or self.num_tokens > self.lease_num_tokens):
             raise ValueError("a Destination's pages and tokens must be a prefix of its lease's")
 
-    @property
+    @functools.cached_property
     def binding(self) -> str:
-        """What the completion slot is bound to: the lease as granted (a standing lease: all its pages)."""
+        """What the completion slot is bound to: the lease as granted (a standing lease: all its pages).
+        Built once per destination: prefill checks it before, during and after its forward."""
         return lease_binding(self.lease_id, self.transport, self.lease_page_ids or self.page_ids,
                              self.lease_num_tokens or self.num_tokens, self.state_slot)
 

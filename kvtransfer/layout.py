@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -167,9 +168,10 @@ class KVLayout:
             text += "".join(f"|{name}={value}" for name, value in self._state_fields().items())
         return text
 
-    @property
+    @functools.cached_property
     def hash(self) -> str:
-        """First 16 hex digits of sha256(canonical): the same in every process, run and machine."""
+        """First 16 hex digits of sha256(canonical): the same in every process, run and machine (taken once
+        per layout object: every KV writer and reader compares it per request)."""
         return hashlib.sha256(self.canonical.encode("ascii")).hexdigest()[:16]
 
     # --- derived sizes --------------------------------------------------------------------------------

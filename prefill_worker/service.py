@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.engine_types import PrefillJob
 from engine.sampling_params import SamplingParams
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
@@ -179,8 +180,8 @@ class PrefillService:
             self._accepted += 1
         self._engine.wake()
         job.task = self._loop.create_task(self._complete(job))
-        try:
-            outcome = await asyncio.shield(job.answer)  # a cancelled RPC must not interrupt a running job
+        try:  # (not shielded: a cancelled RPC cancels only its answer; the job goes on in _complete)
+            outcome = await job.answer
         except BaseException as error:
             if isinstance(error, asyncio.CancelledError):
                 job.cancelled = True
@@ -198,13 +199,12 @@ class PrefillService:
             computed = await job.future
             if job.cancelled:
                 raise asyncio.CancelledError()
-            if computed.pages is None and job.destination.transport == TransportKind.SHM:
-                _resolve(job.answer, self._outcome(job, computed, 0.0))  # the KV is in place: answer now
+            if self._answers_early(job, computed):  # answered by _computed already: the KV is in place
                 await job.answered.wait()
                 if job.cancelled:  # call or Cancel ended it before the reply was out: no record (lease released)
                     raise asyncio.CancelledError()
             started = time.perf_counter()
-            num_bytes = await self._export_after_reply(job, computed) if job.answer.done() else \
+            num_bytes = await self._export_after_reply(job, computed) if _answered(job) else \
                 await self._export(job, computed)
             transfer_s = time.perf_counter() - started
             logger.info("prefilled %d tokens: queue %.1f ms, prefill %.1f ms, %s handoff of %d bytes in %.1f ms",
@@ -218,12 +218,25 @@ class PrefillService:
             _resolve(job.answer, asyncio.CancelledError())
         except Exception as error:  # noqa: BLE001 - handed to the RPC (or, once answered, to decode's admission)
             self.metrics.prompts.labels("error").inc()
-            if job.answer.done():  # a deferred record failed: the writer marked it FAILED, decode refuses the KV
+            if _answered(job):  # a deferred record failed: the writer marked it FAILED, decode refuses the KV
                 logger.warning("completion record of %s failed after its response: %s", job.request_id, error)
             _resolve(job.answer, error)
         finally:
             self._jobs.pop(job.request_id, None)
             job.finished.set()
+
+    def _computed(self, job: _Job, computed: _Computed) -> None:
+        """The engine's result, on the event loop: an in-place shm prefill is answered here and now, so the
+        RPC's task wakes before _complete's (one loop pass from the engine thread to the reply); _complete
+        then writes the record once the reply is out."""
+        if self._answers_early(job, computed) and not job.cancelled:
+            _resolve(job.answer, self._outcome(job, computed, 0.0))
+        _resolve(job.future, computed)
+
+    @staticmethod
+    def _answers_early(job: _Job, computed: _Computed) -> bool:
+        """shm written in place: the RPC is answered before the completion record (see the module doc)."""
+        return computed.pages is None and job.destination.transport == TransportKind.SHM
 
     @staticmethod
     def _outcome(job: _Job, computed: _Computed, transfer_ms: float) -> PrefillOutcome:
@@ -294,8 +307,6 @@ class PrefillService:
         return batch
 
     def _work(self, engine: Any) -> bool:
-        from engine.llm_engine import PrefillJob
-
         batch = self._take_batch()
         if not batch:
             return False
@@ -343,7 +354,7 @@ class PrefillService:
                 states = engine.read_state(job.local_slot) if job.local_slot is not None else None
                 self._free_local(engine, job)
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(_resolve, job.future, _Computed(result, prefill_ms, pages, states))
+            self._loop.call_soon_threadsafe(self._computed, job, _Computed(result, prefill_ms, pages, states))
         return True
 
     def _confirm(self, destination: Destination) -> None:
@@ -389,6 +400,11 @@ class PrefillService:
     def _fail(self, job: _Job, error: BaseException) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(_resolve, job.future, error)
+
+
+def _answered(job: _Job) -> bool:
+    """The RPC has its answer (an RPC cancelled meanwhile cancels its answer: not answered)."""
+    return job.answer.done() and not job.answer.cancelled()
 
 
 def _resolve(future: asyncio.Future[Any], value: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from gateway.config import DEFAULT_STANDING_LEASE_TOKENS
 from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_HTTP, add_internal_token_argument, add_model_arguments, fail
 from rpc.interceptors import read_key_file, read_token_file
 from rpc.logging_setup import configure_logging
@@ -22,9 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request leaves it unset")
     parser.add_argument("--admission-timeout", type=float, default=30.0,
                         help="seconds a request waits for decode room before RESOURCE_EXHAUSTED")
-    parser.add_argument("--standing-lease-tokens", type=int, default=0, metavar="N",
-                        help="keep one spare decode reservation of N prompt tokens per decode worker, so that a "
-                             "request whose prompt fits skips the Reserve round trip before prefill (default 0: off)")
+    parser.add_argument("--standing-lease-tokens", type=int, default=DEFAULT_STANDING_LEASE_TOKENS, metavar="N",
+                        help="keep one spare decode reservation of N prompt tokens per decode worker (with room for "
+                             "two), so that a request whose prompt fits skips the Reserve round trip before prefill; "
+                             f"longer prompts Reserve as before (default {DEFAULT_STANDING_LEASE_TOKENS}; 0: off)")
     parser.add_argument("--prefill-stream", action=argparse.BooleanOptionalAction, default=True,
                         help="send prefills over one long-lived, multiplexed PrefillStream per prefill worker instead "
                              "of a unary Prefill call each (saves a call set-up on every first token; default on)")

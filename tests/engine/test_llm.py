@@ -117,7 +117,8 @@ def test_stop_conditions(checkpoints, tmp_path):
 
 @pytest.mark.parametrize(
     "prompt, message",
-    [([], "empty"), ([5, 100000], "out of the vocabulary"), ([-1], "out of the vocabulary"), ([4] * 600, "max_position_embeddings")],
+    [([], "empty"), ([5, 100000], "out of the vocabulary"), ([-1], "out of the vocabulary"),
+     ([3, 2.0], "out of the vocabulary"), ([4] * 600, "max_position_embeddings")],
 )
 def test_bad_input_is_a_clear_value_error(checkpoints, prompt, message):
     """Out-of-vocab ids, empty prompts and prompts beyond max_position_embeddings raise ValueError saying so."""

@@ -72,6 +72,10 @@ class _Workers:
         self.prefill_requests.append(request)
         return worker_pb2.PrefillResponse(first_token=FIRST)
 
+    async def Release(self, request: worker_pb2.ReleaseRequest, **_: Any) -> worker_pb2.ReleaseResponse:  # noqa: N802
+        self.order.append("release")
+        return worker_pb2.ReleaseResponse(found=True)
+
     def Decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> _DecodeStream:  # noqa: N802
         self.order.append("decode call")
         self.decode_requests.append(request)
@@ -115,7 +119,7 @@ class _Phases:
     def __init__(self) -> None:
         self.seen: list[tuple[str, float]] = []
 
-    def admitted(self, queue_s: float, prompt_tokens: int) -> None:
+    def admitted(self, queue_s: float, prompt_tokens: int, spare: bool = False) -> None:
         self.seen.append(("admitted", queue_s))
 
     def prefilled(self, prefill_s: float) -> None:
@@ -134,14 +138,20 @@ class _Phases:
         self.seen.append(("finished", e2e_s))
 
 
+def _observed_run(request_id: str, max_tokens: int = 4) -> tuple[RequestRun, _Phases]:
+    """A run over fake workers (greedy, ignore_eos) whose observer records its phases."""
+    phases = _Phases()
+    job = GenerateJob(request_id=request_id, prompt_ids=(5, 6, 7),
+                      params=SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    run = RequestRun(job, _Workers([]), None, time.perf_counter(), None, cleanup_timeout_s=5.0,  # type: ignore[arg-type]
+                     observer=phases)
+    return run, phases
+
+
 async def test_observer_hears_each_phase_once_in_path_order():
     """A run reports admission, prefill, first token, decode set-up and finish once each, in that order, with
     durations that are non-negative and add up: queue + prefill <= TTFT <= end to end."""
-    phases = _Phases()
-    job = GenerateJob(request_id="r2", prompt_ids=(5, 6, 7),
-                      params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
-    run = RequestRun(job, _Workers([]), None, time.perf_counter(), None, cleanup_timeout_s=5.0,  # type: ignore[arg-type]
-                     observer=phases)
+    run, phases = _observed_run("r2")
     run.start()
     assert run.task is not None
     await asyncio.wait_for(run.task, 30)
@@ -172,3 +182,35 @@ async def test_a_run_on_a_standing_lease_skips_reserve_and_runs_under_its_id():
     assert order[:3] == ["prefill", "refill", "decode call"]  # refilled after the first token, not during prefill
     events = [run.events.get_nowait() for _ in range(run.events.qsize())]
     assert [t for event in events if isinstance(event, TokensEvent) for t in event.token_ids] == [FIRST, 7, 8, 9]
+
+
+async def test_metrics_wait_until_the_first_token_is_handed_on():
+    """Nothing is recorded before the servicer has the first token (the metrics' work is off its path):
+    when the consumer takes it the observer has heard nothing; afterwards every phase is there, once, in
+    path order, with the durations measured when they happened (queue + prefill <= TTFT)."""
+    run, phases = _observed_run("r4")
+
+    async def first_event() -> tuple[Any, list[tuple[str, float]]]:  # as the servicer: awaits the queue itself
+        return await run.events.get(), list(phases.seen)
+
+    consumer = asyncio.create_task(first_event())
+    await asyncio.sleep(0)
+    run.start()
+    first, seen_then = await asyncio.wait_for(consumer, 30)
+    assert isinstance(first, TokensEvent) and first.token_ids == [FIRST]
+    assert seen_then == []
+    assert run.task is not None
+    await asyncio.wait_for(run.task, 30)
+    assert [name for name, _ in phases.seen] == ["admitted", "prefilled", "first_token", "decode_started", "finished"]
+    took = dict(phases.seen)
+    assert took["admitted"] + took["prefilled"] <= took["first_token"] <= took["finished"]
+
+
+async def test_a_run_that_ends_at_its_first_token_still_reports_every_phase():
+    """max_tokens 1: the run finishes without the first-token pass; the held metrics come out before the
+    finish, in order."""
+    run, phases = _observed_run("r5", max_tokens=1)
+    run.start()
+    assert run.task is not None
+    await asyncio.wait_for(run.task, 30)
+    assert [name for name, _ in phases.seen] == ["admitted", "prefilled", "first_token", "finished"]

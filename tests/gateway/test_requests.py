@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.model_info import ModelFacts, SamplingDefaults
-from gateway.requests import parse_generate_request
+from gateway.requests import check_input, parse_generate_request
 from gateway.tokenizer import TextTokenizer
 from gateway.wire import parse_generate_request_bytes, top_level_fields
 from rpc.status import InvalidArgument
@@ -34,6 +34,7 @@ BAD = [
     (pb.GenerateRequest(token_ids=ids()), "input.token_ids"),
     (pb.GenerateRequest(token_ids=ids(3, 320)), "input.token_ids[1]"),
     (pb.GenerateRequest(token_ids=ids(-1)), "input.token_ids[0]"),
+    (pb.GenerateRequest(token_ids=ids(3, 5, 900, -1)), "input.token_ids[2]"),  # the first bad one is named
     (pb.GenerateRequest(token_ids=ids(*[5] * 64)), "input"),
     (pb.GenerateRequest(token_ids=ids(*[5] * 60), max_tokens=5), "max_tokens"),
     (pb.GenerateRequest(token_ids=ids(5), max_tokens=0), "max_tokens"),
@@ -59,6 +60,16 @@ def test_bad_requests_name_their_field(request_message, field, tokenizer):
         parse(request_message, tokenizer)
     assert caught.value.field == field
     assert str(caught.value).startswith(field + ":")
+
+
+def test_check_input_returns_the_checked_ids_or_the_text(tokenizer):
+    """check_input hands back the prompt's token ids (checked once, then passed on to parse_generate_request)
+    or the text to tokenise; the job built from them is the one parse_generate_request builds alone."""
+    by_ids = pb.GenerateRequest(request_id="r1", token_ids=ids(3, 4, 5), max_tokens=2)
+    checked = check_input(by_ids, FACTS, tokenizer)
+    assert checked == [3, 4, 5]
+    assert parse_generate_request(by_ids, FACTS, tokenizer, 16, prompt_ids=checked) == parse(by_ids, tokenizer)
+    assert check_input(pb.GenerateRequest(text="hello"), FACTS, tokenizer) == "hello"
 
 
 def test_text_without_tokenizer_is_rejected():

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from gateway.config import GatewayConfig
+from gateway.config import DEFAULT_STANDING_LEASE_TOKENS, GatewayConfig
+from gateway.standing_leases import narrowed_destination
 from gateway.workers import WorkerPool
 from kvtransfer.destination import Destination
 from rpc.internal.v1 import kv_pb2, worker_pb2
@@ -73,11 +74,32 @@ async def _started(fake: _LeasingDecode, ttl_s: float = 30.0) -> WorkerPool:
     return pool
 
 
-async def test_off_by_default():
-    """Without standing_lease_tokens the pool keeps no spare and take_standing gives nothing."""
-    config = GatewayConfig(model_dir="unused", prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",))
-    pool = WorkerPool(config)
+async def test_on_by_default_and_zero_turns_it_off():
+    """The default config keeps spares of DEFAULT_STANDING_LEASE_TOKENS (1024) prompt tokens; with
+    standing_lease_tokens=0 the pool keeps no spare and take_standing gives nothing."""
+    addresses = dict(model_dir="unused", prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",))
+    assert GatewayConfig(**addresses).standing_lease_tokens == DEFAULT_STANDING_LEASE_TOKENS == 1024
+    pool = WorkerPool(GatewayConfig(**addresses))
+    assert pool.standing is not None and pool.standing.tokens == 1024
+    await pool.close()
+    pool = WorkerPool(GatewayConfig(**addresses, standing_lease_tokens=0))
     assert pool.standing is None and pool.take_standing(10) is None
+    await pool.close()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION])
+async def test_a_spare_the_worker_can_never_grant_is_not_asked_for_again_soon(code):
+    """A worker that refuses the spare for good (its context or pool is too small for it, or it does not
+    serve shm) is asked again only after REFUSED_RETRY_S, not at every refill pass; no spare is held."""
+    fake = _LeasingDecode()
+    fake.refuse = code
+    pool = _pool(fake)
+    pool.polled.set()
+    pool.standing.start()
+    await _eventually(lambda: len(fake.requests) == 1, "the first Reserve")
+    for _ in range(20):  # 20 refill passes (poll interval 0.01 s)
+        await asyncio.sleep(0.01)
+    assert len(fake.requests) == 1 and pool.standing.held() == []
     await pool.close()
 
 
@@ -169,6 +191,25 @@ async def test_full_worker_gets_its_spare_back():
     await pool.close()
 
 
+@pytest.mark.parametrize(("free_slots", "spare"), [(None, True), (2, True), (1, False), (0, False)])
+async def test_a_spare_never_takes_the_last_state_slot(free_slots, spare):
+    """With linear attention a spare holds a state slot: it is made only where two slots are free (by the last
+    load report; None: the model has no state slots), as it is only where two spares' pages are."""
+    fake = _LeasingDecode()
+    pool = _pool(fake)
+    pool.decode[0].state.free_state_slots = free_slots
+    assert pool.standing._has_room(pool.decode[0]) is spare
+    pool.decode[0].state.free_state_slots, pool.decode[0].state.free_pages = 2, 2 * (TOKENS // PAGE_SIZE) - 1
+    assert not pool.standing._has_room(pool.decode[0])  # one page short of two spares
+    if spare:
+        pool.decode[0].state.free_state_slots, pool.decode[0].state.free_pages = free_slots, 100
+        pool.polled.set()
+        pool.standing.start()
+        await _eventually(lambda: len(pool.standing.held()) == 1, "a spare")
+        assert pool.decode[0].state.free_state_slots == (None if free_slots is None else free_slots - 1)
+    await pool.close()
+
+
 @pytest.mark.parametrize("bad", [0, -1])
 def test_ttl_must_be_positive(bad):
     """standing_lease_ttl_s <= 0 is refused by name; negative standing_lease_tokens too."""
@@ -176,3 +217,27 @@ def test_ttl_must_be_positive(bad):
         GatewayConfig(model_dir="unused", prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",), standing_lease_ttl_s=bad)
     with pytest.raises(ValueError, match="standing_lease_tokens"):
         GatewayConfig(model_dir="unused", prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",), standing_lease_tokens=-1)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 17, 40, TOKENS])
+@pytest.mark.parametrize("state_slot", [None, 3])
+def test_narrowed_message_matches_the_destinations_own(tokens, state_slot):
+    """narrowed_destination (on the message, the gateway's take() path) gives the message
+    Destination.narrowed(...).to_proto() gives, every field alike, state slot or none; narrowing twice too."""
+    spare = Destination(transport=1, layout_hash="h", request_id="standing.1", lease_id="secret",
+                        page_ids=(9, 4, 7, 2), targets=("pool-0", "pool-1"), lease_deadline_unix_ms=123,
+                        num_tokens=TOKENS, pool_num_pages=64, completion_slot=5, completion_sequence=8,
+                        state_slot=state_slot)
+    expected = spare.narrowed(tokens, PAGE_SIZE)
+    assert narrowed_destination(spare.to_proto(), tokens, PAGE_SIZE) == expected.to_proto()
+    again = narrowed_destination(expected.to_proto(), 1, PAGE_SIZE)
+    assert again == expected.narrowed(1, PAGE_SIZE).to_proto()
+    assert Destination.from_proto(again).binding == spare.binding  # still bound to the whole lease
+
+
+@pytest.mark.parametrize("tokens", [0, TOKENS + 1])
+def test_narrowing_beyond_the_lease_is_refused(tokens):
+    """Zero tokens or more than the lease holds: ValueError, as Destination.narrowed."""
+    message = kv_pb2.KVDestination(page_ids=[1, 2, 3, 4], num_tokens=TOKENS)
+    with pytest.raises(ValueError, match="cannot narrow"):
+        narrowed_destination(message, tokens, PAGE_SIZE)

@@ -86,3 +86,15 @@ def test_narrowed_keeps_the_lease_binding():
     with pytest.raises(ValueError, match="together"):
         dataclasses.replace(narrow, lease_num_tokens=0)
     assert dataclasses.replace(whole, page_ids=(7, 3)).binding != whole.binding  # an unnarrowed subset does not bind
+
+
+def test_a_cached_binding_never_leaks_into_a_changed_copy():
+    """binding is built once per Destination: a copy with other pages, tokens or lease (replace, narrowed)
+    has its own binding even after the original's was read, and equality still compares fields only."""
+    original = make(transport=TransportKind.SHM, data_addresses=(), record_addresses=())
+    before = original.binding
+    moved = dataclasses.replace(original, page_ids=(1, 2, 3))
+    assert moved.binding != before and "1,2,3" in moved.binding
+    assert dataclasses.replace(original, lease_id="other").binding != before
+    assert original.narrowed(17, 16).binding == before  # narrowing keeps the lease it is bound to
+    assert make(transport=TransportKind.SHM, data_addresses=(), record_addresses=()) == original

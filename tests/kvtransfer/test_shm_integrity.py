@@ -202,6 +202,9 @@ def test_confirm_refuses_forged_and_stale_destinations(decode):
         dataclasses.replace(attacker, completion_slot=victim.completion_slot,  # own lease id, victim's slot
                             completion_sequence=victim.completion_sequence, page_ids=victim.page_ids),
         dataclasses.replace(victim, num_tokens=17),                             # other token count, same pages
+        dataclasses.replace(victim, completion_sequence=victim.completion_sequence + 1),  # a later sequence
+        dataclasses.replace(victim, completion_sequence=0),                     # below any reservation
+        dataclasses.replace(victim, completion_sequence=2**64),                 # beyond the slot's u64
     ]
     for destination in forged:
         with pytest.raises(UnknownTransfer, match="not reserved for this lease"):

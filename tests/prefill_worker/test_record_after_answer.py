@@ -159,3 +159,37 @@ async def test_a_call_cancelled_before_its_answer_gets_no_record(decode_side):
     finally:
         gate.set()
         await service.stop()
+
+
+async def test_the_answer_reaches_the_caller_in_the_loop_pass_the_result_lands_in(decode_side):
+    """The engine thread's result is handed over by one loop callback that answers an in-place shm prefill
+    itself: the caller's prefill() resumes in the very next loop pass (no hop through the job's task or a
+    shield), before any callback scheduled after the result's arrival runs."""
+    receiver, reserve = decode_side
+    service = await _service(_InPlaceEngine())
+    loop = asyncio.get_running_loop()
+    passes: list[int] = []
+
+    def tick() -> None:  # counts loop passes from the result's arrival until prefill() has returned
+        passes.append(1)
+        if len(passes) < 50:
+            loop.call_soon(tick)
+
+    class _Loop:  # the service's loop, but a callback from the engine thread also starts the count
+        def __getattr__(self, name: str):
+            return getattr(loop, name)
+
+        def call_soon_threadsafe(self, callback, *args):
+            def arrived() -> None:
+                callback(*args)
+                loop.call_soon(tick)
+
+            return loop.call_soon_threadsafe(arrived)
+
+    service._loop = _Loop()  # type: ignore[assignment]
+    try:
+        outcome = await service.prefill("f", [5] * 20, greedy(4), reserve("f", 20), asyncio.Event())
+        assert outcome.first_token == FIRST
+        assert passes == [], f"prefill() returned {len(passes)} loop passes after its result arrived"
+    finally:
+        await service.stop()

@@ -7,12 +7,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import aiohttp
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from rpc.v1 import gateway_pb2_grpc
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]  # (metric, labels) -> value
 PROMPT_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 100, 128, 255, 300, 512, 777, 1024, 1500, 2048)
 FIRST_ORDINARY_TOKEN = 4  # ids 0..3 are the special tokens
 VOCAB_LIMIT = 300          # the test tokenizer's vocabulary (the model's is 320)
@@ -55,6 +58,29 @@ async def gateway_stub(address: str) -> AsyncIterator[gateway_pb2_grpc.GatewaySe
         yield gateway_pb2_grpc.GatewayServiceStub(channel)
 
 
+async def scrape(http: aiohttp.ClientSession, address: str) -> Samples:
+    """A service's GET /metrics at `address`, parsed."""
+    async with http.get(f"http://{address}/metrics") as response:
+        assert response.status == 200
+        text = await response.text()
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+async def gateway_quiet(http_address: str, timeout: float = 60.0) -> None:
+    """Waits until the gateway at `http_address` (its HTTP front) has no request running or waiting: every run,
+    a straggler whose client already gave up included, has ended and cleaned up. Fails loudly after `timeout`."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while True:
+            samples = await scrape(http, http_address)
+            busy = [samples[(name, frozenset())] for name in ("pdserve_requests_running", "pdserve_requests_waiting")]
+            if busy == [0, 0]:
+                return
+            assert time.monotonic() < deadline, f"the gateway still has requests running / waiting: {busy}"
+            await asyncio.sleep(0.05)
+
+
 async def decode_load(address: str) -> worker_pb2.GetDecodeLoadResponse:
     async with grpc.aio.insecure_channel(address) as channel:
         return await worker_pb2_grpc.DecodeServiceStub(channel).GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=30)
@@ -65,23 +91,58 @@ async def prefill_load(address: str) -> worker_pb2.GetPrefillLoadResponse:
         return await worker_pb2_grpc.PrefillServiceStub(channel).GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=30)
 
 
-async def idle_free_pages(address: str, timeout: float = 30.0) -> int:
-    """The decode worker's free pages once nothing runs and no lease is held (its idle baseline)."""
+def unspared_free_pages(load: worker_pb2.GetDecodeLoadResponse) -> int:
+    """Free pages plus the pages spares hold (unclaimed standing leases a gateway keeps, gateway/standing_leases.py):
+    what would be free without them. Constant while a spare is taken and refilled, unlike free_pages."""
+    return load.free_pages + load.standing_pages
+
+
+def at_rest(load: worker_pb2.GetDecodeLoadResponse, baseline: int, spares: int = 1) -> bool:
+    """Nothing runs or waits, the only leases held are exactly `spares` spares (one per gateway in front that
+    keeps them: a leaked lease, standing or not, is one too many) and the pages but for theirs are `baseline`."""
+    return ((load.running, load.waiting, load.leases, load.standing_leases) == (0, 0, spares, spares)
+            and unspared_free_pages(load) == baseline)
+
+
+# How long a decode worker must read the same at-rest load before a helper believes it: more than a few of the
+# gateway's load-poll intervals (0.2 s). A spare taken by a request still in flight (its Prefill not answered
+# yet) looks like a spare on the decode worker until the gateway's refill adds the next one, within about one
+# poll interval: a reading that lasts catches it (two standing leases), one reading may not.
+SETTLE_S = 1.0
+
+
+async def _settled(address: str, condition: Callable[[worker_pb2.GetDecodeLoadResponse], bool],
+                   timeout: float) -> tuple[bool, worker_pb2.GetDecodeLoadResponse]:
+    """(True, the load) once `condition` held on every poll for SETTLE_S with the same unspared free pages;
+    (False, the last load) after `timeout` seconds."""
     deadline = time.monotonic() + timeout
+    since: float | None = None
+    value = -1
     while True:
-        load = await decode_load(address)
-        if load.running == 0 and load.leases == 0 and load.waiting == 0:
-            return load.free_pages
-        if time.monotonic() > deadline:
-            raise AssertionError(f"decode worker never went idle: {load}")
+        load, now = await decode_load(address), time.monotonic()
+        if not condition(load):
+            since = None
+        elif since is None or unspared_free_pages(load) != value:
+            since, value = now, unspared_free_pages(load)
+        elif now - since >= SETTLE_S:
+            return True, load
+        if now > deadline:
+            return False, load
         await asyncio.sleep(0.05)
 
 
-async def wait_for_free_pages(address: str, expected: int, timeout: float = 60.0) -> worker_pb2.GetDecodeLoadResponse:
-    """Polls GetDecodeLoad until free_pages == expected; returns the last Load either way."""
-    deadline = time.monotonic() + timeout
-    load = await decode_load(address)
-    while load.free_pages != expected and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        load = await decode_load(address)
-    return load
+async def idle_free_pages(address: str, timeout: float = 60.0) -> int:
+    """The decode worker's idle baseline: free pages plus the spares' pages once nothing runs or waits and every
+    lease held is a spare, unchanged for SETTLE_S (a spare being replaced can skew one reading)."""
+    settled, load = await _settled(
+        address, lambda load: load.running == 0 and load.waiting == 0 and load.leases == load.standing_leases, timeout)
+    if not settled:
+        raise AssertionError(f"decode worker never went idle: {load}")
+    return unspared_free_pages(load)
+
+
+async def wait_for_free_pages(address: str, expected: int, timeout: float = 60.0,
+                              spares: int = 1) -> worker_pb2.GetDecodeLoadResponse:
+    """Polls GetDecodeLoad until the worker is at_rest(load, expected, spares) for SETTLE_S; returns the last Load
+    either way (callers assert at_rest on it)."""
+    return (await _settled(address, lambda load: at_rest(load, expected, spares), timeout))[1]

@@ -161,13 +161,16 @@ async def test_standing_lease_is_narrowed_to_the_prompt_that_claims_it(service):
     """A standing lease granted for 64 tokens (4 pages) is claimed by a 20-token prompt: the KV written into
     the narrowed destination (2 pages, bound to the whole lease) is admitted, the 2 pages past the prompt go
     back at the claim, the request streams to its end and every page is free again; the lease cannot be
-    claimed a second time."""
-    total = service.load.free_pages
+    claimed a second time. The load tells the unclaimed spare from an ordinary lease (standing_*)."""
+    total, admitted = service.load.free_pages, service.load.requests_total
     destination = await service.reserve("s1", 64, 1, TransportKind.SHM, standing=True)
     assert len(destination.page_ids) == 4 and service.load.leased_pages == 4
+    assert (service.load.standing_leases, service.load.standing_pages, service.load.requests_total) == (1, 4, admitted)
     mark_kv_complete(service.engine, destination.narrowed(20, PAGE_SIZE))
     stream = service.decode("s1", destination.lease_id, [5] * 20, 7, greedy(4))
     first = await anext(stream)
+    assert (service.load.leases, service.load.standing_leases, service.load.standing_pages) == (0, 0, 0)
+    assert service.load.requests_total == admitted + 1  # a spare counts as a request once claimed
     assert service.book.get("s1").lease.page_ids == destination.page_ids[:2]
     tokens = list(first.token_ids) + [t async for update in stream for t in update.token_ids]
     assert len(tokens) == 3
@@ -180,7 +183,8 @@ async def test_standing_lease_is_narrowed_to_the_prompt_that_claims_it(service):
 async def test_standing_lease_claims_are_checked(service):
     """Claiming a standing lease with a longer prompt than it holds, or a prompt + max_new_tokens past the
     model's context, is INVALID_ARGUMENT and leaves the lease to its holder (Release frees it); a plain
-    lease still needs its exact prompt length; standing leases travel by shm only."""
+    lease still needs its exact prompt length (and is not counted as standing); standing leases travel by shm
+    only."""
     total = service.load.free_pages
     destination = await service.reserve("s2", 32, 1, TransportKind.SHM, standing=True)
     context = service.engine.model_config.max_position_embeddings
@@ -188,9 +192,10 @@ async def test_standing_lease_claims_are_checked(service):
         with pytest.raises(InvalidArgument):
             async for _ in service.decode("s2", destination.lease_id, [5] * prompt, 7, greedy(max_new)):
                 pass
-    assert service.load.leases == 1
+    assert (service.load.leases, service.load.standing_leases, service.load.standing_pages) == (1, 1, 2)
     assert await service.release("s2")
     plain = await service.reserve("s3", 32, 4, TransportKind.SHM)
+    assert (service.load.leases, service.load.standing_leases, service.load.standing_pages) == (1, 0, 0)
     with pytest.raises(InvalidArgument):
         async for _ in service.decode("s3", plain.lease_id, [5] * 20, 7, greedy(4)):
             pass

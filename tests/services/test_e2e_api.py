@@ -19,8 +19,8 @@ from gateway.config import GatewayConfig
 from gateway.server import serve as serve_gateway
 from rpc.v1 import gateway_pb2
 from tests.services.conftest import worker_address
-from tests.services.helpers import (decode_load, gateway_stub, greedy, idle_free_pages, prefill_load, token_prompts,
-                                   wait_for_free_pages)
+from tests.services.helpers import (at_rest, decode_load, gateway_stub, greedy, idle_free_pages, prefill_load,
+                                   token_prompts, unspared_free_pages, wait_for_free_pages)
 
 EXPECTED_HEALTH = {"dead": health_pb2.HealthCheckResponse.NOT_SERVING, "live": health_pb2.HealthCheckResponse.SERVING}
 GOOD = build_request([5, 6, 7, 8], max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -113,11 +113,11 @@ async def test_client_cancel_mid_stream_frees_decode_pages(cluster):
             received += len(response.chunk.token_ids)
             if received >= 5:
                 break
-        during = (await wait_for_free_pages(decode, -1, timeout=0)).free_pages
+        during = unspared_free_pages(await decode_load(decode))
         call.cancel()
     assert during < baseline  # the request held pages while streaming
     load = await wait_for_free_pages(decode, baseline)
-    assert (load.free_pages, load.running, load.leases) == (baseline, 0, 0)
+    assert at_rest(load, baseline), load
 
 
 async def test_abort_rpc_ends_the_stream_with_abort(cluster):
@@ -138,7 +138,8 @@ async def test_abort_rpc_ends_the_stream_with_abort(cluster):
                 assert response.complete.finish_reason == gateway_pb2.Complete.FINISH_REASON_ABORT
         assert kinds[-1] == "complete" and tokens < 2000
         assert not (await stub.Abort(gateway_pb2.AbortRequest(request_id="abort-me"), timeout=10)).found
-    assert (await wait_for_free_pages(decode, baseline)).free_pages == baseline
+    load = await wait_for_free_pages(decode, baseline)
+    assert at_rest(load, baseline), load
 
 
 async def test_cancel_during_prefill_and_deadline_free_pages(cluster):
@@ -157,7 +158,7 @@ async def test_cancel_during_prefill_and_deadline_free_pages(cluster):
             await generate(stub, build_request(prompt[::-1], max_tokens=8, temperature=0.0), timeout=0.05)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     load = await wait_for_free_pages(decode, baseline, timeout=120)
-    assert (load.free_pages, load.leases) == (baseline, 0)
+    assert at_rest(load, baseline), load
 
 
 async def _until_in_flight(prefill: str, decode: str, timeout: float = 120.0) -> None:
@@ -259,4 +260,4 @@ async def test_first_token_can_finish_the_request(cluster, llm):
     assert (stopped.token_ids, stopped.finish_reason) == ([first], "STOP")
     assert (later.token_ids, later.finish_reason) == ([first, second], "STOP")
     load = await wait_for_free_pages(decode, baseline)
-    assert (load.free_pages, load.leases, load.running) == (baseline, 0, 0)
+    assert at_rest(load, baseline), load

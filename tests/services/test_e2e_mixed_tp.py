@@ -9,7 +9,7 @@ import pytest
 
 from gateway.client import build_request, generate
 from tests.services.conftest import MAX_TOKENS, PROMPTS, launch, worker_address
-from tests.services.helpers import gateway_stub, idle_free_pages
+from tests.services.helpers import at_rest, gateway_stub, idle_free_pages, wait_for_free_pages
 
 # Prompts of 1, 16, 17, 255 and 777 tokens: one token, exactly a page, a page + 1, and multi-page ones.
 CHOSEN = (0, 3, 4, 9, 12)
@@ -36,4 +36,5 @@ async def test_mixed_tp_greedy_outputs_match_in_process(mixed_tp_cluster, refere
                                          speculative=None if speculative else False), timeout=300)
             for i in CHOSEN))
     assert [list(r.token_ids) for r in results] == [reference[speculative][i] for i in CHOSEN]
-    assert await idle_free_pages(decode_address) == baseline
+    load = await wait_for_free_pages(decode_address, baseline)
+    assert at_rest(load, baseline), load

@@ -1,5 +1,6 @@
-"""A gateway with standing leases (--standing-lease-tokens) on the shared deployment's workers: outputs are
-the in-process engine's, fitting prompts take the spare, and no page stays reserved once it stops."""
+"""A second gateway with standing leases of its own size (256 tokens) on the shared deployment's workers (whose
+own gateway keeps its default spare): outputs are the in-process engine's, fitting prompts take the spare,
+and no page stays reserved once it stops."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,7 @@ from gateway.config import GatewayConfig
 from gateway.server import serve as serve_gateway
 from gateway.standing_leases import StandingLeases
 from tests.services.conftest import MAX_TOKENS, PROMPTS, worker_address
-from tests.services.helpers import decode_load, greedy_through_gateway, idle_free_pages, wait_for_free_pages
+from tests.services.helpers import at_rest, decode_load, greedy_through_gateway, idle_free_pages, wait_for_free_pages
 
 SPARE_TOKENS = 256
 
@@ -27,8 +28,9 @@ async def test_standing_lease_gateway_matches_in_process_and_frees_its_spare(clu
                                                                            tmp_path, monkeypatch):
     """One request at a time through a gateway keeping a spare of 256 tokens: every output (prompts of 1..2048
     tokens: the short ones on the spare, the long ones through Reserve) equals LLM.generate's; at least
-    one request took a spare; while idle the decode worker shows the spare as one lease; after the gateway
-    stops, no lease is left and the free pages are back at their idle count."""
+    one request took a spare; while idle the decode worker shows its spare and the deployment gateway's as two
+    standing leases (and no other lease); after it stops only the deployment gateway's spare is left and the
+    pages but for it are back at their idle count."""
     decode = worker_address(cluster, "decode-0")
     idle = await idle_free_pages(decode)
     taken: list[str] = []
@@ -59,7 +61,12 @@ async def test_standing_lease_gateway_matches_in_process_and_frees_its_spare(clu
             return len(spares) == 1 and len(spares[0].held()) == 1
 
         await _wait(spare_held, "the spare")
-        assert (await decode_load(decode)).leases == 1
+
+        async def two_spares() -> bool:
+            load = await decode_load(decode)
+            return (load.leases, load.standing_leases) == (2, 2)
+
+        await _wait(two_spares, "two standing leases (this gateway's and the deployment's) and no other lease")
         outputs = []
         for prompt in PROMPTS:
             if len(prompt) <= SPARE_TOKENS:  # each short prompt gets a fresh spare (refilled after each take)
@@ -72,7 +79,7 @@ async def test_standing_lease_gateway_matches_in_process_and_frees_its_spare(clu
         stop.set()
         await task
     load = await wait_for_free_pages(decode, idle)
-    assert (load.free_pages, load.leases) == (idle, 0)
+    assert at_rest(load, idle), load  # one spare left: the deployment gateway's
 
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from tests.services.conftest import MAX_TOKENS, PROMPTS, launch
-from tests.services.helpers import greedy_through_gateway, idle_free_pages
+from tests.services.helpers import at_rest, greedy_through_gateway, idle_free_pages, wait_for_free_pages
 from tests.services.processes import alive, existing_segments, group_members, mapped_kv_segments
 
 pytestmark = pytest.mark.slow  # a TP=2 deployment of its own (5 processes)
@@ -36,7 +36,8 @@ async def test_tp2_engine_thread_outputs_match_in_process_and_stop_leaves_nothin
         for speculative in (True, False):
             results = await greedy_through_gateway(cluster.gateway_address, PROMPTS, MAX_TOKENS, speculative)
             assert [r.token_ids for r in results] == reference[speculative], f"speculative={speculative}"
-        assert await idle_free_pages(decode.address) == baseline
+        load = await wait_for_free_pages(decode.address, baseline)
+        assert at_rest(load, baseline), load
     finally:
         await asyncio.to_thread(cluster.stop)
     assert not alive(processes)

@@ -13,7 +13,7 @@ import pytest
 from gateway.client import build_request, generate
 from pdserve.launcher import Cluster
 from tests.services.conftest import launch, worker_address
-from tests.services.helpers import decode_load, gateway_stub, greedy, token_prompts
+from tests.services.helpers import decode_load, gateway_stub, greedy, token_prompts, unspared_free_pages
 from tests.services.k3_service_model import make_k3_service_model
 from tests.services.processes import existing_segments, group_members, mapped_kv_segments
 
@@ -37,12 +37,14 @@ def k3_reference(k3_model: Path) -> list[list[int]]:
         return llm.generate(PROMPTS, greedy(MAX_TOKENS, None))
 
 
-async def _idle(address: str, timeout: float = 60.0):
-    """The decode worker's load once nothing runs, nothing waits and no lease is held."""
+async def _idle(address: str, spares: int, timeout: float = 60.0):
+    """The decode worker's load once nothing runs, nothing waits and the only leases held are the gateway's
+    `spares` spares (standing leases: shm only), every state slot free but theirs."""
     deadline = time.monotonic() + timeout
     while True:
         load = await decode_load(address)
-        if (load.running, load.waiting, load.leases) == (0, 0, 0) and load.free_state_slots == load.total_state_slots:
+        if ((load.running, load.waiting, load.leases, load.standing_leases) == (0, 0, spares, spares)
+                and load.free_state_slots + load.standing_state_slots == load.total_state_slots):
             return load
         assert time.monotonic() < deadline, f"decode worker never went idle: {load}"
         await asyncio.sleep(0.05)
@@ -59,8 +61,10 @@ async def test_k3_gateway_outputs_equal_in_process_and_free_everything(k3_model,
         segments = mapped_kv_segments(processes)
         assert len(segments) >= 2  # one pool (pages + state slots) per decode rank
         decode = worker_address(cluster, "decode-0")
-        idle = await _idle(decode)
+        spares = int(transport == "shm")
+        idle = await _idle(decode, spares)
         assert idle.total_state_slots > 0 and idle.placement.tp_size == 2
+        assert idle.standing_state_slots == spares  # a spare holds a state slot too
         async with gateway_stub(cluster.gateway_address) as stub:
             results = await asyncio.gather(*(
                 generate(stub, build_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
@@ -74,8 +78,8 @@ async def test_k3_gateway_outputs_equal_in_process_and_free_everything(k3_model,
                 if response.WhichOneof("kind") == "chunk" and response.chunk.token_ids:
                     break
             call.cancel()
-        after = await _idle(decode)
-        assert (after.free_pages, after.free_state_slots) == (idle.free_pages, idle.total_state_slots)
+        after = await _idle(decode, spares)
+        assert unspared_free_pages(after) == unspared_free_pages(idle)
         log = Path(tmp_path, "prefill-0.log").read_text()
         assert f"{transport} handoff of" in log
     finally:
@@ -92,14 +96,14 @@ async def test_k3_state_layout_mismatch_is_failed_precondition(k3_model, tmp_pat
     cluster: Cluster = await asyncio.to_thread(launch, k3_model, tmp_path, prefill_tp=1, decode_tp=2)
     try:
         decode = worker_address(cluster, "decode-0")
-        idle = await _idle(decode)
+        idle = await _idle(decode, spares=1)
         async with gateway_stub(cluster.gateway_address) as stub:
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 async for _ in stub.Generate(build_request(PROMPTS[5], max_tokens=4, temperature=0.0), timeout=120):
                     pass
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "layout mismatch" in error.value.details().lower()
-        after = await _idle(decode)
-        assert (after.free_pages, after.free_state_slots) == (idle.free_pages, idle.total_state_slots)
+        after = await _idle(decode, spares=1)
+        assert unspared_free_pages(after) == unspared_free_pages(idle)
     finally:
         await asyncio.to_thread(cluster.stop)

@@ -8,28 +8,23 @@ import time
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import build_request, generate
 from tests.services.conftest import worker_address
-from tests.services.helpers import gateway_stub, idle_free_pages, wait_for_free_pages
+from tests.services.helpers import Samples, at_rest, gateway_stub, idle_free_pages, scrape, wait_for_free_pages
 
 pytestmark = pytest.mark.slow
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-async def scrape(http: aiohttp.ClientSession, address: str) -> Samples:
-    async with http.get(f"http://{address}/metrics") as response:
-        assert response.status == 200
-        text = await response.text()
-    return {(sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
     key = (name, frozenset(labels.items()))
     assert key in after, f"{name}{labels} not exported"
     return after[key] - before.get(key, 0.0)
+
+
+def _unspared_free(samples: Samples) -> float:
+    """Free pages plus those the gateway's spare holds: what would be free without it."""
+    return samples[("pdserve_kv_pages_free", frozenset())] + samples[("pdserve_kv_pages_standing", frozenset())]
 
 
 async def test_counters_and_histograms_move_as_expected(cluster):
@@ -55,14 +50,18 @@ async def test_counters_and_histograms_move_as_expected(cluster):
         stream.close()  # the aborted one
         async with gateway_stub(cluster.gateway_address) as stub:
             await generate(stub, build_request([5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True), timeout=120)
-        assert (await wait_for_free_pages(decode, baseline_pages, timeout=30)).free_pages == baseline_pages
+        load = await wait_for_free_pages(decode, baseline_pages, timeout=30)
+        assert at_rest(load, baseline_pages), load
         deadline = time.monotonic() + 30
-        while True:  # the aborted request is counted once its handler has unwound
+        while True:  # the aborted request is counted once its handler has unwound; decode scraped at rest (a
+            # scrape that caught the gateway's spare being replaced reads free + standing pages off: scrape again)
             after = {role: await scrape(http, address) for role, address in endpoints.items()}
-            gateway = after["gateway"]
-            if delta(gateway, before["gateway"], "pdserve_requests_total", api="http", status="abort", code="499") >= 1:
+            gateway, decoded = after["gateway"], after["decode-0"]
+            if (delta(gateway, before["gateway"], "pdserve_requests_total", api="http", status="abort", code="499") >= 1
+                    and _unspared_free(decoded) == baseline_pages):
                 break
-            assert time.monotonic() < deadline, "the aborted request was never counted"
+            assert time.monotonic() < deadline, ("the aborted request was never counted, or decode never idle",
+                                                 _unspared_free(decoded), baseline_pages)
             await asyncio.sleep(0.05)
     old = before["gateway"]
     assert delta(gateway, old, "pdserve_requests_total", api="http", status="length", code="200") == 3
@@ -81,9 +80,11 @@ async def test_counters_and_histograms_move_as_expected(cluster):
     assert delta(prefill, old_prefill, "pdserve_kv_transfer_seconds_count", transport="shm") == 5
     assert delta(prefill, old_prefill, "pdserve_kv_transfer_bytes_total", transport="shm") > 0
     assert delta(prefill, old_prefill, "pdserve_prefill_queue_time_seconds_count") == 5
-    decoded, old_decode = after["decode-0"], before["decode-0"]
-    assert delta(decoded, old_decode, "pdserve_decode_reservations_total") == 5
-    assert decoded[("pdserve_kv_pages_free", frozenset())] == baseline_pages
+    old_decode = before["decode-0"]
+    assert delta(decoded, old_decode, "pdserve_decode_reservations_total") == 5  # spares count once claimed
+    assert _unspared_free(decoded) == baseline_pages
+    assert decoded[("pdserve_standing_leases", frozenset())] == 1  # the gateway's spare, and no other lease
+    assert decoded[("pdserve_kv_pages_leased", frozenset())] == decoded[("pdserve_kv_pages_standing", frozenset())]
     assert decoded[("pdserve_decode_requests_running", frozenset())] == 0
     for name in ("pdserve_preemptions_total", "pdserve_lease_expiries_total", "pdserve_spec_verify_steps_total"):
         assert delta(decoded, old_decode, name) >= 0

@@ -14,7 +14,8 @@ import pytest
 from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
 from tests.services.conftest import worker_address
-from tests.services.helpers import gateway_stub, idle_free_pages, wait_for_free_pages
+from tests.services.helpers import (at_rest, decode_load, gateway_stub, idle_free_pages, unspared_free_pages,
+                                   wait_for_free_pages)
 
 pytestmark = pytest.mark.slow
 PROMPT = "def main(argv):\n    return"
@@ -95,11 +96,11 @@ async def test_disconnect_mid_stream_frees_pages(cluster):
         response = await http.post(f"{url}/v1/completions", json=body)
         for _ in range(5):
             assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
-        during = (await wait_for_free_pages(decode, -1, timeout=0)).free_pages
+        during = unspared_free_pages(await decode_load(decode))
         response.close()  # drop the connection mid-stream
     assert during < baseline
     load = await wait_for_free_pages(decode, baseline, timeout=30)
-    assert (load.free_pages, load.running, load.leases) == (baseline, 0, 0)
+    assert at_rest(load, baseline), load
 
 
 async def test_health_and_models(cluster):

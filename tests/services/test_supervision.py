@@ -21,7 +21,7 @@ from pdserve.supervisor import RestartPolicy, Supervisor
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from rpc.v1 import gateway_pb2
 from tests.services.conftest import launch, worker_address
-from tests.services.helpers import decode_load, gateway_stub, idle_free_pages, token_prompts, wait_for_free_pages
+from tests.services.helpers import at_rest, decode_load, gateway_stub, idle_free_pages, token_prompts, wait_for_free_pages
 from tests.services.processes import alive, existing_segments, group_members, mapped_kv_segments
 
 pytestmark = pytest.mark.slow
@@ -115,7 +115,7 @@ async def test_decode_worker_killed_restarted_and_routed_to_again(supervised):
     assert _child(supervised, "decode-0").process.pid != old
     for address, baseline in baselines.items():
         load = await wait_for_free_pages(address, baseline, timeout=60)
-        assert (load.free_pages, load.leases, load.running) == (baseline, 0, 0), (address, load)
+        assert at_rest(load, baseline), (address, load)
     assert not alive(old_pids)
     assert old_segments and not existing_segments(old_segments)
 

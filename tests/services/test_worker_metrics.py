@@ -42,15 +42,16 @@ def _samples(registry) -> dict[tuple[str, tuple], float]:
 
 
 def test_decode_collector_reads_the_service():
-    """Used = total - free (pages and KDA state slots); counters come straight from the engine and the
-    lease sweeper."""
-    load = LoadSnapshot(free_pages=90, total_pages=128, running=3, waiting=1, leased_pages=4, requests_total=7,
-                        free_state_slots=5, total_state_slots=9)
+    """Used = total - free (pages and KDA state slots); the standing part of the leases as reported; counters
+    come straight from the engine and the lease sweeper."""
+    load = LoadSnapshot(free_pages=90, total_pages=128, running=3, waiting=1, leases=2, leased_pages=4, requests_total=7,
+                        free_state_slots=5, total_state_slots=9, standing_leases=1, standing_pages=3)
     samples = _samples(decode_registry(_DecodeService(load)))
     assert samples[("pdserve_kv_pages_free", ())] == 90 and samples[("pdserve_kv_pages_used", ())] == 38
     assert samples[("pdserve_state_slots_free", ())] == 5 and samples[("pdserve_state_slots_used", ())] == 4
     assert samples[("pdserve_decode_requests_running", ())] == 3 and samples[("pdserve_decode_requests_waiting", ())] == 1
     assert samples[("pdserve_decode_reservations_total", ())] == 7
+    assert samples[("pdserve_kv_pages_standing", ())] == 3 and samples[("pdserve_standing_leases", ())] == 1
     assert samples[("pdserve_lease_expiries_total", ())] == 1 and samples[("pdserve_preemptions_total", ())] == 2
     assert samples[("pdserve_spec_verify_steps_total", ())] == 10
     assert samples[("pdserve_spec_accepted_draft_tokens_total", ())] == 25

@@ -198,7 +198,7 @@ class GetDecodeLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDecodeLoadResponse(_message.Message):
-    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "headroom_pages", "requests_total", "free_state_slots", "total_state_slots", "placement")
+    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "headroom_pages", "requests_total", "free_state_slots", "total_state_slots", "placement", "standing_leases", "standing_pages", "standing_state_slots")
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,9 @@ class GetDecodeLoadResponse(_message.Message):
     FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    STANDING_LEASES_FIELD_NUMBER: _ClassVar[int]
+    STANDING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STANDING_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     free_pages: int
     total_pages: int
     running: int
@@ -223,4 +226,7 @@ class GetDecodeLoadResponse(_message.Message):
     free_state_slots: int
     total_state_slots: int
     placement: WorkerPlacement
-    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ...) -> None: ...
+    standing_leases: int
+    standing_pages: int
+    standing_state_slots: int
+    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ..., standing_leases: _Optional[int] = ..., standing_pages: _Optional[int] = ..., standing_state_slots: _Optional[int] = ...) -> None: ...
