@@ -2,24 +2,18 @@
 (tests/prefill_worker/stream_server.py): concurrent prompts share one stream and get their own answers;
 failures are AioRpcErrors with the unary call's code (INVALID_ARGUMENT with its details, DEADLINE_EXCEEDED
 kept locally too, UNAUTHENTICATED); a worker that dies fails its pending prompts UNAVAILABLE and the next
-prompt opens a new stream; a cancelled prompt is dropped; closing fails what is pending; and a RequestRun
-whose prefill worker dies mid-prefill is answered by the other worker."""
+prompt opens a new stream; a cancelled prompt is dropped; closing fails what is pending; a silent worker
+meets the local deadline. (RequestRun's retry on another worker: test_prefill_stream_retry.py.)"""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2
 
-from engine.sampling_params import SamplingParams
-from gateway.orchestrator import FinishEvent, RequestRun, TokensEvent
 from gateway.prefill_stream import PrefillStream
-from gateway.requests import GenerateJob
-from gateway.router import PrefillState
-from gateway.workers import PrefillWorker
 from kvtransfer.shm_pool import SharedPagePool
 from rpc.interceptors import token_metadata
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -169,77 +163,6 @@ async def test_a_refused_stream_passes_its_code_and_close_fails_pending(stream_w
             assert closed.value.code() == grpc.StatusCode.CANCELLED
     finally:
         await channel.close()
-
-
-class _RetryPool:
-    """A WorkerPool stand-in for RequestRun: a standing lease into the shm pool, two prefill workers over
-    real streams (the first that is healthy is picked), and a decode stub that finishes at once."""
-
-    def __init__(self, workers: list[PrefillWorker], destination: Any) -> None:
-        self.prefill = workers
-        self.metadata = token_metadata(TOKEN)
-        self.polled = asyncio.Event()
-        self.polled.set()
-        self.stub = self
-        self._destination = destination
-        self.marked: list[str] = []
-
-    def take_standing(self, num_prompt_tokens: int) -> Any:
-        return self, self._destination
-
-    def refill_standing(self) -> None:
-        pass
-
-    def pick_prefill(self) -> PrefillWorker:
-        return next(worker for worker in self.prefill if worker.state.healthy)
-
-    def mark_unreachable(self, state: PrefillState, error: grpc.aio.AioRpcError) -> None:
-        state.healthy = False
-        self.marked.append(error.code().name)
-
-    def Decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> Any:  # noqa: N802
-        async def chunks():
-            yield worker_pb2.DecodeResponse(token_ids=[1], finished=True, finish_reason="length", decode_steps=1)
-
-        return chunks()
-
-
-async def test_a_run_whose_prefill_worker_dies_is_answered_by_the_other(shm_pool):
-    """RequestRun over two workers' streams: the first dies mid-prefill (UNAVAILABLE), is marked unreachable,
-    and the prompt is sent once more, to the second, whose first token reaches the client."""
-    first, second = await start_worker(shm_pool), await start_worker(shm_pool)
-    first.engine.gate.clear()
-    channels, workers = [], []
-    for worker in (first, second):
-        channel, stream = _client(worker)
-        channels.append(channel)
-        workers.append(PrefillWorker(PrefillState(worker.address, healthy=True), channel,
-                                     worker_pb2_grpc.PrefillServiceStub(channel), stream))
-    destination = first.request("run", [9] * 8).destination
-    pool = _RetryPool(workers, destination)
-    job = GenerateJob(request_id="run", prompt_ids=(9,) * 8,
-                      params=SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
-    run = RequestRun(job, pool, None, time.perf_counter(), time.monotonic() + 60, cleanup_timeout_s=5.0)  # type: ignore[arg-type]
-    try:
-        run.start()
-        await eventually(lambda: first.engine.started == ["run"], "the prompt to run on the first worker")
-        await stop_worker(first)
-        events = []
-        while not events or not isinstance(events[-1], FinishEvent):
-            events.append(await asyncio.wait_for(run.events.get(), 60))
-        assert isinstance(events[0], TokensEvent) and events[0].token_ids == [9], events
-        assert pool.marked == ["UNAVAILABLE"] and not workers[0].state.healthy
-        assert second.engine.started == ["run"]
-        assert run.task is not None
-        await asyncio.wait_for(run.task, 60)
-    finally:
-        for worker in workers:
-            assert worker.stream is not None
-            await worker.stream.close()
-        for channel in channels:
-            await channel.close()
-        await stop_worker(first)
-        await stop_worker(second)
 
 
 class _SilentPrefill(worker_pb2_grpc.PrefillServiceServicer):
