@@ -24,7 +24,8 @@ class GatewayConfig:
     standing_lease_tokens: > 0 (the default, DEFAULT_STANDING_LEASE_TOKENS) keeps one spare reservation of that
     many prompt tokens per decode worker with room for two (gateway/standing_leases.py), taken by a request
     whose prompt fits instead of a Reserve round trip before its prefill; longer prompts Reserve as before
-    (0: off); standing_lease_ttl_s: the lease a spare asks for."""
+    (0: off); standing_lease_ttl_s: the lease a spare asks for. prefill_stream: send prefills over one
+    long-lived PrefillStream per prefill worker (gateway/prefill_stream.py) instead of a unary Prefill call each."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -46,6 +47,7 @@ class GatewayConfig:
     tls_key: str | None = None
     standing_lease_tokens: int = DEFAULT_STANDING_LEASE_TOKENS
     standing_lease_ttl_s: float = 30.0
+    prefill_stream: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))

@@ -233,7 +233,7 @@ class RequestRun:
         worker.state.outstanding_requests += 1
         self._prefill_state = PrefillState.INFLIGHT
         try:
-            self._prefill_call = worker.stub.Prefill(
+            self._prefill_call = worker.prefill(
                 worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
                                           sampling=sampling, destination=destination),
                 timeout=remaining(self._deadline), metadata=self._metadata)

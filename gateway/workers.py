@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from gateway.config import GatewayConfig
+from gateway.prefill_stream import PrefillStream
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
 from gateway.standing_leases import StandingLeases
 from gateway.transport_choice import Placement, choose_transport
@@ -32,6 +33,13 @@ class PrefillWorker:
     state: PrefillState
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.PrefillServiceStub
+    stream: PrefillStream | None = None  # the multiplexed Prefill (GatewayConfig.prefill_stream)
+
+    def prefill(self, request: worker_pb2.PrefillRequest, timeout: float | None, metadata: Any) -> Any:
+        """The Prefill call (awaitable, cancel()-able): over the worker's stream when it has one, else unary."""
+        if self.stream is not None:
+            return self.stream.call(request, timeout, metadata)
+        return self.stub.Prefill(request, timeout=timeout, metadata=metadata)
 
 
 @dataclass
@@ -50,7 +58,8 @@ class WorkerPool:
     def __init__(self, config: GatewayConfig, on_health: Callable[[bool], None] | None = None) -> None:
         self.config = config
         self.metadata = token_metadata(config.internal_token)  # sent with every call to a worker
-        self.prefill = [self._prefill(address) for address in config.prefill]
+        self.prefill = [self._prefill(address, self.metadata if config.prefill_stream else None)
+                        for address in config.prefill]
         self.decode = [self._decode(address) for address in config.decode]
         self._prefill_router = PrefillRouter()
         self._decode_router = DecodeRouter()
@@ -62,9 +71,12 @@ class WorkerPool:
                          if config.standing_lease_tokens else None)
 
     @staticmethod
-    def _prefill(address: str) -> PrefillWorker:
+    def _prefill(address: str, stream_metadata: tuple[tuple[str, str], ...] | None) -> PrefillWorker:
+        """stream_metadata: the metadata of the worker's PrefillStream (None: unary Prefill calls)."""
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return PrefillWorker(PrefillState(address, healthy=False), channel, worker_pb2_grpc.PrefillServiceStub(channel))
+        stub = worker_pb2_grpc.PrefillServiceStub(channel)
+        stream = PrefillStream(stub, stream_metadata, address) if stream_metadata is not None else None
+        return PrefillWorker(PrefillState(address, healthy=False), channel, stub, stream)
 
     @staticmethod
     def _decode(address: str) -> DecodeWorker:
@@ -82,6 +94,9 @@ class WorkerPool:
             self._poller.cancel()
         if self.standing is not None:
             await self.standing.close()
+        for prefill in self.prefill:
+            if prefill.stream is not None:
+                await prefill.stream.close()
         for worker in (*self.prefill, *self.decode):
             await worker.channel.close()
 

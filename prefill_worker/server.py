@@ -27,9 +27,10 @@ async def serve(config: PrefillWorkerConfig, stop: asyncio.Event | None = None, 
         stop_metrics()
         await service.stop()
 
+    servicer = PrefillServicer(service)
     await server.serve(
         "prefill worker", config.listen, SERVICE_NAMES,
-        lambda grpc_server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(service), grpc_server),
-        on_stop, stop=stop, ready_file=ready_file, endpoints=endpoints,
+        lambda grpc_server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, grpc_server),
+        on_stop, stop=stop, ready_file=ready_file, endpoints=endpoints, on_draining=servicer.drain,
         interceptors=server_interceptors(config.internal_token),
     )

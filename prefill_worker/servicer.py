@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -10,21 +11,35 @@ from kvtransfer.destination import Destination
 from rpc.convert import load_method, logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, parse_field, unary
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
+from prefill_worker.prefill_stream import PrefillStreams
 from prefill_worker.service import PrefillService
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     def __init__(self, service: PrefillService) -> None:
         self._service = service
+        self._streams = PrefillStreams()
 
     @unary
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        reply_sent = asyncio.Event()  # the KV's completion record waits until the reply is out: see PrefillService
+        context.add_done_callback(lambda _: reply_sent.set())
+        return await self._prefill(request, reply_sent)
+
+    async def PrefillStream(self, requests: AsyncIterator[worker_pb2.PrefillStreamRequest],
+                            context: grpc.aio.ServicerContext) -> None:
+        await self._streams.serve(requests, context, self._prefill)
+
+    def drain(self) -> None:
+        """Shutdown began: open PrefillStreams take no new prompts and end once theirs are answered."""
+        self._streams.drain()
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest, reply_sent: asyncio.Event) -> worker_pb2.PrefillResponse:
+        """One prompt, for both RPCs: reply_sent is set by the caller once its reply is out."""
         params = parse_field("sampling", SamplingParams, **sampling_fields(request.sampling))
         if not request.HasField("destination"):
             raise InvalidArgument("destination", "is required")
         destination = parse_field("destination", Destination.from_proto, request.destination)
-        reply_sent = asyncio.Event()  # the KV's completion record waits until the reply is out: see PrefillService
-        context.add_done_callback(lambda _: reply_sent.set())
         outcome = await self._service.prefill(request.request_id, list(request.token_ids), params, destination,
                                               reply_sent)
         response = worker_pb2.PrefillResponse(

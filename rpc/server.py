@@ -129,6 +129,7 @@ async def serve(
     options: Sequence[tuple[str, object]] = (),
     credentials: grpc.ServerCredentials | None = None,
     endpoints: dict[str, str] | None = None,
+    on_draining: Callable[[], None] | None = None,
 ) -> None:
     """The body of every pdserve gRPC server: registers the services (`register`), health and reflection,
     binds `listen` (port 0 allowed), calls on_bound(address) before and on_started(health, address) after the
@@ -137,7 +138,8 @@ async def serve(
     RPCs get STOP_GRACE_S to finish, and on_stop() releases what the caller built. endpoints: the process's
     other served addresses (http, metrics), which on_started may fill in; written to the ready file too.
     interceptors: e.g. rpc.interceptors.server_interceptors(token); options: channel arguments overriding
-    SERVER_OPTIONS; credentials: serve TLS (grpc.ssl_server_credentials) instead of plaintext."""
+    SERVER_OPTIONS; credentials: serve TLS (grpc.ssl_server_credentials) instead of plaintext. on_draining: called
+    when shutdown begins, before the grace period (e.g. to end long-lived streams once their work is done)."""
     overridden = {name for name, _ in options}
     merged = [option for option in SERVER_OPTIONS if option[0] not in overridden] + list(options)
     server = grpc.aio.server(options=merged, interceptors=list(interceptors))
@@ -160,6 +162,8 @@ async def serve(
     finally:
         logger.info("%s stopping", role)
         await health.enter_graceful_shutdown()
+        if on_draining is not None:
+            on_draining()
         await server.stop(grace=STOP_GRACE_S)
         await on_stop()
         logger.info("%s stopped", role)

@@ -177,11 +177,14 @@ async def abort(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 
-def _log(method: str, error: BaseException, code: grpc.StatusCode) -> None:
-    if code == grpc.StatusCode.INTERNAL:
+def failure_status(method: str, error: BaseException) -> grpc.Status:
+    """status_of(error), logged once for `method` (INTERNAL with its traceback, others as one line)."""
+    status = status_of(error)
+    if status.code == grpc.StatusCode.INTERNAL:
         logger.exception("%s failed", method, exc_info=error)
     else:
-        logger.info("%s -> %s: %s", method, code.name, error)
+        logger.info("%s -> %s: %s", method, status.code.name, error)
+    return status
 
 
 def bind_request_id_of(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -206,9 +209,7 @@ def unary(method: F) -> F:
         except grpc.aio.AbortError:
             raise
         except Exception as error:  # noqa: BLE001 - every failure must reach the client as a status
-            status = status_of(error)
-            _log(method.__qualname__, error, status.code)
-            await abort(context, status)
+            await abort(context, failure_status(method.__qualname__, error))
 
     return wrapper  # type: ignore[return-value]
 
@@ -229,8 +230,6 @@ def streaming(method: G) -> G:
         except grpc.aio.AbortError:
             raise
         except Exception as error:  # noqa: BLE001
-            status = status_of(error)
-            _log(method.__qualname__, error, status.code)
-            await abort(context, status)
+            await abort(context, failure_status(method.__qualname__, error))
 
     return wrapper  # type: ignore[return-value]

@@ -27,7 +27,7 @@ from rpc.v1 import gateway_pb2 as pdserve_dot_v1_dot_gateway__pb2
 from rpc.v1 import logprobs_pb2 as pdserve_dot_v1_dot_logprobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/internal/v1/worker.proto\x12\x13pdserve.internal.v1\x1a\x1cpdserve/internal/v1/kv.proto\x1a\x18pdserve/v1/gateway.proto\x1a\x19pdserve/v1/logprobs.proto\"\x98\x02\n\x0eWorkerSampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x30\n\x0c\x64istribution\x18\x0c \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x18\n\x0bspeculative\x18\n \x01(\x08H\x00\x88\x01\x01\x12\x17\n\nblock_size\x18\x0b \x01(\x05H\x01\x88\x01\x01\x42\x0e\n\x0c_speculativeB\r\n\x0b_block_sizeJ\x04\x08\x02\x10\x07R\x0btemperatureR\x05top_kR\x05top_pR\x05min_pR\x04seed\"T\n\x0fWorkerPlacement\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07kv_pool\x18\x04 \x01(\t\"\xa7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.WorkerSampling\x12\x37\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\".pdserve.internal.v1.KVDestination\"J\n\rPrefillTiming\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\"\xa6\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x32\n\x06timing\x18\x04 \x01(\x0b\x32\".pdserve.internal.v1.PrefillTiming\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x0e\x43\x61ncelResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x17\n\x15GetPrefillLoadRequest\"\xc5\x01\n\x16GetPrefillLoadResponse\x12\x17\n\x0fqueued_requests\x18\x01 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x02 \x01(\x03\x12\x16\n\x0erequests_total\x18\x04 \x01(\x03\x12\x37\n\tplacement\x18\x07 \x01(\x0b\x32$.pdserve.internal.v1.WorkerPlacementJ\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x07tp_sizeR\x07node_idR\x06\x64\x65vice\"\x9c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x31\n\ttransport\x18\x04 \x01(\x0e\x32\x1e.pdserve.internal.v1.Transport\x12\x10\n\x08standing\x18\x05 \x01(\x08\"J\n\x0fReserveResponse\x12\x37\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\".pdserve.internal.v1.KVDestination\"\xad\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12\x35\n\x08sampling\x18\x05 \x01(\x0b\x32#.pdserve.internal.v1.WorkerSampling\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\"\x8e\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14GetDecodeLoadRequest\"\xb5\x03\n\x15GetDecodeLoadResponse\x12\x12\n\nfree_pages\x18\x01 \x01(\x05\x12\x13\n\x0btotal_pages\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x0e\n\x06leases\x18\x05 \x01(\x05\x12\x14\n\x0cleased_pages\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x16\n\x0eheadroom_pages\x18\t \x01(\x05\x12\x16\n\x0erequests_total\x18\n \x01(\x03\x12\x18\n\x10\x66ree_state_slots\x18\r \x01(\x05\x12\x19\n\x11total_state_slots\x18\x0e \x01(\x05\x12\x37\n\tplacement\x18\x0f \x01(\x0b\x32$.pdserve.internal.v1.WorkerPlacement\x12\x17\n\x0fstanding_leases\x18\x10 \x01(\x05\x12\x16\n\x0estanding_pages\x18\x11 \x01(\x05\x12\x1c\n\x14standing_state_slots\x18\x12 \x01(\x05J\x04\x08\x08\x10\tJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\rR\x07tp_sizeR\x07node_idR\x07kv_pool2\xa4\x02\n\x0ePrefillService\x12T\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a$.pdserve.internal.v1.PrefillResponse\x12Q\n\x06\x43\x61ncel\x12\".pdserve.internal.v1.CancelRequest\x1a#.pdserve.internal.v1.CancelResponse\x12i\n\x0eGetPrefillLoad\x12*.pdserve.internal.v1.GetPrefillLoadRequest\x1a+.pdserve.internal.v1.GetPrefillLoadResponse2\xf8\x02\n\rDecodeService\x12T\n\x07Reserve\x12#.pdserve.internal.v1.ReserveRequest\x1a$.pdserve.internal.v1.ReserveResponse\x12S\n\x06\x44\x65\x63ode\x12\".pdserve.internal.v1.DecodeRequest\x1a#.pdserve.internal.v1.DecodeResponse0\x01\x12T\n\x07Release\x12#.pdserve.internal.v1.ReleaseRequest\x1a$.pdserve.internal.v1.ReleaseResponse\x12\x66\n\rGetDecodeLoad\x12).pdserve.internal.v1.GetDecodeLoadRequest\x1a*.pdserve.internal.v1.GetDecodeLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/internal/v1/worker.proto\x12\x13pdserve.internal.v1\x1a\x1cpdserve/internal/v1/kv.proto\x1a\x18pdserve/v1/gateway.proto\x1a\x19pdserve/v1/logprobs.proto\"\x98\x02\n\x0eWorkerSampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x30\n\x0c\x64istribution\x18\x0c \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x18\n\x0bspeculative\x18\n \x01(\x08H\x00\x88\x01\x01\x12\x17\n\nblock_size\x18\x0b \x01(\x05H\x01\x88\x01\x01\x42\x0e\n\x0c_speculativeB\r\n\x0b_block_sizeJ\x04\x08\x02\x10\x07R\x0btemperatureR\x05top_kR\x05top_pR\x05min_pR\x04seed\"T\n\x0fWorkerPlacement\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07kv_pool\x18\x04 \x01(\t\"\xa7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.WorkerSampling\x12\x37\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\".pdserve.internal.v1.KVDestination\"J\n\rPrefillTiming\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\"\xa6\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x32\n\x06timing\x18\x04 \x01(\x0b\x32\".pdserve.internal.v1.PrefillTiming\"r\n\x14PrefillStreamRequest\x12\x34\n\x07request\x18\x01 \x01(\x0b\x32#.pdserve.internal.v1.PrefillRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x03\x12\x10\n\x08trace_id\x18\x03 \x01(\t\"K\n\x12PrefillStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0estatus_details\x18\x03 \x01(\x0c\"\xa9\x01\n\x15PrefillStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x38\n\x08response\x18\x02 \x01(\x0b\x32$.pdserve.internal.v1.PrefillResponseH\x00\x12\x38\n\x05\x65rror\x18\x03 \x01(\x0b\x32\'.pdserve.internal.v1.PrefillStreamErrorH\x00\x42\x08\n\x06result\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x0e\x43\x61ncelResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x17\n\x15GetPrefillLoadRequest\"\xc5\x01\n\x16GetPrefillLoadResponse\x12\x17\n\x0fqueued_requests\x18\x01 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x02 \x01(\x03\x12\x16\n\x0erequests_total\x18\x04 \x01(\x03\x12\x37\n\tplacement\x18\x07 \x01(\x0b\x32$.pdserve.internal.v1.WorkerPlacementJ\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x07tp_sizeR\x07node_idR\x06\x64\x65vice\"\x9c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x31\n\ttransport\x18\x04 \x01(\x0e\x32\x1e.pdserve.internal.v1.Transport\x12\x10\n\x08standing\x18\x05 \x01(\x08\"J\n\x0fReserveResponse\x12\x37\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\".pdserve.internal.v1.KVDestination\"\xad\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12\x35\n\x08sampling\x18\x05 \x01(\x0b\x32#.pdserve.internal.v1.WorkerSampling\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\"\x8e\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14GetDecodeLoadRequest\"\xb5\x03\n\x15GetDecodeLoadResponse\x12\x12\n\nfree_pages\x18\x01 \x01(\x05\x12\x13\n\x0btotal_pages\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x0e\n\x06leases\x18\x05 \x01(\x05\x12\x14\n\x0cleased_pages\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x16\n\x0eheadroom_pages\x18\t \x01(\x05\x12\x16\n\x0erequests_total\x18\n \x01(\x03\x12\x18\n\x10\x66ree_state_slots\x18\r \x01(\x05\x12\x19\n\x11total_state_slots\x18\x0e \x01(\x05\x12\x37\n\tplacement\x18\x0f \x01(\x0b\x32$.pdserve.internal.v1.WorkerPlacement\x12\x17\n\x0fstanding_leases\x18\x10 \x01(\x05\x12\x16\n\x0estanding_pages\x18\x11 \x01(\x05\x12\x1c\n\x14standing_state_slots\x18\x12 \x01(\x05J\x04\x08\x08\x10\tJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\rR\x07tp_sizeR\x07node_idR\x07kv_pool2\x90\x03\n\x0ePrefillService\x12T\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a$.pdserve.internal.v1.PrefillResponse\x12j\n\rPrefillStream\x12).pdserve.internal.v1.PrefillStreamRequest\x1a*.pdserve.internal.v1.PrefillStreamResponse(\x01\x30\x01\x12Q\n\x06\x43\x61ncel\x12\".pdserve.internal.v1.CancelRequest\x1a#.pdserve.internal.v1.CancelResponse\x12i\n\x0eGetPrefillLoad\x12*.pdserve.internal.v1.GetPrefillLoadRequest\x1a+.pdserve.internal.v1.GetPrefillLoadResponse2\xf8\x02\n\rDecodeService\x12T\n\x07Reserve\x12#.pdserve.internal.v1.ReserveRequest\x1a$.pdserve.internal.v1.ReserveResponse\x12S\n\x06\x44\x65\x63ode\x12\".pdserve.internal.v1.DecodeRequest\x1a#.pdserve.internal.v1.DecodeResponse0\x01\x12T\n\x07Release\x12#.pdserve.internal.v1.ReleaseRequest\x1a$.pdserve.internal.v1.ReleaseResponse\x12\x66\n\rGetDecodeLoad\x12).pdserve.internal.v1.GetDecodeLoadRequest\x1a*.pdserve.internal.v1.GetDecodeLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,32 +44,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLTIMING']._serialized_end=753
   _globals['_PREFILLRESPONSE']._serialized_start=756
   _globals['_PREFILLRESPONSE']._serialized_end=922
-  _globals['_CANCELREQUEST']._serialized_start=924
-  _globals['_CANCELREQUEST']._serialized_end=959
-  _globals['_CANCELRESPONSE']._serialized_start=961
-  _globals['_CANCELRESPONSE']._serialized_end=994
-  _globals['_GETPREFILLLOADREQUEST']._serialized_start=996
-  _globals['_GETPREFILLLOADREQUEST']._serialized_end=1019
-  _globals['_GETPREFILLLOADRESPONSE']._serialized_start=1022
-  _globals['_GETPREFILLLOADRESPONSE']._serialized_end=1219
-  _globals['_RESERVEREQUEST']._serialized_start=1222
-  _globals['_RESERVEREQUEST']._serialized_end=1378
-  _globals['_RESERVERESPONSE']._serialized_start=1380
-  _globals['_RESERVERESPONSE']._serialized_end=1454
-  _globals['_DECODEREQUEST']._serialized_start=1457
-  _globals['_DECODEREQUEST']._serialized_end=1630
-  _globals['_DECODERESPONSE']._serialized_start=1633
-  _globals['_DECODERESPONSE']._serialized_end=1775
-  _globals['_RELEASEREQUEST']._serialized_start=1777
-  _globals['_RELEASEREQUEST']._serialized_end=1813
-  _globals['_RELEASERESPONSE']._serialized_start=1815
-  _globals['_RELEASERESPONSE']._serialized_end=1847
-  _globals['_GETDECODELOADREQUEST']._serialized_start=1849
-  _globals['_GETDECODELOADREQUEST']._serialized_end=1871
-  _globals['_GETDECODELOADRESPONSE']._serialized_start=1874
-  _globals['_GETDECODELOADRESPONSE']._serialized_end=2311
-  _globals['_PREFILLSERVICE']._serialized_start=2314
-  _globals['_PREFILLSERVICE']._serialized_end=2606
-  _globals['_DECODESERVICE']._serialized_start=2609
-  _globals['_DECODESERVICE']._serialized_end=2985
+  _globals['_PREFILLSTREAMREQUEST']._serialized_start=924
+  _globals['_PREFILLSTREAMREQUEST']._serialized_end=1038
+  _globals['_PREFILLSTREAMERROR']._serialized_start=1040
+  _globals['_PREFILLSTREAMERROR']._serialized_end=1115
+  _globals['_PREFILLSTREAMRESPONSE']._serialized_start=1118
+  _globals['_PREFILLSTREAMRESPONSE']._serialized_end=1287
+  _globals['_CANCELREQUEST']._serialized_start=1289
+  _globals['_CANCELREQUEST']._serialized_end=1324
+  _globals['_CANCELRESPONSE']._serialized_start=1326
+  _globals['_CANCELRESPONSE']._serialized_end=1359
+  _globals['_GETPREFILLLOADREQUEST']._serialized_start=1361
+  _globals['_GETPREFILLLOADREQUEST']._serialized_end=1384
+  _globals['_GETPREFILLLOADRESPONSE']._serialized_start=1387
+  _globals['_GETPREFILLLOADRESPONSE']._serialized_end=1584
+  _globals['_RESERVEREQUEST']._serialized_start=1587
+  _globals['_RESERVEREQUEST']._serialized_end=1743
+  _globals['_RESERVERESPONSE']._serialized_start=1745
+  _globals['_RESERVERESPONSE']._serialized_end=1819
+  _globals['_DECODEREQUEST']._serialized_start=1822
+  _globals['_DECODEREQUEST']._serialized_end=1995
+  _globals['_DECODERESPONSE']._serialized_start=1998
+  _globals['_DECODERESPONSE']._serialized_end=2140
+  _globals['_RELEASEREQUEST']._serialized_start=2142
+  _globals['_RELEASEREQUEST']._serialized_end=2178
+  _globals['_RELEASERESPONSE']._serialized_start=2180
+  _globals['_RELEASERESPONSE']._serialized_end=2212
+  _globals['_GETDECODELOADREQUEST']._serialized_start=2214
+  _globals['_GETDECODELOADREQUEST']._serialized_end=2236
+  _globals['_GETDECODELOADRESPONSE']._serialized_start=2239
+  _globals['_GETDECODELOADRESPONSE']._serialized_end=2676
+  _globals['_PREFILLSERVICE']._serialized_start=2679
+  _globals['_PREFILLSERVICE']._serialized_end=3079
+  _globals['_DECODESERVICE']._serialized_start=3082
+  _globals['_DECODESERVICE']._serialized_end=3458
 # @@protoc_insertion_point(module_scope)

@@ -73,6 +73,36 @@ class PrefillResponse(_message.Message):
     timing: PrefillTiming
     def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_logprobs_pb2.TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
 
+class PrefillStreamRequest(_message.Message):
+    __slots__ = ("request", "timeout_ms", "trace_id")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    request: PrefillRequest
+    timeout_ms: int
+    trace_id: str
+    def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., trace_id: _Optional[str] = ...) -> None: ...
+
+class PrefillStreamError(_message.Message):
+    __slots__ = ("code", "message", "status_details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    status_details: bytes
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., status_details: _Optional[bytes] = ...) -> None: ...
+
+class PrefillStreamResponse(_message.Message):
+    __slots__ = ("request_id", "response", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: PrefillResponse
+    error: PrefillStreamError
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ..., error: _Optional[_Union[PrefillStreamError, _Mapping]] = ...) -> None: ...
+
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

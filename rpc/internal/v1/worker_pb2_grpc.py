@@ -42,6 +42,11 @@ class PrefillServiceStub:
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.stream_stream(
+                '/pdserve.internal.v1.PrefillService/PrefillStream',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillStreamRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillStreamResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/pdserve.internal.v1.PrefillService/Cancel',
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.CancelRequest.SerializeToString,
@@ -63,6 +68,16 @@ class PrefillServiceServicer:
     def Prefill(self, request, context):
         """Runs the prompt, writes its KV (and the draft's context) into the destination pages, writes the
         kvtransfer completion record and returns the first generated token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request_iterator, context):
+        """Prefill multiplexed over one long-lived stream (the gateway keeps one per worker): each request message
+        runs as its own Prefill, answered by one response message with its request_id, in completion order.
+        A failed request gets an error message (the status the unary call would end with) and the stream goes
+        on; when the stream ends or breaks, every request still running on it is cancelled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +105,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillStreamRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillStreamResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -132,6 +152,33 @@ class PrefillService:
             '/pdserve.internal.v1.PrefillService/Prefill',
             pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.internal.v1.PrefillService/PrefillStream',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillStreamRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
