@@ -186,7 +186,7 @@ def main() -> None:
             prompts, source = make_prompts(args.model, count, args.input_len, args.seed, config.vocab_size,
                                            list(config.eos_token_id))
             print(f"prompts: {source}, {args.input_len} tokens in, {args.output_len} out\n", flush=True)
-            overhead = bench_overhead(args, llm, gateways, prompts, source)
+            overhead = bench_overhead(args, llm, gateways, prompts, source) if args.overhead_concurrency else []
             if not args.spec_concurrency:
                 print("spec: skipped (--spec-concurrency with no values)\n")
             elif llm.engine.has_draft:
