@@ -97,4 +97,5 @@ def test_a_cached_binding_never_leaks_into_a_changed_copy():
     assert moved.binding != before and "1,2,3" in moved.binding
     assert dataclasses.replace(original, lease_id="other").binding != before
     assert original.narrowed(17, 16).binding == before  # narrowing keeps the lease it is bound to
-    assert make(transport=TransportKind.SHM, data_addresses=(), record_addresses=()) == original
+    assert make(transport=TransportKind.SHM, data_addresses=(), record_addresses=(),
+                lease_deadline_unix_ms=original.lease_deadline_unix_ms) == original
