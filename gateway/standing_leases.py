@@ -86,11 +86,13 @@ class StandingLeases:
         return list(self._spares.values())
 
     def take(self, num_prompt_tokens: int, order: list[int]) -> tuple[DecodeWorker, kv_pb2.KVDestination] | None:
-        """The spare of the first worker in `order` (the router's ranking) that has a usable one, narrowed to
-        the prompt, or None (then Reserve as usual). Removes it: no other request can take it."""
+        """The spare of the router's first choice (`order[0]`), narrowed to the prompt, or None when that worker
+        holds no usable spare (then Reserve as usual, in the router's order): a spare saves a round trip but
+        never decides where a request runs (a worker whose spare is being refilled would otherwise lose every
+        request to one that holds a spare). Removes it: no other request can take it."""
         if num_prompt_tokens > self.tokens:
             return None
-        for index in order:
+        for index in order[:1]:
             spare = self._spares.get(index)
             if spare is None or not self._usable(spare):
                 continue

@@ -125,6 +125,18 @@ async def test_take_narrows_claims_once_and_refills():
     await pool.close()
 
 
+async def test_a_spare_is_taken_only_from_the_routers_first_choice():
+    """When the worker the router ranks first holds no spare, the request Reserves there as usual rather than
+    taking another worker's spare (spares must not steer routing); the spare stays for a later request."""
+    fake = _LeasingDecode()
+    pool = await _started(fake)
+    assert pool.standing.take(20, [1, 0]) is None  # worker 1 (ranked first) holds no spare
+    assert len(pool.standing.held()) == 1 and pool.standing.taken == 0
+    worker, _ = pool.standing.take(20, [0, 1])
+    assert worker is pool.decode[0] and pool.standing.taken == 1
+    await pool.close()
+
+
 async def test_take_refuses_long_prompts_and_unreachable_workers():
     """A prompt longer than the spare, or a spare on a worker marked unreachable, is not taken (Reserve as
     usual); an unreachable worker's spare is dropped by the refill task and not refilled."""

@@ -87,12 +87,14 @@ def test_an_engine_built_on_the_caller_serves_on_the_engine_thread() -> None:
         worked.set()
         return False
 
+    def named(name: str) -> list[threading.Thread]:  # (the process's other threads may come and go meanwhile)
+        return [t for t in threading.enumerate() if t.name == name]
+
     thread = EngineThread(factory, work, name="built-here")
-    before = threading.active_count()
     engine = thread.start(build_here=True)
     try:
         assert isinstance(engine, Engine) and built_on == [threading.current_thread()]
-        assert threading.active_count() == before + 1
+        assert len(named("built-here")) == 1
         called_on = asyncio.run(thread.call(lambda _: threading.current_thread().name))
         thread.wake()
         assert worked.wait(60), "work() never ran"
@@ -103,7 +105,7 @@ def test_an_engine_built_on_the_caller_serves_on_the_engine_thread() -> None:
     def broken() -> Engine:
         raise ValueError("no weights")
 
-    failing = EngineThread(broken, work)
+    failing = EngineThread(broken, work, name="never-built")
     with pytest.raises(RuntimeError, match="no weights"):
         failing.start(build_here=True)
-    assert threading.active_count() == before
+    assert named("never-built") == [] and named("built-here") == []
