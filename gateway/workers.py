@@ -198,8 +198,8 @@ class WorkerPool:
         return TRANSPORT_VALUES[choose_transport(self.config.transport, self.prefill_placement(), decode.state.placement)]
 
     def take_standing(self, num_prompt_tokens: int) -> tuple[DecodeWorker, kv_pb2.KVDestination] | None:
-        """A standing lease (gateway/standing_leases.py) for the prompt, on the best decode worker that holds
-        one, or None: Reserve as usual. The destination names the spare's request id: run under it."""
+        """A standing lease (gateway/standing_leases.py) for the prompt, on the decode worker the router ranks
+        first if it holds one, or None: Reserve as usual. The destination names the spare's request id: run under it."""
         if self.standing is None:
             return None
         return self.standing.take(num_prompt_tokens, self._decode_router.rank([w.state for w in self.decode],
