@@ -155,7 +155,10 @@ async def test_cancel_during_prefill_and_deadline_free_pages(cluster):
         await _until_in_flight(worker_address(cluster, "prefill-0"), decode)
         call.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await generate(stub, build_request(prompt[::-1], max_tokens=8, temperature=0.0), timeout=0.05)
+            # 1024 tokens past EOS: a request that could finish within its 50 ms (8 tokens did, on an idle
+            # machine once the first-token path got faster) would not test the deadline at all.
+            await generate(stub, build_request(prompt[::-1], max_tokens=1024, temperature=0.0, ignore_eos=True),
+                           timeout=0.05)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     load = await wait_for_free_pages(decode, baseline, timeout=120)
     assert at_rest(load, baseline), load
