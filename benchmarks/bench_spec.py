@@ -14,6 +14,10 @@ bench_k3_spec and bench_gateway); single stream (batch 1) a per-prompt table giv
 Goals: issue 4, single-stream speed-up >= 2.0x on the trained default model; issue 18, >= 1.8x on held-out
 prompts and a spec step <= 1.3x a plain step.
 
+--dtype / --draft-dtype set the engine's (default auto: float32 on CPU; the draft bfloat16 where the CPU has
+native bf16); --compare-draft-dtype D adds a second engine whose draft runs in D, its largest block taking turns
+with the others as "B=b draft D" (same target, so the same outputs).
+
 Run: .venv/bin/python -m benchmarks.bench_spec [--model DIR] [--quick]
 (issue 18 single stream: --threads 1 --batches 1 --blocks 4 8 --repeats 5)
 """
@@ -25,8 +29,8 @@ import statistics
 from benchmarks.common import (ForwardTimer, Table, add_common_arguments, goal_line, interleave, load_note, median,
                                print_header, ratio, spread)
 from benchmarks.prompts import DEFAULT_COUNT, held_out_prompts
-from benchmarks.spec_runs import per_prompt_table, spec_variants
-from engine import LLM
+from benchmarks.spec_runs import per_prompt_table, spec_variant, spec_variants
+from engine import LLM, SamplingParams
 
 
 def main() -> None:
@@ -44,6 +48,10 @@ def main() -> None:
     parser.add_argument("--backoff", type=float, nargs="*", default=[],
                         help="also run the largest block with the engine's speculation back-off at these tokens per "
                              "verify step (spec_min_tokens_per_step; none: skip)")
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype (auto: float32 on CPU)")
+    parser.add_argument("--draft-dtype", default="auto", help="the draft's dtype (auto: see EngineConfig.draft_dtype)")
+    parser.add_argument("--compare-draft-dtype", default=None,
+                        help="also run the largest block on a second engine whose draft runs in this dtype")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.new_tokens = 1, min(args.new_tokens, 64)
@@ -56,8 +64,13 @@ def main() -> None:
     probe.close()
     blocks = [b for b in args.blocks if 2 <= b <= draft_block]
     skipped = [b for b in args.blocks if b not in blocks]
-    llm = LLM(str(args.model), draft_model=args.draft, num_threads=args.threads, max_running=max(args.batches),
-              spec_block_size=max(blocks))
+    engine_args = dict(draft_model=args.draft, num_threads=args.threads, max_running=max(args.batches),
+                       spec_block_size=max(blocks), dtype=args.dtype)
+    llm = LLM(str(args.model), draft_dtype=args.draft_dtype, **engine_args)
+    other = (LLM(str(args.model), draft_dtype=args.compare_draft_dtype, **engine_args)
+             if args.compare_draft_dtype else None)
+    print(f"dtype {llm.engine.config.torch_dtype_name}, draft dtype {llm.engine.config.draft_dtype_name}"
+          + (f"; compared with a {other.engine.config.draft_dtype_name} draft" if other else ""))
     config = llm.model_config
     bench_prompts, source = held_out_prompts(args.model, max(args.batches + [args.min_prompts]), args.prompt_len,
                                              config.vocab_size, list(config.eos_token_id), args.seed)
@@ -65,6 +78,8 @@ def main() -> None:
     print(f"draft block size {draft_block}; block sizes measured: {blocks}"
           + (f" (skipped {skipped}: larger than the draft's block)" if skipped else "") + "\n", flush=True)
     names = [f"B={block}" for block in blocks] + [f"B={max(blocks)} back-off {t:g}" for t in args.backoff]
+    other_name = f"B={max(blocks)} draft {args.compare_draft_dtype}"
+    names += [other_name] if other else []
     table = Table(f"speculative decoding, greedy, prompt {args.prompt_len} + {args.new_tokens} new tokens ({source})",
                   ["batch", "prompts", "off tok/s (spread)"]
                   + [c for n in names for c in (f"{n} tok/s (spread)", f"{n} speed-up", f"{n} CPU speed-up",
@@ -75,6 +90,8 @@ def main() -> None:
                   "bookkeeping)", ["batch", "variant", "step ms", "target forward ms", "draft forward ms", "rest ms",
                                    "step / plain step"])
     timers = (ForwardTimer(llm.engine.runner, "forward_target"), ForwardTimer(llm.engine.runner, "forward_draft"))
+    other_timers = ((ForwardTimer(other.engine.runner, "forward_target"), ForwardTimer(other.engine.runner, "forward_draft"))
+                    if other else timers)
     single: dict[str, float] = {}
     single_cpu: dict[str, float] = {}
     per_prompt = []
@@ -82,6 +99,10 @@ def main() -> None:
         outputs: dict[str, list] = {}
         batch_prompts = prompts[: batch * max(1, args.min_prompts // batch)]
         variants = spec_variants(llm, batch_prompts, batch, args.new_tokens, blocks, args.backoff, outputs, timers)
+        if other is not None:
+            params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True,
+                                    block_size=max(blocks))
+            variants[other_name] = spec_variant(other, batch_prompts, batch, params, outputs, other_name, other_timers)
         runs = interleave(variants, args.repeats)
         off, off_cpu = median(runs["off"], "tok_s"), median(runs["off"], "cpu_tok_s")
         cells: list[object] = [batch, spread([r["tok_s"] for r in runs["off"]])]
@@ -125,6 +146,8 @@ def main() -> None:
         for clock, figures in (("wall", single), ("CPU", single_cpu)):
             print(f"- {goal_line(f'issue 18: single-stream {clock} speed-up on the held-out prompts ({best})', figures[best], 1.8)}")
     llm.close()
+    if other is not None:
+        other.close()
 
 
 if __name__ == "__main__":

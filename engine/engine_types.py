@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.devices import check_gpus, default_dtype_name, gpu_count, resolve_device
+from engine.devices import check_gpus, default_draft_dtype_name, default_dtype_name, gpu_count, resolve_device
 from engine.model_runner import DTYPES, KV_POOLS
 from engine.paths import DEFAULT_MODEL_DIR
 from engine.page_pool import PagePoolFactory
@@ -24,6 +24,8 @@ class EngineConfig:
     (a prefill engine writing into a decode worker's pages). None: private pages only.
     device: "auto" (cuda when a GPU is visible) | "cpu" | "cuda" (also ROCm); gpus: the GPU of each
     rank (rank r -> gpus[r]; None = 0 .. tp_size - 1); dtype "auto": bfloat16 on GPUs, float32 on CPU;
+    draft_dtype "auto": the target's dtype, or bfloat16 for an fp32 target on a CPU with native bf16
+    (engine/devices.default_draft_dtype_name; the draft only proposes, so outputs do not depend on it);
     use_graphs: capture decode / verify steps as CUDA graphs (ignored on CPU)."""
 
     model_dir: str = str(DEFAULT_MODEL_DIR)
@@ -31,6 +33,7 @@ class EngineConfig:
     dtype: str = "auto"
     attention_backend: str = "auto"
     draft_model_dir: str | None = None
+    draft_dtype: str = "auto"
     spec_block_size: int = 8
     spec_min_tokens_per_step: float = 0.0  # speculation backs off below this many tokens per verify step (0: never)
     page_size: int = 16
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.draft_dtype != "auto" and self.draft_dtype not in DTYPES:
+            raise ValueError(f"draft_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.draft_dtype!r}")
         if self.device == "cuda":
             check_gpus(self.tp_size, self.gpus, gpu_count())
             if self.kv_pool == "shm":
@@ -84,6 +89,12 @@ class EngineConfig:
     @property
     def torch_dtype_name(self) -> str:
         return default_dtype_name(self.device) if self.dtype == "auto" else self.dtype
+
+    @property
+    def draft_dtype_name(self) -> str:
+        if self.draft_dtype != "auto":
+            return self.draft_dtype
+        return default_draft_dtype_name(self.device, self.torch_dtype_name)
 
     @property
     def rank_gpus(self) -> tuple[int, ...]:

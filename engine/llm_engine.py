@@ -74,6 +74,7 @@ class LLMEngine:
             model_dir=config.model_dir,
             draft_dir=draft_dir,
             dtype=config.torch_dtype_name,
+            draft_dtype=config.draft_dtype_name if draft_dir else "",
             attention_backend=config.attention_backend,
             page_size=config.page_size,
             num_pages=num_pages,
@@ -111,7 +112,8 @@ class LLMEngine:
         logger.info("engine ready on %s (%s): %d pages (%d B), %d state slots (%d B), verify scratch %d x %d (%d B), "
                     "draft=%s, tp=%d", self.device, config.torch_dtype_name, num_pages, num_pages * probe.bytes_per_page,
                     num_slots, num_slots * slot_bytes, split.snapshot_rows, split.snapshot_steps,
-                    split.snapshot_rows * split.snapshot_steps * slot_bytes, bool(draft_dir), config.tp_size)
+                    split.snapshot_rows * split.snapshot_steps * slot_bytes,
+                    f"{config.draft_dtype_name}" if draft_dir else "none", config.tp_size)
 
     # --- properties the services read -------------------------------------------------------------
     @property

@@ -11,6 +11,7 @@ from engine.devices import host_to_device, rank_device
 from engine.distributed import TPGroup
 from engine.forward_batch import copy_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
+from engine.layers.embedding import ParallelLMHead
 from engine.page_pool import PagePool, PagePoolFactory
 from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, ReadStatePlan, TargetPlan, pack_target_plan
 
@@ -43,6 +44,7 @@ class RunnerConfig:
     num_state_slots: int = 0  # per-sequence state slots (models with linear attention)
     snapshot_rows: int = 0  # speculative verify scratch: sequences x positions, allocated at start (0: none)
     snapshot_steps: int = 0
+    draft_dtype: str = ""  # the draft's weights and activations ("": dtype); its cache pages stay in dtype
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -51,6 +53,8 @@ class RunnerConfig:
             raise ValueError("kv_pool 'shm' keeps pages in CPU shared memory; a GPU cache needs kv_pool 'local' or 'device'")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.draft_dtype and self.draft_dtype not in DTYPES:
+            raise ValueError(f"draft_dtype must be empty or one of {sorted(DTYPES)}, got {self.draft_dtype!r}")
         if self.kv_pool not in KV_POOLS:
             raise ValueError(f"kv_pool must be one of {KV_POOLS}, got {self.kv_pool!r}")
         if self.kv_pool != "local" and self.page_pools is None:
@@ -61,6 +65,10 @@ class RunnerConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def draft_dtype_name(self) -> str:
+        return self.draft_dtype or self.dtype
 
 
 def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, dtype: torch.dtype,
@@ -105,19 +113,25 @@ class ModelRunner:
         self._shared_weights: list[object] = []
         self.model_config = model_config
         self.model = self._load(
-            "target", config.model_dir,
+            "target", config.model_dir, config.dtype,
             lambda: load_model(config.model_dir, tp, attention, dtype, device=self.device)[1],
             lambda: build_model(config.model_dir, model_config, tp, attention, dtype),
         )
         self.draft = None
+        self.draft_dtype = DTYPES[config.draft_dtype_name]
+        self._draft_head: ParallelLMHead | None = None  # the LM head in the draft's dtype, when it differs
         if config.draft_dir:
             from engine.models.draft_registry import build_any_draft, load_any_draft
 
+            draft_dtype = self.draft_dtype
             self.draft = self._load(
-                "draft", config.draft_dir, lambda: load_any_draft(config.draft_dir, dtype, self.device),
-                lambda: build_any_draft(config.draft_dir, dtype),
+                "draft", config.draft_dir, config.draft_dtype_name,
+                lambda: load_any_draft(config.draft_dir, draft_dtype, self.device),
+                lambda: build_any_draft(config.draft_dir, draft_dtype),
             )
             self.draft.eval()
+            if draft_dtype != dtype:
+                self._draft_head = self._cast_lm_head(draft_dtype)
         self.capture_layers: tuple[int, ...] = tuple(self.draft.config.target_layer_ids) if self.draft else ()
         self.cache_shape = cache_shape_for(
             self.model_config, self.draft.config if self.draft else None, config.num_pages, config.page_size, dtype,
@@ -153,22 +167,30 @@ class ModelRunner:
         graphs.capture(write_draft=self.draft is not None)
         return graphs
 
-    def _load(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
+    def _cast_lm_head(self, dtype: torch.dtype) -> ParallelLMHead:
+        """A copy of this rank's LM head shard in `dtype`, for the draft's logits (the draft shares the target's
+        LM head; a draft in another dtype multiplies by a copy in its own)."""
+        source = self.model.lm_head
+        head = ParallelLMHead(self.model_config.vocab_size, source.weight.shape[1], self.tp, dtype)
+        head.weight = torch.nn.Parameter(source.weight.detach().to(dtype), requires_grad=False)
+        return head.eval()
+
+    def _load(self, role: str, model_dir: str, dtype_name: str, load, build_empty) -> torch.nn.Module:
         """load() normally, or, with share_weights, through the node's shared weight store (the first
         worker of the node loads and publishes; the others build the model without loading and map it)."""
         if not self.config.share_weights:
             return load()
         if self.device.type == "cuda":
-            return self._load_device_shared(role, model_dir, load, build_empty)
+            return self._load_device_shared(role, model_dir, dtype_name, load, build_empty)
         from engine.weight_store import WeightKey, load_shared
 
-        key = WeightKey(model_dir, self.config.dtype, "cpu", self.tp.size, self.tp.rank, role)
+        key = WeightKey(model_dir, dtype_name, "cpu", self.tp.size, self.tp.rank, role)
 
         model, shared = load_shared(key, load, build_empty)
         self._shared_weights.append(shared)
         return model.eval().requires_grad_(False)
 
-    def _load_device_shared(self, role: str, model_dir: str, load, build_empty) -> torch.nn.Module:
+    def _load_device_shared(self, role: str, model_dir: str, dtype_name: str, load, build_empty) -> torch.nn.Module:
         """On a GPU: the first worker on this device loads the shard and exports IPC handles of its tensors;
         the others open them (engine/device_weights.py). Without a usable IPC layer: a private copy."""
         from engine.device_ipc import IpcUnavailable, ipc_for
@@ -177,7 +199,7 @@ class ModelRunner:
 
         ipc = ipc_for(self.device)
         try:
-            key = WeightKey(model_dir, self.config.dtype, ipc.device_id(self.device), self.tp.size, self.tp.rank, role)
+            key = WeightKey(model_dir, dtype_name, ipc.device_id(self.device), self.tp.size, self.tp.rank, role)
         except IpcUnavailable as error:  # e.g. FakeTensorMode on a CPU-only machine
             logger.info("device weight sharing unavailable (%s): loading a private copy", error)
             return load()
@@ -297,12 +319,12 @@ class ModelRunner:
         ids = torch.full((num_seqs, width), self.draft.config.mask_token_id, dtype=torch.int64, device=self.device)
         ids[:, 0] = last
         positions = starts[:, None] + torch.arange(width, device=self.device)[None, :]
-        embeds = self.model.embed(ids.view(-1)).view(num_seqs, width, -1)
+        embeds = self.model.embed(ids.view(-1)).view(num_seqs, width, -1).to(self.draft_dtype)
         draft_cache = self.cache.draft.view(self.cache_shape.draft_layers, -1, self.cache_shape.draft_dim)
         context = draft_cache.index_select(1, slots.view(-1)).view(self.cache_shape.draft_layers, num_seqs, max_ctx, -1)
-        hidden = self.draft(embeds, positions, context.to(embeds.dtype), starts, full_context)
+        hidden = self.draft(embeds, positions, context.to(self.draft_dtype), starts, full_context)
         hidden = (hidden if shifted else hidden[:, 1:]).reshape(num_seqs * (block - 1), -1)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden) if self._draft_head is None else self._draft_head(hidden)
         return (logits, hidden) if with_hidden else logits
 
     def read_pages(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

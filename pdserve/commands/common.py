@@ -26,6 +26,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--draft-model", default=None,
                         help="draft model directory (default: the model's draft/ folder if present; '' disables)")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPUs, float32 on CPU) | float32 | bfloat16 | float16")
+    parser.add_argument("--draft-dtype", default="auto",
+                        help="the draft model's dtype: auto (--dtype's, but bfloat16 for a float32 target on a CPU "
+                             "with native bf16: AVX512-BF16 or AMX) | float32 | bfloat16 | float16")
     add_device_arguments(parser)
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--kv-memory-mb", type=int, default=default_memory_mb, help="KV pool size per rank (MiB)")
@@ -77,7 +80,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The engine flags as keyword arguments of the worker configs (ValueError for a bad --gpus)."""
     return dict(**device_kwargs(args),
         model_dir=args.model, tp_size=args.tp_size, attention_backend=args.attention_backend,
-        draft_model_dir=args.draft_model, dtype=args.dtype, page_size=args.page_size,
+        draft_model_dir=args.draft_model, dtype=args.dtype, draft_dtype=args.draft_dtype, page_size=args.page_size,
         kv_memory_bytes=args.kv_memory_mb * 2**20, max_batched_tokens=args.max_batched_tokens,
         spec_block_size=args.spec_block_size, spec_min_tokens_per_step=args.spec_min_tokens_per_step,
         num_threads=args.num_threads, share_weights=args.share_weights,
