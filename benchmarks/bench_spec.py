@@ -14,8 +14,8 @@ bench_k3_spec and bench_gateway); single stream (batch 1) a per-prompt table giv
 Goals: issue 4, single-stream speed-up >= 2.0x on the trained default model; issue 18, >= 1.8x on held-out
 prompts and a spec step <= 1.3x a plain step.
 
---dtype / --draft-dtype set the engine's (default auto: float32 on CPU; the draft bfloat16 where the CPU has
-native bf16); --compare-draft-dtype D adds a second engine whose draft runs in D, its largest block taking turns
+--dtype / --draft-dtype set the engine's (default auto: float32 on CPU, the draft in the target's dtype);
+--compare-draft-dtype D adds a second engine whose draft runs in D, its largest block taking turns
 with the others as "B=b draft D" (same target, so the same outputs).
 
 Run: .venv/bin/python -m benchmarks.bench_spec [--model DIR] [--quick]
@@ -49,7 +49,7 @@ def main() -> None:
                         help="also run the largest block with the engine's speculation back-off at these tokens per "
                              "verify step (spec_min_tokens_per_step; none: skip)")
     parser.add_argument("--dtype", default="auto", help="the engine's dtype (auto: float32 on CPU)")
-    parser.add_argument("--draft-dtype", default="auto", help="the draft's dtype (auto: see EngineConfig.draft_dtype)")
+    parser.add_argument("--draft-dtype", default="auto", help="the draft's dtype (auto: the target's)")
     parser.add_argument("--compare-draft-dtype", default=None,
                         help="also run the largest block on a second engine whose draft runs in this dtype")
     args = parser.parse_args()
@@ -57,7 +57,7 @@ def main() -> None:
         args.repeats, args.new_tokens = 1, min(args.new_tokens, 64)
         args.batches = [b for b in args.batches if b <= 16]
     print_header("bench_spec: speculative decoding on vs off (in process)", args)
-    probe = LLM(str(args.model), draft_model=args.draft, num_threads=args.threads, kv_memory_bytes=2**20)
+    probe = LLM(str(args.model), draft_model=args.draft, num_threads=args.threads, kv_memory_bytes=16 * 2**20)
     if not probe.engine.has_draft:
         raise SystemExit(f"{args.model} has no draft model (pass --draft DIR)")
     draft_block = probe.engine.draft_config.block_size

@@ -1,12 +1,10 @@
 """Where the engine runs: device names, GPU lists, per-rank placement, default dtypes and the one
 host-to-device copy per step. "cuda" also means ROCm (HIP builds of torch expose the same device).
 
-Pure functions (tested on CPU): parse_gpu_list, rank_device, default_dtype_name, default_draft_dtype_name,
-resolve_device.
+Pure functions (tested on CPU): parse_gpu_list, rank_device, default_dtype_name, resolve_device.
 """
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 
@@ -49,29 +47,6 @@ def serving_device(name: str) -> str:
 def default_dtype_name(device: str) -> str:
     """bf16 on GPUs, fp32 on CPU."""
     return "float32" if torch.device(device).type == "cpu" else "bfloat16"
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16). Measured on such a core: a
-    [8, 192] x [192, 4096] matmul 71 us in bf16 against 207 us in fp32; without those instructions bf16 is
-    emulated and many times slower than fp32."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def default_draft_dtype_name(device: str, target_dtype: str) -> str:
-    """The draft's dtype when none is given: the target's, except that an fp32 target's draft runs in bf16 on a
-    CPU that has native bf16. The draft's forward covers a whole block (several rows per sequence), which is
-    compute-bound on a CPU core, and its numerics only decide which tokens are proposed: the target verifies
-    every one, so outputs are unchanged."""
-    if torch.device(device).type == "cpu" and target_dtype == "float32" and cpu_has_native_bf16():
-        return "bfloat16"
-    return target_dtype
 
 
 def parse_gpu_list(text: str) -> tuple[int, ...]:

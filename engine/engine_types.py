@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.devices import check_gpus, default_draft_dtype_name, default_dtype_name, gpu_count, resolve_device
+from engine.devices import check_gpus, default_dtype_name, gpu_count, resolve_device
 from engine.model_runner import DTYPES, KV_POOLS
 from engine.paths import DEFAULT_MODEL_DIR
 from engine.page_pool import PagePoolFactory
@@ -24,8 +24,8 @@ class EngineConfig:
     (a prefill engine writing into a decode worker's pages). None: private pages only.
     device: "auto" (cuda when a GPU is visible) | "cpu" | "cuda" (also ROCm); gpus: the GPU of each
     rank (rank r -> gpus[r]; None = 0 .. tp_size - 1); dtype "auto": bfloat16 on GPUs, float32 on CPU;
-    draft_dtype "auto": the target's dtype, or bfloat16 for an fp32 target on a CPU with native bf16
-    (engine/devices.default_draft_dtype_name; the draft only proposes, so outputs do not depend on it);
+    draft_dtype "auto": the target's dtype; another one runs the draft (weights and activations, and a copy of
+    the LM head shard for its logits) in that dtype - the draft only proposes, so outputs do not depend on it;
     use_graphs: capture decode / verify steps as CUDA graphs (ignored on CPU)."""
 
     model_dir: str = str(DEFAULT_MODEL_DIR)
@@ -92,9 +92,7 @@ class EngineConfig:
 
     @property
     def draft_dtype_name(self) -> str:
-        if self.draft_dtype != "auto":
-            return self.draft_dtype
-        return default_draft_dtype_name(self.device, self.torch_dtype_name)
+        return self.torch_dtype_name if self.draft_dtype == "auto" else self.draft_dtype
 
     @property
     def rank_gpus(self) -> tuple[int, ...]:

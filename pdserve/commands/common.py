@@ -27,8 +27,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
                         help="draft model directory (default: the model's draft/ folder if present; '' disables)")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPUs, float32 on CPU) | float32 | bfloat16 | float16")
     parser.add_argument("--draft-dtype", default="auto",
-                        help="the draft model's dtype: auto (--dtype's, but bfloat16 for a float32 target on a CPU "
-                             "with native bf16: AVX512-BF16 or AMX) | float32 | bfloat16 | float16")
+                        help="the draft model's dtype: auto (--dtype's) | float32 | bfloat16 | float16 (bfloat16 beside a "
+                             "float32 target pays only on a CPU with native bf16, and not for every draft: BENCHMARKS.md)")
     add_device_arguments(parser)
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--kv-memory-mb", type=int, default=default_memory_mb, help="KV pool size per rank (MiB)")
