@@ -39,7 +39,8 @@ def rpc_error(code: grpc.StatusCode, details: str, status_details: bytes = b"") 
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
-def _code(value: int) -> grpc.StatusCode:
+def code_of(value: int) -> grpc.StatusCode:
+    """The grpc.StatusCode of a status carried as its number (UNKNOWN for a number that names none)."""
     return next((code for code in grpc.StatusCode if code.value[0] == value), grpc.StatusCode.UNKNOWN)
 
 
@@ -80,7 +81,7 @@ class _Open:
                     future.set_result(message.response)
                 else:
                     error = message.error
-                    future.set_exception(rpc_error(_code(error.code), error.message, error.status_details))
+                    future.set_exception(rpc_error(code_of(error.code), error.message, error.status_details))
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as error:
