@@ -24,19 +24,17 @@ from decode_worker.admission import DecodeUpdate, merge_updates
 from rpc.convert import logprob_to_proto
 from rpc.internal.v1 import worker_pb2
 from rpc.logging_setup import bind_request_id
-from rpc.status import AlreadyExists, failure_status
+from rpc.status import AlreadyExists, details_bin, failure_status
 
 logger = logging.getLogger(__name__)
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # The unary Decode's updates for a request (raises what the unary RPC would fail with).
 Updates = Callable[[worker_pb2.DecodeRequest], AsyncIterator[DecodeUpdate]]
 
 
 def error_entry(request_id: str, status: grpc.Status) -> worker_pb2.DecodeStreamError:
     """The entry that ends a failed request with `status` (its google.rpc details included)."""
-    details = next((bytes(value) for key, value in status.trailing_metadata or () if key == STATUS_DETAILS_KEY), b"")
     return worker_pb2.DecodeStreamError(request_id=request_id, code=status.code.value[0], message=status.details or "",
-                                        status_details=details)
+                                        status_details=details_bin(status))
 
 
 def update_entry(request_id: str, update: DecodeUpdate) -> worker_pb2.DecodeStreamUpdate:

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from gateway.prefill_stream import LOCAL_DEADLINE_GRACE_S, Metadata, code_of, rpc_error
+from gateway.worker_stream import LOCAL_DEADLINE_GRACE_S, Metadata, code_of, ended_status, rpc_error, stop_tasks
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from rpc.logging_setup import REQUEST_ID_KEY
 
@@ -152,21 +152,12 @@ class _Open:
         if self.broken:
             return
         self.broken = True
-        code, details = grpc.StatusCode.UNAVAILABLE, f"decode stream to {self.address} ended"
-        if closing:
-            code, details = grpc.StatusCode.CANCELLED, "the gateway is shutting down"
-        elif isinstance(error, grpc.aio.AioRpcError):
-            details = f"decode stream to {self.address} broke: {error.code().name} {error.details()}"
-            if error.code() not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                code = error.code()
+        code, details = ended_status(f"decode stream to {self.address}", error, closing)
         if self.pending:
             logger.warning("%s; failing %d running decodes with %s", details, len(self.pending), code.name)
         for call in list(self.pending.values()):
             call.fail(rpc_error(code, details), by_worker=True)
-        current = asyncio.current_task()
-        for task in (self._writer, self._reader):
-            if task is not current:
-                task.cancel()
+        stop_tasks(self._writer, self._reader)
         self.call.cancel()
 
 
