@@ -21,10 +21,12 @@ two deployments side by side, taking turns.
 
 --standing-lease-tokens N adds a deployment like the first whose gateway runs with --standing-lease-tokens N (a
 standing lease of N prompt tokens per decode worker, gateway/standing_leases.py: no Reserve round trip before a
-fitting prompt's prefill; 0: none), to compare with the gateway's default.
+fitting prompt's prefill; 0: none), to compare with the gateway's default. --no-decode-stream adds one whose
+gateway runs with --no-decode-stream (a server-streaming Decode call per request instead of one DecodeStream per
+decode worker carrying each engine step's tokens of all its requests in one message).
 
 Run: .venv/bin/python -m benchmarks.bench_gateway --threads 1 [--spec-concurrency] [--stream-interval N]
-     [--engine-process off|on|both] [--standing-lease-tokens N]
+     [--engine-process off|on|both] [--standing-lease-tokens N] [--no-decode-stream]
 """
 from __future__ import annotations
 
@@ -148,6 +150,9 @@ def main() -> None:
     parser.add_argument("--standing-lease-tokens", type=int, default=None, metavar="N",
                         help="one more deployment, like the first, whose gateway runs with --standing-lease-tokens N "
                              "(0: without standing leases), taking turns with the others")
+    parser.add_argument("--no-decode-stream", action="store_true",
+                        help="one more deployment, like the first, whose gateway runs with --no-decode-stream (a Decode "
+                             "call per request), taking turns with the others")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
@@ -166,6 +171,9 @@ def main() -> None:
                      else "no standing lease")
             deployments.append((f"{first_name}, {label}", first_decode_args,
                                 ("--standing-lease-tokens", str(args.standing_lease_tokens))))
+        if args.no_decode_stream:
+            first_name, first_decode_args, _ = deployments[0]
+            deployments.append((f"{first_name}, no decode stream", first_decode_args, ("--no-decode-stream",)))
         for name, decode_args, gateway_args in deployments:
             spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch",
                                transport="shm", worker_args=worker_args, decode_args=decode_args, log_level="WARNING",

@@ -81,7 +81,7 @@ class GatewaySide:
     async def start(cls, model_dir: str, layout: KVLayout, standing_tokens: int = 256) -> GatewaySide:
         config = GatewayConfig(model_dir=model_dir, prefill=("127.0.0.1:9",), decode=("127.0.0.1:9",),
                                standing_lease_tokens=standing_tokens,
-                               prefill_stream=False)  # the instant stubs below answer unary Prefill calls
+                               prefill_stream=False, decode_stream=False)  # the instant stubs answer unary calls
         pool = WorkerPool(config)
         pages = tuple(range(layout.pages_for_tokens(standing_tokens)))
         destination = Destination(

@@ -63,3 +63,14 @@ def merge_outputs(outputs: Sequence[Any], skip_first_token: bool) -> DecodeUpdat
         logprobs += list(output.logprobs or [])
         finished, reason = output.finished, output.finish_reason
     return DecodeUpdate(tokens, logprobs, finished, reason, steps=len(outputs))
+
+
+def merge_updates(updates: Sequence[DecodeUpdate]) -> DecodeUpdate:
+    """Consecutive updates of one request as one (a DecodeStream writer fell behind the engine): tokens and
+    logprobs in order, steps summed, the last update's finish (only the last may be finished)."""
+    if len(updates) == 1:
+        return updates[0]
+    last = updates[-1]
+    return DecodeUpdate([token for update in updates for token in update.token_ids],
+                        [logprob for update in updates for logprob in update.logprobs],
+                        last.finished, last.finish_reason, sum(update.steps for update in updates))

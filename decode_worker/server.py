@@ -77,8 +77,10 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     push = receivers.push
     assert push is not None
 
+    servicer = DecodeServicer(service)
+
     def register(grpc_server: grpc.aio.Server) -> None:
-        worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(service), grpc_server)
+        worker_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, grpc_server)
         kv_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferAioServicer(push), grpc_server)
 
     endpoints, stop_metrics = serve_metrics(config.metrics_listen, decode_registry(service))
@@ -91,7 +93,7 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     logger.info("decode worker: tp=%d, %d pages", config.tp_size, service.load.total_pages)
     await server.serve(
         "decode worker", config.listen, SERVICE_NAMES, register, on_stop, stop=stop, ready_file=ready_file,
-        endpoints=endpoints,
+        endpoints=endpoints, on_draining=servicer.drain,
         on_bound=lambda address: push.advertise([config.advertise_address or address] * len(receivers.pools)),
         interceptors=server_interceptors(config.internal_token),
     )

@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from decode_worker.admission import DecodeUpdate
+from decode_worker.decode_stream import DecodeStreams
 from decode_worker.service import DecodeService
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import TransportKind
@@ -27,6 +29,7 @@ def transport_from_proto(value: int) -> TransportKind:
 class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     def __init__(self, service: DecodeService) -> None:
         self._service = service
+        self._streams = DecodeStreams()
 
     @unary
     async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
@@ -44,7 +47,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     @streaming
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        params = parse_field("sampling", SamplingParams, **sampling_fields(request.sampling))
         finished = False
 
         def on_done(_: object) -> None:  # the stream ended without finishing (client cancel): free the request
@@ -52,9 +54,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 self._service.release_soon(request.request_id)
 
         context.add_done_callback(on_done)
-        updates = self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token,
-                                       params, request.stream_interval)
-        async with contextlib.aclosing(updates) as stream:
+        async with contextlib.aclosing(self._updates(request)) as stream:
             async for update in stream:
                 finished = update.finished
                 response = worker_pb2.DecodeResponse(token_ids=update.token_ids, finished=finished,
@@ -62,6 +62,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 if update.logprobs:
                     response.logprobs.extend(logprob_to_proto(lp) for lp in update.logprobs)
                 yield response
+
+    async def DecodeStream(self, requests: AsyncIterator[worker_pb2.DecodeStreamRequest],
+                           context: grpc.aio.ServicerContext) -> None:
+        await self._streams.serve(requests, context, self._updates, self._service.release_soon)
+
+    def drain(self) -> None:
+        """Shutdown began: open DecodeStreams take no new requests and end once theirs have finished."""
+        self._streams.drain()
+
+    def _updates(self, request: worker_pb2.DecodeRequest) -> AsyncIterator[DecodeUpdate]:
+        """One request's updates, for both RPCs (raises InvalidArgument for bad sampling settings)."""
+        params = parse_field("sampling", SamplingParams, **sampling_fields(request.sampling))
+        return self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token,
+                                    params, request.stream_interval)
 
     @unary
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:

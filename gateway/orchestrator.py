@@ -193,7 +193,7 @@ class RequestRun:
         request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)
-        self._decode_call = self._decode.stub.Decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
+        self._decode_call = self._decode.decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
         self._decode_state = DecodeState.STREAMING
         observer, first_chunk = self._observer, True
         async for chunk in self._decode_call:

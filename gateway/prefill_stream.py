@@ -11,36 +11,20 @@ worker died) fails every request still pending on it with UNAVAILABLE (the strea
 refused outright, e.g. UNAUTHENTICATED) and is opened again by the next request. A request cancelled by
 its caller is dropped here (not sent when it was still waiting to be); stopping the work on the worker is
 the Cancel RPC's job, as on the unary path. The per-request deadline travels as timeout_ms and is also
-kept here (LOCAL_DEADLINE_GRACE_S later)."""
+kept here (worker_stream.LOCAL_DEADLINE_GRACE_S later)."""
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
+from gateway.worker_stream import LOCAL_DEADLINE_GRACE_S, Metadata, code_of, ended_status, rpc_error, stop_tasks
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from rpc.logging_setup import REQUEST_ID_KEY
 
 logger = logging.getLogger(__name__)
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
-# The local deadline fires this much after the request's: the worker's own DEADLINE_EXCEEDED answer (and the
-# gateway's incoming call, whose deadline this is) end the request first, as they do a unary call; the local
-# timer only covers a worker that never answers.
-LOCAL_DEADLINE_GRACE_S = 0.1
-Metadata = Sequence[tuple[str, Any]]
-
-
-def rpc_error(code: grpc.StatusCode, details: str, status_details: bytes = b"") -> grpc.aio.AioRpcError:
-    """The error a unary call ending with (code, details) raises; status_details: its google.rpc.Status."""
-    trailing = grpc.aio.Metadata((STATUS_DETAILS_KEY, status_details)) if status_details else grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
-
-
-def _code(value: int) -> grpc.StatusCode:
-    return next((code for code in grpc.StatusCode if code.value[0] == value), grpc.StatusCode.UNKNOWN)
 
 
 class _Open:
@@ -80,7 +64,7 @@ class _Open:
                     future.set_result(message.response)
                 else:
                     error = message.error
-                    future.set_exception(rpc_error(_code(error.code), error.message, error.status_details))
+                    future.set_exception(rpc_error(code_of(error.code), error.message, error.status_details))
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as error:
@@ -92,22 +76,13 @@ class _Open:
         if self.broken:
             return
         self.broken = True
-        code, details = grpc.StatusCode.UNAVAILABLE, f"prefill stream to {self.address} ended"
-        if closing:
-            code, details = grpc.StatusCode.CANCELLED, "the gateway is shutting down"
-        elif isinstance(error, grpc.aio.AioRpcError):
-            details = f"prefill stream to {self.address} broke: {error.code().name} {error.details()}"
-            if error.code() not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                code = error.code()
+        code, details = ended_status(f"prefill stream to {self.address}", error, closing)
         if self.pending:
             logger.warning("%s; failing %d pending prefills with %s", details, len(self.pending), code.name)
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(rpc_error(code, details))
-        current = asyncio.current_task()
-        for task in (self._writer, self._reader):
-            if task is not current:
-                task.cancel()
+        stop_tasks(self._writer, self._reader)
         self.call.cancel()
 
 

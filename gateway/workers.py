@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from gateway.config import GatewayConfig
+from gateway.decode_stream import DecodeStream
 from gateway.prefill_stream import PrefillStream
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
 from gateway.standing_leases import StandingLeases
@@ -47,6 +48,14 @@ class DecodeWorker:
     state: DecodeState
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.DecodeServiceStub
+    stream: DecodeStream | None = None  # the multiplexed Decode (GatewayConfig.decode_stream)
+
+    def decode(self, request: worker_pb2.DecodeRequest, timeout: float | None, metadata: Any) -> Any:
+        """The Decode call (async-iterable chunks, cancel()-able): over the worker's stream when it has one,
+        else a server-streaming call of its own."""
+        if self.stream is not None:
+            return self.stream.call(request, timeout, metadata)
+        return self.stub.Decode(request, timeout=timeout, metadata=metadata)
 
 
 def remaining(deadline: float | None, floor: float = 0.001) -> float | None:
@@ -60,7 +69,8 @@ class WorkerPool:
         self.metadata = token_metadata(config.internal_token)  # sent with every call to a worker
         self.prefill = [self._prefill(address, self.metadata if config.prefill_stream else None)
                         for address in config.prefill]
-        self.decode = [self._decode(address) for address in config.decode]
+        self.decode = [self._decode(address, self.metadata if config.decode_stream else None)
+                       for address in config.decode]
         self._prefill_router = PrefillRouter()
         self._decode_router = DecodeRouter()
         self._on_health = on_health
@@ -79,9 +89,12 @@ class WorkerPool:
         return PrefillWorker(PrefillState(address, healthy=False), channel, stub, stream)
 
     @staticmethod
-    def _decode(address: str) -> DecodeWorker:
+    def _decode(address: str, stream_metadata: tuple[tuple[str, str], ...] | None) -> DecodeWorker:
+        """stream_metadata: the metadata of the worker's DecodeStream (None: a Decode call per request)."""
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return DecodeWorker(DecodeState(address, healthy=False), channel, worker_pb2_grpc.DecodeServiceStub(channel))
+        stub = worker_pb2_grpc.DecodeServiceStub(channel)
+        stream = DecodeStream(stub, stream_metadata, address) if stream_metadata is not None else None
+        return DecodeWorker(DecodeState(address, healthy=False), channel, stub, stream)
 
     # --- polling and health -------------------------------------------------------------------------
     def start(self) -> None:
@@ -94,9 +107,9 @@ class WorkerPool:
             self._poller.cancel()
         if self.standing is not None:
             await self.standing.close()
-        for prefill in self.prefill:
-            if prefill.stream is not None:
-                await prefill.stream.close()
+        for worker in (*self.prefill, *self.decode):
+            if worker.stream is not None:
+                await worker.stream.close()
         for worker in (*self.prefill, *self.decode):
             await worker.channel.close()
 

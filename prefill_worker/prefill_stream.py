@@ -19,19 +19,17 @@ import grpc
 
 from rpc.internal.v1 import worker_pb2
 from rpc.logging_setup import bind_request_id
-from rpc.status import failure_status
+from rpc.status import details_bin, failure_status
 
 logger = logging.getLogger(__name__)
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # The unary-equivalent prefill: (request, reply_sent) -> response; raises what the unary RPC would fail with.
 Prefill = Callable[[worker_pb2.PrefillRequest, asyncio.Event], Awaitable[worker_pb2.PrefillResponse]]
 
 
 def error_reply(request_id: str, status: grpc.Status) -> worker_pb2.PrefillStreamResponse:
     """The message that answers a failed request with `status` (its google.rpc details included)."""
-    details = next((bytes(value) for key, value in status.trailing_metadata or () if key == STATUS_DETAILS_KEY), b"")
     error = worker_pb2.PrefillStreamError(code=status.code.value[0], message=status.details or "",
-                                          status_details=details)
+                                          status_details=details_bin(status))
     return worker_pb2.PrefillStreamResponse(request_id=request_id, error=error)
 
 

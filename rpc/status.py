@@ -25,6 +25,7 @@ from rpc.logging_setup import REQUEST_ID_KEY, bind_request_id
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
 class ServiceError(Exception):
@@ -170,6 +171,12 @@ def status_of(error: BaseException) -> grpc.Status:
 class _Status(grpc.Status):
     def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple) -> None:
         self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
+
+
+def details_bin(status: grpc.Status) -> bytes:
+    """The serialized google.rpc.Status a status carries as grpc-status-details-bin (empty when none): what a
+    multiplexed stream sends where a unary call would end with the status."""
+    return next((bytes(value) for key, value in status.trailing_metadata or () if key == STATUS_DETAILS_KEY), b"")
 
 
 async def abort(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:

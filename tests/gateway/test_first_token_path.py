@@ -76,7 +76,7 @@ class _Workers:
         self.order.append("release")
         return worker_pb2.ReleaseResponse(found=True)
 
-    def Decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> _DecodeStream:  # noqa: N802
+    def decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> _DecodeStream:
         self.order.append("decode call")
         self.decode_requests.append(request)
         return _DecodeStream([worker_pb2.DecodeResponse(token_ids=[7, 8, 9], finished=True, finish_reason="length",

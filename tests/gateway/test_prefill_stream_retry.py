@@ -47,7 +47,7 @@ class _RetryPool:
         state.healthy = False
         self.marked.append(error.code().name)
 
-    def Decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> Any:  # noqa: N802
+    def decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> Any:
         async def chunks():
             yield worker_pb2.DecodeResponse(token_ids=[1], finished=True, finish_reason="length", decode_steps=1)
 

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from pdserve.healthcheck import check
 from rpc.server import read_ready_file
 from tests.services.conftest import MAX_TOKENS, PROMPTS, launch, worker_address
 from tests.services.helpers import at_rest, greedy_through_gateway, idle_free_pages, scrape, wait_for_free_pages
+from tests.services.processes import serving_gateway
 
 pytestmark = pytest.mark.slow
 CHOSEN = (2, 6, 9, 13, 14)  # prompts of 7, 64, 128, 1024 and 1500 tokens: the last one is past the spare's size
@@ -25,26 +21,6 @@ CHOSEN = (2, 6, 9, 13, 14)  # prompts of 7, 64, 128, 1024 and 1500 tokens: the l
 
 async def _expiries(http: aiohttp.ClientSession, address: str) -> float:
     return (await scrape(http, address))[("pdserve_lease_expiries_total", frozenset())]
-
-
-def _serving_gateway(command: list[str], ready: Path, timeout: float = 120.0) -> tuple[subprocess.Popen[bytes], str]:
-    """Starts `pdserve gateway` (command: its flags) and waits until it reports SERVING; returns it and its address."""
-    process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "gateway", *command, "--ready-file", str(ready)],
-                               start_new_session=True)
-    deadline = time.monotonic() + timeout
-    try:
-        while not ready.exists():
-            assert process.poll() is None and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
-        address = read_ready_file(str(ready))[0]
-        while not check(address, timeout=2.0)[0]:
-            assert process.poll() is None and time.monotonic() < deadline, "the gateway is not SERVING"
-            time.sleep(0.05)
-    except BaseException:
-        process.kill()
-        process.wait()
-        raise
-    return process, address
 
 
 async def test_default_spares_one_per_decode_worker_released_on_sigterm_and_off_with_zero(service_model, reference,
@@ -79,7 +55,7 @@ async def test_default_spares_one_per_decode_worker_released_on_sigterm_and_off_
             flags = ["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--model", str(service_model),
                      "--standing-lease-tokens", "0", "--prefill", worker_address(cluster, "prefill-0"),
                      *(flag for address in decode for flag in ("--decode", address))]
-            process, plain = await asyncio.to_thread(_serving_gateway, flags, tmp_path / "plain-gateway.addr")
+            process, plain = await asyncio.to_thread(serving_gateway, flags, tmp_path / "plain-gateway.addr")
             try:
                 results = await greedy_through_gateway(plain, prompts, MAX_TOKENS, speculative=False)
                 assert [r.token_ids for r in results] == expected

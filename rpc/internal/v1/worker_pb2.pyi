@@ -181,6 +181,54 @@ class DecodeResponse(_message.Message):
     decode_steps: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("request", "cancel_request_id", "timeout_ms", "trace_id")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    request: DecodeRequest
+    cancel_request_id: str
+    timeout_ms: int
+    trace_id: str
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., trace_id: _Optional[str] = ...) -> None: ...
+
+class DecodeStreamUpdate(_message.Message):
+    __slots__ = ("request_id", "token_ids", "logprobs", "finished", "finish_reason", "decode_steps")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprob]
+    finished: bool
+    finish_reason: str
+    decode_steps: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+
+class DecodeStreamError(_message.Message):
+    __slots__ = ("request_id", "code", "message", "status_details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    status_details: bytes
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., status_details: _Optional[bytes] = ...) -> None: ...
+
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("updates", "errors")
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DecodeStreamUpdate]
+    errors: _containers.RepeatedCompositeFieldContainer[DecodeStreamError]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeStreamUpdate, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[DecodeStreamError, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

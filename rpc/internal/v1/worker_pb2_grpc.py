@@ -266,6 +266,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/pdserve.internal.v1.DecodeService/DecodeStream',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.internal.v1.DecodeService/Release',
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
@@ -300,6 +305,18 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request_iterator, context):
+        """Decode multiplexed over one long-lived stream (the gateway keeps one per worker): each request message
+        starts a request as its own Decode, or cancels one. Each response message carries every update that was
+        ready at one delivery of engine step outputs, for all the requests on the stream, so a step costs one
+        message per stream instead of one per request. A failed request gets an error entry (the status its
+        unary call would end with) and the stream goes on; when the stream ends or breaks, every request still
+        running on it is aborted and its pages freed, as when a unary Decode call is cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees everything held for the request: an unclaimed lease, or a running request. Idempotent.
         """
@@ -326,6 +343,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -395,6 +417,33 @@ class DecodeService:
             '/pdserve.internal.v1.DecodeService/Decode',
             pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.internal.v1.DecodeService/DecodeStream',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
