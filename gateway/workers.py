@@ -243,12 +243,19 @@ class WorkerPool:
                                                     max_new_tokens=max_new_tokens, transport=self.transport_for(worker))
                 call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
                                                                   metadata=self._metadata_for(trace_id)))
+                # Counted against the worker now, not when the answer comes back: the requests of a burst that
+                # are routed meanwhile see it, instead of all ranking the same snapshot first.
+                claimed = worker.state.pages_for(num_prompt_tokens + 1)
+                worker.state.free_pages -= claimed
+                worker.state.running += 1
                 try:
                     destination = (await asyncio.shield(call)).destination
                 except asyncio.CancelledError:
+                    _unclaim(worker.state, claimed)
                     await self._undo_reserve(worker, call, request_id, trace_id)
                     raise
                 except grpc.aio.AioRpcError as error:
+                    _unclaim(worker.state, claimed)
                     if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         last = error.details() or "full"
                         worker.state.free_pages = 0  # until the next poll says otherwise
@@ -261,10 +268,15 @@ class WorkerPool:
                     if error.code() in _UNKNOWN_OUTCOME:  # it may have reserved just as the deadline fired
                         await self._release(worker, request_id, trace_id)
                     raise
-                worker.state.free_pages = max(0, worker.state.free_pages - len(destination.page_ids))
-                worker.state.running += 1
+                worker.state.free_pages += claimed - len(destination.page_ids)  # the estimate -> the pages it got
                 return worker, destination
             if time.monotonic() >= give_up:
                 raise ResourceExhausted(f"no decode worker has room for the request: {last}")
             await asyncio.sleep(min(backoff, max(0.0, give_up - time.monotonic())))
             backoff = min(backoff * 2, 0.1)
+
+
+def _unclaim(state: DecodeState, pages: int) -> None:
+    """Undoes what reserve() counted against a worker for a Reserve that did not succeed."""
+    state.free_pages += pages
+    state.running = max(0, state.running - 1)

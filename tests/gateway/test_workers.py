@@ -121,6 +121,33 @@ async def test_cancel_during_reserve_releases_what_it_reserved():
     await pool.close()
 
 
+async def test_a_burst_is_spread_while_its_reserves_are_in_flight():
+    """Requests routed while earlier Reserves are still in flight see those claims: a burst of four arriving
+    together over two almost equally free workers is split 2 / 2, not sent whole to the one that looked a page
+    emptier. When the answers come, each worker's estimate becomes the pages it actually reserved; a refused
+    Reserve gives back what it claimed."""
+    pool, _ = await _pool([[], []])
+    slow = [_SlowDecode(), _SlowDecode()]
+    for worker, fake, free in zip(pool.decode, slow, (41, 40)):
+        worker.stub, worker.state.free_pages, worker.state.running = fake, free, 0
+    tasks = [asyncio.create_task(pool.reserve(f"r{i}", 40, 5, deadline=None)) for i in range(4)]
+    for _ in range(20):  # every request ranks and sends its Reserve (in-process fakes: no I/O to wait for)
+        await asyncio.sleep(0)
+    assert [fake.calls for fake in slow] == [0, 0] and [w.state.running for w in pool.decode] == [2, 2]
+    assert [w.state.free_pages for w in pool.decode] == [41 - 2 * 3, 40 - 2 * 3]  # 41 prompt + first token: 3 pages
+    for fake in slow:
+        fake.gate.set()
+    chosen = [worker for worker, _ in await asyncio.gather(*tasks)]
+    assert [chosen.count(w) for w in pool.decode] == [2, 2]
+    assert [w.state.free_pages for w in pool.decode] == [41 - 2 * 2, 40 - 2 * 2]  # the fakes reserve 2 pages each
+    slow[0].script = [grpc.StatusCode.INVALID_ARGUMENT]
+    slow[1].script = [grpc.StatusCode.INVALID_ARGUMENT]
+    with pytest.raises(grpc.aio.AioRpcError):
+        await pool.reserve("bad", 40, 5, deadline=None)
+    assert [w.state.free_pages for w in pool.decode] == [37, 36] and [w.state.running for w in pool.decode] == [2, 2]
+    await pool.close()
+
+
 @pytest.mark.parametrize("code", [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED])
 async def test_reserve_with_unknown_outcome_is_released(code):
     """A Reserve that fails with DEADLINE_EXCEEDED / CANCELLED may still have reserved on the worker (its
