@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TPGroup
+from engine.kernels.cpu_linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,5 +39,5 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(end - start, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local_logits = F.linear(hidden, self.weight).float()
+        local_logits = linear(hidden, self.weight).float()
         return self.tp.all_gather(local_logits, dim=-1)

@@ -1,14 +1,15 @@
 """Tensor-parallel linear layers; each forward shows the collective it needs (no hidden hooks).
 
-Weights are [out_features, in_features] as in nn.Linear; no bias (DeepSeek-V3 has none).
+Weights are [out_features, in_features] as in nn.Linear; no bias (DeepSeek-V3 has none). On the CPU a
+few-row float32 matmul goes through oneDNN with a packed weight (engine/kernels/cpu_linear.py).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TPGroup
+from engine.kernels.cpu_linear import linear
 
 
 class _Linear(nn.Module):
@@ -26,7 +27,7 @@ class ReplicatedLinear(_Linear):
     """Full weight on every rank: x [T, in] -> [T, out], identical everywhere."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class ColumnParallelLinear(_Linear):
@@ -40,7 +41,7 @@ class ColumnParallelLinear(_Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(_Linear):
@@ -56,7 +57,7 @@ class RowParallelLinear(_Linear):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.reduce:
             out = self.tp.all_reduce(out)
         return out
