@@ -14,10 +14,10 @@
 # Dockerfile's, python:3.11-slim), PDSERVE_CACHE (base image and wheelhouse: /var/cache/pdserve as root,
 # else ~/.cache/pdserve), PDSERVE_ENGINE (docker | podman: skip the detection), UP_TIMEOUT (seconds, 900).
 #
-# Without Docker Engine (podman, as root): installs podman, docker-compose, debootstrap, runc, netavark and
-# aardvark-dns from Debian; configures podman (runc, cgroupfs, no default ulimits: crun fails on hybrid
-# cgroups and setting RLIMIT_NOFILE is refused); serves podman's Docker-compatible API on a unix socket
-# for docker-compose; runs the containers' health checks (podman schedules them with systemd timers,
+# Without Docker Engine (podman, as root): installs podman, docker-compose, debootstrap, runc, netavark,
+# aardvark-dns and iptables (netavark sets up its bridge with it) from Debian; configures podman (runc,
+# cgroupfs, no default ulimits: crun fails on hybrid cgroups and setting RLIMIT_NOFILE is refused); serves
+# podman's Docker-compatible API on a unix socket for docker-compose; runs the containers' health checks (podman schedules them with systemd timers,
 # and there is no systemd here); makes a local Debian base image when BASE_IMAGE cannot be pulled; and
 # installs every Python package in the image from a wheelhouse prepared on the host with the host's pip
 # (its index, local wheel sources and CA bundle: the CPU build of torch, not the index's CUDA one).
@@ -57,16 +57,16 @@ detect_engine() {
 # ------------------------------------------------------------------ podman set-up
 install_podman() {
     local missing=()
-    for tool in podman docker-compose debootstrap runc netavark aardvark-dns; do
+    for tool in podman docker-compose debootstrap runc netavark aardvark-dns iptables; do
         command -v "$tool" >/dev/null || [ -x "/usr/lib/podman/$tool" ] || missing+=("$tool")
     done
     [ ${#missing[@]} = 0 ] && return 0
     [ "$(id -u)" = 0 ] || die "no Docker engine and podman is missing (${missing[*]}); run as root to install it"
     command -v apt-get >/dev/null || die "no Docker engine, and no apt-get to install podman with"
-    log "installing podman docker-compose debootstrap runc netavark aardvark-dns (Debian packages)"
+    log "installing podman docker-compose debootstrap runc netavark aardvark-dns iptables (Debian packages)"
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        podman docker-compose debootstrap runc netavark aardvark-dns ca-certificates >/dev/null
+        podman docker-compose debootstrap runc netavark aardvark-dns iptables ca-certificates >/dev/null
 }
 
 configure_podman() {
