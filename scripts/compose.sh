@@ -19,8 +19,9 @@
 # cgroupfs, no default ulimits: crun fails on hybrid cgroups and setting RLIMIT_NOFILE is refused); serves
 # podman's Docker-compatible API on a unix socket for docker-compose; runs the containers' health checks
 # (podman schedules them with systemd timers, and there is no systemd here); makes a local Debian base image
-# when BASE_IMAGE cannot be pulled; and installs every Python package in the image from a wheelhouse prepared on the host with the host's pip
-# (its index, local wheel sources and CA bundle: the CPU build of torch, not the index's CUDA one).
+# when BASE_IMAGE cannot be pulled; and installs every Python package in the image from a wheelhouse
+# prepared on the host with the host's pip (its index, local wheel sources and CA bundle: the CPU build of
+# torch, not the index's CUDA one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
