@@ -24,6 +24,7 @@ from decode_worker.engine_view import EngineView
 from decode_worker.pipe_writer import PipeWriter
 from decode_worker.streams import Streams
 from engine.sampling_params import SamplingParams
+from engine.weight_store import remove_stale_segments
 from kvtransfer.shm_pool import cleanup_stale_segments
 from rpc.processes import child_start_method
 from rpc.status import ResourceExhausted, Unavailable
@@ -115,6 +116,7 @@ class ProcessPort:
         removed = cleanup_stale_segments()  # a killed engine leaves its pool segments behind
         if removed:
             logger.info("removed %d KV pool segment(s) the engine process left", len(removed))
+        remove_stale_segments()  # and the weight segment it owned, when no other process outlived it there
 
     # --- commands ----------------------------------------------------------------------------------------
     def _send(self, tag: int, op: str, *args: Any) -> None:

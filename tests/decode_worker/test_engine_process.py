@@ -128,10 +128,13 @@ async def test_cancel_and_release_free_the_pages(service_model):
 
 async def test_engine_process_death_fails_streams_and_is_reported(service_model):
     """Killing the engine process mid-stream ends the open stream with EngineFailed (no hang), calls
-    on_engine_lost, makes Reserve UNAVAILABLE, and stop() still completes with no pool segment left."""
+    on_engine_lost, makes Reserve UNAVAILABLE, and stop() still completes with no pool segment left, nor the
+    weight segment the killed process owned."""
     lost: list[str] = []
+    weights_before = set(Path("/dev/shm").glob("pdserve-w-*"))
     service, receivers = await _started(_config(service_model, True), lost)
     names = list(service.engine.pool_names)
+    weights = set(Path("/dev/shm").glob("pdserve-w-*")) - weights_before  # the one the engine process owns
     try:
         destination = await service.reserve("doomed", len(PROMPT), 1000, TransportKind.SHM)
         mark_kv_complete(service.engine, destination)
@@ -146,6 +149,7 @@ async def test_engine_process_death_fails_streams_and_is_reported(service_model)
     finally:
         await _stopped(service, receivers)
     assert not [name for name in names if Path("/dev/shm", name).exists()]
+    assert weights and not [path for path in weights if path.exists()]  # its weight segment did not outlive it
 
 
 async def _drain(stream) -> None:
