@@ -16,6 +16,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from decode_worker.streams import EngineFailed
+from engine import weight_store
 from kvtransfer.destination import TransportKind
 from rpc.status import Unavailable
 from tests.services.decode_hooks import mark_kv_complete
@@ -131,10 +132,9 @@ async def test_engine_process_death_fails_streams_and_is_reported(service_model)
     on_engine_lost, makes Reserve UNAVAILABLE, and stop() still completes with no pool segment left, nor the
     weight segment the killed process owned."""
     lost: list[str] = []
-    weights_before = set(Path("/dev/shm").glob("pdserve-w-*"))
     service, receivers = await _started(_config(service_model, True), lost)
     names = list(service.engine.pool_names)
-    weights = set(Path("/dev/shm").glob("pdserve-w-*")) - weights_before  # the one the engine process owns
+    weights = _weight_segments_of(service._port.pid)
     try:
         destination = await service.reserve("doomed", len(PROMPT), 1000, TransportKind.SHM)
         mark_kv_complete(service.engine, destination)
@@ -150,6 +150,22 @@ async def test_engine_process_death_fails_streams_and_is_reported(service_model)
         await _stopped(service, receivers)
     assert not [name for name in names if Path("/dev/shm", name).exists()]
     assert weights and not [path for path in weights if path.exists()]  # its weight segment did not outlive it
+
+
+def _weight_segments_of(pid: int) -> list[Path]:
+    """The weight segments (engine/weight_store.py) whose header names `pid` as their owner."""
+    owned = []
+    for path in Path(weight_store.SHM_DIR).glob(weight_store.PREFIX + "*"):
+        try:
+            with open(path, "rb") as segment:
+                raw = segment.read(weight_store.HEADER.size)
+        except OSError:  # (another test's segment, gone meanwhile)
+            continue
+        if len(raw) == weight_store.HEADER.size:
+            magic, _, owner, *_ = weight_store.HEADER.unpack(raw)
+            if magic == weight_store.MAGIC and owner == pid:
+                owned.append(path)
+    return owned
 
 
 async def _drain(stream) -> None:
