@@ -48,6 +48,9 @@ class EngineConfig:
     use_graphs: bool = True
     share_weights: bool = False  # workers: map one copy of the weights per node (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None
+    prefix_cache: bool = True  # reuse computed pages (and KDA state checkpoints) across requests (engine/prefix_cache.py)
+    state_checkpoint_interval: int = 512  # KDA models: a state checkpoint every this many prompt tokens (pages multiple)
+    checkpoint_memory_fraction: float = 0.125  # the most of kv_memory_bytes the KDA state checkpoints may take
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))  # "auto" resolved once, here
@@ -78,6 +81,11 @@ class EngineConfig:
             raise ValueError(f"kv_pool must be one of {KV_POOLS}, got {self.kv_pool!r}")
         if self.kv_pool != "local" and self.page_pools is None:
             raise ValueError(f"kv_pool {self.kv_pool!r} needs page_pools (e.g. kvtransfer.shm_pool.ShmPoolFactory())")
+        if self.state_checkpoint_interval <= 0 or self.state_checkpoint_interval % self.page_size:
+            raise ValueError(f"state_checkpoint_interval must be a positive multiple of page_size {self.page_size}, "
+                             f"got {self.state_checkpoint_interval}")
+        if not 0.0 <= self.checkpoint_memory_fraction < 1.0:
+            raise ValueError(f"checkpoint_memory_fraction must be in [0, 1), got {self.checkpoint_memory_fraction}")
         if self.draft_model_dir and not Path(self.draft_model_dir, "config.json").is_file():
             raise ValueError(f"draft_model_dir {self.draft_model_dir!r} has no config.json")
 
@@ -116,6 +124,7 @@ class StepOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_generated: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed) for this request
 
 
 @dataclass(frozen=True)
@@ -135,3 +144,24 @@ class PrefillResult:
     first_logprobs: TokenLogprob | None
     num_prompt_tokens: int
     prefill_time_s: float
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters and gauges of an engine's prefix cache (engine/prefix_cache.py), since start.
+
+    queried_tokens: prompt tokens looked up; hit_tokens: of those, served from cached pages;
+    checkpoint_hits: lookups (KDA models) that restored a state checkpoint; cached_pages: pages the cache
+    holds (in use or not); evictable_pages: of those, unreferenced (counted as free); evicted_pages;
+    checkpoints / checkpoint_slots: KDA state checkpoints held / the checkpoint pool's size; evicted_checkpoints."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    checkpoint_hits: int = 0
+    cached_pages: int = 0
+    evictable_pages: int = 0
+    evicted_pages: int = 0
+    checkpoints: int = 0
+    checkpoint_slots: int = 0
+    evicted_checkpoints: int = 0

@@ -15,7 +15,8 @@ from engine.config_base import length_of
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
-from engine.engine_types import DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, StepOutput
+from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
+                                 StepOutput)
 from engine.host_fetch import fetch_to_host
 from engine.sampling import exponential_noise, make_generator
 from engine.sampling_params import SamplingParams, speculates
@@ -127,6 +128,11 @@ class LLMEngine:
     @property
     def num_free_pages(self) -> int:
         return self.allocator.num_free
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """A snapshot of the prefix cache's counters (all zero with prefix_cache off)."""
+        return PrefixCacheStats()
 
     num_running = length_of("scheduler.running")
     num_waiting = length_of("scheduler.waiting")
