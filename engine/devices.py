@@ -90,6 +90,18 @@ def rank_device(device: str, gpus: Sequence[int], rank: int) -> torch.device:
     return torch.device("cuda", gpus[rank])
 
 
+def bind_thread_to(device: torch.device) -> None:
+    """Makes `device` the calling thread's current CUDA device. The current device is per thread: the
+    engine is built on one thread and stepped on another (the engine thread), where it is GPU 0 unless set
+    there; Triton launches on the current device and device pools read it. A no-op on CPU, without a GPU
+    (FakeTensorMode) and when it is already current (the usual case: one cheap query per step)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return
+    index = device.index if device.index is not None else 0
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+
+
 def host_to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`: pinned + non_blocking on a real GPU, a plain tensor otherwise."""
     if device.type != "cuda":

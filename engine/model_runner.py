@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.devices import host_to_device, rank_device
+from engine.devices import bind_thread_to, host_to_device, rank_device
 from engine.distributed import TPGroup
 from engine.forward_batch import copy_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
@@ -101,8 +101,7 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = rank_device(config.device, config.gpus or tuple(range(tp.size)), tp.rank)
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.set_device(self.device)
+        bind_thread_to(self.device)
         dtype = config.torch_dtype
         model_config = load_config(config.model_dir)
         heads_per_rank = model_config.num_attention_heads // tp.size
@@ -232,6 +231,7 @@ class ModelRunner:
 
     # --- plans --------------------------------------------------------------------------------------
     def execute(self, plan) -> torch.Tensor | None:
+        bind_thread_to(self.device)  # steps may run on another thread than the one that built the runner
         if isinstance(plan, TargetPlan):
             return self.run_target(plan)
         if isinstance(plan, DraftPlan):
@@ -329,6 +329,7 @@ class ModelRunner:
 
     def read_pages(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copies of this rank's pages: target [layers, n, page_size, D], draft [draft_layers, n, page_size, Dd]."""
+        bind_thread_to(self.device)
         index = host_to_device(list(page_ids), torch.int64, self.device)
         target = self.cache.kv.index_select(1, index)
         draft = self.cache.draft.index_select(1, index) if self.cache.draft is not None else None

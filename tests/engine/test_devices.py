@@ -78,3 +78,52 @@ def test_aiter_refuses_fp32_at_start_up(monkeypatch):
     monkeypatch.setattr(registry, "_on_rocm", lambda: True)
     with pytest.raises(ValueError, match="float32"):
         registry._make_aiter(torch.device("cuda"), "float32")
+
+
+class _FakeCudaDevices:
+    """torch.cuda's per-thread current device, as the CUDA runtime keeps it (a thread starts on GPU 0)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._local = threading.local()
+
+    def current_device(self) -> int:
+        return getattr(self._local, "index", 0)
+
+    def set_device(self, index) -> None:
+        self._local.index = index.index if isinstance(index, torch.device) else int(index)
+
+
+def test_model_runner_steps_bind_their_gpu_on_the_stepping_thread(monkeypatch):
+    """A runner built for cuda:5 on one thread and stepped on another (the engine thread) makes cuda:5 the
+    stepping thread's current device before any launch: Triton kernels and device pools use the current
+    device, which a new thread has at 0 (`--gpus 4-7` would have launched rank 1's kernels on GPU 0)."""
+    import threading
+
+    from engine.model_runner import ModelRunner
+    from engine.step_plan import AttachPoolsPlan
+
+    fake = _FakeCudaDevices()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", fake.current_device)
+    monkeypatch.setattr(torch.cuda, "set_device", fake.set_device)
+    runner = ModelRunner.__new__(ModelRunner)  # only what execute() reads: the device and the cache lookup
+    runner.device = torch.device("cuda", 5)
+    seen: list[int] = []
+    runner._cache_for = lambda pool_names: seen.append(torch.cuda.current_device())
+    stepping = threading.Thread(target=runner.execute, args=(AttachPoolsPlan(("pool",)),))
+    stepping.start()
+    stepping.join()
+    assert seen == [5]
+    assert fake.current_device() == 0  # this thread's device is untouched
+
+
+def test_bind_thread_to_is_a_no_op_on_cpu_and_without_a_gpu(monkeypatch):
+    """CPU devices, and cuda without a visible GPU (FakeTensorMode runs), never call set_device."""
+    from engine.devices import bind_thread_to
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail("set_device called"))
+    bind_thread_to(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bind_thread_to(torch.device("cuda", 3))

@@ -80,13 +80,19 @@ def paged_decode_kernel(
         tl.store(lse_ptr + row * stride_lt + offs_h * stride_lh + split, lse)
 
 
+SPLIT_BUCKETS = (1, 2, 4, 8, 16, 32)  # NUM_SPLITS is a constexpr: one compiled variant per value used
+
+
 def choose_num_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
     """Split the context across programs (flash-decoding) until the GPU has ~2 programs per SM/CU,
-    keeping at least 256 keys per split. CPU (interpreter): 1."""
+    keeping at least 256 keys per split, rounded down to a power of two from SPLIT_BUCKETS (NUM_SPLITS is
+    a compile-time constant: growing contexts compile at most len(SPLIT_BUCKETS) variants, not one per
+    value). CPU (interpreter): 1."""
     if device.type == "cpu":
         return 1
     processors = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(2 * processors, max(programs, 1)), triton.cdiv(max_kv_len, 256), 32))
+    wanted = max(1, min(triton.cdiv(2 * processors, max(programs, 1)), triton.cdiv(max_kv_len, 256)))
+    return max(bucket for bucket in SPLIT_BUCKETS if bucket <= wanted)
 
 
 def combine_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
