@@ -1,30 +1,49 @@
 """Decode and verify steps captured as CUDA (HIP) graphs, one per (batch-size bucket, query length).
 
-At start-up every graph is captured over a static packed input buffer (one int64 tensor holding
-input ids, positions and all attention metadata, see forward_batch.pack_step_inputs); a step copies
-its padded inputs into that buffer with one host-to-device copy and replays the graph. Steps that do
-not fit (prefill, mixed query lengths, more sequences than the largest bucket, another engine's
-pools) run eagerly, as does everything when the attention backend cannot be captured (it reads
-host-side lengths) or `--no-graphs` is given. The draft's proposal runs eagerly (its context length
-changes every step). The bucket and padding logic is engine/graph_buckets.py."""
+At start-up every graph is captured over a static packed input buffer (one int64 tensor holding input
+ids, positions and the per-token / per-sequence attention metadata, see forward_batch.pack_step_inputs)
+and one persistent device block table (engine/block_table.py) shared by every graph. A step copies its
+padded inputs into the packed buffer with one host-to-device copy, writes only the page-table entries
+that changed since the last step, and replays the graph. Steps that do not fit (prefill, mixed query
+lengths, more sequences than the largest bucket, another engine's pools) run eagerly, as does everything
+when the attention backend cannot be captured (it reads host-side lengths) or `--no-graphs` is given. The
+draft's proposal runs eagerly (its context length changes every step). The bucket and padding logic is
+engine/graph_buckets.py.
+
+Tensor parallelism: every rank must replay the same graphs (each holds collectives), so which buckets
+were captured is agreed across ranks after capture: a bucket that failed on any rank runs eagerly on all.
+
+This module imports nothing from engine.model_runner: the runner is any object with the GraphedRunner
+attributes (no import cycle)."""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from engine.devices import host_to_device
-from engine.forward_batch import ForwardMode, StepLayout, unpack_forward_batch
+from engine.block_table import DeviceBlockTable
+from engine.devices import copy_host_values, host_to_device
+from engine.distributed import TPGroup
+from engine.forward_batch import ForwardBatch, ForwardMode, StepLayout, unpack_forward_batch
 from engine.graph_buckets import bucket_for, graph_buckets, pad_target_plan, uniform_query_len
 from engine.step_plan import DraftPlan, TargetPlan, pack_target_plan
 
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-
 logger = logging.getLogger(__name__)
+
+
+class GraphedRunner(Protocol):
+    """What CudaGraphRunner needs of engine.model_runner.ModelRunner."""
+
+    config: object  # RunnerConfig: page_size, num_pages
+    device: torch.device
+    tp: TPGroup
+    cache: object
+
+    def forward_target(self, batch: ForwardBatch, rows: torch.Tensor, cache, write_draft_context: bool) -> torch.Tensor:
+        ...
 
 
 class CapturedStep(NamedTuple):
@@ -34,58 +53,88 @@ class CapturedStep(NamedTuple):
     logits: torch.Tensor  # the static output the graph writes: [bucket * q_len, vocab]
 
 
-def _dummy_plan(bucket: int, q_len: int, scratch_page: int, page_size: int, write_draft: bool) -> TargetPlan:
-    """A plan of `bucket` dummy sequences (all padding) with the shapes every replay will have."""
-    empty = TargetPlan(ForwardMode.DECODE, [0] * q_len, list(range(q_len)), [q_len], [q_len],
-                       [[scratch_page] * -(-q_len // page_size)], list(range(q_len)), None, write_draft)
-    return pad_target_plan(empty, bucket, scratch_page, page_size)
+class PaddedStep(NamedTuple):
+    """A plan padded to its bucket: the packed values (no block table), their layout and every row's page list."""
+
+    values: list[int]
+    layout: StepLayout
+    page_tables: list[list[int]]
+
+
+def pad_step(plan: TargetPlan, bucket: int, scratch_page: int, page_size: int, max_pages: int) -> PaddedStep:
+    """plan padded to `bucket` sequences (graph_buckets.pad_target_plan) and packed without its block table."""
+    padded = pad_target_plan(plan, bucket, scratch_page, page_size)
+    values, layout = pack_target_plan(padded, page_size, max_pages, include_table=False)
+    return PaddedStep(values, layout, padded.page_tables)
+
+
+def agree_across_ranks(keys: list[tuple[int, int]], captured: set[tuple[int, int]], tp: TPGroup,
+                       device: torch.device) -> set[tuple[int, int]]:
+    """The keys captured on EVERY rank (a collective: each rank passes the same sorted keys). A graph holds
+    the step's all-reduces; one rank replaying it while another runs eagerly with other sizes hangs NCCL."""
+    if tp.size == 1 or not keys:
+        return set(captured)
+    flags = host_to_device([int(key in captured) for key in keys], torch.int32, device)
+    counts = tp.all_reduce(flags).tolist()  # start-up only
+    return {key for key, count in zip(keys, counts) if count == tp.size}
 
 
 class CudaGraphRunner:
-    """Captured target steps of one ModelRunner; run_target returns None when a plan must run eagerly."""
+    """Captured target steps of one runner; run_target returns None when a plan must run eagerly."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int, query_lens: tuple[int, ...], max_pages: int) -> None:
+    def __init__(self, runner: GraphedRunner, max_batch: int, query_lens: tuple[int, ...], max_pages: int) -> None:
         self.runner = runner
         self.buckets = graph_buckets(max_batch)
         self.query_lens = tuple(sorted(set(query_lens)))
         self.max_pages = max_pages
+        self.page_size = runner.config.page_size
         self.scratch_page = runner.config.num_pages - 1
+        self.block_table = DeviceBlockTable(max(self.buckets), max_pages, runner.device)
         self.steps: dict[tuple[int, int], CapturedStep] = {}
         self.pool = None
         self.write_draft = False
 
     def capture(self, write_draft: bool) -> None:
         """Captures every (bucket, query length), largest first so smaller graphs reuse its memory pool.
-        A bucket whose capture fails (an op that syncs with the host) is logged and left eager."""
+        A capture that fails (an op that syncs with the host) leaves that bucket eager on every rank."""
         self.write_draft = write_draft
-        free_before = torch.cuda.mem_get_info(self.runner.device)[0]
+        device = self.runner.device
+        free_before = torch.cuda.mem_get_info(device)[0]
         started = time.perf_counter()
-        failed = []
-        for q_len in self.query_lens:
-            for bucket in sorted(self.buckets, reverse=True):
-                try:
-                    self.steps[(bucket, q_len)] = self._capture_one(bucket, q_len, write_draft)
-                except RuntimeError as error:
-                    failed.append((bucket, q_len))
-                    logger.warning("graph capture of batch %d x %d tokens failed (%s); it runs eagerly",
-                                   bucket, q_len, str(error).splitlines()[0])
-        torch.cuda.synchronize(self.runner.device)
-        used = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
-        logger.info("captured %d CUDA graphs (buckets %s, query lengths %s) in %.2f s using %.1f MiB; %d failed",
+        keys = [(bucket, q_len) for q_len in self.query_lens for bucket in sorted(self.buckets, reverse=True)]
+        for bucket, q_len in keys:
+            try:
+                self.steps[(bucket, q_len)] = self._capture_one(bucket, q_len, write_draft)
+            except RuntimeError as error:
+                logger.warning("graph capture of batch %d x %d tokens failed on rank %d (%s)",
+                               bucket, q_len, self.runner.tp.rank, str(error).splitlines()[0])
+        agreed = agree_across_ranks(sorted(keys), set(self.steps), self.runner.tp, device)
+        dropped = sorted(set(self.steps) - agreed)
+        for key in dropped:
+            del self.steps[key]
+        if len(self.steps) < len(keys):
+            logger.error("%d of %d graph buckets run eagerly on every rank (a capture failed on some rank): %s",
+                         len(keys) - len(self.steps), len(keys), sorted(set(keys) - set(self.steps)))
+        torch.cuda.synchronize(device)
+        used = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info("captured %d CUDA graphs (buckets %s, query lengths %s) in %.2f s using %.1f MiB",
                     len(self.steps), list(self.buckets), list(self.query_lens), time.perf_counter() - started,
-                    used / 2**20, len(failed))
+                    used / 2**20)
 
     def _capture_one(self, bucket: int, q_len: int, write_draft: bool) -> CapturedStep:
         runner = self.runner
-        plan = _dummy_plan(bucket, q_len, self.scratch_page, runner.config.page_size, write_draft)
-        values, layout = pack_target_plan(plan, runner.config.page_size, self.max_pages)
+        one = TargetPlan(ForwardMode.DECODE, [0] * q_len, list(range(q_len)), [q_len], [q_len],
+                         [[self.scratch_page] * -(-q_len // self.page_size)], list(range(q_len)), None, write_draft)
+        padded = pad_step(one, bucket, self.scratch_page, self.page_size, self.max_pages)  # all rows padding
         # The captured metadata claims the longest possible contexts so kernels size their split-K for them;
         # the kernels read the real lengths from the device tensors at replay.
-        layout = replace(layout, kv_lens=(self.max_pages * runner.config.page_size,) * bucket)
-        packed = host_to_device(values, torch.int64, runner.device)
+        layout = replace(padded.layout, kv_lens=(self.max_pages * self.page_size,) * bucket)
+        self.block_table.update(padded.page_tables)
+        packed = host_to_device(padded.values, torch.int64, runner.device)
+        table = self.block_table.table[:bucket]
 
         def step() -> torch.Tensor:
-            batch, rows = unpack_forward_batch(ForwardMode.DECODE, packed, layout)
+            batch, rows = unpack_forward_batch(ForwardMode.DECODE, packed, layout, table)
             return runner.forward_target(batch, rows, runner.cache, write_draft)
 
         stream = torch.cuda.Stream(runner.device)
@@ -110,12 +159,11 @@ class CudaGraphRunner:
         if captured is None or (plan.write_draft_context and not self.write_draft) or \
                 any(len(p) > self.max_pages for p in plan.page_tables):
             return None
-        padded = pad_target_plan(plan, bucket, self.scratch_page, self.runner.config.page_size)
-        values, _ = pack_target_plan(padded, self.runner.config.page_size, self.max_pages)
-        captured.packed.copy_(torch.tensor(values, dtype=torch.int64).pin_memory(), non_blocking=True)  # one H2D copy
+        padded = pad_step(plan, bucket, self.scratch_page, self.page_size, self.max_pages)
+        self.block_table.update(padded.page_tables)  # only the entries that changed
+        copy_host_values(captured.packed, padded.values)  # one host-to-device copy
         captured.graph.replay()
         return captured.logits[: len(plan.logit_rows)]
 
     def run_draft(self, plan: DraftPlan) -> torch.Tensor | None:
         return None  # the draft runs eagerly (see the module docstring)
-

@@ -102,6 +102,16 @@ def bind_thread_to(device: torch.device) -> None:
         torch.cuda.set_device(index)
 
 
+def copy_host_values(destination: torch.Tensor, values: list[int]) -> None:
+    """Writes a host list into an existing device tensor (a captured graph's static input): one pinned,
+    non-blocking host-to-device copy on a real GPU; a plain copy otherwise (CPU, FakeTensorMode)."""
+    source = torch.tensor(values, dtype=destination.dtype)
+    if destination.device.type == "cuda" and torch.cuda.is_available():
+        destination.copy_(source.pin_memory(), non_blocking=True)
+    else:
+        destination.copy_(source)
+
+
 def host_to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`: pinned + non_blocking on a real GPU, a plain tensor otherwise."""
     if device.type != "cuda":

@@ -94,10 +94,12 @@ class ForwardBatch:
 
 
 def _packed_metadata(
-    q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int, max_pages: int | None
+    q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int, max_pages: int | None,
+    include_table: bool = True,
 ) -> tuple[list[int], int, list[int]]:
     """Validated host lists -> (cu_seqlens_q + kv_lens + row-major block table + slot_mapping, table width,
-    section sizes). Pure Python: nothing touches a device."""
+    section sizes). include_table False: the table section is empty (a persistent device table holds it:
+    engine/block_table.py). Pure Python: nothing touches a device."""
     if not (len(q_lens) == len(kv_lens) == len(page_tables)) or not q_lens:
         raise ValueError("q_lens, kv_lens and page_tables must be non-empty and of equal length")
     cu = [0]
@@ -115,7 +117,7 @@ def _packed_metadata(
         if max_pages < width:
             raise ValueError(f"a page table of {width} pages does not fit max_pages={max_pages}")
         width = max_pages
-    table = [page for pages in page_tables for page in list(pages) + [0] * (width - len(pages))]
+    table = [page for pages in page_tables for page in list(pages) + [0] * (width - len(pages))] if include_table else []
     values = cu + list(kv_lens) + table + slots
     return values, width, [len(cu), len(kv_lens), len(table), len(slots)]
 
@@ -140,24 +142,30 @@ def pack_step_inputs(
     page_size: int,
     extra: list[int] = (),
     max_pages: int | None = None,
+    include_table: bool = True,
 ) -> tuple[list[int], StepLayout]:
     """A step's host lists -> (one flat list of ints, its layout): input_ids, positions, every metadata
-    tensor and `extra` (e.g. the logit rows), so the step needs ONE host-to-device copy."""
+    tensor and `extra` (e.g. the logit rows), so the step needs ONE host-to-device copy. include_table False
+    leaves the block table out (unpack_forward_batch then takes it as an argument)."""
     if len(input_ids) != len(positions) or len(input_ids) != sum(q_lens):
         raise ValueError(f"{len(input_ids)} input ids, {len(positions)} positions for q_lens summing to {sum(q_lens)}")
-    values, width, sizes = _packed_metadata(q_lens, kv_lens, page_tables, page_size, max_pages)
+    values, width, sizes = _packed_metadata(q_lens, kv_lens, page_tables, page_size, max_pages, include_table)
     layout = StepLayout((len(input_ids), len(positions), *sizes, len(extra)), width, tuple(q_lens), tuple(kv_lens), page_size)
     return list(input_ids) + list(positions) + values + list(extra), layout
 
 
-def unpack_forward_batch(mode: ForwardMode, packed: torch.Tensor, layout: StepLayout) -> tuple[ForwardBatch, torch.Tensor]:
+def unpack_forward_batch(mode: ForwardMode, packed: torch.Tensor, layout: StepLayout,
+                         block_table: torch.Tensor | None = None) -> tuple[ForwardBatch, torch.Tensor]:
     """packed: [sum(layout.sizes)] int64 on the device -> (batch, extra [n] int64); views and casts only, no
-    host work (a captured graph replays this after its packed buffer is overwritten)."""
+    host work (a captured graph replays this after its packed buffer is overwritten). block_table
+    [num_seqs, table_width] int32: the table when the packed values leave it out (include_table=False)."""
     ids, pos, cu, lens, table, slots, extra = torch.split(packed, list(layout.sizes))
+    if block_table is None:
+        block_table = table.to(torch.int32).view(len(layout.q_lens), layout.table_width)
     attn = AttentionMetadata(
         cu_seqlens_q=cu.to(torch.int32),
         kv_lens=lens.to(torch.int32),
-        block_table=table.to(torch.int32).view(len(layout.q_lens), layout.table_width),
+        block_table=block_table,
         slot_mapping=slots,
         q_lens_cpu=layout.q_lens,
         kv_lens_cpu=layout.kv_lens,

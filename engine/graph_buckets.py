@@ -52,7 +52,7 @@ def pad_target_plan(plan: TargetPlan, bucket: int, scratch_page: int, page_size:
         positions=list(plan.positions) + list(range(q_len)) * pad,
         q_lens=list(plan.q_lens) + [q_len] * pad,
         kv_lens=list(plan.kv_lens) + [q_len] * pad,
-        page_tables=[list(p) for p in plan.page_tables] + [list(dummy_pages) for _ in range(pad)],
+        page_tables=list(plan.page_tables) + [dummy_pages] * pad,
         logit_rows=list(range(len(input_ids))),
         pool_names=None,
         write_draft_context=plan.write_draft_context,

@@ -94,11 +94,12 @@ def with_state_slots(plan: TargetPlan, slots: list[int], fresh: tuple[int, ...])
     return dataclasses.replace(plan, state_slots=list(slots), reset_slots=tuple(fresh))
 
 
-def pack_target_plan(plan: TargetPlan, page_size: int, max_pages: int | None = None) -> tuple[list[int], StepLayout]:
+def pack_target_plan(plan: TargetPlan, page_size: int, max_pages: int | None = None,
+                     include_table: bool = True) -> tuple[list[int], StepLayout]:
     """The plan's tokens, attention metadata and logit rows as one flat list of ints and its layout
     (forward_batch.pack_step_inputs): what one host-to-device copy moves."""
     return pack_step_inputs(plan.input_ids, plan.positions, plan.q_lens, plan.kv_lens, plan.page_tables, page_size,
-                            plan.logit_rows, max_pages)
+                            plan.logit_rows, max_pages, include_table)
 
 
 @dataclass(frozen=True)
