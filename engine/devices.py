@@ -114,6 +114,7 @@ def copy_host_values(destination: torch.Tensor, values: list[int]) -> None:
 
 def host_to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`: pinned + non_blocking on a real GPU, a plain tensor otherwise."""
+    device = torch.device(device)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     if not torch.cuda.is_available():  # FakeTensorMode on a CPU-only machine: no pinned memory to use

@@ -17,6 +17,7 @@ from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
                                  StepOutput)
+from engine.devices import host_to_device
 from engine.host_fetch import fetch_to_host
 from engine.sampling import exponential_noise, make_generator
 from engine.sampling_params import SamplingParams, speculates
@@ -396,9 +397,11 @@ class LLMEngine:
         offsets = list(itertools.accumulate([0] + plan.q_lens))
         pieces = []
         if plain:
-            rows = torch.tensor([offsets[i] for i in plain], device=logits.device)
+            rows = [offsets[i] for i in plain]
+            plain_logits = logits if rows == list(range(logits.shape[0])) else \
+                logits.index_select(0, host_to_device(rows, torch.int64, logits.device))  # no blocking upload
             pieces.append(sample_on_device([seqs[i].params for i in plain], [seqs[i].generator for i in plain],
-                                           logits.index_select(0, rows)))
+                                           plain_logits))
         order, verdict = spec_decode.verify_on_device(seqs, drafts, logits, offsets)
         if verdict is not None:
             pieces.append(verdict)

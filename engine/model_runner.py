@@ -258,7 +258,7 @@ class ModelRunner:
             cache.state.reset(slot)
         batch, rows = copy_forward_batch(plan.mode, *pack_target_plan(plan, self.config.page_size), self.device)
         if plan.state_slots is not None:
-            slots = torch.tensor(plan.state_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            slots = host_to_device(list(plan.state_slots), torch.int64, self.device)
             batch = dataclasses.replace(batch, state_slots=slots, snapshot_state=plan.snapshot_state,
                                         state_slots_cpu=tuple(plan.state_slots))
             if plan.snapshot_state:

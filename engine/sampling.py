@@ -276,12 +276,20 @@ class SamplingBatch:
             raise ValueError(f"{len(gens)} generators for {len(params)} rows")
         sampled = [p for p in params if not p.greedy]
         enabled_k = [p.top_k for p in sampled if p.top_k > 0]
+        # One upload for the five per-row settings (float32 holds top_k exactly below 2**24): one pinned,
+        # non-blocking copy on a GPU instead of five blocking ones from pageable memory.
+        rows = len(params)
+        packed = host_to_device([p.temperature for p in params] + [-1 if p.greedy else p.top_k for p in params]
+                                + [1.0 if p.greedy else p.top_p for p in params]
+                                + [0.0 if p.greedy else p.min_p for p in params] + [float(p.greedy) for p in params],
+                                torch.float32, torch.device(device))
+        temperature, top_k, top_p, min_p, greedy = packed.view(5, rows)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([-1 if p.greedy else p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([1.0 if p.greedy else p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([0.0 if p.greedy else p.min_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
+            temperature=temperature,
+            top_k=top_k.to(torch.int64),
+            top_p=top_p,
+            min_p=min_p,
+            greedy=greedy > 0.5,
             generators=gens,
             all_greedy=not sampled,
             any_greedy=len(sampled) < len(params),

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.devices import host_to_device
 from engine.host_fetch import fetch_to_host
 from engine.sampling import SamplingBatch, sample
 from engine.sequence import Sequence
@@ -27,7 +28,7 @@ def _markov_drafts(logits: torch.Tensor, last: list[int], markov, choose) -> tup
     it knows the slot's hidden state and carries an rnn head's state); choose(rows [n, vocab]) -> (tokens [n],
     q or None). -> (tokens [n, k], the Markov-corrected rows the tokens were chosen from [n, k, vocab] (q when
     sampled))."""
-    prev = torch.tensor(last, dtype=torch.int64, device=logits.device)
+    prev = host_to_device(last, torch.int64, logits.device)
     vocab = logits.shape[-1]
     corrected_of = getattr(markov, "corrected", None)  # a MarkovSteps adds its bias in one fused op
     tokens, rows = [], []
@@ -133,15 +134,15 @@ def verify_on_device(
             pieces.append(logits.argmax(dim=-1))
         else:
             rows = [r for i in greedy for r in range(offsets[i], offsets[i + 1])]
-            pieces.append(logits.index_select(0, torch.tensor(rows, device=device)).argmax(dim=-1))
+            pieces.append(logits.index_select(0, host_to_device(rows, torch.int64, device)).argmax(dim=-1))
     if sampled:
         counts = [offsets[i + 1] - offsets[i] for i in sampled]
-        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in sampled]).to(device)
+        rows = host_to_device([r for i in sampled for r in range(offsets[i], offsets[i + 1])], torch.int64, device)
         target = SamplingBatch.from_params([seqs[i].params for i in sampled], device=device).repeat_rows(counts).probs(
             logits.index_select(0, rows)
         )
         _, num_accepted, final = verify_sampled(
-            [torch.tensor(proposals[seqs[i].request_id][0], device=device) for i in sampled],
+            [host_to_device(proposals[seqs[i].request_id][0], torch.int64, device) for i in sampled],
             [proposals[seqs[i].request_id][1] for i in sampled],
             list(torch.split(target, counts)),
             [seqs[i].generator for i in sampled],

@@ -24,6 +24,7 @@ from typing import NamedTuple, Union
 
 import torch
 
+from engine.devices import host_to_device
 from engine.sampling import Generators, exponential_noise, fill_exponential_, sample_with_noise
 
 Rows = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -101,7 +102,7 @@ def verify_greedy(
     width = max(lengths)
     target = _pad(target_logits, [n + 1 for n in lengths], width + 1).argmax(dim=-1)
     drafts = _pad(draft_tokens, lengths, width).long().to(target.device)
-    num_accepted = _accepted_prefix(drafts == target[:, :width], torch.tensor(lengths, device=drafts.device))
+    num_accepted = _accepted_prefix(drafts == target[:, :width], host_to_device(lengths, torch.int64, drafts.device))
     return VerifyTensors(drafts, num_accepted, target.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
 
 
@@ -186,7 +187,8 @@ def verify_sampled(
         drafts = _pad(draft_tokens, lengths, width).long().to(target.device)
         q = _pad(draft_probs, lengths, width).float().to(target.device)
     uniform, noise = draw_verify_randomness(lengths, target.shape[-1], target.device, generators)
-    num_accepted, final = rejection_sample(drafts, torch.tensor(lengths, device=target.device), q, target, uniform, noise)
+    num_accepted, final = rejection_sample(drafts, host_to_device(lengths, torch.int64, target.device), q, target,
+                                           uniform, noise)
     return VerifyTensors(drafts, num_accepted, final)
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.devices import host_to_device
 from engine.host_fetch import fetch_to_host
 from engine.sampling import SamplingBatch, top_logprobs
 from engine.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: int) -> lis
     num_top most likely alternatives (one device-to-host copy)."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = top_logprobs(logits, max(num_top, 1))
-    chosen = log_probs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
+    chosen = log_probs.gather(1, host_to_device(tokens, torch.int64, logits.device).unsqueeze(1))
     rows = fetch_to_host(torch.cat([chosen.double(), values[:, :num_top].double(), ids[:, :num_top].double()], dim=1))
     return [TokenLogprob(token, row[0], [int(v) for v in row[1 + num_top :]], row[1 : 1 + num_top])
             for token, row in zip(tokens, rows)]

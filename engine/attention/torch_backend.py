@@ -9,6 +9,7 @@ import itertools
 
 import torch
 
+from engine.devices import host_to_device
 from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.attention.torch_decode import DecodeGroup, build_decode_layout, decode_attention
 from engine.forward_batch import AttentionMetadata
@@ -104,14 +105,16 @@ def _prefill_group(q, k, v, seqs, q_lens, k_lens, q_starts, k_starts, scale, out
         group = seqs[first:last]
         first = last
         q_max, k_max = max(q_lens[i] for i in group), max(k_lens[i] for i in group)
-        q_rows = torch.tensor([q_starts[i] + min(j, q_lens[i] - 1) for i in group for j in range(q_max)], device=device)
-        k_rows = torch.tensor([k_starts[i] + min(j, k_lens[i] - 1) for i in group for j in range(k_max)], device=device)
+        q_rows = host_to_device([q_starts[i] + min(j, q_lens[i] - 1) for i in group for j in range(q_max)],
+                                torch.int64, device)
+        k_rows = host_to_device([k_starts[i] + min(j, k_lens[i] - 1) for i in group for j in range(k_max)],
+                                torch.int64, device)
         queries = q.index_select(0, q_rows).view(len(group), q_max, heads, -1).float().transpose(1, 2)
         keys = k.index_select(0, k_rows).view(len(group), k_max, heads, -1).float().permute(0, 2, 3, 1)
         values = v.index_select(0, k_rows).view(len(group), k_max, heads, -1).float().transpose(1, 2)
         scores = torch.matmul(queries, keys).mul_(scale)  # [S, H, Q, K]
-        q_len_t = torch.tensor([q_lens[i] for i in group], device=device).view(-1, 1, 1)
-        k_len_t = torch.tensor([k_lens[i] for i in group], device=device).view(-1, 1, 1)
+        q_len_t = host_to_device([q_lens[i] for i in group], torch.int64, device).view(-1, 1, 1)
+        k_len_t = host_to_device([k_lens[i] for i in group], torch.int64, device).view(-1, 1, 1)
         visible = torch.arange(k_max, device=device).view(1, 1, -1) <= (
             k_len_t - q_len_t + torch.arange(q_max, device=device).view(1, -1, 1)
         )

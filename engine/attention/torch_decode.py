@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.devices import host_to_device
 from engine.forward_batch import AttentionMetadata
 
 
@@ -71,8 +72,8 @@ def build_group(attn: AttentionMetadata, first: int, last: int, token_start: int
     slots = (pages * page_size + positions % page_size).reshape(-1)
     hidden = None
     if q_max > 1 or min(kv_lens) < kv_max:
-        q_len_t = torch.tensor(q_lens, device=device).view(-1, 1, 1)
-        kv_len_t = torch.tensor(kv_lens, device=device).view(-1, 1, 1)
+        q_len_t = host_to_device(q_lens, torch.int64, device).view(-1, 1, 1)
+        kv_len_t = host_to_device(kv_lens, torch.int64, device).view(-1, 1, 1)
         query_pos = torch.arange(q_max, device=device).view(1, -1, 1)
         hidden = (positions.view(1, 1, -1) > kv_len_t - q_len_t + query_pos).unsqueeze(1)  # [S, 1, Q, L]
     rows = valid = None
@@ -82,8 +83,8 @@ def build_group(attn: AttentionMetadata, first: int, last: int, token_start: int
             row_list += [starts + min(j, q_len - 1) for j in range(q_max)]
             valid_list += [index * q_max + j for j in range(q_len)]
             starts += q_len
-        rows = torch.tensor(row_list, device=device)
-        valid = torch.tensor(valid_list, device=device)
+        rows = host_to_device(row_list, torch.int64, device)
+        valid = host_to_device(valid_list, torch.int64, device)
     return DecodeGroup(first, last, token_start, token_start + sum(q_lens), q_max, kv_max, slots, hidden, rows, valid)
 
 

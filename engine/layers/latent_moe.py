@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.config_base import check_positive
 from engine.distributed import TPGroup
-from engine.kernels.moe_torch import moe_dense, use_dense_moe
+from engine.kernels.moe_torch import moe_dense, routing_matrix, use_dense_moe
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.moe import select_experts
 from engine.layers.mxfp4 import PackedExperts
@@ -81,6 +81,8 @@ def run_packed_experts(
 ) -> torch.Tensor:
     """u [T, latent], weights/ids [T, k] -> [T, latent] float32: sum over the selected experts this rank owns
     (local ids expert_start ..), tokens grouped by expert so each expert runs once over all its tokens."""
+    if u.is_cuda:
+        return run_packed_experts_on_device(experts, expert_start, u, weights, ids, beta, linear_beta)
     num_tokens, top_k = ids.shape
     local_ids = ids.reshape(-1) - expert_start
     mine = ((local_ids >= 0) & (local_ids < experts.num_experts)).nonzero().squeeze(1)
@@ -102,6 +104,23 @@ def run_packed_experts(
     results.mul_(weights.reshape(-1).index_select(0, mine).unsqueeze(1))
     out.index_copy_(0, mine, results)
     return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def run_packed_experts_on_device(
+    experts: PackedExperts, expert_start: int, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    beta: float, linear_beta: float,
+) -> torch.Tensor:
+    """run_packed_experts on a GPU without a host sync and with fixed shapes (CUDA-graph capturable): every
+    local expert over every token, weighted by its routing weight (0 where the token did not pick it). No
+    nonzero, no .tolist(), no data-dependent branch; the loop's trip count is the (fixed) local expert count.
+    It reads every local expert's weights each step, a bandwidth cost at small batches, until a grouped
+    MXFP4 expert kernel takes its place."""
+    combine = routing_matrix(weights, ids - expert_start, experts.num_experts)  # [T, E] float32
+    out = torch.zeros(u.shape[0], u.shape[1], dtype=torch.float32, device=u.device)
+    for expert in range(experts.num_experts):
+        hidden = situ_glu_fused(experts.gate_up(expert, u), beta, linear_beta).to(u.dtype)
+        out.addcmul_(experts.down(expert, hidden), combine[:, expert : expert + 1])
+    return out
 
 
 class LatentMoE(nn.Module):

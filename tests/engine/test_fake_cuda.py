@@ -1,7 +1,11 @@
 """The engine on device "cuda" without a GPU: torch's FakeTensorMode runs prefill, decode and
-speculative verify steps (with the draft) on fake CUDA tensors. Any op mixing CPU and CUDA tensors
-raises, and every device-to-host synchronisation outside engine.host_fetch.fetch_to_host (the
-sampler's single door) fails the test.
+speculative verify steps (with the draft), graph replays and Kimi K3 decode on fake CUDA tensors. Any op
+mixing CPU and CUDA tensors raises; every op whose output shape depends on device values (nonzero, boolean
+masks, bincount, unique: FakeTensorMode has no shape environment here, so it raises
+DynamicOutputShapeException) fails the step; every device-to-host synchronisation outside
+engine.host_fetch.fetch_to_host (the sampler's single door: .item(), .tolist(), .cpu(), .numpy(), bool(),
+.to("cpu")) fails the test, and so does every blocking upload from pageable host memory
+(torch.tensor(list, device="cuda"), cpu_tensor.to("cuda")) outside engine/devices.py's pinned helpers.
 
 A CPU-only torch build has no CUDA device guard, which indexing and copies take even for fake
 tensors (torch._C._ensureCUDADeviceGuardSet does not help in 2.13): fake_cuda_guard.cpp registers a
@@ -14,6 +18,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,10 +38,18 @@ class HostSyncError(AssertionError):
     """A device tensor was read on the host outside fetch_to_host."""
 
 
+def _called_from_devices() -> bool:
+    """Whether the guarded call comes from engine/devices.py (its pinned, non-blocking upload helpers, which
+    fall back to a plain tensor under FakeTensorMode on a CPU-only machine)."""
+    frame = sys._getframe(2)
+    return frame.f_code.co_filename.endswith(os.path.join("engine", "devices.py"))
+
+
 @contextlib.contextmanager
-def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch):
+def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch, forbid_uploads: bool = True):
     """Patches the Tensor methods that copy a device tensor to the host so they raise on CUDA tensors
-    (`.to("cpu")` included). Yields the list of fetches made through fetch_to_host."""
+    (`.to("cpu")` included), and (forbid_uploads) the blocking uploads from pageable memory. Yields the list
+    of fetches made through fetch_to_host."""
     fetches: list[tuple[int, ...]] = []
 
     def guard(name):
@@ -55,6 +68,9 @@ def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch):
         target = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
         if self.device.type == "cuda" and target is not None and torch.device(target).type == "cpu":
             raise HostSyncError(f"Tensor.to({target!r}) on a {self.device} tensor outside the sampler")
+        if forbid_uploads and self.device.type == "cpu" and target is not None \
+                and torch.device(target).type == "cuda" and not _called_from_devices():
+            raise HostSyncError(f"Tensor.to({target!r}) of a pageable CPU tensor (use engine.devices.host_to_device)")
         return original_to(self, *args, **kwargs)
 
     def fake_fetch(tensor: torch.Tensor) -> list:
@@ -66,9 +82,21 @@ def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch):
             zeros = [list(zeros) for _ in range(size)]
         return zeros
 
+    original_tensor = torch.tensor
+
+    def checked_tensor(data, *args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda" and not isinstance(data, torch.Tensor) \
+                and not _called_from_devices():
+            raise HostSyncError(f"torch.tensor(<{type(data).__name__}>, device={device!r}): a blocking upload "
+                                "from pageable memory (use engine.devices.host_to_device)")
+        return original_tensor(data, *args, **kwargs)
+
     for name in SYNC_METHODS:
         monkeypatch.setattr(torch.Tensor, name, guard(name))
     monkeypatch.setattr(torch.Tensor, "to", checked_to)
+    if forbid_uploads:
+        monkeypatch.setattr(torch, "tensor", checked_tensor)
     monkeypatch.setattr(llm_engine, "fetch_to_host", fake_fetch)
     monkeypatch.setattr(spec_decode, "fetch_to_host", fake_fetch)
     monkeypatch.setattr(step_results, "fetch_to_host", fake_fetch)
@@ -215,5 +243,170 @@ def test_shared_weights_on_fake_cuda_fall_back_to_a_private_copy(fake_gpu):
     try:
         assert engine.runner._shared_weights == []
         _assert_on_cuda(engine)
+    finally:
+        engine.close()
+
+
+def _decode_until_prefilled(engine: LLMEngine, request_ids: list[str]) -> None:
+    started: set[str] = set()
+    while len(started) < len(request_ids):
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+
+
+def test_plain_greedy_decode_step_has_one_host_sync(fake_gpu, monkeypatch):
+    """A plain greedy decode step of three sequences (no draft) on "cuda": no dynamic-shape op, no blocking
+    upload, no host read but the one fetch of the sampled ids (the goal: <= 1 host sync per plain step)."""
+    engine = LLMEngine(EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", attention_backend="torch",
+                                    use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
+    try:
+        for i in range(3):
+            engine.add_request(f"r{i}", [2 + i, 5, 9], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        with forbid_host_syncs(monkeypatch) as fetches:
+            _decode_until_prefilled(engine, ["r0", "r1", "r2"])
+            fetches.clear()
+            engine.step()
+            engine.step()
+        assert fetches == [(3,), (3,)], fetches
+    finally:
+        engine.close()
+
+
+class _FakeCudaGraph:
+    """torch.cuda.CUDAGraph stand-in: capture runs the step once (eagerly, on fake tensors); replay counts."""
+
+    replays = 0
+
+    def replay(self) -> None:
+        _FakeCudaGraph.replays += 1
+
+    def pool(self) -> None:
+        return None
+
+
+def _fake_graph_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams, graphs and memory queries of torch.cuda, enough for CudaGraphRunner.capture without a GPU."""
+    import types
+
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeCudaGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_graph_replay_step_on_fake_cuda_has_one_host_sync(fake_gpu, monkeypatch):
+    """With captured graphs, a decode step's host side (padding, the block-table deltas, the packed input
+    upload, the replay) adds no host sync, no blocking upload and no dynamic-shape op: one fetch per step,
+    and the replay is used (not the eager path)."""
+    from engine.cuda_graphs import CudaGraphRunner
+
+    engine = LLMEngine(EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", attention_backend="torch",
+                                    use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
+    try:
+        _fake_graph_runtime(monkeypatch)
+        runner = engine.runner
+        runner.graphs = CudaGraphRunner(runner, 4, (1,), max_pages=8)
+        runner.graphs.capture(write_draft=False)
+        assert set(runner.graphs.steps) == {(1, 1), (2, 1), (4, 1)}
+        for i in range(3):
+            engine.add_request(f"g{i}", [4 + i, 1, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        with forbid_host_syncs(monkeypatch) as fetches:
+            _decode_until_prefilled(engine, ["g0", "g1", "g2"])
+            fetches.clear()
+            before = _FakeCudaGraph.replays
+            engine.step()
+            engine.step()
+        assert _FakeCudaGraph.replays == before + 2 and fetches == [(3,), (3,)], fetches
+    finally:
+        engine.close()
+
+
+def _preload_k3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Kimi K3 tiny checkpoint as fake "cuda" tensors (safetensors cannot map under FakeTensorMode), and
+    its MXFP4 expert GEMM as a shape-only stand-in (a Triton launch needs real device memory)."""
+    from engine.kernels import mxfp4_gemm
+    from engine.layers import kda
+    from engine.models import causal_lm
+    from engine.paths import K3_MODEL_DIR
+    from engine.weights import iter_checkpoint
+
+    tensors = list(iter_checkpoint(K3_MODEL_DIR, None))
+
+    def cached_checkpoint(model_dir, num_layers, skip=None, **options):
+        return ((name, _fake_cuda_like(tensor)) for name, tensor in tensors if skip is None or not skip(name))
+
+    monkeypatch.setattr(causal_lm, "iter_checkpoint", cached_checkpoint)
+    monkeypatch.setattr(mxfp4_gemm, "mxfp4_gemm", lambda x, packed, scale: torch.empty(
+        x.shape[0], packed.shape[0], dtype=torch.float32, device=x.device))
+    # prefill's KDA (the chunked form groups deep-decay chunks with nonzero): fla's kernel's shapes stand in;
+    # the decode step under test runs the recurrent form
+    monkeypatch.setattr(kda, "fla_chunked_kda", lambda device: lambda q, k, v, g, beta, state: (
+        torch.empty(v.shape, dtype=torch.float32, device=v.device), state))
+
+
+@pytest.mark.slow  # the K3 tiny model under FakeTensorMode: ~3 s of CPU
+def test_k3_decode_step_on_fake_cuda_has_one_host_sync(monkeypatch, cuda_guard_for_fake_tensors):
+    """Kimi K3 (KDA state slots, LatentMoE over MXFP4 experts) decodes on "cuda" with no dynamic-shape op
+    (LatentMoE's nonzero / bincount were), no blocking upload and one fetch per plain decode step."""
+    from engine.paths import K3_MODEL_DIR
+
+    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.setattr(engine_types, "gpu_count", lambda: 1)
+    _preload_k3(monkeypatch)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        engine = LLMEngine(EngineConfig(model_dir=str(K3_MODEL_DIR), device="cuda", attention_backend="torch",
+                                        use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
+        try:
+            for i in range(2):
+                engine.add_request(f"k{i}", [3 + i, 6, 2], SamplingParams(max_new_tokens=8, ignore_eos=True))
+            with forbid_host_syncs(monkeypatch, forbid_uploads=False):  # prefill is not under test here
+                _decode_until_prefilled(engine, ["k0", "k1"])
+            with forbid_host_syncs(monkeypatch) as fetches:
+                engine.step()
+            assert fetches == [(2,)], fetches
+        finally:
+            engine.close()
+
+
+def test_a_blocking_upload_is_caught(fake_gpu, monkeypatch):
+    """Negative control: a decode step that uploads a Python list with torch.tensor(..., device="cuda")
+    (a blocking copy from pageable memory) fails."""
+    engine = LLMEngine(EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", attention_backend="torch",
+                                    use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
+    try:
+        engine.add_request("u", [1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        original = llm_engine.sample_on_device
+
+        def uploads_a_list(params, generators, logits):
+            return original(params, generators, logits) + torch.tensor([0], device=logits.device)
+
+        with forbid_host_syncs(monkeypatch):
+            _decode_until_prefilled(engine, ["u"])
+            monkeypatch.setattr(llm_engine, "sample_on_device", uploads_a_list)
+            with pytest.raises(HostSyncError, match="blocking upload"):
+                engine.step()
+    finally:
+        engine.close()
+
+
+def test_a_dynamic_shape_op_is_caught(fake_gpu, monkeypatch):
+    """Negative control: a decode step with an op whose output shape depends on device values (nonzero, as
+    LatentMoE's expert grouping had) fails under FakeTensorMode."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    engine = LLMEngine(EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", attention_backend="torch",
+                                    use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
+    try:
+        engine.add_request("d", [1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        original = llm_engine.sample_on_device
+        with forbid_host_syncs(monkeypatch):
+            _decode_until_prefilled(engine, ["d"])
+            monkeypatch.setattr(llm_engine, "sample_on_device",
+                                lambda *args: original(*args)[(original(*args) >= 0).nonzero().squeeze(1)])
+            with pytest.raises(DynamicOutputShapeException):
+                engine.step()
     finally:
         engine.close()

@@ -141,3 +141,21 @@ def test_decoded_cache_is_skipped_above_its_budget(monkeypatch) -> None:
     x = torch.randn(3, SHAPE.hidden_size, generator=torch.Generator().manual_seed(14))
     with torch.no_grad():
         torch.testing.assert_close(moe(x), _reference(moe, x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_device_path_equals_the_grouped_path(rank: int) -> None:
+    """The GPU path (every local expert over every token, weighted; no nonzero, no .tolist(): graph
+    capturable) gives the grouped path's sum (1e-5), for each rank's shard of the experts."""
+    from engine.layers.latent_moe import run_packed_experts, run_packed_experts_on_device
+
+    full = _filled(SHAPE, seed=21)
+    shard = LatentMoE(SHAPE, TPGroup(rank, 2), torch.float32)
+    for name, buffer in shard.experts.named_buffers():
+        buffer.copy_(getattr(full.experts, name)[rank * 4 : rank * 4 + 4])
+    u = torch.randn(7, SHAPE.latent_size, generator=torch.Generator().manual_seed(22))
+    weights, ids = full.gate(torch.randn(7, SHAPE.hidden_size, generator=torch.Generator().manual_seed(23)))
+    with torch.no_grad():
+        grouped = run_packed_experts(shard.experts, shard.expert_start, u, weights, ids, 4.0, 25.0)
+        on_device = run_packed_experts_on_device(shard.experts, shard.expert_start, u, weights, ids, 4.0, 25.0)
+    torch.testing.assert_close(on_device, grouped, atol=1e-5, rtol=1e-5)
