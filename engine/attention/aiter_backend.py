@@ -18,7 +18,9 @@ from types import ModuleType
 import torch
 
 from engine.attention.base import AttentionBackend, VarlenSpans
+from engine.attention.aiter_indices import DecodeIndices, decode_indices
 from engine.attention.head_table import FLASH_ATTN_VARLEN, MLA_DECODE, check_aiter_dtype, mla_decode_page_size_supported
+from engine.devices import host_to_device
 from engine.forward_batch import AttentionMetadata
 
 
@@ -50,6 +52,9 @@ class AiterAttentionBackend(AttentionBackend):
     aiter / mla: the modules to call (tests inject fakes with AITER's signatures); default: load_aiter()."""
 
     name = "aiter"
+    # decode reads device tensors only (aiter_indices: fixed shapes, no sync). Should mla_decode_fwd itself
+    # sync while a graph is captured, that capture fails and the bucket runs eagerly on every rank.
+    graph_safe = True
 
     def __init__(self, aiter: ModuleType | None = None, mla: ModuleType | None = None) -> None:
         if aiter is None or mla is None:
@@ -57,6 +62,7 @@ class AiterAttentionBackend(AttentionBackend):
         self._flash_attn_varlen = aiter.flash_attn_varlen_func
         self._mla_decode = mla.mla_decode_fwd
         self._paged_indptr = _accepts(self._mla_decode, "page_size")
+        self._memo: tuple[AttentionMetadata, tuple, DecodeIndices] | None = None  # this step's decode indices
 
     def supports_prefill_num_heads(self, num_heads: int) -> bool:
         return num_heads > 0 and FLASH_ATTN_VARLEN.supports(num_heads)
@@ -83,53 +89,50 @@ class AiterAttentionBackend(AttentionBackend):
         """q: [T, H, latent+rope] (H one of mla_decode_fwd's head counts; bf16 / fp8 q and cache) -> [T, H, latent].
 
         AITER lays multi-token queries out as [num_seqs, max_seqlen_q], so sequences are run in
-        groups of equal q_len (one call in the usual case of uniform q_len)."""
+        groups of equal q_len (one call in the usual case of uniform q_len, the only case a graph captures)."""
         for tensor in (q, kv_cache):
             check_aiter_dtype(MLA_DECODE, _dtype_name(tensor.dtype))
         if not self.supports_decode_num_heads(q.shape[1]):
             raise ValueError(f"{MLA_DECODE.name} has no {q.shape[1]}-head kernel (it runs {MLA_DECODE.supported()}); "
                              "wrap the backend in HeadPaddedBackend")
-        out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
         q_lens = attn.q_lens_cpu
+        if len(set(q_lens)) == 1:
+            return self._decode_group(q, kv_cache, attn, None, q_lens[0], softmax_scale, latent_dim)
+        out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
         for q_len in sorted(set(q_lens)):
             seqs = [i for i, n in enumerate(q_lens) if n == q_len]
-            if len(seqs) == len(q_lens):
-                rows = slice(None)
-            else:
-                starts = [sum(q_lens[:i]) for i in seqs]
-                rows = torch.tensor([s + j for s in starts for j in range(q_len)], device=q.device)
-            self._decode_group(q[rows], kv_cache, attn, seqs, q_len, softmax_scale, latent_dim, out, rows)
+            starts = [sum(q_lens[:i]) for i in seqs]
+            rows = host_to_device([s + j for s in starts for j in range(q_len)], torch.int64, q.device)
+            out[rows] = self._decode_group(q.index_select(0, rows), kv_cache, attn, seqs, q_len, softmax_scale,
+                                           latent_dim)
         return out
 
-    def _decode_group(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, seqs: list[int], q_len: int,
-        softmax_scale: float, latent_dim: int, out: torch.Tensor, rows: slice | torch.Tensor,
-    ) -> None:
-        """Runs mla_decode_fwd for the sequences `seqs` (all with q_len queries) and writes out[rows]."""
-        device = q.device
+    def _decode_group(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata,
+                      seqs: list[int] | None, q_len: int, softmax_scale: float, latent_dim: int) -> torch.Tensor:
+        """mla_decode_fwd for the sequences `seqs` (None: all; each with q_len queries) -> [rows, H, latent]."""
         num_pages, page_size, entry_dim = kv_cache.shape
-        index = torch.tensor(seqs, device=device)
-        kv_lens = attn.kv_lens.to(device)[index].long()
-        table = attn.block_table.to(device)[index].long()
-        qo_indptr = torch.arange(len(seqs) + 1, device=device, dtype=torch.int32) * q_len
-        if self._paged_indptr and mla_decode_page_size_supported(page_size):  # page-level: kv_indptr counts pages
-            pages = (kv_lens + page_size - 1) // page_size
-            used = torch.arange(table.shape[1], device=device)[None, :] < pages[:, None]
-            kv_indices = table[used]
-            last_page_lens = kv_lens - (pages - 1) * page_size
-            counts, buffer, extra = pages, kv_cache.view(num_pages, page_size, 1, entry_dim), {"page_size": page_size}
+        paged = self._paged_indptr and mla_decode_page_size_supported(page_size)
+        indices = self._indices(attn, seqs, page_size, paged, q_len)
+        if paged:  # page-level: kv_indptr counts pages
+            buffer, extra = kv_cache.view(num_pages, page_size, 1, entry_dim), {"page_size": page_size}
         else:  # token-level indices over the cache viewed as pages of one token
-            positions = torch.arange(max(attn.kv_lens_cpu[i] for i in seqs), device=device)[None, :]
-            used = positions < kv_lens[:, None]
-            slots = table.gather(1, (positions // page_size).expand(len(seqs), -1)) * page_size + positions % page_size
-            kv_indices = slots[used]
-            last_page_lens = torch.ones_like(kv_lens)
-            counts, buffer, extra = kv_lens, kv_cache.view(num_pages * page_size, 1, 1, entry_dim), {}
-        kv_indptr = torch.zeros(len(seqs) + 1, device=device, dtype=torch.int32)
-        kv_indptr[1:] = torch.cumsum(counts, 0)
-        group_out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=device)
-        self._mla_decode(
-            q.contiguous(), buffer, group_out, qo_indptr, kv_indptr, kv_indices.to(torch.int32),
-            last_page_lens.to(torch.int32), q_len, sm_scale=softmax_scale, **extra,
-        )
-        out[rows] = group_out
+            buffer, extra = kv_cache.view(num_pages * page_size, 1, 1, entry_dim), {}
+        group_out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
+        self._mla_decode(q.contiguous(), buffer, group_out, *indices, q_len, sm_scale=softmax_scale, **extra)
+        return group_out
+
+    def _indices(self, attn: AttentionMetadata, seqs: list[int] | None, page_size: int, paged: bool,
+                 q_len: int) -> DecodeIndices:
+        """mla_decode_fwd's indptr / indices for `seqs` of attn, computed once per step (every layer shares
+        attn) with fixed shapes from device tensors: no boolean-mask indexing, no host read, no blocking copy,
+        so a captured graph replays it (decode_indices)."""
+        key = (tuple(seqs) if seqs is not None else None, page_size, paged, q_len)
+        if self._memo is not None and self._memo[0] is attn and self._memo[1] == key:
+            return self._memo[2]
+        table, kv_lens = attn.block_table, attn.kv_lens
+        if seqs is not None:
+            index = host_to_device(seqs, torch.int64, table.device)
+            table, kv_lens = table.index_select(0, index), kv_lens.index_select(0, index)
+        indices = decode_indices(table, kv_lens, page_size, paged, q_len)
+        self._memo = (attn, key, indices)
+        return indices

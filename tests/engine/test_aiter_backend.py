@@ -233,3 +233,29 @@ def test_non_power_of_two_pages_use_token_level_indices():
     q, cache, attn = _paged_case(torch.Generator().manual_seed(12), 16, (1, 1), (7, 30), page=12)
     out = backend.decode(q, cache, attn, 0.05, LATENT)
     torch.testing.assert_close(out.float(), _reference_decode(q, cache, attn, 0.05), **BF16)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_fixed_shape_indices_equal_the_masked_compaction(paged):
+    """decode_indices (a scatter to fixed positions, graph capturable) gives the same kv_indptr and, within
+    kv_indptr[-1], the same kv_indices as compacting each row's used entries with a boolean mask."""
+    from engine.attention.aiter_indices import decode_indices
+
+    generator = torch.Generator().manual_seed(3)
+    table = torch.randint(0, 50, (4, 6), generator=generator, dtype=torch.int32)
+    kv_lens = torch.tensor([1, 16, 17, 96])
+    got = decode_indices(table, kv_lens, PAGE, paged, q_len=2)
+    if paged:
+        counts = (kv_lens + PAGE - 1) // PAGE
+        entries = table.long()
+    else:
+        positions = torch.arange(6 * PAGE)
+        entries = table.long()[:, positions // PAGE] * PAGE + positions % PAGE
+        counts = kv_lens
+    used = torch.arange(entries.shape[1])[None, :] < counts[:, None]
+    expected = entries[used]
+    assert got.kv_indptr.tolist() == [0, *torch.cumsum(counts, 0).tolist()]
+    assert got.kv_indices[: len(expected)].tolist() == expected.tolist()
+    assert got.kv_indices.shape == (entries.numel() + 1,) and got.qo_indptr.tolist() == [0, 2, 4, 6, 8]
+    expected_last = kv_lens - (counts - 1) * PAGE if paged else torch.ones(4, dtype=torch.int64)
+    assert got.kv_last_page_lens.tolist() == expected_last.tolist()

@@ -410,3 +410,39 @@ def test_a_dynamic_shape_op_is_caught(fake_gpu, monkeypatch):
                 engine.step()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_aiter_decode_on_fake_cuda_is_graph_safe(fake_gpu, monkeypatch, paged):
+    """The AITER decode path on "cuda" (uniform q_len, as a captured graph has it), page-level and token-level
+    indices: no boolean-mask indexing or other dynamic-shape op, no host read, no blocking upload, and
+    mla_decode_fwd gets index arrays whose shapes depend on the batch's shape only."""
+    import types
+
+    from engine.attention.aiter_backend import AiterAttentionBackend
+    from engine.forward_batch import build_attention_metadata
+
+    shapes = []
+
+    def mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
+                       sm_scale=None, **options):
+        shapes.append(tuple(kv_indices.shape))
+        return o, None
+
+    if paged:
+        def paged_decode(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
+                         page_size=1, sm_scale=None, **options):
+            return mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q)
+        decode = paged_decode
+    else:
+        decode = mla_decode_fwd
+    backend = AiterAttentionBackend(types.SimpleNamespace(flash_attn_varlen_func=None),
+                                    types.SimpleNamespace(mla_decode_fwd=decode))
+    attn = build_attention_metadata([1, 1, 1], [5, 17, 33], [[3], [4, 5], [6, 7, 8]], 16, device="cuda")
+    q = torch.empty(3, 16, 48, dtype=torch.bfloat16, device="cuda")
+    cache = torch.empty(10, 16, 48, dtype=torch.bfloat16, device="cuda")
+    with forbid_host_syncs(monkeypatch):
+        out = backend.decode(q, cache, attn, 0.1, 32)
+        backend.decode(q, cache, attn, 0.1, 32)  # a second layer of the same step reuses the indices
+    width = 3 if paged else 3 * 16
+    assert tuple(out.shape) == (3, 16, 32) and shapes == [(3 * width + 1,)] * 2
