@@ -114,7 +114,7 @@ class ModelRunner:
         self.model = self._load(
             "target", config.model_dir, config.dtype,
             lambda: load_model(config.model_dir, tp, attention, dtype, device=self.device)[1],
-            lambda: build_model(config.model_dir, model_config, tp, attention, dtype),
+            lambda: build_model(config.model_dir, model_config, tp, attention, dtype, self.device),
         )
         self.draft = None
         self.draft_dtype = DTYPES[config.draft_dtype_name]

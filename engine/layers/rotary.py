@@ -42,8 +42,13 @@ class RotaryEmbedding(nn.Module):
         self.dim = dim
         self.interleave = interleave
         self.scaling = rope.cos_sin_scale
+        self.rope = rope
         self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
         self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def init_buffers(self) -> None:
+        """inv_freq computed again on its device (after a model built on the meta device is allocated)."""
+        self.inv_freq = rope_inv_freq(self.rope, self.dim).to(self.inv_freq.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> cos, sin: [T, dim // 2] (the angle of each rotated pair)."""

@@ -19,6 +19,16 @@ from engine.weights import iter_checkpoint
 M = TypeVar("M", bound=nn.Module)
 
 
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """A model built on the meta device -> uninitialised storage on `device` for load_weights to fill, with the
+    buffers computed at construction (modules with init_buffers(): RoPE's inv_freq) computed again there."""
+    model.to_empty(device=device)
+    for module in model.modules():
+        init_buffers = getattr(module, "init_buffers", None)
+        if callable(init_buffers):
+            init_buffers()
+
+
 def build_and_load(model_cls: Callable[..., M], config: Any, tp: TPGroup, attention: AttentionBackend,
                    dtype: torch.dtype, device: torch.device | str, load: Callable[[M], None]) -> tuple[Any, M]:
     """What every load_model does: builds the rank's model with its tensors on `device`, `load(model)` copies

@@ -12,7 +12,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
-from engine.models.causal_lm import CausalLM, DecoderStack, build_and_load
+from engine.models.causal_lm import CausalLM, DecoderStack, build_and_load, materialize
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedLatentCache
 from engine.layers.mla import MLAAttention
@@ -139,7 +139,10 @@ def load_model(
     device: torch.device | str = "cpu", keep_fp8: bool | None = None,
 ) -> tuple[ModelConfig, DeepseekV3ForCausalLM]:
     """Reads config.json and the safetensors of model_dir into this rank's model, in eval mode without grads.
-    keep_fp8: FP8 checkpoint weights stay FP8 (Fp8Linear / FP8 experts); None: on GPUs only."""
+    keep_fp8: FP8 checkpoint weights stay FP8 (Fp8Linear / FP8 experts); None: on GPUs only. A model kept FP8
+    is built on the meta device, converted there and only then allocated on `device` (at its FP8 size: the
+    model-dtype copy, ~163 GB of routed experts per rank for DeepSeek-V3 at TP8 in bf16, never exists), then
+    filled tensor by tensor from the checkpoint."""
     config = ModelConfig.from_pretrained(model_dir)
 
     def skip(name: str) -> bool:
@@ -148,9 +151,33 @@ def load_model(
     if keep_fp8 is None:
         keep_fp8 = torch.device(device).type == "cuda"
     fp8_names = stored_fp8_names(model_dir) if keep_fp8 else set()
+    if not fp8_names:
+        return build_and_load(DeepseekV3ForCausalLM, config, tp, attention, dtype, device,
+                              lambda model: model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers,
+                                                                               skip=skip)))
+    model, fp8 = _build_fp8_on_meta(model_dir, config, tp, attention, dtype, fp8_names)
+    materialize(model, torch.device(device))
+    model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip, keep_fp8=True), fp8)
+    model.eval().requires_grad_(False)
+    return config, model
 
-    def load(model: DeepseekV3ForCausalLM) -> None:
-        fp8 = Fp8Loader(model, fp8_names, checkpoint_block_size(model_dir), tp, config) if fp8_names else None
-        model.load_weights(iter_checkpoint(model_dir, config.num_hidden_layers, skip=skip, keep_fp8=fp8 is not None), fp8)
 
-    return build_and_load(DeepseekV3ForCausalLM, config, tp, attention, dtype, device, load)
+def _build_fp8_on_meta(model_dir: str | Path, config: ModelConfig, tp: TPGroup, attention: AttentionBackend,
+                       dtype: torch.dtype, fp8_names: set[str]) -> tuple[DeepseekV3ForCausalLM, Fp8Loader]:
+    """The rank's model on the meta device (no memory), its FP8 layers already converted."""
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config, tp, attention, dtype)
+        fp8 = Fp8Loader(model, fp8_names, checkpoint_block_size(model_dir), tp, config)
+    return model, fp8
+
+
+def build_empty(model_dir: str | Path, config: ModelConfig, tp: TPGroup, attention: AttentionBackend,
+                dtype: torch.dtype, device: torch.device | str = "cpu") -> DeepseekV3ForCausalLM:
+    """The rank's model without weights, in the form load_model gives on `device` (FP8 layers converted where
+    load_model keeps them FP8, i.e. on a GPU), on the meta device: an importer binds every tensor from the
+    owner's export (engine/device_weights.py), whose names then match."""
+    fp8_names = stored_fp8_names(model_dir) if torch.device(device).type == "cuda" else set()
+    if fp8_names:
+        return _build_fp8_on_meta(model_dir, config, tp, attention, dtype, fp8_names)[0]
+    with torch.device("meta"):
+        return DeepseekV3ForCausalLM(config, tp, attention, dtype)

@@ -59,7 +59,13 @@ def load_model(
     return module.load_model(model_dir, tp, attention, dtype, device)
 
 
-def build_model(model_dir: str | Path, config: Any, tp: Any, attention: Any, dtype: torch.dtype) -> Any:
-    """This rank's model of model_dir's model_type, built from `config` without loading weights."""
+def build_model(model_dir: str | Path, config: Any, tp: Any, attention: Any, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> Any:
+    """This rank's model of model_dir's model_type, built from `config` without loading weights, in the form
+    load_model gives on `device` (a model module's build_empty, where it has one: e.g. FP8 layers on a GPU,
+    built on the meta device for an importer that binds every tensor)."""
     found = entry(model_type_of(model_dir))
-    return getattr(importlib.import_module(found.model_module), found.model_class)(config, tp, attention, dtype)
+    module = importlib.import_module(found.model_module)
+    if str(device).partition(":")[0] != "cpu" and hasattr(module, "build_empty"):
+        return module.build_empty(model_dir, config, tp, attention, dtype, device)
+    return getattr(module, found.model_class)(config, tp, attention, dtype)

@@ -82,18 +82,11 @@ def test_block_splitting_shards_and_bad_shapes_are_refused():
         Fp8Linear(IN, OUT, TPGroup(), "diagonal")
 
 
-def test_fp8_checkpoint_kept_fp8_runs_like_the_dequantised_model(tiny_checkpoint, tmp_path: Path):
-    """load_model(keep_fp8=True) on an FP8 checkpoint holds its linears as Fp8Linear and its routed experts
-    as e4m3 + block scales (kv_b_proj dequantised: MLA absorbs it), and gives the logits of the same
-    checkpoint dequantised on load (the CPU path)."""
+def _fp8_checkpoint(tiny_checkpoint, tmp_path: Path) -> Path:
+    """The tiny "yarn" checkpoint with its 2-D linear weights stored FP8 (block scales), as DeepSeek-V3 ships."""
     import shutil
 
-    from engine.attention.torch_backend import TorchAttentionBackend
     from engine.config import ModelConfig
-    from engine.forward_batch import ForwardMode
-    from engine.layers.linear import ColumnParallelLinear
-    from engine.models.deepseek_v3 import load_model
-    from tests.engine.tiny_models import PagedRunner
 
     source = tiny_checkpoint("yarn")
     config = ModelConfig.from_pretrained(source)
@@ -112,7 +105,22 @@ def test_fp8_checkpoint_kept_fp8_runs_like_the_dequantised_model(tiny_checkpoint
     (checkpoint / "config.json").write_text(json.dumps(hf_config))
     for extra in source.glob("tokenizer*"):
         shutil.copy(extra, checkpoint / extra.name)
+    return checkpoint
 
+
+def test_fp8_checkpoint_kept_fp8_runs_like_the_dequantised_model(tiny_checkpoint, tmp_path: Path):
+    """load_model(keep_fp8=True) on an FP8 checkpoint holds its linears as Fp8Linear and its routed experts
+    as e4m3 + block scales (kv_b_proj dequantised: MLA absorbs it), and gives the logits of the same
+    checkpoint dequantised on load (the CPU path)."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.config import ModelConfig
+    from engine.forward_batch import ForwardMode
+    from engine.layers.linear import ColumnParallelLinear
+    from engine.models.deepseek_v3 import load_model
+    from tests.engine.tiny_models import PagedRunner
+
+    checkpoint = _fp8_checkpoint(tiny_checkpoint, tmp_path)
+    config = ModelConfig.from_pretrained(checkpoint)
     _, kept = load_model(checkpoint, TPGroup(), TorchAttentionBackend(), torch.float32, keep_fp8=True)
     _, dequantised = load_model(checkpoint, TPGroup(), TorchAttentionBackend(), torch.float32)
     layer = kept.model.layers[config.num_hidden_layers - 1]
@@ -124,3 +132,52 @@ def test_fp8_checkpoint_kept_fp8_runs_like_the_dequantised_model(tiny_checkpoint
     logits_kept, _ = PagedRunner(kept, config).step(ForwardMode.EXTEND, [(0, tokens)])
     logits_plain, _ = PagedRunner(dequantised, config).step(ForwardMode.EXTEND, [(0, tokens)])
     torch.testing.assert_close(logits_kept, logits_plain, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_model_is_built_on_meta_and_never_allocated_in_the_model_dtype(tiny_checkpoint, tmp_path: Path,
+                                                                          monkeypatch):
+    """load_model(keep_fp8=True) constructs the model on the meta device (so the model-dtype copy of the FP8
+    weights, ~163 GB of DeepSeek-V3's routed experts per rank at TP8, is never allocated) and ends with every
+    tensor on the target device, RoPE's inv_freq computed again equal to a plain build's."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.models import deepseek_v3
+
+    built_on: list[str] = []
+    original_init = deepseek_v3.DeepseekV3ForCausalLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        built_on.append(torch.empty(0).device.type)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(deepseek_v3.DeepseekV3ForCausalLM, "__init__", recording_init)
+    checkpoint = _fp8_checkpoint(tiny_checkpoint, tmp_path)
+    _, kept = deepseek_v3.load_model(checkpoint, TPGroup(), TorchAttentionBackend(), torch.float32, keep_fp8=True)
+    _, plain = deepseek_v3.load_model(checkpoint, TPGroup(), TorchAttentionBackend(), torch.float32)
+    assert built_on == ["meta", "cpu"]
+    tensors = [*kept.named_parameters(), *kept.named_buffers()]
+    assert all(tensor.device.type == "cpu" for _, tensor in tensors), [n for n, t in tensors if t.is_meta][:5]
+    for name, buffer in plain.named_buffers():
+        if name.endswith("inv_freq"):
+            torch.testing.assert_close(kept.get_buffer(name), buffer)
+
+
+def test_device_importer_builds_the_fp8_form_the_exporter_shares(tiny_checkpoint, tmp_path: Path):
+    """The model an IPC importer builds for a GPU (registry.build_model(device="cuda"): no weights, meta
+    device) has exactly the tensor names, shapes and dtypes of the FP8 model the exporter loaded, so binding
+    the exporter's manifest succeeds instead of falling back to a private copy."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.config import ModelConfig
+    from engine.models.deepseek_v3 import load_model
+    from engine.models.registry import build_model
+    from engine.weight_store import _named_tensors
+
+    checkpoint = _fp8_checkpoint(tiny_checkpoint, tmp_path)
+    config = ModelConfig.from_pretrained(checkpoint)
+    _, exported = load_model(checkpoint, TPGroup(), TorchAttentionBackend(), torch.float32, keep_fp8=True)
+    built = build_model(checkpoint, config, TPGroup(), TorchAttentionBackend(), torch.float32, device="cuda")
+    described = {name: (tuple(t.shape), t.dtype) for name, t in _named_tensors(built) if t.numel()}
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in _named_tensors(exported) if t.numel()}
+    assert {name for name, _ in _named_tensors(built)} == {name for name, _ in _named_tensors(exported)}
+    assert described == {name: value for name, value in expected.items() if name in described}
+    assert any(dtype == torch.float8_e4m3fn for _, dtype in described.values())
+    assert all(t.is_meta for _, t in _named_tensors(built))  # nothing allocated before binding
