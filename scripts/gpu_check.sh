@@ -16,6 +16,9 @@
 # runtime at import; the box's versions are not known ahead). They are installed with pip --no-index --no-deps
 # into a scratch directory that comes FIRST on PYTHONPATH, so they shadow the box's own grpcio / protobuf.
 # Wheels: $PDSERVE_WHEELS, else .whl/; scripts/wheels/ (pytest, pure Python) only when pytest is missing.
+# On this project's lent H200 (/work/.library/device/README.md): here `bash scripts/fetch_gpu_wheels.sh`, then the
+# device tool's run with command `bash scripts/gpu_check.sh "$OUT"`, carry [".whl"], timeout_s 540 (the check
+# kills itself at 480 s; what it wrote under $OUT comes back even then).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
