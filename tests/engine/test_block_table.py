@@ -123,3 +123,34 @@ def test_graph_buckets_are_agreed_across_ranks():
     agreed = agree_across_ranks(keys, mine, _OtherRanks(2, [other]), torch.device("cpu"))
     assert agreed == {(1, 1), (2, 1)}
     assert agree_across_ranks(keys, mine, TPGroup(), torch.device("cpu")) == mine
+
+
+def _agree_on_rank(rank: int, store_path: str, failed: list, out_dir: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        keys = [(1, 1), (2, 1), (4, 1), (8, 1)]
+        captured = {key for key in keys if key != tuple(failed[rank])}
+        agreed = agree_across_ranks(keys, captured, TPGroup(rank, 2), torch.device("cpu"))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(sorted(agreed), f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two gloo processes: ~5 s of CPU
+def test_graph_buckets_are_agreed_over_a_real_process_group(tmp_path):
+    """Over a real two-rank gloo group, rank 0 failing bucket 4 and rank 1 failing bucket 8 leaves both ranks
+    with exactly buckets 1 and 2 (the same set on each: no rank replays a graph the other runs eagerly)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_agree_on_rank, args=(str(tmp_path / "store"), [(4, 1), (8, 1)], str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [[1, 1], [2, 1]]
