@@ -10,6 +10,10 @@ when the attention backend cannot be captured (it reads host-side lengths) or `-
 draft's proposal runs eagerly (its context length changes every step). The bucket and padding logic is
 engine/graph_buckets.py.
 
+Models with linear-attention state (K3, Kimi Linear) capture plain decode steps too: every sequence's state
+slot travels in the packed buffer and padding rows use one scratch slot the engine never hands out (the
+runner allocates it in a local cache); speculative verifies of such models (state snapshots) run eagerly.
+
 Tensor parallelism: every rank must replay the same graphs (each holds collectives), so which buckets
 were captured is agreed across ranks after capture: a bucket that failed on any rank runs eagerly on all.
 
@@ -27,9 +31,9 @@ import torch
 from engine.block_table import DeviceBlockTable
 from engine.devices import copy_host_values, host_to_device
 from engine.distributed import TPGroup
-from engine.forward_batch import ForwardBatch, ForwardMode, StepLayout, unpack_forward_batch
+from engine.forward_batch import ForwardBatch, ForwardMode, StepLayout, pack_step_inputs, unpack_forward_batch
 from engine.graph_buckets import bucket_for, graph_buckets, pad_target_plan, uniform_query_len
-from engine.step_plan import DraftPlan, TargetPlan, pack_target_plan
+from engine.step_plan import DraftPlan, TargetPlan
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +65,17 @@ class PaddedStep(NamedTuple):
     page_tables: list[list[int]]
 
 
-def pad_step(plan: TargetPlan, bucket: int, scratch_page: int, page_size: int, max_pages: int) -> PaddedStep:
-    """plan padded to `bucket` sequences (graph_buckets.pad_target_plan) and packed without its block table."""
+def pad_step(plan: TargetPlan, bucket: int, scratch_page: int, page_size: int, max_pages: int,
+             scratch_slot: int | None = None) -> PaddedStep:
+    """plan padded to `bucket` sequences (graph_buckets.pad_target_plan) and packed without its block table.
+    scratch_slot (models with linear-attention state): the packed extra section holds the logit rows, then
+    every sequence's state slot, padding rows on scratch_slot."""
     padded = pad_target_plan(plan, bucket, scratch_page, page_size)
-    values, layout = pack_target_plan(padded, page_size, max_pages, include_table=False)
+    extra = list(padded.logit_rows)
+    if scratch_slot is not None:
+        extra += list(plan.state_slots or ()) + [scratch_slot] * (bucket - len(plan.q_lens))
+    values, layout = pack_step_inputs(padded.input_ids, padded.positions, padded.q_lens, padded.kv_lens,
+                                      padded.page_tables, page_size, extra, max_pages, include_table=False)
     return PaddedStep(values, layout, padded.page_tables)
 
 
@@ -82,8 +93,12 @@ def agree_across_ranks(keys: list[tuple[int, int]], captured: set[tuple[int, int
 class CudaGraphRunner:
     """Captured target steps of one runner; run_target returns None when a plan must run eagerly."""
 
-    def __init__(self, runner: GraphedRunner, max_batch: int, query_lens: tuple[int, ...], max_pages: int) -> None:
+    def __init__(self, runner: GraphedRunner, max_batch: int, query_lens: tuple[int, ...], max_pages: int,
+                 scratch_state_slot: int | None = None) -> None:
+        """scratch_state_slot: a model with linear-attention state; its captured steps read every sequence's
+        state slot from the packed buffer, padding rows using this slot (one the engine never hands out)."""
         self.runner = runner
+        self.scratch_state_slot = scratch_state_slot
         self.buckets = graph_buckets(max_batch)
         self.query_lens = tuple(sorted(set(query_lens)))
         self.max_pages = max_pages
@@ -124,8 +139,10 @@ class CudaGraphRunner:
     def _capture_one(self, bucket: int, q_len: int, write_draft: bool) -> CapturedStep:
         runner = self.runner
         one = TargetPlan(ForwardMode.DECODE, [0] * q_len, list(range(q_len)), [q_len], [q_len],
-                         [[self.scratch_page] * -(-q_len // self.page_size)], list(range(q_len)), None, write_draft)
-        padded = pad_step(one, bucket, self.scratch_page, self.page_size, self.max_pages)  # all rows padding
+                         [[self.scratch_page] * -(-q_len // self.page_size)], list(range(q_len)), None, write_draft,
+                         state_slots=[self.scratch_state_slot] if self.scratch_state_slot is not None else None)
+        padded = pad_step(one, bucket, self.scratch_page, self.page_size, self.max_pages,
+                          self.scratch_state_slot)  # all rows padding
         # The captured metadata claims the longest possible contexts so kernels size their split-K for them;
         # the kernels read the real lengths from the device tensors at replay.
         layout = replace(padded.layout, kv_lens=(self.max_pages * self.page_size,) * bucket)
@@ -133,9 +150,13 @@ class CudaGraphRunner:
         packed = host_to_device(padded.values, torch.int64, runner.device)
         table = self.block_table.table[:bucket]
 
+        num_rows = bucket * q_len
+
         def step() -> torch.Tensor:
-            batch, rows = unpack_forward_batch(ForwardMode.DECODE, packed, layout, table)
-            return runner.forward_target(batch, rows, runner.cache, write_draft)
+            batch, extra = unpack_forward_batch(ForwardMode.DECODE, packed, layout, table)
+            if self.scratch_state_slot is not None:  # every row's state slot, from the packed buffer
+                batch = replace(batch, state_slots=extra[num_rows:])
+            return runner.forward_target(batch, extra[:num_rows], runner.cache, write_draft)
 
         stream = torch.cuda.Stream(runner.device)
         stream.wait_stream(torch.cuda.current_stream(runner.device))
@@ -159,7 +180,11 @@ class CudaGraphRunner:
         if captured is None or (plan.write_draft_context and not self.write_draft) or \
                 any(len(p) > self.max_pages for p in plan.page_tables):
             return None
-        padded = pad_step(plan, bucket, self.scratch_page, self.page_size, self.max_pages)
+        # State: plain decode only (a speculative verify's snapshots and a slot reset run eagerly).
+        if (plan.state_slots is not None) != (self.scratch_state_slot is not None) or plan.snapshot_state \
+                or plan.reset_slots:
+            return None
+        padded = pad_step(plan, bucket, self.scratch_page, self.page_size, self.max_pages, self.scratch_state_slot)
         self.block_table.update(padded.page_tables)  # only the entries that changed
         copy_host_values(captured.packed, padded.values)  # one host-to-device copy
         captured.graph.replay()

@@ -132,9 +132,14 @@ class ModelRunner:
             if draft_dtype != dtype:
                 self._draft_head = self._cast_lm_head(draft_dtype)
         self.capture_layers: tuple[int, ...] = tuple(self.draft.config.target_layer_ids) if self.draft else ()
+        # Captured steps of a model with linear-attention state pad with sequences that need a state slot of
+        # their own: one more than the engine hands out, in a cache no other process maps (kv_pool "local").
+        stateful_graphs = (config.use_graphs and self.device.type == "cuda" and config.kv_pool == "local"
+                           and config.num_state_slots > 0 and model_config.has_linear_attention)
+        self.graph_state_slot: int | None = config.num_state_slots if stateful_graphs else None
         self.cache_shape = cache_shape_for(
             self.model_config, self.draft.config if self.draft else None, config.num_pages, config.page_size, dtype,
-            tp.size, config.num_state_slots,
+            tp.size, config.num_state_slots + (1 if stateful_graphs else 0),
         )
         self.pool: PagePool | None = None
         self._attached: dict[str, PagePool] = {}
@@ -158,15 +163,16 @@ class ModelRunner:
         if self.device.type != "cuda" or not torch.cuda.is_available():
             logger.info("CUDA graphs need a GPU; running eagerly on %s", self.device)
             return None
-        if self.cache.state is not None:  # run_target replays no plan with state slots: capturing only costs memory
-            logger.warning("CUDA graphs do not yet cover models with linear-attention state (%s): decode runs eagerly",
-                           type(self.model).__name__)
+        if self.cache.state is not None and self.graph_state_slot is None:
+            logger.warning("CUDA graphs of a model with linear-attention state need a local cache (kv_pool %r): "
+                           "decode runs eagerly", self.config.kv_pool)
             return None
         if not self.attention.graph_safe:
             logger.warning("attention backend %s reads host-side lengths: decode runs eagerly", self.attention.name)
             return None
         max_pages = min(self.config.num_pages - 1, -(-self.model_config.max_position_embeddings // self.config.page_size))
-        graphs = CudaGraphRunner(self, self.config.graph_max_batch, self.config.graph_query_lens, max_pages)
+        graphs = CudaGraphRunner(self, self.config.graph_max_batch, self.config.graph_query_lens, max_pages,
+                                 self.graph_state_slot)
         graphs.capture(write_draft=self.draft is not None)
         return graphs
 
@@ -253,7 +259,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_target(self, plan: TargetPlan) -> torch.Tensor:
         """-> logits [len(plan.logit_rows), vocab] float32 on this rank's device (identical on every rank)."""
-        if self.graphs is not None and plan.pool_names is None and plan.state_slots is None:
+        if self.graphs is not None and plan.pool_names is None:
             logits = self.graphs.run_target(plan)
             if logits is not None:
                 return logits

@@ -347,10 +347,9 @@ def _preload_k3(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.empty(v.shape, dtype=torch.float32, device=v.device), state))
 
 
-@pytest.mark.slow  # the K3 tiny model under FakeTensorMode: ~3 s of CPU
-def test_k3_decode_step_on_fake_cuda_has_one_host_sync(monkeypatch, cuda_guard_for_fake_tensors):
-    """Kimi K3 (KDA state slots, LatentMoE over MXFP4 experts) decodes on "cuda" with no dynamic-shape op
-    (LatentMoE's nonzero / bincount were), no blocking upload and one fetch per plain decode step."""
+@pytest.fixture()
+def fake_k3_engine(monkeypatch, cuda_guard_for_fake_tensors):
+    """The Kimi K3 tiny engine on one pretend GPU (no draft, eager), under FakeTensorMode."""
     from engine.paths import K3_MODEL_DIR
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 1)
@@ -360,15 +359,23 @@ def test_k3_decode_step_on_fake_cuda_has_one_host_sync(monkeypatch, cuda_guard_f
         engine = LLMEngine(EngineConfig(model_dir=str(K3_MODEL_DIR), device="cuda", attention_backend="torch",
                                         use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
         try:
-            for i in range(2):
-                engine.add_request(f"k{i}", [3 + i, 6, 2], SamplingParams(max_new_tokens=8, ignore_eos=True))
-            with forbid_host_syncs(monkeypatch, forbid_uploads=False):  # prefill is not under test here
-                _decode_until_prefilled(engine, ["k0", "k1"])
-            with forbid_host_syncs(monkeypatch) as fetches:
-                engine.step()
-            assert fetches == [(2,)], fetches
+            yield engine
         finally:
             engine.close()
+
+
+@pytest.mark.slow  # the K3 tiny model under FakeTensorMode: ~3 s of CPU
+def test_k3_decode_step_on_fake_cuda_has_one_host_sync(fake_k3_engine, monkeypatch):
+    """Kimi K3 (KDA state slots, LatentMoE over MXFP4 experts) decodes on "cuda" with no dynamic-shape op
+    (LatentMoE's nonzero / bincount were), no blocking upload and one fetch per plain decode step."""
+    engine = fake_k3_engine
+    for i in range(2):
+        engine.add_request(f"k{i}", [3 + i, 6, 2], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    with forbid_host_syncs(monkeypatch, forbid_uploads=False):  # prefill is not under test here
+        _decode_until_prefilled(engine, ["k0", "k1"])
+    with forbid_host_syncs(monkeypatch) as fetches:
+        engine.step()
+    assert fetches == [(2,)], fetches
 
 
 def test_a_blocking_upload_is_caught(fake_gpu, monkeypatch):
@@ -446,3 +453,28 @@ def test_aiter_decode_on_fake_cuda_is_graph_safe(fake_gpu, monkeypatch, paged):
         backend.decode(q, cache, attn, 0.1, 32)  # a second layer of the same step reuses the indices
     width = 3 if paged else 3 * 16
     assert tuple(out.shape) == (3, 16, 32) and shapes == [(3 * width + 1,)] * 2
+
+
+@pytest.mark.slow  # the K3 tiny model under FakeTensorMode, graphs captured: ~5 s of CPU
+def test_k3_graph_replay_step_on_fake_cuda(fake_k3_engine, monkeypatch):
+    """Kimi K3's plain decode steps replay captured graphs (state slots read from the packed buffer, padding
+    rows on a scratch slot) with one fetch per step and no host sync, blocking upload or dynamic-shape op."""
+    from engine.cuda_graphs import CudaGraphRunner
+
+    engine = fake_k3_engine
+    _fake_graph_runtime(monkeypatch)
+    runner = engine.runner
+    scratch = runner.config.num_state_slots - 1  # not handed out to the two requests below
+    runner.graphs = CudaGraphRunner(runner, 2, (1,), max_pages=8, scratch_state_slot=scratch)
+    runner.graphs.capture(write_draft=False)
+    assert set(runner.graphs.steps) == {(1, 1), (2, 1)}
+    for i in range(2):
+        engine.add_request(f"kg{i}", [3 + i, 6, 2], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    with forbid_host_syncs(monkeypatch, forbid_uploads=False):  # prefill is not under test here
+        _decode_until_prefilled(engine, ["kg0", "kg1"])
+    assert scratch not in {seq.state_slot for seq in engine.scheduler.running}
+    before = _FakeCudaGraph.replays
+    with forbid_host_syncs(monkeypatch) as fetches:
+        engine.step()
+        engine.step()
+    assert _FakeCudaGraph.replays == before + 2 and fetches == [(2,), (2,)], fetches
