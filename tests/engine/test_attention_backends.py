@@ -240,6 +240,22 @@ def test_kernels_compile_for_amd_targets(target):
     assert "hsaco" in result.stderr
 
 
+@pytest.mark.slow  # one kernel compiled for sm90 in a child process: ~5 s of CPU
+def test_compile_check_refuses_a_kernel_over_the_targets_shared_memory():
+    """Negative control: Triton compiles a kernel whatever shared memory it needs (the launch fails later), so
+    compile_check compares it with the target's limit: with sm90's limit set to 1 KiB the fused MoE kernel
+    (10 KiB) is refused, naming the kernel and both sizes."""
+    script = ("from engine.attention.triton_kernels import compile_check as cc\n"
+              "cc.SHARED_MEMORY_LIMIT['sm90'] = 1024\n"
+              "try:\n    cc.compile_all('sm90', cc.matmul_specs()[:1])\n"
+              "except RuntimeError as error:\n    print(error)\n")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                            env={**env, "TRITON_DEFAULT_FP_FUSION": "1"})
+    assert "grouped_gemm_kernel[bf16] for sm90: needs" in result.stdout and "the target has 1024" in result.stdout, \
+        result.stdout + result.stderr[-2000:]
+
+
 def _dims_params():
     from tests.engine.attention_dims import distinct_dims
 

@@ -32,6 +32,10 @@ TARGETS = {
     "gfx950": GPUTarget("hip", "gfx950", 64),
 }
 
+# Shared memory (LDS) one program may use on each target; Triton compiles past it and the launch fails
+# (OutOfResources), so compile_all checks it: H100/H200 227 KiB, A100 163 KiB, MI300 64 KiB, MI355X 160 KiB.
+SHARED_MEMORY_LIMIT = {"sm80": 166912, "sm90": 232448, "gfx942": 65536, "gfx950": 163840}
+
 
 @dataclass(frozen=True)
 class AttentionDims:
@@ -140,8 +144,8 @@ def compile_kernel(spec: KernelSpec, target: GPUTarget):
 
 
 def compile_all(target_name: str, specs: list[KernelSpec]) -> dict[str, list[str]]:
-    """{label: stages produced} for one target name from TARGETS; raises on the first kernel that fails,
-    naming it."""
+    """{label: stages produced} for one target name from TARGETS; raises on the first kernel that fails to
+    compile or needs more shared memory than the target has, naming it."""
     target = TARGETS[target_name]
     stages = {}
     for spec in specs:
@@ -149,6 +153,10 @@ def compile_all(target_name: str, specs: list[KernelSpec]) -> dict[str, list[str
             compiled = compile_kernel(spec, target)
         except Exception as error:
             raise RuntimeError(f"{spec.label} for {target_name}: {type(error).__name__}: {error}") from error
+        shared = compiled.metadata.shared
+        if shared > SHARED_MEMORY_LIMIT[target_name]:
+            raise RuntimeError(f"{spec.label} for {target_name}: needs {shared} bytes of shared memory, the target "
+                               f"has {SHARED_MEMORY_LIMIT[target_name]} (the launch would fail)")
         stages[spec.label] = list(compiled.asm)
         logger.info("%s for %s: %s (shared memory %s bytes)", spec.label, target_name,
                     ", ".join(compiled.asm), compiled.metadata.shared)
