@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.workload import random_requests
 from benchmarks.bench_k3_batch import cpu_flags
 from benchmarks.common import Table, machine_description, spread
-from benchmarks.peer_servers import CACHE_DIR, Server, start_pdserve, write_peer_checkpoint
+from benchmarks.peer_servers import CACHE_DIR, Server, exit_on_sigterm, start_pdserve, write_peer_checkpoint
 from benchmarks.peer_vllm import SPECIAL_IDS, model_id, ratio_spread, run_workload
 
 VARIANTS = ("split", "shared")
@@ -54,6 +54,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     servers: dict[str, Server] = {}
+    exit_on_sigterm()
     try:
         servers["split"] = start_pdserve(model, log_dir / "split.log", shlex.split(args.split_args))
         servers["shared"] = start_pdserve(model, log_dir / "shared.log", ["--no-cpu-split", *shlex.split(args.shared_args)])

@@ -104,6 +104,11 @@ def write_peer_checkpoint(out_dir: Path, seed: int = 0) -> int:
     return count
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (e.g. `timeout`) ends the script through SystemExit, so its `finally` stops the servers."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

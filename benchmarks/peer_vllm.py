@@ -41,8 +41,8 @@ from bench.workload import BenchRequest, random_requests
 from benchmarks.bench_k3_batch import cpu_flags
 from benchmarks.common import Table, goal_line, machine_description, spread
 from benchmarks.machine_load import OtherLoad
-from benchmarks.peer_servers import (CACHE_DIR, PEER_SHAPE, VLLM_VERSION, Server, ensure_vllm_venv, start_pdserve,
-                                     start_vllm, write_peer_checkpoint)
+from benchmarks.peer_servers import (CACHE_DIR, PEER_SHAPE, VLLM_VERSION, Server, ensure_vllm_venv, exit_on_sigterm,
+                                     start_pdserve, start_vllm, write_peer_checkpoint)
 
 logger = logging.getLogger("peer_vllm")
 SYSTEMS = ("vllm", "pdserve")
@@ -208,6 +208,7 @@ def main() -> None:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-peer-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: dict[str, Server] = {}
+    exit_on_sigterm()
     try:
         servers["vllm"] = start_vllm(python, model_dir, log_dir / "vllm.log", 4096, args.kv_cache_gib)
         servers["pdserve"] = start_pdserve(model_dir, log_dir / "pdserve.log", shlex.split(args.pdserve_args))
