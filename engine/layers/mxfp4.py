@@ -6,12 +6,17 @@ A weight [out, in] is stored as
   weight_scale  [out, in / 32] uint8: one UE8M0 exponent s per 32 consecutive input columns,
 so that w = fp4 * 2^(s - 127). QAT checkpoints are used as stored (never re-encoded).
 
-PackedExperts holds a stack of such weights (the routed experts of one MoE layer on this rank) and
-dequantises only the experts a batch selects, inside the expert GEMM: the torch reference dequantises
-one expert's weight per matmul; on CUDA the Triton kernel (engine/kernels/mxfp4_gemm.py) decodes the
-codes in its K loop and never materialises the weight.
+PackedExperts holds a stack of such weights (the routed experts of one MoE layer on this rank). On CUDA the
+Triton kernel (engine/kernels/mxfp4_gemm.py) decodes the codes in its K loop and never materialises the
+weight. Elsewhere a layer's experts are decoded to float32 once and kept while that copy fits the cap
+(PDSERVE_MXFP4_DECODED_MB, per layer; 0: never), so no step decodes the same constant weights again; above
+the cap the torch reference decodes one expert's weight per matmul. Both give the same values (decoding is
+elementwise), so the cap changes speed and memory, never outputs.
 """
 from __future__ import annotations
+
+import os
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -21,7 +26,23 @@ SCALE_BIAS = 127
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Off CUDA, a layer's experts whose float32 copy takes at most this many bytes are decoded once and kept
 # (PackedExperts.dequantized): decoding the same constant weights again every step is not model maths.
-DEQUANT_CACHE_MAX_BYTES = 64 * 2**20
+# PDSERVE_MXFP4_DECODED_MB sets it (MiB per MoE layer and rank; 0 keeps only the packed copy).
+DEQUANT_CACHE_ENV = "PDSERVE_MXFP4_DECODED_MB"
+
+
+def _cache_cap_bytes(environ: Mapping[str, str] = os.environ) -> int:
+    """The per-layer cap on decoded experts from DEQUANT_CACHE_ENV (default 64 MiB); a bad value is a ValueError."""
+    text = environ.get(DEQUANT_CACHE_ENV, "64")
+    try:
+        megabytes = float(text)
+    except ValueError:
+        raise ValueError(f"{DEQUANT_CACHE_ENV} must be a number of MiB, got {text!r}") from None
+    if megabytes < 0 or megabytes != megabytes:
+        raise ValueError(f"{DEQUANT_CACHE_ENV} must be >= 0 MiB, got {text!r}")
+    return int(megabytes * 2**20)
+
+
+DEQUANT_CACHE_MAX_BYTES = _cache_cap_bytes()
 
 
 def _check_packed(packed: torch.Tensor, scale: torch.Tensor) -> None:
@@ -134,9 +155,9 @@ class PackedExperts(nn.Module):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every expert's weights in float32, (gate_up [E, 2I, hidden], down [E, hidden, I]), decoded once and
-        kept (re-decoded when a buffer is written again), for the CPU torch path; None on CUDA (the Triton
-        kernel decodes in its K loop) or when the float32 copy would exceed DEQUANT_CACHE_MAX_BYTES (the
-        packed copy stays the resident one and each matmul decodes its expert)."""
+        kept (re-decoded when a buffer is written again), for the CPU torch paths (the dense one and gate_up /
+        down); None on CUDA (the Triton kernel decodes in its K loop) or when the float32 copy would exceed
+        DEQUANT_CACHE_MAX_BYTES (the packed copy stays the resident one and each matmul decodes its expert)."""
         decoded_bytes = 4 * 2 * (self.w13_packed.numel() + self.w2_packed.numel())  # two columns per byte
         if self.w13_packed.is_cuda or decoded_bytes > DEQUANT_CACHE_MAX_BYTES:
             return None
@@ -149,11 +170,18 @@ class PackedExperts(nn.Module):
         return self._decoded
 
     def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, 2I] float32 (gate columns then up columns)."""
+        """x [T, hidden] -> [T, 2I] float32 (gate columns then up columns); over the kept decoded copy when
+        there is one (the same values mxfp4_linear would decode)."""
+        decoded = self.dequantized()
+        if decoded is not None:
+            return x.float() @ decoded[0][expert].t()
         return mxfp4_linear(x, self.w13_packed[expert], self.w13_scale[expert])
 
     def down(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x [T, I] -> [T, hidden] float32."""
+        """x [T, I] -> [T, hidden] float32 (over the kept decoded copy when there is one)."""
+        decoded = self.dequantized()
+        if decoded is not None:
+            return x.float() @ decoded[1][expert].t()
         return mxfp4_linear(x, self.w2_packed[expert], self.w2_scale[expert])
 
     @property

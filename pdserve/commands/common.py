@@ -38,6 +38,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
                         help="a request whose verify steps emit fewer tokens than this (moving average) decodes "
                              "plainly for a while, then probes again; ~2 pays on CPU (default 0: always speculate)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--cpus", default=None, metavar="LIST",
+                        help="pin this worker (engine process and TP followers included) to these CPUs, e.g. 0-3,6; "
+                             "torch threads then default to their count (`pdserve up` sets it on a CPU node)")
     parser.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                         help="serve Prometheus GET /metrics here (port 0: any free port; default: none)")
     parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
@@ -95,6 +98,19 @@ def fail(prog: str, message: object, code: int = 2) -> int:
     return code
 
 
+def pin_worker(args: argparse.Namespace) -> None:
+    """--cpus: pins this process's threads (before the engine starts any) and makes the torch threads default to
+    the pinned cores' count. ValueError for a bad list."""
+    if args.cpus is None:
+        return
+    from pdserve.cpu_split import parse_cpu_list, pin_process
+
+    cpus = parse_cpu_list(args.cpus)
+    pin_process(cpus)
+    if args.num_threads is None:
+        args.num_threads = len(cpus)
+
+
 def run_worker(role: str, args: argparse.Namespace, build_config: Callable[..., Any],
                serve: Callable[..., Awaitable[None]], **role_kwargs: Any) -> int:
     """The body of `pdserve prefill` / `pdserve decode`: build_config(listen=..., metrics_listen=...,
@@ -102,6 +118,7 @@ def run_worker(role: str, args: argparse.Namespace, build_config: Callable[..., 
     from rpc.server import run as run_event_loop
 
     try:
+        pin_worker(args)
         config = build_config(listen=args.listen, metrics_listen=args.metrics_listen, **role_kwargs,
                               **engine_kwargs(args))  # device checks too
     except (ValueError, OSError) as error:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="decode workers run their engine in a process of its own (see pdserve decode)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker rank")
+    parser.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
+                        help="on the CPU: prefill workers on the lower half of the cores, decode workers on the upper "
+                             "half, torch threads = cores (as separate GPUs would keep them apart; default on)")
+    parser.add_argument("--prefill-cpus", default=None, metavar="LIST", help="pin the prefill workers to these CPUs (e.g. 0-3)")
+    parser.add_argument("--decode-cpus", default=None, metavar="LIST", help="pin the decode workers to these CPUs")
     parser.add_argument("--internal", choices=("uds", "tcp"), default="uds",
                         help="how the workers listen: Unix sockets in a private 0700 directory (default), or TCP on "
                              "127.0.0.1 with a generated token every internal call must carry")
@@ -65,6 +71,28 @@ def _check_device(args: argparse.Namespace) -> None:
                              "IPC); use --transport auto, device or grpc")
 
 
+def cpu_pinning(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(prefill worker flags, decode worker flags): --cpus for each role on a CPU deployment (--prefill-cpus /
+    --decode-cpus, else with --cpu-split the halves of the cores this process may use); none on CUDA or with
+    fewer than 2 cores. ValueError for a bad list."""
+    from pdserve.cpu_split import format_cpu_list, parse_cpu_list, split_cpus
+
+    explicit = {role: getattr(args, f"{role}_cpus") for role in ("prefill", "decode")}
+    for text in explicit.values():
+        if text is not None:
+            parse_cpu_list(text)
+    if args.device == "cuda":
+        if any(text is not None for text in explicit.values()):
+            raise ValueError("--prefill-cpus / --decode-cpus apply to CPU workers, not --device cuda")
+        return (), ()
+    halves = split_cpus(tuple(os.sched_getaffinity(0))) if args.cpu_split else None
+    flags: list[tuple[str, ...]] = []
+    for index, role in enumerate(("prefill", "decode")):
+        text = explicit[role] if explicit[role] is not None else (format_cpu_list(halves[index]) if halves else None)
+        flags.append(("--cpus", text) if text else ())
+    return flags[0], flags[1]
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging("up", 0, args.log_level)
     from pdserve.launcher import Cluster, ClusterSpec
@@ -83,10 +111,12 @@ def run(args: argparse.Namespace) -> int:
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
     decode_args += ("--engine-process" if args.engine_process else "--no-engine-process",)
     try:
+        prefill_pins, decode_pins = cpu_pinning(args)
+        decode_args += decode_pins
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen, http_listen=args.http_listen,
                            attention_backend=args.attention_backend, transport=args.transport,
-                           draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args,
+                           draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args, prefill_args=prefill_pins,
                            log_level=args.log_level, internal=args.internal, tls_cert=args.tls_cert,
                            tls_key=args.tls_key, api_key_file=args.api_key_file)
     except ValueError as error:
@@ -107,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         f"prefill workers: {' '.join(c.address for c in cluster.children if c.role.startswith('prefill'))}\n"
         f"decode workers:  {' '.join(c.address for c in cluster.children if c.role.startswith('decode'))}\n"
         + (f"http (OpenAI API): http://{cluster.http_address}/v1\n" if cluster.http_address else "")
+        + (f"cpus: prefill {prefill_pins[1] if prefill_pins else 'all'}, decode {decode_pins[1] if decode_pins else 'all'}\n")
         + "metrics: " + " ".join(f"{role}=http://{where}/metrics" for role, where in cluster.metrics_addresses().items())
         + f"\ntry:  pdserve generate --gateway {address} \"def fibonacci(n):\" --max-tokens 64\n"
         "Ctrl-C stops everything.\n")

@@ -1,6 +1,7 @@
 """Helpers for service tests: deterministic prompts, stubs, and polling a decode worker's load."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import time
@@ -19,6 +20,18 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]  # (metric, labels
 PROMPT_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 100, 128, 255, 300, 512, 777, 1024, 1500, 2048)
 FIRST_ORDINARY_TOKEN = 4  # ids 0..3 are the special tokens
 VOCAB_LIMIT = 300          # the test tokenizer's vocabulary (the model's is 320)
+
+
+def up_args(**overrides: object) -> argparse.Namespace:
+    """`pdserve up`'s parsed defaults with some attributes replaced (for its pure start-up checks)."""
+    from pdserve.commands import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args([])
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
 
 
 def token_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:

