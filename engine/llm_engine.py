@@ -14,6 +14,7 @@ from engine.models.registry import load_config
 from engine.config_base import length_of
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
+from engine.logits_processing import first_token_scores, step_scores
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
                                  StepOutput)
@@ -159,6 +160,9 @@ class LLMEngine:
             pages = -(-(total + self.config.spec_block_size) // self.config.page_size)
             if pages > self.allocator.num_pages:
                 raise ValueError(f"request needs {pages} KV pages, the pool has {self.allocator.num_pages}")
+            bad_bias = [token for token, _ in params.logit_bias if token >= vocab]
+            if bad_bias:
+                raise ValueError(f"logit_bias token id {bad_bias[0]} is out of the vocabulary [0, {vocab})")
             if params.block_size is not None and params.block_size > self.config.spec_block_size:
                 raise ValueError(
                     f"block_size {params.block_size} exceeds the server maximum {self.config.spec_block_size}"
@@ -350,7 +354,8 @@ class LLMEngine:
         plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft))
         logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
         sampled = [c.seq for c, item in zip(chunks, items) if item.needs_logits]
-        tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], logits) if sampled else []
+        scores = first_token_scores([s.params for s in sampled], [s.token_ids for s in sampled], logits, self.eos_ids)
+        tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], scores) if sampled else []
         row = 0
         for chunk, item in zip(chunks, items):
             seq = chunk.seq
@@ -394,12 +399,14 @@ class LLMEngine:
         logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
         offsets = list(itertools.accumulate([0] + plan.q_lens))
+        # what sampling and verification see: each row's penalties / bias (raw logits stay for the logprobs)
+        scores = step_scores(seqs, {rid: proposal[0] for rid, proposal in drafts.items()}, logits, offsets, self.eos_ids)
         pieces = []
         if plain:
             rows = torch.tensor([offsets[i] for i in plain], device=logits.device)
             pieces.append(sample_on_device([seqs[i].params for i in plain], [seqs[i].generator for i in plain],
-                                           logits.index_select(0, rows)))
-        order, verdict = spec_decode.verify_on_device(seqs, drafts, logits, offsets)
+                                           scores.index_select(0, rows)))
+        order, verdict = spec_decode.verify_on_device(seqs, drafts, scores, offsets)
         if verdict is not None:
             pieces.append(verdict)
         host = fetch_to_host(torch.cat(pieces) if len(pieces) > 1 else pieces[0])  # the step's one device-to-host copy

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.engine_types import PrefillJob, PrefillResult
+from engine.logits_processing import first_token_scores
 from engine.sampling import make_generator
 from engine.sampling_params import speculates
 from engine.step_plan import PrefillItem, prefill_plan, with_state_slots
@@ -69,7 +70,9 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
             finishing = [job for (job, _), item in zip(stepping, items) if item.needs_logits]
             if finishing:
                 generators = [make_generator(job.params.seed, engine.device) for job in finishing]
-                tokens = sample_tokens([job.params for job in finishing], generators, logits)
+                scores = first_token_scores([job.params for job in finishing], [job.prompt_ids for job in finishing],
+                                            logits, engine.eos_ids)
+                tokens = sample_tokens([job.params for job in finishing], generators, scores)
                 for row, job in enumerate(finishing):
                     logprob = None
                     if job.params.logprobs:

@@ -18,8 +18,11 @@ MAX_REQUEST_ID_LENGTH = 256
 _FIELD_NAMES = {
     "max_new_tokens": "max_tokens", "temperature": "sampling.temperature", "top_k": "sampling.top_k",
     "top_p": "sampling.top_p", "min_p": "sampling.min_p", "seed": "sampling.seed",
-    "logprobs": "top_logprobs", "block_size": "block_size",
+    "logprobs": "top_logprobs", "block_size": "block_size", "presence_penalty": "sampling.presence_penalty",
+    "frequency_penalty": "sampling.frequency_penalty", "repetition_penalty": "sampling.repetition_penalty",
+    "logit_bias": "sampling.logit_bias", "min_tokens": "sampling.min_tokens",
 }
+_ADJUSTMENTS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")  # SamplingParams' own
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,11 @@ def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, ma
             values[name] = getattr(defaults, name)
     if sampling.HasField("seed"):
         values["seed"] = int(sampling.seed)
+    values.update(present_fields(sampling, _ADJUSTMENTS))
+    for token in sampling.logit_bias:
+        if not 0 <= token < facts.vocab_size:
+            raise InvalidArgument("sampling.logit_bias", f"token id {token} is outside the vocabulary [0, {facts.vocab_size})")
+    values["logit_bias"] = dict(sampling.logit_bias)
     for index, token in enumerate(request.stop_token_ids):
         if not 0 <= token < facts.vocab_size:
             raise InvalidArgument(f"stop_token_ids[{index}]", f"{token} is outside the vocabulary [0, {facts.vocab_size})")

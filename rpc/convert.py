@@ -27,7 +27,9 @@ def set_given(message: Message, source: Any, names: Iterable[str]) -> None:
             setattr(message, name, value)
 
 
-_DISTRIBUTION = ("temperature", "top_k", "top_p", "min_p", "seed")  # WorkerSampling.distribution's fields
+# WorkerSampling.distribution's scalar fields (and its logit_bias map)
+_DISTRIBUTION = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens")
 _OPTIONAL = ("speculative", "block_size")  # WorkerSampling's own optional fields
 
 
@@ -36,6 +38,7 @@ def sampling_to_proto(params: Any) -> worker_pb2.WorkerSampling:
     message = worker_pb2.WorkerSampling(max_new_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
                                         ignore_eos=params.ignore_eos, logprobs=params.logprobs)
     set_given(message.distribution, params, _DISTRIBUTION)
+    message.distribution.logit_bias.update(dict(params.logit_bias))
     set_given(message, params, _OPTIONAL)
     return message
 
@@ -50,6 +53,7 @@ def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, Any]:
     engine's default: seed None, speculative None, ...)."""
     return dict(max_new_tokens=message.max_new_tokens, stop_token_ids=tuple(message.stop_token_ids),
                 ignore_eos=message.ignore_eos, logprobs=message.logprobs,
+                logit_bias=tuple(sorted(message.distribution.logit_bias.items())),
                 **present_fields(message.distribution, _DISTRIBUTION), **present_fields(message, _OPTIONAL))
 
 

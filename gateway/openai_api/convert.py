@@ -38,5 +38,21 @@ def to_generate_request(request: OpenAIRequest, request_id: str,
         message.max_tokens = request.max_tokens
     if request.logprobs is not None:
         message.top_logprobs = max(1, request.logprobs)
-    set_given(message.sampling, request, ("temperature", "top_p", "top_k", "min_p", "seed"))
+    set_given(message.sampling, request, ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                                          "frequency_penalty", "repetition_penalty", "min_tokens"))
+    message.sampling.logit_bias.update(dict(request.logit_bias))
+    message.stop_token_ids.extend(request.stop_token_ids)
     return message
+
+
+def choice_requests(request: OpenAIRequest, request_id: str,
+                    prompt_ids: list[int] | None = None) -> list[gateway_pb2.GenerateRequest]:
+    """The n GenerateRequests behind one request with n choices: choice i runs as request_id (i = 0) or
+    request_id.i, with seed + i when a seed is given (so seeded choices differ but stay reproducible)."""
+    messages = []
+    for index in range(request.n):
+        message = to_generate_request(request, request_id if index == 0 else f"{request_id}.{index}", prompt_ids)
+        if index and request.seed is not None:
+            message.sampling.seed = (request.seed + index) % 2**64
+        messages.append(message)
+    return messages

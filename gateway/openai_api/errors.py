@@ -25,7 +25,10 @@ _HTTP_FOR_GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
 # Gateway field names (InvalidArgument.field prefixes) -> the OpenAI parameter to name.
 _PARAM_FOR_FIELD = {
     "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
-    "sampling.min_p": "min_p", "sampling.seed": "seed", "sampling": "temperature", "stop_token_ids": "stop",
+    "sampling.min_p": "min_p", "sampling.seed": "seed", "sampling": "temperature", "stop_token_ids": "stop_token_ids",
+    "sampling.presence_penalty": "presence_penalty", "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.repetition_penalty": "repetition_penalty", "sampling.logit_bias": "logit_bias",
+    "sampling.min_tokens": "min_tokens",
 }
 
 

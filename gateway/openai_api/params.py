@@ -3,9 +3,10 @@
 Pure functions: every rejection is an OpenAIError 400 whose `param` names the offending parameter.
 Supported: model, prompt (completions: a string, token ids, or a one-element list of either) or messages
 (chat), max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, stop, seed, logprobs /
-top_logprobs, stream, stream_options.include_usage, user, and the vLLM extensions ignore_eos and
-skip_special_tokens. Refused until supported: n > 1, best_of > 1, echo, suffix, logit_bias, presence /
-frequency penalties, tools / functions, response_format. Other fields are ignored."""
+top_logprobs, stream, stream_options.include_usage, user, n (best_of only equal to n), presence_penalty,
+frequency_penalty, logit_bias, and the vLLM extensions ignore_eos, skip_special_tokens, repetition_penalty,
+min_tokens and stop_token_ids. Refused until supported: echo, suffix, tools / functions, response_format.
+Other fields are ignored."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,11 +19,11 @@ MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # parameter -> the values that mean "not used"
 _UNSUPPORTED = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "tools": (None, []),
+    "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
     "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
     "response_format": (None,),
 }
+MAX_CHOICES = 16  # n: choices per request, at most
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,13 @@ class OpenAIRequest:
     user: str | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def prompt_param(self) -> str:
@@ -174,6 +182,45 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     return value
 
 
+def _choices(body: dict[str, Any]) -> int:
+    """n (1..MAX_CHOICES); best_of, when given, must equal n (the server returns every choice it makes)."""
+    n = _number(body, "n", 1, MAX_CHOICES, integer=True) or 1
+    best_of = _number(body, "best_of", 1, MAX_CHOICES, integer=True)
+    if best_of is not None and best_of != n:
+        raise bad_param("best_of", f"must equal n ({n}) on this server (it returns every choice it samples), got {best_of}")
+    return n
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (keys are strings of token ids), biases in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_param("logit_bias", "must be an object mapping token ids to biases")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_param("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise bad_param("logit_bias", f"keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_param("logit_bias", f"biases must be numbers in [-100, 100], got {bias!r} for {key!r}")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise bad_param("stop_token_ids", "must be a list of token ids")
+    return tuple(value)
+
+
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     options = body.get("stream_options")
     if options is None:
@@ -211,5 +258,16 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         top_k=_number(body, "top_k", -1, 2**31 - 1, integer=True), min_p=_number(body, "min_p", 0.0, 1.0),
         stop=_stop(body), seed=seed, logprobs=_logprobs(body, chat), stream=stream,
         include_usage=_stream_options(body, stream), user=user, ignore_eos=_flag(body, "ignore_eos", False),
-        skip_special_tokens=_flag(body, "skip_special_tokens", True),
+        skip_special_tokens=_flag(body, "skip_special_tokens", True), n=_choices(body),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
+        repetition_penalty=_positive(body, "repetition_penalty"), logit_bias=_logit_bias(body),
+        min_tokens=_number(body, "min_tokens", 0, 2**31 - 1, integer=True), stop_token_ids=_stop_token_ids(body),
     )
+
+
+def _positive(body: dict[str, Any], name: str) -> float | None:
+    value = _number(body, name, 0.0, 100.0)
+    if value is not None and value <= 0:
+        raise bad_param(name, f"must be in (0, 100], got {value!r}")
+    return value

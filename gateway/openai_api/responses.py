@@ -47,6 +47,7 @@ class ResponseBuilder:
     chat: bool
     logprobs: int | None = None
     token_text: Callable[[int], str] = str
+    index: int = 0  # the choice this builder formats (n > 1: one builder per choice)
     _text_offset: int = 0
 
     @property
@@ -85,7 +86,7 @@ class ResponseBuilder:
     # --- bodies ---------------------------------------------------------------------------------------
     def _choice(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str | None,
                 stream: bool, first: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat and stream:
             choice["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         elif self.chat:
@@ -99,8 +100,15 @@ class ResponseBuilder:
     def response(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str,
                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         """The whole (non-streaming) response."""
-        return {**self._envelope(False), "choices": [self._choice(text, logprobs, finish_reason, False)],
-                "usage": usage(prompt_tokens, completion_tokens)}
+        return self.responses([self.choice(text, logprobs, finish_reason)], prompt_tokens, completion_tokens)
+
+    def choice(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str) -> dict[str, Any]:
+        """This builder's choice of a whole (non-streaming) response."""
+        return self._choice(text, logprobs, finish_reason, False)
+
+    def responses(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The whole response with these choices (n > 1: each from its own builder); completion_tokens over all."""
+        return {**self._envelope(False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprobLike] = (), finish_reason: str | None = None,
               first: bool = False, include_usage: bool = False) -> dict[str, Any]:
