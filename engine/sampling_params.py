@@ -39,7 +39,8 @@ class SamplingParams:
     (the engine also checks it against its own maximum). presence_penalty / frequency_penalty in [-2, 2]
     (0: off), repetition_penalty > 0 (1: off), logit_bias: (token id, bias in [-100, 100]) pairs (a dict is
     accepted; -100 bans the token), min_tokens: eos and stop_token_ids are banned until this many tokens
-    were generated (engine/penalties.py). Every invalid field raises ValueError naming the field."""
+    were generated (engine/penalties.py). prompt_logprobs: score the prompt too (each prompt token after the
+first, with that many alternatives; None: not asked) from the prefill forward. Every invalid field raises ValueError naming the field."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -57,6 +58,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -95,6 +97,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from gateway.openai_api.chat_template import ChatTemplate
 from gateway.openai_api.convert import chat_prompt_ids, choice_requests
+from gateway.openai_api.echo import ChoiceView, prompt_logprobs_field
 from gateway.openai_api.errors import OpenAIError, from_status
 from gateway.openai_api.params import OpenAIRequest, parse_request
 from gateway.openai_api.responses import DONE_EVENT, ResponseBuilder, sse
@@ -81,14 +82,38 @@ class GenerateHandler:
         created = int(time.time())
         builders = [ResponseBuilder(request_id, self._service.facts.name, created, chat, parsed.logprobs,
                                     self._token_text, index) for index in range(parsed.n)]
+        shows_prompt = parsed.echo or parsed.prompt_logprobs is not None
+        prompt_ids = choices.runs[0].job.prompt_ids if shows_prompt else ()
+        views = [self._view(parsed, prompt_ids) for _ in builders]
         outcome = ["abort", "499"]  # (final status, HTTP code) for the metrics; 499: the client went away
         try:
             if parsed.stream:
-                return await self._stream(request, choices, builders, parsed, outcome)
-            return await self._collect(choices, builders, parsed, outcome)
+                return await self._stream(request, choices, builders, views, parsed, outcome)
+            return await self._collect(choices, builders, views, parsed, outcome)
         finally:
             choices.cancel()
             metrics.count("http", *outcome)
+
+    def _view(self, parsed: OpenAIRequest, prompt_ids: tuple[int, ...]) -> ChoiceView:
+        echo_text = None
+        if parsed.echo:
+            tokenizer = self._service.tokenizer
+            echo_text = parsed.prompt_text if parsed.prompt_text is not None else (
+                tokenizer.decode(list(prompt_ids), skip_special_tokens=False) if tokenizer else "")
+        return ChoiceView(echo_text, prompt_ids, parsed.logprobs is not None, keep_completion=parsed.max_tokens != 0)
+
+    def _with_prompt_logprobs(self, body: dict[str, Any], parsed: OpenAIRequest, prompt_ids: tuple[int, ...],
+                              prompt_logprobs: list[Any] | None) -> dict[str, Any]:
+        """vLLM's prompt_logprobs: on each choice (completions) or on the response (chat), when asked."""
+        if parsed.prompt_logprobs is None or prompt_logprobs is None:
+            return body
+        entries = prompt_logprobs_field(prompt_ids, prompt_logprobs, parsed.prompt_logprobs, self._token_text)
+        if parsed.chat:
+            body["prompt_logprobs"] = entries
+        else:
+            for choice in body["choices"]:
+                choice["prompt_logprobs"] = entries
+        return body
 
     async def _parse(self, request: web.BaseRequest, chat: bool) -> OpenAIRequest:
         try:
@@ -110,16 +135,19 @@ class GenerateHandler:
             return from_status(code, message)
         return from_status(code, message, parsed.prompt_param, parsed.logprobs_param)
 
-    async def _collect(self, choices: Choices, builders: list[ResponseBuilder], parsed: OpenAIRequest,
-                       outcome: list[str]) -> web.Response:
+    async def _collect(self, choices: Choices, builders: list[ResponseBuilder], views: list[ChoiceView],
+                       parsed: OpenAIRequest, outcome: list[str]) -> web.Response:
         texts: list[list[str]] = [[] for _ in builders]
         logprobs: list[list[Any]] = [[] for _ in builders]
         finishes: dict[int, FinishEvent] = {}
+        scored: list[Any] | None = None
         while len(finishes) < len(builders):
             index, event = await choices.get()
             if isinstance(event, TokensEvent):
-                texts[index].append(event.text)
-                logprobs[index].extend(event.logprobs)
+                text, shown = views[index].take(event.text, event.logprobs, event.prompt_logprobs)
+                texts[index].append(text)
+                logprobs[index].extend(shown)
+                scored = list(event.prompt_logprobs) if scored is None else scored
             elif isinstance(event, FinishEvent):
                 finishes[index] = event
             elif isinstance(event, ErrorEvent):
@@ -128,11 +156,13 @@ class GenerateHandler:
                 return error_response(error, builders[0].request_id)
         bodies = [builder.choice("".join(texts[i]), logprobs[i], finishes[i].reason) for i, builder in enumerate(builders)]
         outcome[:] = [finishes[len(builders) - 1].reason, "200"]
-        body = builders[0].responses(bodies, finishes[0].prompt_tokens, sum(f.completion_tokens for f in finishes.values()))
+        completion = sum(views[i].completion_tokens(f.completion_tokens) for i, f in finishes.items())
+        body = builders[0].responses(bodies, finishes[0].prompt_tokens, completion)
+        body = self._with_prompt_logprobs(body, parsed, views[0].prompt_ids, scored)
         return json_response(body, 200, builders[0].request_id)
 
     async def _stream(self, request: web.BaseRequest, choices: Choices, builders: list[ResponseBuilder],
-                      parsed: OpenAIRequest, outcome: list[str]) -> web.StreamResponse:
+                      views: list[ChoiceView], parsed: OpenAIRequest, outcome: list[str]) -> web.StreamResponse:
         first = await choices.get()
         if isinstance(first[1], ErrorEvent):  # nothing sent yet: a plain error response with its status
             error = from_status(first[1].status.code, first[1].status.details, parsed.prompt_param,
@@ -147,6 +177,7 @@ class GenerateHandler:
                 await response.write(sse(builder.chunk("", first=True, include_usage=usage)))
         pending: list[tuple[int, TokensEvent | FinishEvent | ErrorEvent]] = [first]
         finishes: dict[int, FinishEvent] = {}
+        started: set[int] = set()  # choices whose first token event was sent
         failed = False
         try:
             while True:
@@ -158,10 +189,17 @@ class GenerateHandler:
                         tokens = [event]
                         while pending and pending[0][0] == index and isinstance(pending[0][1], TokensEvent):
                             tokens.append(pending.pop(0)[1])  # type: ignore[arg-type]
-                        text = "".join(item.text for item in tokens)
-                        logprobs = [logprob for item in tokens for logprob in item.logprobs]
-                        if text or logprobs:
-                            await response.write(sse(builders[index].chunk(text, logprobs, include_usage=usage)))
+                        shown = [views[index].take(item.text, item.logprobs, item.prompt_logprobs)
+                                 for item in tokens]
+                        text = "".join(item[0] for item in shown)
+                        logprobs = [logprob for item in shown for logprob in item[1]]
+                        if text or logprobs or index not in started:
+                            body = builders[index].chunk(text, logprobs, include_usage=usage)
+                            if index not in started:
+                                body = self._with_prompt_logprobs(body, parsed, views[0].prompt_ids,
+                                                                  list(tokens[0].prompt_logprobs))
+                                started.add(index)
+                            await response.write(sse(body))
                         continue
                     if isinstance(event, FinishEvent):
                         finishes[index] = event
@@ -179,7 +217,7 @@ class GenerateHandler:
                     break
                 pending.append(await choices.get())
             if usage and not failed:
-                completion = sum(event.completion_tokens for event in finishes.values())
+                completion = sum(views[i].completion_tokens(event.completion_tokens) for i, event in finishes.items())
                 await response.write(sse(builders[0].usage_chunk(finishes[0].prompt_tokens, completion)))
             await response.write(DONE_EVENT)
             await response.write_eof()

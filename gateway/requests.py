@@ -20,7 +20,7 @@ _FIELD_NAMES = {
     "top_p": "sampling.top_p", "min_p": "sampling.min_p", "seed": "sampling.seed",
     "logprobs": "top_logprobs", "block_size": "block_size", "presence_penalty": "sampling.presence_penalty",
     "frequency_penalty": "sampling.frequency_penalty", "repetition_penalty": "sampling.repetition_penalty",
-    "logit_bias": "sampling.logit_bias", "min_tokens": "sampling.min_tokens",
+    "logit_bias": "sampling.logit_bias", "min_tokens": "sampling.min_tokens", "prompt_logprobs": "prompt_logprobs",
 }
 _ADJUSTMENTS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")  # SamplingParams' own
 
@@ -126,7 +126,7 @@ def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, ma
     values["stop_token_ids"] = tuple(request.stop_token_ids)
     if request.HasField("top_logprobs"):
         values["logprobs"] = request.top_logprobs
-    values.update(present_fields(request, ("speculative", "block_size")))
+    values.update(present_fields(request, ("speculative", "block_size", "prompt_logprobs")))
     try:
         return SamplingParams(**values)
     except ValueError as error:

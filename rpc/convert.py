@@ -30,7 +30,7 @@ def set_given(message: Message, source: Any, names: Iterable[str]) -> None:
 # WorkerSampling.distribution's scalar fields (and its logit_bias map)
 _DISTRIBUTION = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens")
-_OPTIONAL = ("speculative", "block_size")  # WorkerSampling's own optional fields
+_OPTIONAL = ("speculative", "block_size", "prompt_logprobs")  # WorkerSampling's own optional fields
 
 
 def sampling_to_proto(params: Any) -> worker_pb2.WorkerSampling:

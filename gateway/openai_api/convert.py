@@ -35,9 +35,11 @@ def to_generate_request(request: OpenAIRequest, request_id: str,
         assert request.prompt_text is not None
         message.text = request.prompt_text
     if request.max_tokens is not None:
-        message.max_tokens = request.max_tokens
+        message.max_tokens = max(1, request.max_tokens)  # 0 (prompt scoring): one token, dropped by the answer
     if request.logprobs is not None:
         message.top_logprobs = max(1, request.logprobs)
+    if request.scored_prompt is not None:
+        message.prompt_logprobs = request.scored_prompt
     set_given(message.sampling, request, ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                                           "frequency_penalty", "repetition_penalty", "min_tokens"))
     message.sampling.logit_bias.update(dict(request.logit_bias))

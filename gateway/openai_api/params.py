@@ -5,7 +5,8 @@ Supported: model, prompt (completions: a string, token ids, or a one-element lis
 (chat), max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, stop, seed, logprobs /
 top_logprobs, stream, stream_options.include_usage, user, n (best_of only equal to n), presence_penalty,
 frequency_penalty, logit_bias, and the vLLM extensions ignore_eos, skip_special_tokens, repetition_penalty,
-min_tokens and stop_token_ids. Refused until supported: echo, suffix, tools / functions, response_format.
+min_tokens and stop_token_ids; echo (completions; with max_tokens 0 for prompt scoring) and vLLM's
+prompt_logprobs. Refused until supported: suffix, tools / functions, response_format.
 Other fields are ignored."""
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # parameter -> the values that mean "not used"
 _UNSUPPORTED = {
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+    "suffix": (None, ""), "tools": (None, []),
     "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
     "response_format": (None,),
 }
@@ -62,6 +63,15 @@ class OpenAIRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    echo: bool = False
+    prompt_logprobs: int | None = None
+
+    @property
+    def scored_prompt(self) -> int | None:
+        """Alternatives per prompt token the prefill must score (None: no prompt scoring): vLLM's prompt_logprobs,
+        or, with echo and logprobs, the logprobs count."""
+        counts = [c for c in (self.prompt_logprobs, self.logprobs if self.echo else None) if c is not None]
+        return max(counts) if counts else None
 
     @property
     def prompt_param(self) -> str:
@@ -175,8 +185,10 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
 
 
 def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
+    """max_tokens 0 is allowed for prompt scoring only (completions with echo)."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    value = _number(body, name, 1, 2**31 - 1, integer=True)
+    scoring = not chat and body.get("echo") is True
+    value = _number(body, name, 0 if scoring else 1, 2**31 - 1, integer=True)
     if value is None and not chat:
         return COMPLETIONS_DEFAULT_MAX_TOKENS
     return value
@@ -263,7 +275,15 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
         repetition_penalty=_positive(body, "repetition_penalty"), logit_bias=_logit_bias(body),
         min_tokens=_number(body, "min_tokens", 0, 2**31 - 1, integer=True), stop_token_ids=_stop_token_ids(body),
+        echo=_echo(body, chat), prompt_logprobs=_number(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS, integer=True),
     )
+
+
+def _echo(body: dict[str, Any], chat: bool) -> bool:
+    echo = _flag(body, "echo", False)
+    if echo and chat:
+        raise bad_param("echo", "is only supported on /v1/completions")
+    return echo
 
 
 def _positive(body: dict[str, Any], name: str) -> float | None:

@@ -22,8 +22,8 @@ class TokenLogprobLike(Protocol):
     """gateway_pb2.TokenLogprob or anything shaped like it."""
 
     token_id: int
-    logprob: float
-    top: Sequence[TopLogprobLike]
+    logprob: float | None  # None: an echoed prompt's first token (gateway.openai_api.echo.Unscored)
+    top: Sequence[TopLogprobLike] | None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -79,7 +79,8 @@ class ResponseBuilder:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": [item.logprob for item in logprobs],
-                "top_logprobs": [{self.token_text(top.token_id): top.logprob for top in list(item.top)[:count]}
+                "top_logprobs": [None if item.top is None else  # an echoed prompt's first token
+                                 {self.token_text(top.token_id): top.logprob for top in list(item.top)[:count]}
                                  for item in logprobs],
                 "text_offset": offsets}
 

@@ -59,7 +59,9 @@ def test_chat_parameters_map():
     ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"model": "m", "prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
     ({"model": "m", "prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "echo": 1}, "echo"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"model": "m", "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
     ({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"model": "m", "prompt": "x", "presence_penalty": -3}, "presence_penalty"),
@@ -115,3 +117,18 @@ def test_sampling_controls_parse_and_reach_the_generate_request():
     assert list(first.stop_token_ids) == [9]
     plain = choice_requests(parse_request({"model": "m", "prompt": "x"}, chat=False), "rid")[0]
     assert not plain.sampling.HasField("presence_penalty") and not plain.sampling.logit_bias
+
+
+def test_echo_and_prompt_logprobs_reach_the_generate_request():
+    """echo with logprobs N (and max_tokens 0) asks the prefill to score the prompt with N alternatives and
+    generate one token (dropped by the answer); vLLM's prompt_logprobs asks the same; chat refuses echo."""
+    from gateway.openai_api.convert import to_generate_request
+
+    parsed = parse_request({"model": "m", "prompt": [3, 4, 5], "echo": True, "logprobs": 2, "max_tokens": 0}, chat=False)
+    message = to_generate_request(parsed, "rid")
+    assert parsed.max_tokens == 0 and message.max_tokens == 1 and message.prompt_logprobs == 2
+    assert to_generate_request(parse_request({"model": "m", "prompt": "x", "echo": True}, chat=False), "r") \
+        .HasField("prompt_logprobs") is False
+    vllm = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0}, chat=True)
+    assert to_generate_request(vllm, "r", [1, 2]).prompt_logprobs == 0
+    assert _param_of({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, chat=True) == "echo"
