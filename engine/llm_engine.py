@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -14,6 +15,7 @@ from engine.models.registry import load_config
 from engine.config_base import length_of
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
+from engine.grammar import GrammarCompiler, compiler_for
 from engine.logits_processing import first_token_scores, step_scores
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
@@ -135,6 +137,11 @@ class LLMEngine:
         """A snapshot of the prefix cache's counters (all zero with prefix_cache off)."""
         return PrefixCacheStats()
 
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' grammar compiler for this model's tokenizer (built on first use)."""
+        return compiler_for(self.config.model_dir, self.model_config.vocab_size, tuple(sorted(self.eos_ids)))
+
     num_running = length_of("scheduler.running")
     num_waiting = length_of("scheduler.waiting")
 
@@ -177,6 +184,7 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         generator = make_generator(params.seed, self.device)
+        grammar = self.grammars.matcher(*params.structured_output) if params.structured_output else None
         seq = Sequence(
             request_id=request_id,
             prompt_len=len(prompt_ids),
@@ -186,6 +194,7 @@ class LLMEngine:
             spec_block_size=self._spec_block_size(params),
             generator=generator,
             arrival_order=next(self._order),
+            grammar=grammar,
         )
         self._seqs[request_id] = seq
         return seq
@@ -332,7 +341,10 @@ class LLMEngine:
             if index < len(logprobs):
                 seq.new_logprobs.append(logprobs[index])
             kept += 1
-            if (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids:
+            if seq.grammar is not None:
+                seq.grammar.consume(token)
+            if ((not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids
+                    or (seq.grammar is not None and seq.grammar.is_stopped)):  # (a complete grammar stops too)
                 self.scheduler.remove(seq)
                 self._finish(seq, "stop")
                 break
@@ -354,7 +366,8 @@ class LLMEngine:
         plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft))
         logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
         sampled = [c.seq for c, item in zip(chunks, items) if item.needs_logits]
-        scores = first_token_scores([s.params for s in sampled], [s.token_ids for s in sampled], logits, self.eos_ids)
+        scores = first_token_scores([s.params for s in sampled], [s.token_ids for s in sampled], logits, self.eos_ids,
+                                    [s.grammar for s in sampled])
         tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], scores) if sampled else []
         row = 0
         for chunk, item in zip(chunks, items):

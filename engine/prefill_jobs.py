@@ -84,8 +84,10 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
                 logits = logits.index_select(0, torch.tensor(last_rows, dtype=torch.long, device=logits.device))
             if finishing:
                 generators = [make_generator(job.params.seed, engine.device) for job in finishing]
+                matchers = [engine.grammars.matcher(*job.params.structured_output) if job.params.structured_output
+                            else None for job in finishing]
                 scores = first_token_scores([job.params for job in finishing], [job.prompt_ids for job in finishing],
-                                            logits, engine.eos_ids)
+                                            logits, engine.eos_ids, matchers)
                 tokens = sample_tokens([job.params for job in finishing], generators, scores)
                 for row, job in enumerate(finishing):
                     logprob = None

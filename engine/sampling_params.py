@@ -6,6 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+# structured_output kinds: a JSON schema (JSON text), any JSON object, a regex, a Lark grammar (llguidance's
+# syntax), a JSON list of strings to choose from
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -40,7 +45,9 @@ class SamplingParams:
     (0: off), repetition_penalty > 0 (1: off), logit_bias: (token id, bias in [-100, 100]) pairs (a dict is
     accepted; -100 bans the token), min_tokens: eos and stop_token_ids are banned until this many tokens
     were generated (engine/penalties.py). prompt_logprobs: score the prompt too (each prompt token after the
-first, with that many alternatives; None: not asked) from the prefill forward. Every invalid field raises ValueError naming the field."""
+first, with that many alternatives; None: not asked) from the prefill forward. structured_output: (kind, text),
+the grammar every generated token must follow (engine/grammar.py; kinds GRAMMAR_KINDS; json_object ignores
+the text). Every invalid field raises ValueError naming the field."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -59,6 +66,7 @@ first, with that many alternatives; None: not asked) from the prefill forward. E
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    structured_output: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -97,6 +105,12 @@ first, with that many alternatives; None: not asked) from the prefill forward. E
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens!r}")
+        if self.structured_output is not None:
+            kind_text = tuple(self.structured_output)
+            if len(kind_text) != 2 or kind_text[0] not in GRAMMAR_KINDS or not isinstance(kind_text[1], str):
+                raise ValueError(f"structured_output must be (kind, text) with kind one of {', '.join(GRAMMAR_KINDS)}, "
+                                 f"got {self.structured_output!r}")
+            object.__setattr__(self, "structured_output", kind_text)
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
 

@@ -133,7 +133,7 @@ class GenerateHandler:
         code, message = status_for(error)
         if parsed is None:
             return from_status(code, message)
-        return from_status(code, message, parsed.prompt_param, parsed.logprobs_param)
+        return from_status(code, message, parsed.prompt_param, parsed.logprobs_param, parsed.structured_param)
 
     async def _collect(self, choices: Choices, builders: list[ResponseBuilder], views: list[ChoiceView],
                        parsed: OpenAIRequest, outcome: list[str]) -> web.Response:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from gateway.model_info import ModelFacts
+from gateway.structured import check_structured_output
 from gateway.tokenizer import TextTokenizer
 from rpc.convert import MAX_STREAM_INTERVAL, present_fields
 from rpc.status import InvalidArgument
@@ -104,7 +105,8 @@ def _max_tokens(request: gateway_pb2.GenerateRequest, facts: ModelFacts, prompt_
     return max(1, min(facts.defaults.max_new_tokens or default_max, room))
 
 
-def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, max_tokens: int) -> SamplingParams:
+def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, max_tokens: int,
+                     tokenizer: TextTokenizer | None = None) -> SamplingParams:
     sampling, defaults = request.sampling, facts.defaults
     values: dict[str, object] = {"max_new_tokens": max_tokens, "ignore_eos": request.ignore_eos}
     for name in ("temperature", "top_k", "top_p", "min_p"):
@@ -127,6 +129,7 @@ def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, ma
     if request.HasField("top_logprobs"):
         values["logprobs"] = request.top_logprobs
     values.update(present_fields(request, ("speculative", "block_size", "prompt_logprobs")))
+    values["structured_output"] = check_structured_output(request, facts, tokenizer)
     try:
         return SamplingParams(**values)
     except ValueError as error:
@@ -144,7 +147,7 @@ def parse_generate_request(request: gateway_pb2.GenerateRequest, facts: ModelFac
     request_id = request.request_id or uuid.uuid4().hex
     prompt = _prompt_ids(request, facts, tokenizer, both_inputs, prompt_ids)
     max_tokens = _max_tokens(request, facts, len(prompt), default_max_tokens)
-    params = _sampling_params(request, facts, max_tokens)
+    params = _sampling_params(request, facts, max_tokens, tokenizer)
     for index, stop in enumerate(request.stop):
         if not stop:
             raise InvalidArgument(f"stop[{index}]", "is empty")

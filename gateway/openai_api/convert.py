@@ -6,7 +6,7 @@ from gateway.openai_api.chat_template import ChatTemplate
 from gateway.openai_api.errors import bad_param
 from gateway.openai_api.params import OpenAIRequest
 from gateway.tokenizer import TextTokenizer
-from rpc.convert import set_given
+from rpc.convert import set_given, structured_to_proto
 from rpc.v1 import gateway_pb2
 
 
@@ -44,6 +44,10 @@ def to_generate_request(request: OpenAIRequest, request_id: str,
                                           "frequency_penalty", "repetition_penalty", "min_tokens"))
     message.sampling.logit_bias.update(dict(request.logit_bias))
     message.stop_token_ids.extend(request.stop_token_ids)
+    if request.speculative is not None:
+        message.speculative = request.speculative
+    if request.structured_output is not None:
+        message.structured_output.CopyFrom(structured_to_proto(*request.structured_output))
     return message
 
 

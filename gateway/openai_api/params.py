@@ -6,10 +6,12 @@ Supported: model, prompt (completions: a string, token ids, or a one-element lis
 top_logprobs, stream, stream_options.include_usage, user, n (best_of only equal to n), presence_penalty,
 frequency_penalty, logit_bias, and the vLLM extensions ignore_eos, skip_special_tokens, repetition_penalty,
 min_tokens and stop_token_ids; echo (completions; with max_tokens 0 for prompt scoring) and vLLM's
-prompt_logprobs. Refused until supported: suffix, tools / functions, response_format.
+prompt_logprobs; response_format (json_object / json_schema) and vLLM's structured_outputs. Refused until
+supported: suffix, tools / functions.
 Other fields are ignored."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 _UNSUPPORTED = {
     "suffix": (None, ""), "tools": (None, []),
     "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "response_format": (None,),
 }
 MAX_CHOICES = 16  # n: choices per request, at most
 
@@ -65,6 +66,9 @@ class OpenAIRequest:
     stop_token_ids: tuple[int, ...] = ()
     echo: bool = False
     prompt_logprobs: int | None = None
+    structured_output: tuple[str, str] | None = None  # (kind, text): engine.sampling_params.GRAMMAR_KINDS
+    structured_param: str = "response_format"  # the parameter that asked for it (named by its errors)
+    speculative: bool | None = None  # pdserve's extension: speculative decoding on / off for this request
 
     @property
     def scored_prompt(self) -> int | None:
@@ -94,7 +98,7 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, integer: b
     return value if integer else float(value)
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+def _flag(body: dict[str, Any], name: str, default: bool | None) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -276,7 +280,59 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         repetition_penalty=_positive(body, "repetition_penalty"), logit_bias=_logit_bias(body),
         min_tokens=_number(body, "min_tokens", 0, 2**31 - 1, integer=True), stop_token_ids=_stop_token_ids(body),
         echo=_echo(body, chat), prompt_logprobs=_number(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS, integer=True),
+        speculative=_flag(body, "speculative", None),  # type: ignore[arg-type]
+        **_structured(body),
     )
+
+
+def _structured(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format (text | json_object | json_schema) or vLLM's structured_outputs (exactly one of
+    json, regex, choice, grammar, json_object) -> OpenAIRequest's structured_output fields. The grammar itself is
+    compiled (and refused when it does not) by the gateway."""
+    response_format, vllm = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and vllm is not None:
+        raise bad_param("structured_outputs", "give response_format or structured_outputs, not both")
+    if vllm is not None:
+        return {"structured_output": _vllm_structured(vllm), "structured_param": "structured_outputs"}
+    if response_format is None:
+        return {}
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"structured_output": ("json_object", "")}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_param("response_format", "json_schema needs {\"name\": ..., \"schema\": {...}}")
+        return {"structured_output": ("json_schema", json.dumps(schema))}
+    raise bad_param("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+
+
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+
+
+def _vllm_structured(value: Any) -> tuple[str, str]:
+    given = {key: item for key, item in value.items() if item is not None and item is not False} \
+        if isinstance(value, dict) else {}
+    if len(given) != 1 or next(iter(given)) not in _VLLM_KINDS:
+        raise bad_param("structured_outputs", f"must set exactly one of {', '.join(_VLLM_KINDS)}")
+    key, item = next(iter(given.items()))
+    if key == "json":
+        if isinstance(item, str):
+            return "json_schema", item
+        if isinstance(item, dict):
+            return "json_schema", json.dumps(item)
+    elif key == "choice":
+        if isinstance(item, list) and item and all(isinstance(option, str) for option in item):
+            return "choice", json.dumps(item)
+    elif key == "json_object":
+        if item is True:
+            return "json_object", ""
+    elif isinstance(item, str) and item:
+        return _VLLM_KINDS[key], item
+    raise bad_param(f"structured_outputs.{key}", f"has the wrong type ({type(item).__name__})")
 
 
 def _echo(body: dict[str, Any], chat: bool) -> bool:

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerSampling(_message.Message):
-    __slots__ = ("max_new_tokens", "distribution", "stop_token_ids", "ignore_eos", "logprobs", "speculative", "block_size", "prompt_logprobs")
+    __slots__ = ("max_new_tokens", "distribution", "stop_token_ids", "ignore_eos", "logprobs", "speculative", "block_size", "prompt_logprobs", "structured_output")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class WorkerSampling(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     distribution: _gateway_pb2.SamplingParams
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,8 @@ class WorkerSampling(_message.Message):
     speculative: bool
     block_size: int
     prompt_logprobs: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., distribution: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    structured_output: _gateway_pb2.StructuredOutput
+    def __init__(self, max_new_tokens: _Optional[int] = ..., distribution: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_gateway_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class WorkerPlacement(_message.Message):
     __slots__ = ("node_id", "tp_size", "device", "kv_pool")

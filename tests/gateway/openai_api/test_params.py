@@ -2,6 +2,8 @@
 the parameter."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gateway.openai_api.errors import OpenAIError
@@ -63,7 +65,11 @@ def test_chat_parameters_map():
     ({"model": "m", "prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
     ({"model": "m", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"model": "m", "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
-    ({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+     "response_format"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"choice": "b"}}, "structured_outputs.choice"),
     ({"model": "m", "prompt": "x", "presence_penalty": -3}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "temperature": 3}, "temperature"),
     ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
@@ -132,3 +138,28 @@ def test_echo_and_prompt_logprobs_reach_the_generate_request():
     vllm = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0}, chat=True)
     assert to_generate_request(vllm, "r", [1, 2]).prompt_logprobs == 0
     assert _param_of({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, chat=True) == "echo"
+
+
+def test_structured_outputs_parse_to_one_grammar():
+    """response_format json_object / json_schema and vLLM's structured_outputs (json, regex, choice, grammar) become
+    one (kind, text) on the GenerateRequest; text means none."""
+    from gateway.openai_api.convert import to_generate_request
+    from rpc.convert import structured_from_proto
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [
+        ({"response_format": {"type": "json_object"}}, ("json_object", "")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}},
+         ("json_schema", json.dumps(schema))),
+        ({"structured_outputs": {"json": schema}}, ("json_schema", json.dumps(schema))),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, ("regex", "[0-9]+")),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, ("choice", '["yes", "no"]')),
+        ({"structured_outputs": {"grammar": "start: \"a\""}}, ("grammar", 'start: "a"')),
+        ({"response_format": {"type": "text"}}, None),
+    ]
+    for extra, expected in cases:
+        parsed = parse_request({"model": "m", "prompt": "x", **extra}, chat=False)
+        assert parsed.structured_output == expected
+        message = to_generate_request(parsed, "r")
+        assert (structured_from_proto(message.structured_output) if message.HasField("structured_output")
+                else None) == expected
