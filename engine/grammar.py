@@ -145,3 +145,26 @@ class GrammarCompiler:
 def compiler_for(model_dir: str, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarCompiler:
     """One compiler per model (building the tokenizer's tables takes ~50 ms)."""
     return GrammarCompiler.from_model_dir(model_dir, vocab_size, eos_ids)
+
+
+def constrained_drafts(matcher: GrammarMatcher, logits: torch.Tensor, choose) -> tuple[list[int], list[torch.Tensor]]:
+    """A draft block chosen left to right within the grammar: logits [count, V] the draft's rows; choose(row [1, V]
+    masked) -> (token, the distribution it was drawn from [V] or None for argmax). Stops early when the grammar
+    allows nothing more; the matcher is left where it was. -> (tokens, their distributions q when sampled)."""
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
+    for j in range(logits.shape[0]):
+        if matcher.is_stopped:
+            break
+        allowed = matcher.allowed()
+        if not bool(allowed.any()):
+            break
+        masked = logits[j].float().masked_fill(~allowed.to(logits.device), float("-inf")).unsqueeze(0)
+        token, q = choose(masked)
+        tokens.append(token)
+        if q is not None:
+            rows.append(q)
+        matcher.matcher.consume_token(token)
+    if tokens:
+        matcher.matcher.rollback(len(tokens))
+    return tokens, rows

@@ -26,9 +26,15 @@ class TokenLogprobLike(Protocol):
     top: Sequence[TopLogprobLike] | None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+# What pdserve knows of OpenAI's completion_tokens_details: its models have no reasoning channel and it does not
+# take predicted outputs (`prediction`), so these counts are known to be 0.
+COMPLETION_TOKENS_DETAILS = {"reasoning_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens_details": dict(COMPLETION_TOKENS_DETAILS)}
 
 
 def sse(payload: dict[str, Any]) -> bytes:

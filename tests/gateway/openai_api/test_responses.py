@@ -28,11 +28,15 @@ def _builder(chat: bool, logprobs: int | None = None) -> ResponseBuilder:
 
 
 def test_completion_response_and_usage():
-    """text_completion with the text, finish_reason and usage (total = prompt + completion)."""
+    """text_completion with the text, finish_reason and usage (total = prompt + completion; the completion details
+    pdserve knows: no reasoning or predicted-output tokens)."""
     body = _builder(False).response("hello", [], "length", 4, 2)
     assert body["id"] == "cmpl-rid" and body["object"] == "text_completion" and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == usage(4, 2) == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert body["usage"] == usage(4, 2) == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                                            "completion_tokens_details": {"reasoning_tokens": 0,
+                                                                          "accepted_prediction_tokens": 0,
+                                                                          "rejected_prediction_tokens": 0}}
 
 
 def test_chat_response_and_chunks():
