@@ -75,11 +75,13 @@ class GrammarMatcher:
     matcher: Any  # llguidance.LLMatcher
     vocab_size: int
 
+    def bitmask(self) -> torch.Tensor:
+        """[words] int32: the tokens the grammar allows next, one bit each (token t: bit t % 32 of word t // 32)."""
+        return torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next."""
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
-        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.flatten()[: self.vocab_size].bool()
+        return unpack_bitmasks(self.bitmask().unsqueeze(0), self.vocab_size)[0]
 
     def consume(self, token: int) -> None:
         """Advance past a generated token (a token the grammar refuses leaves the matcher in its error state:
@@ -93,22 +95,26 @@ class GrammarMatcher:
         return self.matcher.is_stopped() or self.matcher.is_error()
 
     def draft_masks(self, drafts: Sequence[int]) -> torch.Tensor:
-        """[len(drafts) + 1, vocab] bool: row j the tokens allowed after drafts[:j]. Drafts the grammar accepts are
-        consumed to get there and rolled back; rows after a refused draft repeat the last mask (verification
-        never reaches them: the refused draft has probability 0)."""
-        masks = [self.allowed()]
+        """[len(drafts) + 1, words] int32 bitmasks: row j the tokens allowed after drafts[:j]. Drafts the grammar
+        accepts are consumed to get there and rolled back; rows after a refused draft repeat the last mask
+        (verification never reaches them: the refused draft has probability 0)."""
+        masks = [self.bitmask()]
         valid = self.matcher.validate_tokens(list(drafts)) if drafts and not self.matcher.is_stopped() else 0
         for token in drafts[:valid]:
             self.matcher.consume_token(token)
-            masks.append(self.allowed() if not self.matcher.is_stopped() else _only_nothing(self.vocab_size))
+            masks.append(self.bitmask() if not self.matcher.is_stopped() else torch.zeros_like(masks[0]))
         if valid:
             self.matcher.rollback(valid)
         masks.extend([masks[-1]] * (len(drafts) + 1 - len(masks)))
         return torch.stack(masks)
 
 
-def _only_nothing(vocab_size: int) -> torch.Tensor:
-    return torch.zeros(vocab_size, dtype=torch.bool)
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmasks(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 bitmasks -> [rows, vocab_size] bool, in one pass over every row."""
+    return ((words.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, :vocab_size].bool()
 
 
 class GrammarCompiler:

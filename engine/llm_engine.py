@@ -1,6 +1,7 @@
 """The engine: continuous batching, chunked prefill, speculative decoding, over a TP group of ranks."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -16,7 +17,7 @@ from engine.config_base import length_of
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
 from engine.grammar import GrammarCompiler, compiler_for
-from engine.logits_processing import first_token_scores, step_scores
+from engine.logits_processing import first_token_scores, grammar_masks, step_scores
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
                                  StepOutput)
@@ -136,6 +137,11 @@ class LLMEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """A snapshot of the prefix cache's counters (all zero with prefix_cache off)."""
         return PrefixCacheStats()
+
+    @functools.cached_property
+    def _grammar_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One helper thread: a decode step's grammar masks, computed while its forward runs."""
+        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
@@ -409,11 +415,15 @@ class LLMEngine:
                             seq.page_table.pages) for seq in seqs]
         plan = decode_plan(items, write_draft_context=speculates([seq.params for seq in seqs], self.has_draft),
                            snapshot_state=bool(drafts) and self.state_pool is not None)
+        offsets = list(itertools.accumulate([0] + plan.q_lens))
+        tokens = {rid: proposal[0] for rid, proposal in drafts.items()}
+        # structured outputs: the step's grammar masks are computed on a helper thread while the forward runs
+        masks = self._grammar_thread.submit(grammar_masks, seqs, tokens, offsets) \
+            if any(seq.grammar is not None for seq in seqs) else None
         logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
-        offsets = list(itertools.accumulate([0] + plan.q_lens))
-        # what sampling and verification see: each row's penalties / bias (raw logits stay for the logprobs)
-        scores = step_scores(seqs, {rid: proposal[0] for rid, proposal in drafts.items()}, logits, offsets, self.eos_ids)
+        # what sampling and verification see: each row's penalties / bias / grammar (raw logits stay for the logprobs)
+        scores = step_scores(seqs, tokens, logits, offsets, self.eos_ids, masks.result() if masks is not None else {})
         pieces = []
         if plain:
             rows = torch.tensor([offsets[i] for i in plain], device=logits.device)
@@ -479,6 +489,8 @@ class LLMEngine:
                 self.state_pool.free(slot)
 
     def close(self) -> None:
+        if "_grammar_thread" in self.__dict__:
+            self._grammar_thread.shutdown(wait=False)
         leader, self.leader = getattr(self, "leader", None), None
         if leader is not None:
             leader.close()

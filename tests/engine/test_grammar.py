@@ -11,7 +11,7 @@ import re
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.grammar import GrammarError, compiler_for
+from engine.grammar import GrammarError, compiler_for, unpack_bitmasks
 from engine.paths import DEFAULT_MODEL_DIR
 from gateway.tokenizer import TextTokenizer
 
@@ -30,7 +30,8 @@ def tokenizer():
 
 
 def test_draft_masks_equal_one_token_at_a_time(compiler, tokenizer):
-    """For a draft block that the grammar accepts for a while and then refuses, row j's mask equals a fresh
+    """For a draft block that the grammar accepts for a while and then refuses, row j's mask (a bitmask, unpacked)
+    equals a fresh
     matcher's mask after drafts[:j] (up to the refused draft); the matcher is left in its state before the block."""
     text_ids = tokenizer.encode('{"kind": "dog", "n": 12}', add_special_tokens=False)
     matcher = compiler.matcher("json_schema", json.dumps(SCHEMA))
@@ -38,14 +39,15 @@ def test_draft_masks_equal_one_token_at_a_time(compiler, tokenizer):
     drafts = text_ids[1:5] + [tokenizer.encode("zzz", add_special_tokens=False)[0]] + text_ids[5:7]
     before = matcher.allowed()
     masks = matcher.draft_masks(drafts)
-    assert masks.shape == (len(drafts) + 1, 4096)
+    assert masks.shape[0] == len(drafts) + 1
+    allowed = unpack_bitmasks(masks, 4096)
     assert bool((matcher.allowed() == before).all())
     for j in range(5):
         fresh = compiler.matcher("json_schema", json.dumps(SCHEMA))
         for token in text_ids[: 1 + j]:
             fresh.consume(token)
-        assert bool((masks[j] == fresh.allowed()).all()), j
-    assert not bool(masks[4][drafts[4]])  # the refused draft has no probability under its row
+        assert bool((allowed[j] == fresh.allowed()).all()), j
+    assert not bool(allowed[4][drafts[4]])  # the refused draft has no probability under its row
 
 
 @pytest.mark.parametrize("kind, text", [("json_schema", "{"), ("json_schema", '{"type": "nonsense"}'),
