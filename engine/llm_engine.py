@@ -16,7 +16,8 @@ from engine.models.registry import load_config
 from engine.config_base import length_of
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
-from engine.grammar import GrammarCompiler, compiler_for
+from engine.grammar import new_matcher
+from engine.grammar_compiler import GrammarCompiler, compiler_for
 from engine.logits_processing import first_token_scores, grammar_masks, step_scores
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
@@ -190,7 +191,7 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         generator = make_generator(params.seed, self.device)
-        grammar = self.grammars.matcher(*params.structured_output) if params.structured_output else None
+        grammar = new_matcher(self.grammars, *params.structured_output) if params.structured_output else None
         seq = Sequence(
             request_id=request_id,
             prompt_len=len(prompt_ids),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.engine_types import PrefillJob, PrefillResult
+from engine.grammar import new_matcher
 from engine.logits_processing import first_token_scores
 from engine.prompt_logprobs import logit_spans, prompt_token_logprobs
 from engine.sampling import make_generator
@@ -84,7 +85,7 @@ def run_prefill_jobs(engine: LLMEngine, jobs: list[PrefillJob],
                 logits = logits.index_select(0, torch.tensor(last_rows, dtype=torch.long, device=logits.device))
             if finishing:
                 generators = [make_generator(job.params.seed, engine.device) for job in finishing]
-                matchers = [engine.grammars.matcher(*job.params.structured_output) if job.params.structured_output
+                matchers = [new_matcher(engine.grammars, *job.params.structured_output) if job.params.structured_output
                             else None for job in finishing]
                 scores = first_token_scores([job.params for job in finishing], [job.prompt_ids for job in finishing],
                                             logits, engine.eos_ids, matchers)

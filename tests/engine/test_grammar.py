@@ -11,7 +11,8 @@ import re
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.grammar import GrammarError, compiler_for, unpack_bitmasks
+from engine.grammar import new_matcher, unpack_bitmasks
+from engine.grammar_compiler import GrammarError, compiler_for
 from engine.paths import DEFAULT_MODEL_DIR
 from gateway.tokenizer import TextTokenizer
 
@@ -34,7 +35,7 @@ def test_draft_masks_equal_one_token_at_a_time(compiler, tokenizer):
     equals a fresh
     matcher's mask after drafts[:j] (up to the refused draft); the matcher is left in its state before the block."""
     text_ids = tokenizer.encode('{"kind": "dog", "n": 12}', add_special_tokens=False)
-    matcher = compiler.matcher("json_schema", json.dumps(SCHEMA))
+    matcher = new_matcher(compiler, "json_schema", json.dumps(SCHEMA))
     matcher.consume(text_ids[0])
     drafts = text_ids[1:5] + [tokenizer.encode("zzz", add_special_tokens=False)[0]] + text_ids[5:7]
     before = matcher.allowed()
@@ -43,7 +44,7 @@ def test_draft_masks_equal_one_token_at_a_time(compiler, tokenizer):
     allowed = unpack_bitmasks(masks, 4096)
     assert bool((matcher.allowed() == before).all())
     for j in range(5):
-        fresh = compiler.matcher("json_schema", json.dumps(SCHEMA))
+        fresh = new_matcher(compiler, "json_schema", json.dumps(SCHEMA))
         for token in text_ids[: 1 + j]:
             fresh.consume(token)
         assert bool((allowed[j] == fresh.allowed()).all()), j
