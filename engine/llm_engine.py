@@ -210,6 +210,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Full path in this engine: chunked prefill, then decoding."""
         self.validate_prompt(prompt_ids, params)
+        if params.prompt_logprobs is not None:  # scored by the prefill entry point (prefill()); offline: LLM.logits
+            raise ValueError("prompt_logprobs are returned by the prefill service (LLMEngine.prefill); "
+                             "offline, score a prompt with LLM.logits")
         self.scheduler.add(self._new_sequence(request_id, prompt_ids, params))
 
     def allocate_pages(self, num_tokens: int) -> list[int]:

@@ -40,3 +40,13 @@ def test_prompt_logprobs_equal_the_full_logits(tiny_checkpoint, max_batched_toke
                 values, ids = row.topk(3)
                 assert lp.top_ids == ids.tolist()
                 assert torch.allclose(torch.tensor(lp.top_logprobs), values, atol=1e-4)
+
+
+def test_offline_requests_refuse_prompt_logprobs(tiny_checkpoint):
+    """The engine's own path (add_request) does not score prompts: asking is a ValueError naming the field, not a
+    silently missing answer."""
+    config = EngineConfig(model_dir=str(tiny_checkpoint("heads24")), attention_backend="torch", draft_model_dir="")
+    with LLMEngine(config) as engine:
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            engine.add_request("r", [5, 6, 7], SamplingParams(max_new_tokens=2, prompt_logprobs=1))
+        assert not engine.has_work()
