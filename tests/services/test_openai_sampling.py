@@ -13,13 +13,17 @@ pytestmark = pytest.mark.slow
 PROMPT = [5, 9, 7, 5, 9, 7, 5, 11, 12]
 
 
-def test_greedy_n3_returns_three_identical_choices(client, model):
-    """n=3 at temperature 0: three choices, indexes 0..2, the same text; usage counts every choice's tokens."""
+def test_greedy_n3_returns_three_identical_choices(cluster, client, model):
+    """n=3 at temperature 0: three choices, indexes 0..2, the same text; usage counts every choice's tokens; the
+    choices ran as three requests (x-request-id, .1, .2) on the prefill and decode workers."""
     response = client.completions.create(model=model, prompt=PROMPT, n=3, max_tokens=8, temperature=0,
-                                         extra_body={"ignore_eos": True})
+                                         extra_body={"ignore_eos": True}, extra_headers={"x-request-id": "greedy-n3"})
     assert sorted(choice.index for choice in response.choices) == [0, 1, 2]
     assert len({choice.text for choice in response.choices}) == 1
     assert response.usage.completion_tokens == 24 and response.usage.prompt_tokens == len(PROMPT)
+    for name in ("prefill-0", "decode-0"):
+        text = (cluster.log_dir / f"{name}.log").read_text()
+        assert all(f"request=greedy-n3{suffix} " in text for suffix in ("", ".1", ".2")), name
 
 
 def test_sampled_n3_streams_three_choices(client, model):
