@@ -145,6 +145,7 @@ class PrefillResult:
     num_prompt_tokens: int
     prefill_time_s: float
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # params.prompt_logprobs set: prompt tokens 1 .. n-1
 
 
 @dataclass

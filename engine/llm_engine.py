@@ -1,7 +1,9 @@
 """The engine: continuous batching, chunked prefill, speculative decoding, over a TP group of ranks."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -14,6 +16,9 @@ from engine.models.registry import load_config
 from engine.config_base import length_of
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
+from engine.grammar import new_matcher
+from engine.grammar_compiler import GrammarCompiler, compiler_for
+from engine.logits_processing import first_token_scores, grammar_masks, step_scores
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
                                  StepOutput)
@@ -135,6 +140,16 @@ class LLMEngine:
         """A snapshot of the prefix cache's counters (all zero with prefix_cache off)."""
         return PrefixCacheStats()
 
+    @functools.cached_property
+    def _grammar_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One helper thread: a decode step's grammar masks, computed while its forward runs."""
+        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' grammar compiler for this model's tokenizer (built on first use)."""
+        return compiler_for(self.config.model_dir, self.model_config.vocab_size, tuple(sorted(self.eos_ids)))
+
     num_running = length_of("scheduler.running")
     num_waiting = length_of("scheduler.waiting")
 
@@ -160,6 +175,9 @@ class LLMEngine:
             pages = -(-(total + self.config.spec_block_size) // self.config.page_size)
             if pages > self.allocator.num_pages:
                 raise ValueError(f"request needs {pages} KV pages, the pool has {self.allocator.num_pages}")
+            bad_bias = [token for token, _ in params.logit_bias if token >= vocab]
+            if bad_bias:
+                raise ValueError(f"logit_bias token id {bad_bias[0]} is out of the vocabulary [0, {vocab})")
             if params.block_size is not None and params.block_size > self.config.spec_block_size:
                 raise ValueError(
                     f"block_size {params.block_size} exceeds the server maximum {self.config.spec_block_size}"
@@ -174,6 +192,7 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         generator = make_generator(params.seed, self.device)
+        grammar = new_matcher(self.grammars, *params.structured_output) if params.structured_output else None
         seq = Sequence(
             request_id=request_id,
             prompt_len=len(prompt_ids),
@@ -183,6 +202,7 @@ class LLMEngine:
             spec_block_size=self._spec_block_size(params),
             generator=generator,
             arrival_order=next(self._order),
+            grammar=grammar,
         )
         self._seqs[request_id] = seq
         return seq
@@ -191,6 +211,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Full path in this engine: chunked prefill, then decoding."""
         self.validate_prompt(prompt_ids, params)
+        if params.prompt_logprobs is not None:  # scored by the prefill entry point (prefill()); offline: LLM.logits
+            raise ValueError("prompt_logprobs are returned by the prefill service (LLMEngine.prefill); "
+                             "offline, score a prompt with LLM.logits")
         self.scheduler.add(self._new_sequence(request_id, prompt_ids, params))
 
     def allocate_pages(self, num_tokens: int) -> list[int]:
@@ -329,7 +352,10 @@ class LLMEngine:
             if index < len(logprobs):
                 seq.new_logprobs.append(logprobs[index])
             kept += 1
-            if (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids:
+            if seq.grammar is not None:
+                seq.grammar.consume(token)
+            if ((not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids
+                    or (seq.grammar is not None and seq.grammar.is_stopped)):  # (a complete grammar stops too)
                 self.scheduler.remove(seq)
                 self._finish(seq, "stop")
                 break
@@ -351,7 +377,9 @@ class LLMEngine:
         plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft))
         logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
         sampled = [c.seq for c, item in zip(chunks, items) if item.needs_logits]
-        tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], logits) if sampled else []
+        scores = first_token_scores([s.params for s in sampled], [s.token_ids for s in sampled], logits, self.eos_ids,
+                                    [s.grammar for s in sampled])
+        tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], scores) if sampled else []
         row = 0
         for chunk, item in zip(chunks, items):
             seq = chunk.seq
@@ -392,17 +420,23 @@ class LLMEngine:
                             seq.page_table.pages) for seq in seqs]
         plan = decode_plan(items, write_draft_context=speculates([seq.params for seq in seqs], self.has_draft),
                            snapshot_state=bool(drafts) and self.state_pool is not None)
+        offsets = list(itertools.accumulate([0] + plan.q_lens))
+        tokens = {rid: proposal[0] for rid, proposal in drafts.items()}
+        # structured outputs: the step's grammar masks are computed on a helper thread while the forward runs
+        masks = self._grammar_thread.submit(grammar_masks, seqs, tokens, offsets) \
+            if any(seq.grammar is not None for seq in seqs) else None
         logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
-        offsets = list(itertools.accumulate([0] + plan.q_lens))
+        # what sampling and verification see: each row's penalties / bias / grammar (raw logits stay for the logprobs)
+        scores = step_scores(seqs, tokens, logits, offsets, self.eos_ids, masks.result() if masks is not None else {})
         pieces = []
         if plain:
             rows = [offsets[i] for i in plain]
-            plain_logits = logits if rows == list(range(logits.shape[0])) else \
-                logits.index_select(0, host_to_device(rows, torch.int64, logits.device))  # no blocking upload
+            plain_scores = scores if rows == list(range(scores.shape[0])) else \
+                scores.index_select(0, host_to_device(rows, torch.int64, scores.device))  # no blocking upload
             pieces.append(sample_on_device([seqs[i].params for i in plain], [seqs[i].generator for i in plain],
-                                           plain_logits))
-        order, verdict = spec_decode.verify_on_device(seqs, drafts, logits, offsets)
+                                           plain_scores))
+        order, verdict = spec_decode.verify_on_device(seqs, drafts, scores, offsets)
         if verdict is not None:
             pieces.append(verdict)
         host = fetch_to_host(torch.cat(pieces) if len(pieces) > 1 else pieces[0])  # the step's one device-to-host copy
@@ -462,6 +496,8 @@ class LLMEngine:
                 self.state_pool.free(slot)
 
     def close(self) -> None:
+        if "_grammar_thread" in self.__dict__:
+            self._grammar_thread.shutdown(wait=False)
         leader, self.leader = getattr(self, "leader", None), None
         if leader is not None:
             leader.close()

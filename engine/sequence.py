@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ class Sequence:
     arrival_order: int = 0
     state_slot: int | None = None  # the state-pool slot (models with linear attention), held while cached
     spec_state: SpecState = field(default_factory=SpecState)  # speculation back-off (engine/spec_policy.py)
+    grammar: Any = None  # structured output: engine.grammar.GrammarMatcher over the tokens generated so far
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from engine.devices import host_to_device
+from engine.grammar import constrained_drafts
 from engine.host_fetch import fetch_to_host
 from engine.sampling import SamplingBatch, sample
 from engine.sequence import Sequence
@@ -63,6 +64,12 @@ def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposal
         return markov.steps(hidden[rows] if hidden is not None else None)
 
     active = [(i, seq, max(0, remaining[i])) for i, seq in enumerate(group) if remaining[i] > 0]
+    proposals: Proposals = {}
+    if markov is None:  # structured outputs: drafts chosen within the grammar (engine/grammar.py), left to right;
+        for i, seq, count in active:  # none when the grammar allows nothing more (then a plain step)
+            if seq.grammar is not None and (drafted := _constrained(seq, logits[i, :count]))[0]:
+                proposals[seq.request_id] = drafted
+        active = [(i, seq, count) for i, seq, count in active if seq.grammar is None]
     greedy = [(i, seq, count) for i, seq, count in active if seq.params.greedy]
     sampled = [(i, seq, count) for i, seq, count in active if not seq.params.greedy]
     pieces, q = [], None
@@ -93,9 +100,8 @@ def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposal
             q = repeated.probs(torch.cat([logits[i, :count] for i, _, count in sampled]))
             pieces.append(sample(q, repeated.generators))
     if not pieces:
-        return {}
+        return proposals
     tokens = fetch_to_host(torch.cat(pieces))
-    proposals: Proposals = {}
     start = 0
     for _, seq, count in greedy:
         proposals[seq.request_id] = (tokens[start : start + count], None)
@@ -106,6 +112,21 @@ def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposal
         start += count
         q_start += count
     return proposals
+
+
+def _constrained(seq: Sequence, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+    """One grammar-constrained sequence's drafts (and q when it samples) from its draft rows [count, V]."""
+    if seq.params.greedy:
+        tokens, _ = constrained_drafts(seq.grammar, logits, lambda row: (int(row.argmax()), None))
+        return tokens, None
+    batch = SamplingBatch.from_params([seq.params], [seq.generator], device=logits.device)
+
+    def choose(row: torch.Tensor) -> tuple[int, torch.Tensor]:
+        probs = batch.probs(row)
+        return int(sample(probs, batch.generators)[0]), probs[0]
+
+    tokens, rows = constrained_drafts(seq.grammar, logits, choose)
+    return tokens, torch.stack(rows) if rows else None
 
 
 class VerifyOrder(NamedTuple):

@@ -45,6 +45,7 @@ class PrefillItem(NamedTuple):
     num_tokens: int
     pages: list[int]
     needs_logits: bool  # the chunk ends the prompt: its last row's logits choose the first token
+    all_logits: bool = False  # every row's logits (prompt scoring: engine/prompt_logprobs.py)
 
 
 class DecodeItem(NamedTuple):
@@ -57,7 +58,8 @@ class DecodeItem(NamedTuple):
 
 def prefill_plan(items: list[PrefillItem], pool_names: tuple[str, ...] | None = None,
                  write_draft_context: bool = False) -> TargetPlan:
-    """An EXTEND plan over chunks of several prompts; logit_rows: the last row of each item needing logits."""
+    """An EXTEND plan over chunks of several prompts; logit_rows: every row of an all_logits item, else the last
+    row of each item needing logits."""
     input_ids: list[int] = []
     positions: list[int] = []
     rows: list[int] = []
@@ -65,7 +67,9 @@ def prefill_plan(items: list[PrefillItem], pool_names: tuple[str, ...] | None = 
         end = item.num_cached + item.num_tokens
         input_ids.extend(item.token_ids[item.num_cached : end])
         positions.extend(range(item.num_cached, end))
-        if item.needs_logits:
+        if item.all_logits:
+            rows.extend(range(len(input_ids) - item.num_tokens, len(input_ids)))
+        elif item.needs_logits:
             rows.append(len(input_ids) - 1)
     return TargetPlan(
         mode=ForwardMode.EXTEND, input_ids=input_ids, positions=positions, q_lens=[item.num_tokens for item in items],

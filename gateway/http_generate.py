@@ -14,8 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.http_choices import Choices
 from gateway.openai_api.chat_template import ChatTemplate
-from gateway.openai_api.convert import chat_prompt_ids, to_generate_request
+from gateway.openai_api.convert import chat_prompt_ids, choice_requests
+from gateway.openai_api.echo import ChoiceView, prompt_logprobs_field
 from gateway.openai_api.errors import OpenAIError, from_status
 from gateway.openai_api.params import OpenAIRequest, parse_request
 from gateway.openai_api.responses import DONE_EVENT, ResponseBuilder, sse
@@ -67,7 +69,7 @@ class GenerateHandler:
             bind_request_id(request_id)
             parsed = await self._parse(request, chat)
             prompt_ids = chat_prompt_ids(parsed, self._template, self._service.tokenizer) if chat else None
-            run = await self._service.submit(to_generate_request(parsed, request_id, prompt_ids), False, arrival, None)
+            choices = await Choices.submit(self._service, choice_requests(parsed, request_id, prompt_ids), arrival)
         except OpenAIError as error:
             metrics.count("http", "error", str(error.status))
             return error_response(error, request_id)
@@ -77,16 +79,41 @@ class GenerateHandler:
             return error_response(failure, request_id)
         if parsed.user:
             logger.info("request %s from user %r", request_id, parsed.user)
-        builder = ResponseBuilder(request_id, self._service.facts.name, int(time.time()), chat, parsed.logprobs,
-                                  self._token_text)
+        created = int(time.time())
+        builders = [ResponseBuilder(request_id, self._service.facts.name, created, chat, parsed.logprobs,
+                                    self._token_text, index) for index in range(parsed.n)]
+        shows_prompt = parsed.echo or parsed.prompt_logprobs is not None
+        prompt_ids = choices.runs[0].job.prompt_ids if shows_prompt else ()
+        views = [self._view(parsed, prompt_ids) for _ in builders]
         outcome = ["abort", "499"]  # (final status, HTTP code) for the metrics; 499: the client went away
         try:
             if parsed.stream:
-                return await self._stream(request, run, builder, parsed, outcome)
-            return await self._collect(run, builder, parsed, outcome)
+                return await self._stream(request, choices, builders, views, parsed, outcome)
+            return await self._collect(choices, builders, views, parsed, outcome)
         finally:
-            run.cancel()
+            choices.cancel()
             metrics.count("http", *outcome)
+
+    def _view(self, parsed: OpenAIRequest, prompt_ids: tuple[int, ...]) -> ChoiceView:
+        echo_text = None
+        if parsed.echo:
+            tokenizer = self._service.tokenizer
+            echo_text = parsed.prompt_text if parsed.prompt_text is not None else (
+                tokenizer.decode(list(prompt_ids), skip_special_tokens=False) if tokenizer else "")
+        return ChoiceView(echo_text, prompt_ids, parsed.logprobs is not None, keep_completion=parsed.max_tokens != 0)
+
+    def _with_prompt_logprobs(self, body: dict[str, Any], parsed: OpenAIRequest, prompt_ids: tuple[int, ...],
+                              prompt_logprobs: list[Any] | None) -> dict[str, Any]:
+        """vLLM's prompt_logprobs: on each choice (completions) or on the response (chat), when asked."""
+        if parsed.prompt_logprobs is None or prompt_logprobs is None:
+            return body
+        entries = prompt_logprobs_field(prompt_ids, prompt_logprobs, parsed.prompt_logprobs, self._token_text)
+        if parsed.chat:
+            body["prompt_logprobs"] = entries
+        else:
+            for choice in body["choices"]:
+                choice["prompt_logprobs"] = entries
+        return body
 
     async def _parse(self, request: web.BaseRequest, chat: bool) -> OpenAIRequest:
         try:
@@ -106,71 +133,95 @@ class GenerateHandler:
         code, message = status_for(error)
         if parsed is None:
             return from_status(code, message)
-        return from_status(code, message, parsed.prompt_param, parsed.logprobs_param)
+        return from_status(code, message, parsed.prompt_param, parsed.logprobs_param, parsed.structured_param)
 
-    async def _collect(self, run: RequestRun, builder: ResponseBuilder, parsed: OpenAIRequest,
-                       outcome: list[str]) -> web.Response:
-        texts: list[str] = []
-        logprobs: list[Any] = []
-        while True:
-            event = await run.events.get()
+    async def _collect(self, choices: Choices, builders: list[ResponseBuilder], views: list[ChoiceView],
+                       parsed: OpenAIRequest, outcome: list[str]) -> web.Response:
+        texts: list[list[str]] = [[] for _ in builders]
+        logprobs: list[list[Any]] = [[] for _ in builders]
+        finishes: dict[int, FinishEvent] = {}
+        scored: list[Any] | None = None
+        while len(finishes) < len(builders):
+            index, event = await choices.get()
             if isinstance(event, TokensEvent):
-                texts.append(event.text)
-                logprobs.extend(event.logprobs)
+                text, shown = views[index].take(event.text, event.logprobs, event.prompt_logprobs)
+                texts[index].append(text)
+                logprobs[index].extend(shown)
+                scored = list(event.prompt_logprobs) if scored is None else scored
             elif isinstance(event, FinishEvent):
-                outcome[:] = [event.reason, "200"]
-                body = builder.response("".join(texts), logprobs, event.reason, event.prompt_tokens,
-                                        event.completion_tokens)
-                return json_response(body, 200, builder.request_id)
+                finishes[index] = event
             elif isinstance(event, ErrorEvent):
                 error = from_status(event.status.code, event.status.details, parsed.prompt_param, parsed.logprobs_param)
                 outcome[:] = ["error", str(error.status)]
-                return error_response(error, builder.request_id)
+                return error_response(error, builders[0].request_id)
+        bodies = [builder.choice("".join(texts[i]), logprobs[i], finishes[i].reason) for i, builder in enumerate(builders)]
+        outcome[:] = [finishes[len(builders) - 1].reason, "200"]
+        completion = sum(views[i].completion_tokens(f.completion_tokens) for i, f in finishes.items())
+        body = builders[0].responses(bodies, finishes[0].prompt_tokens, completion)
+        body = self._with_prompt_logprobs(body, parsed, views[0].prompt_ids, scored)
+        return json_response(body, 200, builders[0].request_id)
 
-    async def _stream(self, request: web.BaseRequest, run: RequestRun, builder: ResponseBuilder,
-                      parsed: OpenAIRequest, outcome: list[str]) -> web.StreamResponse:
-        first = await run.events.get()
-        if isinstance(first, ErrorEvent):  # nothing sent yet: a plain error response with its status
-            error = from_status(first.status.code, first.status.details, parsed.prompt_param, parsed.logprobs_param)
+    async def _stream(self, request: web.BaseRequest, choices: Choices, builders: list[ResponseBuilder],
+                      views: list[ChoiceView], parsed: OpenAIRequest, outcome: list[str]) -> web.StreamResponse:
+        first = await choices.get()
+        if isinstance(first[1], ErrorEvent):  # nothing sent yet: a plain error response with its status
+            error = from_status(first[1].status.code, first[1].status.details, parsed.prompt_param,
+                                parsed.logprobs_param)
             outcome[:] = ["error", str(error.status)]
-            return error_response(error, builder.request_id)
-        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, REQUEST_ID_HEADER: builder.request_id})
+            return error_response(error, builders[0].request_id)
+        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, REQUEST_ID_HEADER: builders[0].request_id})
         await response.prepare(request)
         usage = parsed.include_usage
         if parsed.chat:
-            await response.write(sse(builder.chunk("", first=True, include_usage=usage)))
-        pending: list[TokensEvent | FinishEvent | ErrorEvent] = [first]
+            for builder in builders:
+                await response.write(sse(builder.chunk("", first=True, include_usage=usage)))
+        pending: list[tuple[int, TokensEvent | FinishEvent | ErrorEvent]] = [first]
+        finishes: dict[int, FinishEvent] = {}
+        started: set[int] = set()  # choices whose first token event was sent
+        failed = False
         try:
             while True:
-                while not run.events.empty():  # the writer fell behind: send what piled up as one chunk
-                    pending.append(run.events.get_nowait())
-                tokens = []
-                while pending and isinstance(pending[0], TokensEvent):
-                    tokens.append(pending.pop(0))
-                text = "".join(item.text for item in tokens)
-                logprobs = [logprob for item in tokens for logprob in item.logprobs]
-                if text or logprobs:
-                    await response.write(sse(builder.chunk(text, logprobs, include_usage=usage)))
-                if pending:
-                    await self._stream_end(response, pending[0], builder, parsed, outcome)  # type: ignore[arg-type]
+                while not choices.empty():  # the writer fell behind: send what piled up, one chunk per choice run
+                    pending.append(choices.get_nowait())
+                while pending:
+                    index, event = pending.pop(0)
+                    if isinstance(event, TokensEvent):
+                        tokens = [event]
+                        while pending and pending[0][0] == index and isinstance(pending[0][1], TokensEvent):
+                            tokens.append(pending.pop(0)[1])  # type: ignore[arg-type]
+                        shown = [views[index].take(item.text, item.logprobs, item.prompt_logprobs)
+                                 for item in tokens]
+                        text = "".join(item[0] for item in shown)
+                        logprobs = [logprob for item in shown for logprob in item[1]]
+                        if text or logprobs or index not in started:
+                            body = builders[index].chunk(text, logprobs, include_usage=usage)
+                            if index not in started:
+                                body = self._with_prompt_logprobs(body, parsed, views[0].prompt_ids,
+                                                                  list(tokens[0].prompt_logprobs))
+                                started.add(index)
+                            await response.write(sse(body))
+                        continue
+                    if isinstance(event, FinishEvent):
+                        finishes[index] = event
+                        await response.write(sse(builders[index].chunk("", finish_reason=event.reason,
+                                                                       include_usage=usage)))
+                        outcome[:] = [event.reason, "200"]
+                        continue
+                    error = from_status(event.status.code, event.status.details, parsed.prompt_param,
+                                        parsed.logprobs_param)
+                    await response.write(sse(error.body()))  # a failed choice ends the whole stream
+                    outcome[:] = ["error", str(error.status)]
+                    failed = True
                     break
-                pending.append(await run.events.get())
+                if failed or len(finishes) == len(builders):
+                    break
+                pending.append(await choices.get())
+            if usage and not failed:
+                completion = sum(views[i].completion_tokens(event.completion_tokens) for i, event in finishes.items())
+                await response.write(sse(builders[0].usage_chunk(finishes[0].prompt_tokens, completion)))
             await response.write(DONE_EVENT)
             await response.write_eof()
         except ConnectionResetError:
-            logger.info("client of %s went away mid-stream; aborting it", builder.request_id)
+            logger.info("client of %s went away mid-stream; aborting it", builders[0].request_id)
         return response
 
-    @staticmethod
-    async def _stream_end(response: web.StreamResponse, event: FinishEvent | ErrorEvent, builder: ResponseBuilder,
-                          parsed: OpenAIRequest, outcome: list[str]) -> None:
-        """The finish chunk (and usage), or an error event after the stream started."""
-        if isinstance(event, FinishEvent):
-            await response.write(sse(builder.chunk("", finish_reason=event.reason, include_usage=parsed.include_usage)))
-            if parsed.include_usage:
-                await response.write(sse(builder.usage_chunk(event.prompt_tokens, event.completion_tokens)))
-            outcome[:] = [event.reason, "200"]
-            return
-        error = from_status(event.status.code, event.status.details, parsed.prompt_param, parsed.logprobs_param)
-        await response.write(sse(error.body()))
-        outcome[:] = ["error", str(error.status)]

@@ -38,6 +38,7 @@ class TokensEvent:
     token_ids: list[int]
     text: str
     logprobs: list[Any] = field(default_factory=list)  # logprobs_pb2.TokenLogprob, one per token when asked
+    prompt_logprobs: list[Any] = field(default_factory=list)  # the first event: prompt tokens 1 .. n-1 when asked
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ class RequestRun:
             self._observer.prefilled(prefilled - reserved)
         first = response.first_token
         logprobs = [response.first_logprob] if response.HasField("first_logprob") else []
-        if self._emit([first], logprobs):
+        if self._emit([first], logprobs, list(response.prompt_logprobs)):
             return
         if job.ends_on(first) or params.max_new_tokens == 1:
             self._finish("stop" if job.ends_on(first) else "length")
@@ -250,7 +251,7 @@ class RequestRun:
         return response
 
     # --- events -------------------------------------------------------------------------------------
-    def _emit(self, token_ids: list[int], logprobs: list[Any]) -> bool:
+    def _emit(self, token_ids: list[int], logprobs: list[Any], prompt_logprobs: list[Any] | None = None) -> bool:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
         if self._observer is not None:
@@ -261,7 +262,7 @@ class RequestRun:
             self._last_token_at = now
         text = self._detok.add(token_ids) if self._detok is not None else ""
         check = self._stops.feed(text)
-        self.events.put_nowait(TokensEvent(token_ids, check.text, logprobs))
+        self.events.put_nowait(TokensEvent(token_ids, check.text, logprobs, prompt_logprobs or []))
         if check.matched is not None:
             self._finish("stop", check.matched)
             return True

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from gateway.model_info import ModelFacts
+from gateway.structured import check_structured_output
 from gateway.tokenizer import TextTokenizer
 from rpc.convert import MAX_STREAM_INTERVAL, present_fields
 from rpc.status import InvalidArgument
@@ -18,8 +19,11 @@ MAX_REQUEST_ID_LENGTH = 256
 _FIELD_NAMES = {
     "max_new_tokens": "max_tokens", "temperature": "sampling.temperature", "top_k": "sampling.top_k",
     "top_p": "sampling.top_p", "min_p": "sampling.min_p", "seed": "sampling.seed",
-    "logprobs": "top_logprobs", "block_size": "block_size",
+    "logprobs": "top_logprobs", "block_size": "block_size", "presence_penalty": "sampling.presence_penalty",
+    "frequency_penalty": "sampling.frequency_penalty", "repetition_penalty": "sampling.repetition_penalty",
+    "logit_bias": "sampling.logit_bias", "min_tokens": "sampling.min_tokens", "prompt_logprobs": "prompt_logprobs",
 }
+_ADJUSTMENTS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")  # SamplingParams' own
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,8 @@ def _max_tokens(request: gateway_pb2.GenerateRequest, facts: ModelFacts, prompt_
     return max(1, min(facts.defaults.max_new_tokens or default_max, room))
 
 
-def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, max_tokens: int) -> SamplingParams:
+def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, max_tokens: int,
+                     tokenizer: TextTokenizer | None = None) -> SamplingParams:
     sampling, defaults = request.sampling, facts.defaults
     values: dict[str, object] = {"max_new_tokens": max_tokens, "ignore_eos": request.ignore_eos}
     for name in ("temperature", "top_k", "top_p", "min_p"):
@@ -112,13 +117,19 @@ def _sampling_params(request: gateway_pb2.GenerateRequest, facts: ModelFacts, ma
             values[name] = getattr(defaults, name)
     if sampling.HasField("seed"):
         values["seed"] = int(sampling.seed)
+    values.update(present_fields(sampling, _ADJUSTMENTS))
+    for token in sampling.logit_bias:
+        if not 0 <= token < facts.vocab_size:
+            raise InvalidArgument("sampling.logit_bias", f"token id {token} is outside the vocabulary [0, {facts.vocab_size})")
+    values["logit_bias"] = dict(sampling.logit_bias)
     for index, token in enumerate(request.stop_token_ids):
         if not 0 <= token < facts.vocab_size:
             raise InvalidArgument(f"stop_token_ids[{index}]", f"{token} is outside the vocabulary [0, {facts.vocab_size})")
     values["stop_token_ids"] = tuple(request.stop_token_ids)
     if request.HasField("top_logprobs"):
         values["logprobs"] = request.top_logprobs
-    values.update(present_fields(request, ("speculative", "block_size")))
+    values.update(present_fields(request, ("speculative", "block_size", "prompt_logprobs")))
+    values["structured_output"] = check_structured_output(request, facts, tokenizer)
     try:
         return SamplingParams(**values)
     except ValueError as error:
@@ -136,7 +147,7 @@ def parse_generate_request(request: gateway_pb2.GenerateRequest, facts: ModelFac
     request_id = request.request_id or uuid.uuid4().hex
     prompt = _prompt_ids(request, facts, tokenizer, both_inputs, prompt_ids)
     max_tokens = _max_tokens(request, facts, len(prompt), default_max_tokens)
-    params = _sampling_params(request, facts, max_tokens)
+    params = _sampling_params(request, facts, max_tokens, tokenizer)
     for index, stop in enumerate(request.stop):
         if not stop:
             raise InvalidArgument(f"stop[{index}]", "is empty")

@@ -78,7 +78,8 @@ class GatewayServicer:
                         event, held = coalesce(event, run.events)
                     first = False
                     yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(
-                        token_ids=event.token_ids, text=event.text, logprobs=event.logprobs))
+                        token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,
+                        prompt_logprobs=event.prompt_logprobs))
                 elif isinstance(event, FinishEvent):
                     outcome = [event.reason, grpc.StatusCode.OK.name]
                     yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete_message(event))

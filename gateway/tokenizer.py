@@ -32,5 +32,9 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (for llguidance's grammar compiler)."""
+        return self._tokenizer.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)

@@ -49,6 +49,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         )
         if outcome.first_logprob is not None:
             response.first_logprob.CopyFrom(logprob_to_proto(outcome.first_logprob))
+        response.prompt_logprobs.extend(logprob_to_proto(logprob) for logprob in outcome.prompt_logprobs)
         return response
 
     @unary

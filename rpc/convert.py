@@ -3,6 +3,7 @@ floor 0 needs no engine import: the workers build SamplingParams(**sampling_fiel
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -27,8 +28,10 @@ def set_given(message: Message, source: Any, names: Iterable[str]) -> None:
             setattr(message, name, value)
 
 
-_DISTRIBUTION = ("temperature", "top_k", "top_p", "min_p", "seed")  # WorkerSampling.distribution's fields
-_OPTIONAL = ("speculative", "block_size")  # WorkerSampling's own optional fields
+# WorkerSampling.distribution's scalar fields (and its logit_bias map)
+_DISTRIBUTION = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens")
+_OPTIONAL = ("speculative", "block_size", "prompt_logprobs")  # WorkerSampling's own optional fields
 
 
 def sampling_to_proto(params: Any) -> worker_pb2.WorkerSampling:
@@ -36,8 +39,32 @@ def sampling_to_proto(params: Any) -> worker_pb2.WorkerSampling:
     message = worker_pb2.WorkerSampling(max_new_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
                                         ignore_eos=params.ignore_eos, logprobs=params.logprobs)
     set_given(message.distribution, params, _DISTRIBUTION)
+    message.distribution.logit_bias.update(dict(params.logit_bias))
     set_given(message, params, _OPTIONAL)
+    if params.structured_output is not None:
+        message.structured_output.CopyFrom(structured_to_proto(*params.structured_output))
     return message
+
+
+def structured_to_proto(kind: str, text: str) -> gateway_pb2.StructuredOutput:
+    """(kind, text) as engine.sampling_params.SamplingParams.structured_output holds it -> the message."""
+    if kind == "json_object":
+        return gateway_pb2.StructuredOutput(json_object=True)
+    if kind == "choice":
+        return gateway_pb2.StructuredOutput(choice=gateway_pb2.StructuredOutput.Choices(options=json.loads(text)))
+    return gateway_pb2.StructuredOutput(**{kind: text})
+
+
+def structured_from_proto(message: gateway_pb2.StructuredOutput) -> tuple[str, str] | None:
+    """The message -> (kind, text); None when no kind is set (json_object false counts as unset)."""
+    kind = message.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not message.json_object):
+        return None
+    if kind == "json_object":
+        return kind, ""
+    if kind == "choice":
+        return kind, json.dumps(list(message.choice.options))
+    return kind, getattr(message, kind)
 
 
 def present_fields(message: Message, names: Iterable[str]) -> dict[str, Any]:
@@ -50,6 +77,8 @@ def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, Any]:
     engine's default: seed None, speculative None, ...)."""
     return dict(max_new_tokens=message.max_new_tokens, stop_token_ids=tuple(message.stop_token_ids),
                 ignore_eos=message.ignore_eos, logprobs=message.logprobs,
+                logit_bias=tuple(sorted(message.distribution.logit_bias.items())),
+                structured_output=structured_from_proto(message.structured_output),
                 **present_fields(message.distribution, _DISTRIBUTION), **present_fields(message, _OPTIONAL))
 
 

@@ -32,7 +32,8 @@ DEFAULT_COST_S = 10.0
 SESSION_CLUSTER_SCOPE = "tests/services[session cluster]"
 SESSION_CLUSTER_MODULES = frozenset(f"tests/services/test_{name}.py" for name in (
     "auth", "client_examples", "e2e_api", "e2e_decode_stream", "e2e_errors", "e2e_outputs", "e2e_standing_lease",
-    "gateway_loop", "kv_isolation", "metrics_http", "openai_http", "soak_short"))
+    "gateway_loop", "kv_isolation", "metrics_http", "openai_http", "openai_sampling", "openai_scoring",
+    "openai_structured", "soak_short"))
 
 
 def scope_of(nodeid: str) -> str:

@@ -6,7 +6,7 @@ from gateway.openai_api.chat_template import ChatTemplate
 from gateway.openai_api.errors import bad_param
 from gateway.openai_api.params import OpenAIRequest
 from gateway.tokenizer import TextTokenizer
-from rpc.convert import set_given
+from rpc.convert import set_given, structured_to_proto
 from rpc.v1 import gateway_pb2
 
 
@@ -35,8 +35,30 @@ def to_generate_request(request: OpenAIRequest, request_id: str,
         assert request.prompt_text is not None
         message.text = request.prompt_text
     if request.max_tokens is not None:
-        message.max_tokens = request.max_tokens
+        message.max_tokens = max(1, request.max_tokens)  # 0 (prompt scoring): one token, dropped by the answer
     if request.logprobs is not None:
         message.top_logprobs = max(1, request.logprobs)
-    set_given(message.sampling, request, ("temperature", "top_p", "top_k", "min_p", "seed"))
+    if request.scored_prompt is not None:
+        message.prompt_logprobs = request.scored_prompt
+    set_given(message.sampling, request, ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                                          "frequency_penalty", "repetition_penalty", "min_tokens"))
+    message.sampling.logit_bias.update(dict(request.logit_bias))
+    message.stop_token_ids.extend(request.stop_token_ids)
+    if request.speculative is not None:
+        message.speculative = request.speculative
+    if request.structured_output is not None:
+        message.structured_output.CopyFrom(structured_to_proto(*request.structured_output))
     return message
+
+
+def choice_requests(request: OpenAIRequest, request_id: str,
+                    prompt_ids: list[int] | None = None) -> list[gateway_pb2.GenerateRequest]:
+    """The n GenerateRequests behind one request with n choices: choice i runs as request_id (i = 0) or
+    request_id.i, with seed + i when a seed is given (so seeded choices differ but stay reproducible)."""
+    messages = []
+    for index in range(request.n):
+        message = to_generate_request(request, request_id if index == 0 else f"{request_id}.{index}", prompt_ids)
+        if index and request.seed is not None:
+            message.sampling.seed = (request.seed + index) % 2**64
+        messages.append(message)
+    return messages

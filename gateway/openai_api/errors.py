@@ -25,7 +25,10 @@ _HTTP_FOR_GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
 # Gateway field names (InvalidArgument.field prefixes) -> the OpenAI parameter to name.
 _PARAM_FOR_FIELD = {
     "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
-    "sampling.min_p": "min_p", "sampling.seed": "seed", "sampling": "temperature", "stop_token_ids": "stop",
+    "sampling.min_p": "min_p", "sampling.seed": "seed", "sampling": "temperature", "stop_token_ids": "stop_token_ids",
+    "sampling.presence_penalty": "presence_penalty", "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.repetition_penalty": "repetition_penalty", "sampling.logit_bias": "logit_bias",
+    "sampling.min_tokens": "min_tokens",
 }
 
 
@@ -50,18 +53,20 @@ def bad_param(param: str, reason: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {reason}", param=param)
 
 
-def openai_param(field: str, prompt_param: str, logprobs_param: str) -> str:
+def openai_param(field: str, prompt_param: str, logprobs_param: str, structured_param: str = "response_format") -> str:
     """The OpenAI parameter behind a gateway field name (input.* is the prompt or the messages)."""
     base = field.split("[", 1)[0]
     if base.startswith("input"):
         return prompt_param
     if base == "top_logprobs":
         return logprobs_param
+    if base == "structured_output":
+        return structured_param
     return _PARAM_FOR_FIELD.get(base, base)
 
 
 def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt",
-                logprobs_param: str = "logprobs") -> OpenAIError:
+                logprobs_param: str = "logprobs", structured_param: str = "response_format") -> OpenAIError:
     """The OpenAIError for a gRPC status raised by the gateway; INVALID_ARGUMENT names the parameter
     (gateway messages start with `field: `)."""
     status, error_type = _HTTP_FOR_GRPC.get(code, (500, "internal_error"))
@@ -69,6 +74,6 @@ def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt
     if code == grpc.StatusCode.INVALID_ARGUMENT and ": " in message:
         field, reason = message.split(": ", 1)
         if " " not in field:
-            param = openai_param(field, prompt_param, logprobs_param)
+            param = openai_param(field, prompt_param, logprobs_param, structured_param)
             message = f"{param}: {reason}"
     return OpenAIError(status, message, param=param, error_type=error_type, code=code.name.lower())

@@ -3,11 +3,15 @@
 Pure functions: every rejection is an OpenAIError 400 whose `param` names the offending parameter.
 Supported: model, prompt (completions: a string, token ids, or a one-element list of either) or messages
 (chat), max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, stop, seed, logprobs /
-top_logprobs, stream, stream_options.include_usage, user, and the vLLM extensions ignore_eos and
-skip_special_tokens. Refused until supported: n > 1, best_of > 1, echo, suffix, logit_bias, presence /
-frequency penalties, tools / functions, response_format. Other fields are ignored."""
+top_logprobs, stream, stream_options.include_usage, user, n (best_of only equal to n), presence_penalty,
+frequency_penalty, logit_bias, and the vLLM extensions ignore_eos, skip_special_tokens, repetition_penalty,
+min_tokens and stop_token_ids; echo (completions; with max_tokens 0 for prompt scoring) and vLLM's
+prompt_logprobs; response_format (json_object / json_schema) and vLLM's structured_outputs. Refused until
+supported: suffix, tools / functions.
+Other fields are ignored."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +22,10 @@ MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # parameter -> the values that mean "not used"
 _UNSUPPORTED = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "tools": (None, []),
+    "suffix": (None, ""), "tools": (None, []),
     "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "response_format": (None,),
 }
+MAX_CHOICES = 16  # n: choices per request, at most
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,25 @@ class OpenAIRequest:
     user: str | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    structured_output: tuple[str, str] | None = None  # (kind, text): engine.sampling_params.GRAMMAR_KINDS
+    structured_param: str = "response_format"  # the parameter that asked for it (named by its errors)
+    speculative: bool | None = None  # pdserve's extension: speculative decoding on / off for this request
+
+    @property
+    def scored_prompt(self) -> int | None:
+        """Alternatives per prompt token the prefill must score (None: no prompt scoring): vLLM's prompt_logprobs,
+        or, with echo and logprobs, the logprobs count."""
+        counts = [c for c in (self.prompt_logprobs, self.logprobs if self.echo else None) if c is not None]
+        return max(counts) if counts else None
 
     @property
     def prompt_param(self) -> str:
@@ -76,7 +98,7 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, integer: b
     return value if integer else float(value)
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+def _flag(body: dict[str, Any], name: str, default: bool | None) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -167,11 +189,52 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
 
 
 def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
+    """max_tokens 0 is allowed for prompt scoring only (completions with echo)."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    value = _number(body, name, 1, 2**31 - 1, integer=True)
+    scoring = not chat and body.get("echo") is True
+    value = _number(body, name, 0 if scoring else 1, 2**31 - 1, integer=True)
     if value is None and not chat:
         return COMPLETIONS_DEFAULT_MAX_TOKENS
     return value
+
+
+def _choices(body: dict[str, Any]) -> int:
+    """n (1..MAX_CHOICES); best_of, when given, must equal n (the server returns every choice it makes)."""
+    n = _number(body, "n", 1, MAX_CHOICES, integer=True) or 1
+    best_of = _number(body, "best_of", 1, MAX_CHOICES, integer=True)
+    if best_of is not None and best_of != n:
+        raise bad_param("best_of", f"must equal n ({n}) on this server (it returns every choice it samples), got {best_of}")
+    return n
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (keys are strings of token ids), biases in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_param("logit_bias", "must be an object mapping token ids to biases")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_param("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise bad_param("logit_bias", f"keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_param("logit_bias", f"biases must be numbers in [-100, 100], got {bias!r} for {key!r}")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise bad_param("stop_token_ids", "must be a list of token ids")
+    return tuple(value)
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
@@ -211,5 +274,76 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         top_k=_number(body, "top_k", -1, 2**31 - 1, integer=True), min_p=_number(body, "min_p", 0.0, 1.0),
         stop=_stop(body), seed=seed, logprobs=_logprobs(body, chat), stream=stream,
         include_usage=_stream_options(body, stream), user=user, ignore_eos=_flag(body, "ignore_eos", False),
-        skip_special_tokens=_flag(body, "skip_special_tokens", True),
+        skip_special_tokens=_flag(body, "skip_special_tokens", True), n=_choices(body),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
+        repetition_penalty=_positive(body, "repetition_penalty"), logit_bias=_logit_bias(body),
+        min_tokens=_number(body, "min_tokens", 0, 2**31 - 1, integer=True), stop_token_ids=_stop_token_ids(body),
+        echo=_echo(body, chat), prompt_logprobs=_number(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS, integer=True),
+        speculative=_flag(body, "speculative", None),  # type: ignore[arg-type]
+        **_structured(body),
     )
+
+
+def _structured(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format (text | json_object | json_schema) or vLLM's structured_outputs (exactly one of
+    json, regex, choice, grammar, json_object) -> OpenAIRequest's structured_output fields. The grammar itself is
+    compiled (and refused when it does not) by the gateway."""
+    response_format, vllm = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and vllm is not None:
+        raise bad_param("structured_outputs", "give response_format or structured_outputs, not both")
+    if vllm is not None:
+        return {"structured_output": _vllm_structured(vllm), "structured_param": "structured_outputs"}
+    if response_format is None:
+        return {}
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"structured_output": ("json_object", "")}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_param("response_format", "json_schema needs {\"name\": ..., \"schema\": {...}}")
+        return {"structured_output": ("json_schema", json.dumps(schema))}
+    raise bad_param("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+
+
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+
+
+def _vllm_structured(value: Any) -> tuple[str, str]:
+    given = {key: item for key, item in value.items() if item is not None and item is not False} \
+        if isinstance(value, dict) else {}
+    if len(given) != 1 or next(iter(given)) not in _VLLM_KINDS:
+        raise bad_param("structured_outputs", f"must set exactly one of {', '.join(_VLLM_KINDS)}")
+    key, item = next(iter(given.items()))
+    if key == "json":
+        if isinstance(item, str):
+            return "json_schema", item
+        if isinstance(item, dict):
+            return "json_schema", json.dumps(item)
+    elif key == "choice":
+        if isinstance(item, list) and item and all(isinstance(option, str) for option in item):
+            return "choice", json.dumps(item)
+    elif key == "json_object":
+        if item is True:
+            return "json_object", ""
+    elif isinstance(item, str) and item:
+        return _VLLM_KINDS[key], item
+    raise bad_param(f"structured_outputs.{key}", f"has the wrong type ({type(item).__name__})")
+
+
+def _echo(body: dict[str, Any], chat: bool) -> bool:
+    echo = _flag(body, "echo", False)
+    if echo and chat:
+        raise bad_param("echo", "is only supported on /v1/completions")
+    return echo
+
+
+def _positive(body: dict[str, Any], name: str) -> float | None:
+    value = _number(body, name, 0.0, 100.0)
+    if value is not None and value <= 0:
+        raise bad_param(name, f"must be in (0, 100], got {value!r}")
+    return value

@@ -22,13 +22,19 @@ class TokenLogprobLike(Protocol):
     """gateway_pb2.TokenLogprob or anything shaped like it."""
 
     token_id: int
-    logprob: float
-    top: Sequence[TopLogprobLike]
+    logprob: float | None  # None: an echoed prompt's first token (gateway.openai_api.echo.Unscored)
+    top: Sequence[TopLogprobLike] | None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+# What pdserve knows of OpenAI's completion_tokens_details: its models have no reasoning channel and it does not
+# take predicted outputs (`prediction`), so these counts are known to be 0.
+COMPLETION_TOKENS_DETAILS = {"reasoning_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens_details": dict(COMPLETION_TOKENS_DETAILS)}
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -47,6 +53,7 @@ class ResponseBuilder:
     chat: bool
     logprobs: int | None = None
     token_text: Callable[[int], str] = str
+    index: int = 0  # the choice this builder formats (n > 1: one builder per choice)
     _text_offset: int = 0
 
     @property
@@ -78,14 +85,15 @@ class ResponseBuilder:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": [item.logprob for item in logprobs],
-                "top_logprobs": [{self.token_text(top.token_id): top.logprob for top in list(item.top)[:count]}
+                "top_logprobs": [None if item.top is None else  # an echoed prompt's first token
+                                 {self.token_text(top.token_id): top.logprob for top in list(item.top)[:count]}
                                  for item in logprobs],
                 "text_offset": offsets}
 
     # --- bodies ---------------------------------------------------------------------------------------
     def _choice(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str | None,
                 stream: bool, first: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat and stream:
             choice["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         elif self.chat:
@@ -99,8 +107,15 @@ class ResponseBuilder:
     def response(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str,
                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         """The whole (non-streaming) response."""
-        return {**self._envelope(False), "choices": [self._choice(text, logprobs, finish_reason, False)],
-                "usage": usage(prompt_tokens, completion_tokens)}
+        return self.responses([self.choice(text, logprobs, finish_reason)], prompt_tokens, completion_tokens)
+
+    def choice(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str) -> dict[str, Any]:
+        """This builder's choice of a whole (non-streaming) response."""
+        return self._choice(text, logprobs, finish_reason, False)
+
+    def responses(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The whole response with these choices (n > 1: each from its own builder); completion_tokens over all."""
+        return {**self._envelope(False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprobLike] = (), finish_reason: str | None = None,
               first: bool = False, include_usage: bool = False) -> dict[str, Any]:

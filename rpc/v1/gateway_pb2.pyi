@@ -15,21 +15,57 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     min_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
+    class Choices(_message.Message):
+        __slots__ = ("options",)
+        OPTIONS_FIELD_NUMBER: _ClassVar[int]
+        options: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    choice: StructuredOutput.Choices
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[StructuredOutput.Choices, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "top_logprobs", "speculative", "block_size", "skip_special_tokens", "stream_interval")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "top_logprobs", "speculative", "block_size", "skip_special_tokens", "stream_interval", "prompt_logprobs", "structured_output")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +79,8 @@ class GenerateRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -56,17 +94,21 @@ class GenerateRequest(_message.Message):
     block_size: int
     skip_special_tokens: bool
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    structured_output: StructuredOutput
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -122,6 +122,50 @@ def test_broken_verifier_is_detected(small_vocab_llm, monkeypatch):
     assert not math.isnan(p_value)
 
 
+PENALISED = dict(presence_penalty=1.0, frequency_penalty=1.5, repetition_penalty=2.0, logit_bias={2: -100.0, 5: 1.5})
+
+
+def _exact_third_token_distribution(llm: LLM, params: SamplingParams) -> torch.Tensor:
+    """P(t3) = sum over t1, t2 of P(t1) P(t2 | t1) P(t3 | t1, t2), each factor the softmax of the target's logits
+    adjusted by the reference formulas for the tokens generated before it."""
+    from tests.engine.test_penalties import reference_adjust
+
+    eos = tuple(llm.model_config.eos_token_id)
+
+    def dist(generated: list[int]) -> torch.Tensor:
+        row = reference_adjust(llm.logits(PROMPT + generated)[-1].tolist(), params, PROMPT, generated, eos)
+        return torch.softmax(torch.tensor(row, dtype=torch.float64) / params.temperature, dim=-1)
+
+    first, third = dist([]), torch.zeros(VOCAB, dtype=torch.float64)
+    for t1 in range(VOCAB):
+        if first[t1] == 0:
+            continue
+        second = dist([t1])
+        for t2 in range(VOCAB):
+            if second[t2] > 0:
+                third += first[t1] * second[t2] * dist([t1, t2])
+    return third
+
+
+@pytest.mark.slow
+def test_sampled_spec_decoding_with_penalties_matches_the_penalised_distribution(small_vocab_llm):
+    """20k sampled third tokens (after two generated tokens, the second often an accepted draft of the same verify
+    block) with presence / frequency / repetition penalties and a logit_bias ban follow the exact penalised
+    marginal (chi-square p > 1e-3), and the banned token never appears."""
+    llm = small_vocab_llm
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, block_size=4, **PENALISED)
+    exact = _exact_third_token_distribution(llm, params)
+    before = llm.acceptance_stats.num_accepted_drafts
+    torch.manual_seed(4321)
+    outputs = llm.generate([PROMPT] * SAMPLES, params)
+    counts = torch.bincount(torch.tensor([out[2] for out in outputs]), minlength=VOCAB).float()
+    p_value = chi_square_pvalue(counts, exact, min_expected=5)
+    print(f"penalised spec sampling chi-square p-value {p_value:.4f}")
+    assert llm.acceptance_stats.num_accepted_drafts - before > 500  # drafts of the same block were accepted
+    assert not any(2 in out for out in outputs)
+    assert p_value > 1e-3
+
+
 def test_greedy_verdict_is_the_longest_matching_prefix_then_the_target_token():
     """Host-side greedy verification: drafts are kept up to the first disagreement with the target's argmax,
     then the argmax at that row is emitted (all kept: the bonus row's argmax)."""

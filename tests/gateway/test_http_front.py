@@ -128,7 +128,7 @@ async def test_bad_parameter_and_unknown_model(front):
     """A bad parameter is a 400 naming it; an unknown model a 404; neither reaches the service."""
     service, url, _ = front
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 3}) as response:
+        async with session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 17}) as response:
             assert response.status == 400 and (await response.json())["error"]["param"] == "n"
         async with session.post(f"{url}/v1/completions", json={"model": "other", "prompt": "x"}) as response:
             assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
@@ -185,3 +185,32 @@ async def test_long_bodies_are_accepted_up_to_the_grpc_limit(front):
         async with session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x" * 2**27}) as response:
             assert response.status == 413 and (await response.json())["error"]["param"] == "body"
     assert len(service.submitted[0].text) == 2**21
+
+
+async def test_n_choices_stream_and_collect(front):
+    """n=2: two runs behind one response; the whole body has choices 0 and 1 and usage over both; the stream
+    carries each choice's text under its index, a finish chunk per choice, then one usage chunk."""
+    service, url, _ = front
+    for _ in range(2):
+        service.runs.append(scripted(TokensEvent([5], "a"), FINISH))
+    service.runs.append(scripted(TokensEvent([5], "a"), TokensEvent([6], "b"), FINISH))
+    service.runs.append(scripted(TokensEvent([7], "c"), FINISH))
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 2}) as response:
+            body = await response.json()
+        async with session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 2, "stream": True,
+                                                               "stream_options": {"include_usage": True}}) as response:
+            events = [json.loads(line[6:]) for line in (await response.text()).split("\n\n")
+                      if line.startswith("data: {")]
+    assert [c["index"] for c in body["choices"]] == [0, 1] and [c["text"] for c in body["choices"]] == ["a", "a"]
+    assert body["usage"]["completion_tokens"] == 4
+    texts: dict[int, str] = {0: "", 1: ""}
+    finished = []
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finished.append(choice["index"])
+    assert texts == {0: "ab", 1: "c"} and sorted(finished) == [0, 1]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+    assert [m.request_id for m in service.submitted][1::2] == [m.request_id + ".1" for m in service.submitted][::2]

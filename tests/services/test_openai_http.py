@@ -68,7 +68,8 @@ def test_chat_matches_grpc_on_the_templated_prompt(cluster, client, model):
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
 
 
-@pytest.mark.parametrize("kwargs,param", [({"temperature": 5.0}, "temperature"), ({"n": 2}, "n"),
+@pytest.mark.parametrize("kwargs,param", [({"temperature": 5.0}, "temperature"), ({"n": 17}, "n"),
+                                          ({"logit_bias": {"999999": 1}}, "logit_bias"),
                                           ({"max_tokens": 100000}, "max_tokens")])
 def test_bad_parameter_is_a_400_naming_it(client, model, kwargs, param):
     """Out-of-range, unsupported, or context-exceeding parameters: BadRequestError with param set."""

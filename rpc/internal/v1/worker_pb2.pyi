@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerSampling(_message.Message):
-    __slots__ = ("max_new_tokens", "distribution", "stop_token_ids", "ignore_eos", "logprobs", "speculative", "block_size")
+    __slots__ = ("max_new_tokens", "distribution", "stop_token_ids", "ignore_eos", "logprobs", "speculative", "block_size", "prompt_logprobs", "structured_output")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class WorkerSampling(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     distribution: _gateway_pb2.SamplingParams
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +27,9 @@ class WorkerSampling(_message.Message):
     logprobs: int
     speculative: bool
     block_size: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., distribution: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    structured_output: _gateway_pb2.StructuredOutput
+    def __init__(self, max_new_tokens: _Optional[int] = ..., distribution: _Optional[_Union[_gateway_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., block_size: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_gateway_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class WorkerPlacement(_message.Message):
     __slots__ = ("node_id", "tp_size", "device", "kv_pool")
@@ -62,16 +66,18 @@ class PrefillTiming(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logprob", "num_prompt_tokens", "timing")
+    __slots__ = ("first_token", "first_logprob", "num_prompt_tokens", "timing", "prompt_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprob: _logprobs_pb2.TokenLogprob
     num_prompt_tokens: int
     timing: PrefillTiming
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_logprobs_pb2.TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprob]
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_logprobs_pb2.TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillStreamRequest(_message.Message):
     __slots__ = ("request", "timeout_ms", "trace_id")

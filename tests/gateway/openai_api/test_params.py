@@ -2,6 +2,8 @@
 the parameter."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gateway.openai_api.errors import OpenAIError
@@ -52,12 +54,23 @@ def test_chat_parameters_map():
     ({"prompt": "x"}, "model"),
     ({"model": "m", "prompt": ""}, "prompt"),
     ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
-    ({"model": "m", "prompt": "x", "n": 2}, "n"),
-    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "n": 17}, "n"),
+    ({"model": "m", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"3": -101}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"model": "m", "prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"model": "m", "prompt": "x", "echo": 1}, "echo"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"model": "m", "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
-    ({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+     "response_format"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"choice": "b"}}, "structured_outputs.choice"),
+    ({"model": "m", "prompt": "x", "presence_penalty": -3}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "temperature": 3}, "temperature"),
     ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
     ({"model": "m", "prompt": "x", "top_p": 1.5}, "top_p"),
@@ -90,3 +103,63 @@ def test_chat_refusals_name_the_parameter(body, param):
 def test_body_must_be_an_object():
     """A JSON array or string body is refused as a whole."""
     assert _param_of([1, 2]) == "body"  # type: ignore[arg-type]
+
+
+def test_sampling_controls_parse_and_reach_the_generate_request():
+    """n, penalties, logit_bias (string keys), min_tokens and stop_token_ids are parsed and carried into each
+    choice's GenerateRequest; seeded choices get seed + index, ids request_id.index."""
+    from gateway.openai_api.convert import choice_requests
+
+    parsed = parse_request({"model": "m", "prompt": "x", "n": 3, "best_of": 3, "presence_penalty": 0.5,
+                            "frequency_penalty": -0.25, "repetition_penalty": 1.2, "logit_bias": {"7": -100, "3": 2},
+                            "min_tokens": 2, "stop_token_ids": [9], "seed": 5}, chat=False)
+    assert parsed.n == 3 and parsed.logit_bias == ((3, 2.0), (7, -100.0)) and parsed.stop_token_ids == (9,)
+    messages = choice_requests(parsed, "rid")
+    assert [m.request_id for m in messages] == ["rid", "rid.1", "rid.2"]
+    assert [m.sampling.seed for m in messages] == [5, 6, 7]
+    first = messages[0]
+    assert (first.sampling.presence_penalty, first.sampling.frequency_penalty, first.sampling.min_tokens) == (0.5, -0.25, 2)
+    assert abs(first.sampling.repetition_penalty - 1.2) < 1e-6 and dict(first.sampling.logit_bias) == {3: 2.0, 7: -100.0}
+    assert list(first.stop_token_ids) == [9]
+    plain = choice_requests(parse_request({"model": "m", "prompt": "x"}, chat=False), "rid")[0]
+    assert not plain.sampling.HasField("presence_penalty") and not plain.sampling.logit_bias
+
+
+def test_echo_and_prompt_logprobs_reach_the_generate_request():
+    """echo with logprobs N (and max_tokens 0) asks the prefill to score the prompt with N alternatives and
+    generate one token (dropped by the answer); vLLM's prompt_logprobs asks the same; chat refuses echo."""
+    from gateway.openai_api.convert import to_generate_request
+
+    parsed = parse_request({"model": "m", "prompt": [3, 4, 5], "echo": True, "logprobs": 2, "max_tokens": 0}, chat=False)
+    message = to_generate_request(parsed, "rid")
+    assert parsed.max_tokens == 0 and message.max_tokens == 1 and message.prompt_logprobs == 2
+    assert to_generate_request(parse_request({"model": "m", "prompt": "x", "echo": True}, chat=False), "r") \
+        .HasField("prompt_logprobs") is False
+    vllm = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0}, chat=True)
+    assert to_generate_request(vllm, "r", [1, 2]).prompt_logprobs == 0
+    assert _param_of({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, chat=True) == "echo"
+
+
+def test_structured_outputs_parse_to_one_grammar():
+    """response_format json_object / json_schema and vLLM's structured_outputs (json, regex, choice, grammar) become
+    one (kind, text) on the GenerateRequest; text means none."""
+    from gateway.openai_api.convert import to_generate_request
+    from rpc.convert import structured_from_proto
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [
+        ({"response_format": {"type": "json_object"}}, ("json_object", "")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}},
+         ("json_schema", json.dumps(schema))),
+        ({"structured_outputs": {"json": schema}}, ("json_schema", json.dumps(schema))),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, ("regex", "[0-9]+")),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, ("choice", '["yes", "no"]')),
+        ({"structured_outputs": {"grammar": "start: \"a\""}}, ("grammar", 'start: "a"')),
+        ({"response_format": {"type": "text"}}, None),
+    ]
+    for extra, expected in cases:
+        parsed = parse_request({"model": "m", "prompt": "x", **extra}, chat=False)
+        assert parsed.structured_output == expected
+        message = to_generate_request(parsed, "r")
+        assert (structured_from_proto(message.structured_output) if message.HasField("structured_output")
+                else None) == expected

@@ -28,11 +28,15 @@ def _builder(chat: bool, logprobs: int | None = None) -> ResponseBuilder:
 
 
 def test_completion_response_and_usage():
-    """text_completion with the text, finish_reason and usage (total = prompt + completion)."""
+    """text_completion with the text, finish_reason and usage (total = prompt + completion; the completion details
+    pdserve knows: no reasoning or predicted-output tokens)."""
     body = _builder(False).response("hello", [], "length", 4, 2)
     assert body["id"] == "cmpl-rid" and body["object"] == "text_completion" and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == usage(4, 2) == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert body["usage"] == usage(4, 2) == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                                            "completion_tokens_details": {"reasoning_tokens": 0,
+                                                                          "accepted_prediction_tokens": 0,
+                                                                          "rejected_prediction_tokens": 0}}
 
 
 def test_chat_response_and_chunks():
@@ -72,3 +76,31 @@ def test_sse_framing():
     event = sse({"text": "é"})
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
     assert json.loads(event[6:].decode()) == {"text": "é"}
+
+
+def test_echoed_prompt_logprobs_in_openai_format():
+    """echo + logprobs: the prompt's text first; its first token with a null logprob and null alternatives, the
+    others scored, then the generated tokens; with max_tokens 0 the generated token is dropped (0 completion
+    tokens); vLLM's prompt_logprobs lists null, then {id: {logprob, rank, decoded_token}} per prompt token."""
+    from gateway.openai_api.echo import ChoiceView, prompt_logprobs_field
+
+    builder = _builder(False, logprobs=1)
+    prompt = [Logprob(6, -1.5, [Top(5, -0.5), Top(6, -1.5)]), Logprob(7, -3.0, [Top(5, -0.2)])]
+    view = ChoiceView("abczz", (5, 6, 7), with_logprobs=True)
+    text, shown = view.take("c", [Logprob(6, -0.7, [Top(6, -0.7)])], prompt)
+    body = builder.response(text, shown, "length", 3, 1)
+    block = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"] == "abczzc"
+    assert block["tokens"] == ["ab", "c", "zz", "c"] and block["token_logprobs"] == [None, -1.5, -3.0, -0.7]
+    assert block["top_logprobs"] == [None, {"ab": -0.5}, {"ab": -0.2}, {"c": -0.7}]
+    assert block["text_offset"] == [0, 2, 3, 5]
+    assert json.loads(json.dumps(body)) == body
+    scoring = ChoiceView("abczz", (5, 6, 7), with_logprobs=True, keep_completion=False)
+    text, shown = scoring.take("c", [Logprob(6, -0.7)], prompt)
+    assert text == "abczz" and [item.token_id for item in shown] == [5, 6, 7] and scoring.completion_tokens(1) == 0
+    assert scoring.take("tail", [], []) == ("", [])  # the detokenizer's flush of the dropped token
+    field = prompt_logprobs_field((5, 6, 7), prompt, 1, TEXTS.__getitem__)
+    assert field == [None, {"5": {"logprob": -0.5, "rank": 1, "decoded_token": "ab"},
+                            "6": {"logprob": -1.5, "rank": None, "decoded_token": "c"}},
+                     {"5": {"logprob": -0.2, "rank": 1, "decoded_token": "ab"},
+                      "7": {"logprob": -3.0, "rank": None, "decoded_token": "zz"}}]
