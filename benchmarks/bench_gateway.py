@@ -15,18 +15,14 @@ median (min..max), with the load averages the runs ended at. The CPU table sets 
 output token against the in-process engine's (all steps, as issue 18 states the goal, and decode steps only:
 the decode worker runs no prefill). Goals (issue 18): gateway >= 95% of in-process throughput at
 concurrency 16 and >= 85% at 1, <= 5 ms added TTFT p50 at 1, decode worker CPU per token <= 1.1x. A worker's
-CPU counts its descendants too (the decode worker's engine process and TP followers). --engine-process on (the
-default) runs the decode worker with its engine in a process of its own, off on a thread of the worker; both:
-two deployments side by side, taking turns.
+CPU counts its descendants too (the decode worker's engine process and TP followers).
 
 --standing-lease-tokens N adds a deployment like the first whose gateway runs with --standing-lease-tokens N (a
 standing lease of N prompt tokens per decode worker, gateway/standing_leases.py: no Reserve round trip before a
-fitting prompt's prefill; 0: none), to compare with the gateway's default. --no-decode-stream adds one whose
-gateway runs with --no-decode-stream (a server-streaming Decode call per request instead of one DecodeStream per
-decode worker carrying each engine step's tokens of all its requests in one message).
+fitting prompt's prefill; 0: none), to compare with the gateway's default.
 
 Run: .venv/bin/python -m benchmarks.bench_gateway --threads 1 [--spec-concurrency] [--stream-interval N]
-     [--engine-process off|on|both] [--standing-lease-tokens N] [--no-decode-stream]
+     [--standing-lease-tokens N]
 """
 from __future__ import annotations
 
@@ -53,14 +49,6 @@ from pdserve.launcher import Cluster, ClusterSpec
 
 # A run is judged when processes outside the benchmark used at most this many cores' worth of CPU meanwhile.
 OTHER_LOAD_LIMIT = 0.25
-
-# --engine-process: the deployments to compare, by variant name, with the decode worker's extra flags
-ENGINE_PATHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "off": [("gateway, engine thread", ("--no-engine-process",))],
-    "on": [("gateway", ("--engine-process",))],
-    "both": [("gateway", ("--engine-process",)), ("gateway, engine thread", ("--no-engine-process",))],
-}
-
 
 def request_count(concurrency: int) -> int:
     """Requests per run: two waves at concurrency C, at least 16 (TTFT p50 at concurrency 1 is a median over the
@@ -145,14 +133,9 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="> 1: also run the gateway with GenerateRequest.stream_interval N (chunks of N tokens)")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
-    parser.add_argument("--engine-process", choices=tuple(ENGINE_PATHS), default="on",
-                        help="the decode worker's engine on a thread (off), in its own process (on), or both side by side")
     parser.add_argument("--standing-lease-tokens", type=int, default=None, metavar="N",
                         help="one more deployment, like the first, whose gateway runs with --standing-lease-tokens N "
                              "(0: without standing leases), taking turns with the others")
-    parser.add_argument("--no-decode-stream", action="store_true",
-                        help="one more deployment, like the first, whose gateway runs with --no-decode-stream (a Decode "
-                             "call per request), taking turns with the others")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
@@ -164,16 +147,13 @@ def main() -> None:
     clusters: dict[str, Cluster] = {}
     gateways: dict[str, GatewayRunner] = {}
     try:
-        deployments = [(name, decode_args, ()) for name, decode_args in ENGINE_PATHS[args.engine_process]]
+        deployments: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [("gateway", (), ())]
         if args.standing_lease_tokens is not None:
             first_name, first_decode_args, _ = deployments[0]
             label = (f"standing lease {args.standing_lease_tokens}" if args.standing_lease_tokens
                      else "no standing lease")
             deployments.append((f"{first_name}, {label}", first_decode_args,
                                 ("--standing-lease-tokens", str(args.standing_lease_tokens))))
-        if args.no_decode_stream:
-            first_name, first_decode_args, _ = deployments[0]
-            deployments.append((f"{first_name}, no decode stream", first_decode_args, ("--no-decode-stream",)))
         for name, decode_args, gateway_args in deployments:
             spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch",
                                transport="shm", worker_args=worker_args, decode_args=decode_args, log_level="WARNING",

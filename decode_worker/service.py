@@ -12,9 +12,9 @@ A sweeper frees the pages (and state slots) of leases nobody claimed in time.
 If the running requests' growth still runs out of pages, the engine preempts the newest running request
 and recomputes it later (its stream just pauses).
 
-The engine runs on a thread of this process (engine_port.ThreadPort) or, with config.engine_process, in an
-engine process of its own (process_port.ProcessPort), where this process's event loop cannot take the GIL
-from the step loop.
+The engine runs in an engine process of its own (process_port.ProcessPort), where this process's event loop
+cannot take the GIL from the step loop (tests may hand in another EnginePort, e.g. one running the engine on
+a thread of theirs).
 """
 from __future__ import annotations
 
@@ -23,15 +23,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from decode_worker.admission import DecodeUpdate
 from decode_worker.config import DecodeWorkerConfig
-from decode_worker.engine_port import LoadSnapshot, ThreadPort
-from decode_worker.engine_process import build_engine
+from decode_worker.engine_api import EngineFigures, EnginePort, LoadSnapshot
 from decode_worker.leases import ReservationBook
+from decode_worker.process_port import ProcessPort
 from decode_worker.streams import Streams
-from engine.config_base import alias
 from engine.sampling_params import SamplingParams
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
@@ -46,33 +44,29 @@ logger = logging.getLogger(__name__)
 
 class DecodeService:
     """receivers_factory(engine) -> {transport: KVReceiver}, built once the engine (and its pools) exist.
-    engine_factory (tests): builds the engine on an engine thread of this process, whatever the config says.
-    on_engine_lost(reason): an engine process died while serving (its streams have failed already)."""
+    on_engine_lost(reason): the engine process died while serving (its streams have failed already).
+    port_factory (tests): where the engine runs instead of an engine process, given the service's Streams."""
 
-    def __init__(self, config: DecodeWorkerConfig, receivers_factory: Callable[[Any], Mapping[TransportKind, KVReceiver]],
-                 engine_factory: Callable[[], Any] | None = None,
-                 on_engine_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: DecodeWorkerConfig,
+                 receivers_factory: Callable[[EngineFigures], Mapping[TransportKind, KVReceiver]],
+                 on_engine_lost: Callable[[str], None] | None = None,
+                 port_factory: Callable[[Streams], EnginePort] | None = None) -> None:
         self.config = config
         self._receivers_factory = receivers_factory
         self.receivers: Mapping[TransportKind, KVReceiver] = {}
         self._streams = Streams(self._abort_soon)
-        if config.engine_process and engine_factory is None:
-            from decode_worker.process_port import ProcessPort
-
-            self._port: Any = ProcessPort(config, self._streams, on_engine_lost)
-        else:
-            self._port = ThreadPort(engine_factory or (lambda: build_engine(config)), self._streams,
-                                    config.spec_block_size)
+        self._port: EnginePort = (port_factory(self._streams) if port_factory is not None
+                                  else ProcessPort(config, self._streams, on_engine_lost))
         self._book: ReservationBook | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.engine: Any = None
+        self._tasks: set[asyncio.Task[bool]] = set()
+        self._engine: EngineFigures | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.engine = await self._port.start()
-        self.receivers = dict(self._receivers_factory(self.engine))
-        self._book = ReservationBook(self.config, self.engine, self.receivers, self._port)
+        self._engine = await self._port.start()
+        self.receivers = dict(self._receivers_factory(self._engine))
+        self._book = ReservationBook(self.config, self._engine, self.receivers, self._port)
         self._sweeper = asyncio.create_task(self._book.sweep())
 
     async def stop(self) -> None:
@@ -86,6 +80,12 @@ class DecodeService:
         if self._book is None:
             raise RuntimeError("DecodeService.start() has not run")
         return self._book
+
+    @property
+    def engine(self) -> EngineFigures:
+        if self._engine is None:
+            raise RuntimeError("DecodeService.start() has not run")
+        return self._engine
 
     @property
     def load(self) -> LoadSnapshot:
@@ -105,8 +105,10 @@ class DecodeService:
     def lease_expiries(self) -> int:
         return self._book.expiries if self._book is not None else 0
 
-    engine_steps = alias("_port.engine_steps")
-    engine_step_tokens = alias("_port.engine_step_tokens")
+    @property
+    def port(self) -> EnginePort:
+        """Where the engine runs (its engine_steps / engine_step_tokens: batch occupancy)."""
+        return self._port
 
     def _abort_soon(self, request_id: str) -> None:
         self._port.abort_soon(request_id)

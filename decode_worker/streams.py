@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
-
-from decode_worker.admission import DecodeUpdate, merge_outputs, new_tokens
+from decode_worker.admission import DecodeUpdate, EngineOutput, merge_outputs, new_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +24,15 @@ class _Mailbox:
     waiting reader (lighter than an asyncio.Queue: one wake-up per engine step, whatever piled up)."""
 
     def __init__(self) -> None:
-        self._items: list[Any] = []
+        self._items: list[EngineOutput | EngineFailed] = []
         self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, item: Any) -> None:
+    def put(self, item: EngineOutput | EngineFailed) -> None:
         self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def take(self) -> list[Any]:
+    async def take(self) -> list[EngineOutput | EngineFailed]:
         """Everything queued so far (waits for at least one item)."""
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
@@ -63,8 +61,8 @@ class Streams:
     def open_ids(self) -> list[str]:
         return list(self._mailboxes)
 
-    def deliver(self, outputs: Iterable[Any]) -> None:
-        """Step outputs (objects with request_id, new_token_ids, finished, finish_reason, logprobs), in order."""
+    def deliver(self, outputs: Iterable[EngineOutput]) -> None:
+        """Step outputs, in order."""
         mailboxes = self._mailboxes
         for output in outputs:
             mailbox = mailboxes.get(output.request_id)
@@ -84,7 +82,7 @@ class Streams:
         """The request's updates until it finishes. Leaving early (cancel, release) aborts it in the engine."""
         mailbox = self._mailboxes[request_id]
         skip_first, done = True, False
-        items: list[Any] = []
+        items: list[EngineOutput] = []
         try:
             while True:
                 taken = await mailbox.take()  # the reader may have fallen behind: merge what piled up

@@ -14,18 +14,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.decode_stream import DecodeCall
 from gateway.held_observer import HeldObserver
 from gateway.requests import GenerateJob
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
-from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
+from gateway.worker_clients import DecodeWorker, PrefillWorker
+from gateway.workers import WorkerPool, remaining
 from rpc.convert import sampling_to_proto
-from rpc.internal.v1 import worker_pb2
+from rpc.internal.v1 import kv_pb2, worker_pb2
 from rpc.logging_setup import bind_request_id, request_metadata
 from rpc.status import Unavailable, status_of
 from rpc.v1 import logprobs_pb2
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 class TokensEvent:
     token_ids: list[int]
     text: str
-    logprobs: list[Any] = field(default_factory=list)  # logprobs_pb2.TokenLogprob, one per token when asked
+    logprobs: list[logprobs_pb2.TokenLogprob] = field(default_factory=list)  # one per token when asked
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,8 @@ class RequestRun:
         self._prefill: PrefillWorker | None = None
         self._prefill_state = PrefillState.NONE
         self._decode_state = DecodeState.NONE
-        self._prefill_call: Any = None
-        self._decode_call: Any = None
+        self._prefill_call: asyncio.Future[worker_pb2.PrefillResponse] | None = None
+        self._decode_call: DecodeCall | None = None
         self._cancelling = False
         self._lease_deadline = 0.0  # time.time() when the decode lease lapses (its pages freed there)
         self.finished = False  # the final event is queued (cleanup may still be running)
@@ -193,7 +195,7 @@ class RequestRun:
         request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)
-        self._decode_call = self._decode.decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
+        self._decode_call = self._decode.stream.submit(request, remaining(self._deadline), trace_id=job.request_id)
         self._decode_state = DecodeState.STREAMING
         observer, first_chunk = self._observer, True
         async for chunk in self._decode_call:
@@ -210,7 +212,8 @@ class RequestRun:
                 return
         raise Unavailable(f"decode stream of {job.request_id} ended without finishing")
 
-    async def _run_prefill(self, destination: Any, sampling: Any) -> Any:
+    async def _run_prefill(self, destination: kv_pb2.KVDestination,
+                           sampling: worker_pb2.WorkerSampling) -> worker_pb2.PrefillResponse:
         """Prefill on the least loaded worker; if that worker becomes unreachable (UNAVAILABLE: it died)
         the prompt is sent once more, to another reachable prefill worker, into the same destination."""
         try:
@@ -223,34 +226,30 @@ class RequestRun:
             except Unavailable:
                 raise error from None
             logger.warning("prefill worker lost during prefill of %s (%s); retrying once on %s",
-                           self.job.request_id, error.details(), retry.state.address)
+                           self.job.request_id, error.details(), retry.load.address)
             return await self._prefill_on(retry, destination, sampling)
 
-    async def _prefill_on(self, worker: PrefillWorker, destination: Any, sampling: Any) -> Any:
+    async def _prefill_on(self, worker: PrefillWorker, destination: kv_pb2.KVDestination,
+                          sampling: worker_pb2.WorkerSampling) -> worker_pb2.PrefillResponse:
         self._prefill = worker
-        tokens = len(self.job.prompt_ids)
-        worker.state.outstanding_tokens += tokens
-        worker.state.outstanding_requests += 1
         self._prefill_state = PrefillState.INFLIGHT
-        try:
-            self._prefill_call = worker.prefill(
-                worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
-                                          sampling=sampling, destination=destination),
-                timeout=remaining(self._deadline), metadata=self._metadata)
-            response = await self._prefill_call
-        except grpc.aio.AioRpcError as error:
-            self._prefill_state = PrefillState.FAILED
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                self._pool.mark_unreachable(worker.state, error)
-            raise
-        finally:
-            worker.state.outstanding_tokens -= tokens
-            worker.state.outstanding_requests -= 1
+        with worker.load.claim(len(self.job.prompt_ids)):
+            try:
+                self._prefill_call = worker.stream.submit(
+                    worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
+                                              sampling=sampling, destination=destination),
+                    remaining(self._deadline), trace_id=self.job.request_id)
+                response = await self._prefill_call
+            except grpc.aio.AioRpcError as error:
+                self._prefill_state = PrefillState.FAILED
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._pool.mark_unreachable(worker.load, error)
+                raise
         self._prefill_state = PrefillState.OK
         return response
 
     # --- events -------------------------------------------------------------------------------------
-    def _emit(self, token_ids: list[int], logprobs: list[Any]) -> bool:
+    def _emit(self, token_ids: list[int], logprobs: list[logprobs_pb2.TokenLogprob]) -> bool:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
         if self._observer is not None:

@@ -33,8 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on the CPU a memfd stand-in) / grpc")
     parser.add_argument("--draft-model", default=None, help="draft directory ('' disables speculative decoding)")
     parser.add_argument("--kv-memory-mb", type=int, default=None, help="KV pool per decode rank (MiB)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                        help="decode workers run their engine in a process of its own (see pdserve decode)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker rank")
     parser.add_argument("--internal", choices=("uds", "tcp"), default="uds",
                         help="how the workers listen: Unix sockets in a private 0700 directory (default), or TCP on "
@@ -81,7 +79,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.share_weights:
         worker_args += ("--no-shared-weights",)
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
-    decode_args += ("--engine-process" if args.engine_process else "--no-engine-process",)
     try:
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen, http_listen=args.http_listen,

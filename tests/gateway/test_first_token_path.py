@@ -10,22 +10,22 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 from gateway.orchestrator import FinishEvent, RequestRun, TokensEvent
 from gateway.requests import GenerateJob
-from gateway.router import PrefillState
-from gateway.workers import PrefillWorker
+from gateway.router import PrefillLoad
+from gateway.worker_clients import PrefillWorker, WorkerClient
 from rpc.internal.v1 import kv_pb2, worker_pb2
 
 FIRST = 42
 
 
 class _DecodeStream:
-    def __init__(self, responses: list[worker_pb2.DecodeResponse]) -> None:
+    def __init__(self, responses: list[worker_pb2.DecodeStreamUpdate]) -> None:
         self._responses = responses
 
-    async def _iterate(self) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    async def _iterate(self) -> AsyncIterator[worker_pb2.DecodeStreamUpdate]:
         for response in self._responses:
             yield response
 
-    def __aiter__(self) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    def __aiter__(self) -> AsyncIterator[worker_pb2.DecodeStreamUpdate]:
         return self._iterate()
 
     def cancel(self) -> None:
@@ -40,7 +40,7 @@ class _Workers:
         self.metadata: tuple[tuple[str, str], ...] = ()
         self.polled = asyncio.Event()
         self.polled.set()
-        self.prefill_worker = PrefillWorker(PrefillState("prefill"), channel=None, stub=self)  # type: ignore[arg-type]
+        self.prefill_worker = WorkerClient(PrefillLoad("prefill"), channel=None, stub=self, stream=self)  # type: ignore[arg-type]
         self.decode_requests: list[worker_pb2.DecodeRequest] = []
         self.prefill_requests: list[worker_pb2.PrefillRequest] = []
         self.reserved: list[str] = []
@@ -67,20 +67,29 @@ class _Workers:
     def stub(self) -> _Workers:
         return self
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, **_: Any) -> worker_pb2.PrefillResponse:  # noqa: N802
+    @property
+    def stream(self) -> _Workers:  # (both workers' streams)
+        return self
+
+    def submit(self, request: worker_pb2.PrefillRequest | worker_pb2.DecodeRequest, timeout: float | None,
+               trace_id: str = "") -> asyncio.Future[worker_pb2.PrefillResponse] | _DecodeStream:
+        if isinstance(request, worker_pb2.DecodeRequest):
+            return self.decode(request)
         self.order.append("prefill")
         self.prefill_requests.append(request)
-        return worker_pb2.PrefillResponse(first_token=FIRST)
+        answer: asyncio.Future[worker_pb2.PrefillResponse] = asyncio.get_running_loop().create_future()
+        answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST))
+        return answer
 
     async def Release(self, request: worker_pb2.ReleaseRequest, **_: Any) -> worker_pb2.ReleaseResponse:  # noqa: N802
         self.order.append("release")
         return worker_pb2.ReleaseResponse(found=True)
 
-    def decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> _DecodeStream:
+    def decode(self, request: worker_pb2.DecodeRequest) -> _DecodeStream:
         self.order.append("decode call")
         self.decode_requests.append(request)
-        return _DecodeStream([worker_pb2.DecodeResponse(token_ids=[7, 8, 9], finished=True, finish_reason="length",
-                                                        decode_steps=3)])
+        return _DecodeStream([worker_pb2.DecodeStreamUpdate(token_ids=[7, 8, 9], finished=True, finish_reason="length",
+                                                            decode_steps=3)])
 
 
 async def test_first_token_is_forwarded_before_decode_is_called():

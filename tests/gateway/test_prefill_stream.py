@@ -122,7 +122,7 @@ async def test_a_cancelled_prompt_is_dropped_and_the_stream_serves_on(stream_wor
     stream_worker.engine.gate.clear()
     channel, stream = _client(stream_worker)
     try:
-        call = stream.call(stream_worker.request("gone", [3] * 8), 30, (("x-request-id", "trace"),))
+        call = stream.submit(stream_worker.request("gone", [3] * 8), 30, "trace")
         await eventually(lambda: stream_worker.engine.started == ["gone"], "the prompt to run")
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
