@@ -16,21 +16,18 @@ from kvtransfer.layout import KVLayout
 from rpc.status import AlreadyExists
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillService
+from tests.prefill_worker.in_place_engine import InPlaceEngine
 from tests.services.helpers import eventually, greedy
 
 LAYOUT = KVLayout(num_layers=2, latent_dim=16, rope_dim=4, page_size=16, dtype="float32")
 
 
-class _BlockingEngine:
+class _BlockingEngine(InPlaceEngine):
     def __init__(self) -> None:
-        self.config = SimpleNamespace(tp_size=1, page_size=16)
-        self.cache_shape = LAYOUT.to_cache_shape(8)
+        super().__init__(LAYOUT)
         self.release = threading.Event()
         self.batches: list[list[str]] = []
         self.stopped: list[str] = []
-
-    def validate_prompt(self, prompt_ids) -> None:
-        pass
 
     def prefill(self, jobs, should_stop=None):
         """Two chunks per prompt: the first before `release` is set, then (like the engine) should_stop
@@ -41,9 +38,6 @@ class _BlockingEngine:
         self.stopped.extend(sorted(stopped))
         return [None if job.request_id in stopped else PrefillResult(job.request_id, 7, None, len(job.prompt_ids), 0.0)
                 for job in jobs]
-
-    def close(self) -> None:
-        pass
 
 
 def _destination(request_id: str, tokens: int) -> Destination:
