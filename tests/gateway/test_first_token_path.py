@@ -102,8 +102,11 @@ async def test_first_token_is_forwarded_before_decode_is_called():
     run = RequestRun(job, workers, None, time.perf_counter(), None, cleanup_timeout_s=5.0)  # type: ignore[arg-type]
     tokens: list[int] = []
 
+    waiting = asyncio.Event()
+
     async def consume() -> FinishEvent:  # as the servicer does: await the queue directly
         while True:
+            waiting.set()
             event = await run.events.get()
             if isinstance(event, FinishEvent):
                 return event
@@ -112,7 +115,7 @@ async def test_first_token_is_forwarded_before_decode_is_called():
             tokens.extend(event.token_ids)
 
     consumer = asyncio.create_task(consume())
-    await asyncio.sleep(0)  # the consumer waits on the queue before the run starts, as a servicer does
+    await waiting.wait()  # the consumer waits on the queue before the run starts, as a servicer does
     run.start()
     event = await asyncio.wait_for(consumer, 30)
     assert order[:3] == ["prefill", ("tokens", [FIRST]), "decode call"], order
@@ -199,11 +202,14 @@ async def test_metrics_wait_until_the_first_token_is_handed_on():
     path order, with the durations measured when they happened (queue + prefill <= TTFT)."""
     run, phases = _observed_run("r4")
 
+    waiting = asyncio.Event()
+
     async def first_event() -> tuple[Any, list[tuple[str, float]]]:  # as the servicer: awaits the queue itself
+        waiting.set()
         return await run.events.get(), list(phases.seen)
 
     consumer = asyncio.create_task(first_event())
-    await asyncio.sleep(0)
+    await waiting.wait()  # (set just before it awaits the queue: it waits there now)
     run.start()
     first, seen_then = await asyncio.wait_for(consumer, 30)
     assert isinstance(first, TokensEvent) and first.token_ids == [FIRST]

@@ -65,6 +65,19 @@ async def _eventually(condition: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.005)
 
 
+def _refill_passes(pool: WorkerPool) -> asyncio.Queue[None]:
+    """A queue that gets one item whenever the spares' refill task ends a pass (before it waits for the next)."""
+    passes: asyncio.Queue[None] = asyncio.Queue()
+    wait_between_passes = pool.standing._sleep
+
+    async def counted(seconds: float) -> None:
+        passes.put_nowait(None)
+        await wait_between_passes(seconds)
+
+    pool.standing._sleep = counted  # type: ignore[method-assign]
+    return passes
+
+
 async def _started(fake: _LeasingDecode, ttl_s: float = 30.0) -> WorkerPool:
     pool = _pool(fake, ttl_s)
     assert pool.standing is not None
@@ -94,11 +107,12 @@ async def test_a_spare_the_worker_can_never_grant_is_not_asked_for_again_soon(co
     fake = _LeasingDecode()
     fake.refuse = code
     pool = _pool(fake)
+    passes = _refill_passes(pool)
     pool.polled.set()
     pool.standing.start()
     await _eventually(lambda: len(fake.requests) == 1, "the first Reserve")
-    for _ in range(20):  # 20 refill passes (poll interval 0.01 s)
-        await asyncio.sleep(0.01)
+    for _ in range(20):  # 20 more refill passes (poll interval 0.01 s), each seen to end
+        await asyncio.wait_for(passes.get(), 60)
     assert len(fake.requests) == 1 and pool.standing.held() == []
     await pool.close()
 
@@ -169,9 +183,7 @@ async def test_close_releases_every_spare():
     assert len(fake.held) == 1
     await pool.close()
     assert fake.held == {}
-    reserves = len(fake.requests)
-    await asyncio.sleep(0.05)
-    assert len(fake.requests) == reserves
+    assert pool.standing._task is not None and pool.standing._task.done()  # no refill pass can Reserve again
 
 
 async def test_full_worker_gets_its_spare_back():
@@ -198,7 +210,9 @@ async def test_full_worker_gets_its_spare_back():
     worker, destination = await pool.reserve("r", 10, 5, deadline=None)
     assert destination.request_id == "r"
     await _eventually(lambda: spare not in fake.held, "the spare's release")
-    await asyncio.sleep(0.05)
+    passes = _refill_passes(pool)
+    for _ in range(3):  # three refill passes end with the worker still short of pages
+        await asyncio.wait_for(passes.get(), 60)
     assert pool.standing.held() == [] and set(fake.held) == {"r"}
     await pool.close()
 

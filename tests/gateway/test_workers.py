@@ -10,6 +10,7 @@ from gateway.config import GatewayConfig
 from gateway.workers import WorkerPool
 from rpc.status import ResourceExhausted, Unavailable
 from rpc.internal.v1 import kv_pb2, worker_pb2
+from tests.services.helpers import eventually
 
 
 def _error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -91,10 +92,12 @@ class _SlowDecode(_FakeDecode):
         super().__init__([])
         self.gate = asyncio.Event()
         self.entered = asyncio.Event()
+        self.waiting = 0  # Reserve calls held at the gate
         self.released: list[str] = []
 
     async def Reserve(self, request, timeout=None, metadata=()):  # noqa: N802
         self.entered.set()
+        self.waiting += 1
         await self.gate.wait()
         return await super().Reserve(request, timeout)
 
@@ -110,9 +113,9 @@ async def test_cancel_during_reserve_releases_what_it_reserved():
     pool.decode[0].stub = slow
     task = asyncio.create_task(pool.reserve("r", 10, 5, deadline=None))
     await asyncio.wait_for(slow.entered.wait(), timeout=60)
+    assert pool.decode[0].load.running == 1  # claimed while the Reserve is out
     task.cancel()
-    for _ in range(20):  # let the cancellation reach reserve() (in-process fakes: no I/O to wait for)
-        await asyncio.sleep(0)
+    await eventually(lambda: pool.decode[0].load.running == 0, "the cancellation to reach reserve() (unclaimed)")
     assert not task.done() and slow.released == []  # still waiting for the Reserve reply
     slow.gate.set()
     with pytest.raises(asyncio.CancelledError):
@@ -131,8 +134,7 @@ async def test_a_burst_is_spread_while_its_reserves_are_in_flight():
     for worker, fake, free in zip(pool.decode, slow, (41, 40)):
         worker.stub, worker.load.free_pages, worker.load.running = fake, free, 0
     tasks = [asyncio.create_task(pool.reserve(f"r{i}", 40, 5, deadline=None)) for i in range(4)]
-    for _ in range(20):  # every request ranks and sends its Reserve (in-process fakes: no I/O to wait for)
-        await asyncio.sleep(0)
+    await eventually(lambda: sum(fake.waiting for fake in slow) == 4, "every request to send its Reserve")
     assert [fake.calls for fake in slow] == [0, 0] and [w.load.running for w in pool.decode] == [2, 2]
     assert [w.load.free_pages for w in pool.decode] == [41 - 2 * 3, 40 - 2 * 3]  # 41 prompt + first token: 3 pages
     for fake in slow:

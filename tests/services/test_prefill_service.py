@@ -15,7 +15,7 @@ from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.layout import KVLayout
 from rpc.status import AlreadyExists
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.service import PrefillService
+from prefill_worker.service import JobState, PrefillService
 from tests.prefill_worker.in_place_engine import InPlaceEngine
 from tests.services.helpers import eventually, greedy
 
@@ -68,10 +68,10 @@ async def test_cancel_drops_queued_and_waits_for_running(prefill):
     assert await service.cancel("B") is True
     with pytest.raises(asyncio.CancelledError):
         await calls["B"]
+    job_a = service._jobs["A"]
     cancel_a = asyncio.create_task(service.cancel("A"))
-    for _ in range(20):  # let cancel(A) run up to its wait; only engine.release can end A's prefill
-        await asyncio.sleep(0)
-    assert not cancel_a.done()  # A is inside engine.prefill: cancel waits
+    await eventually(lambda: job_a.state is JobState.CANCELLED, "cancel(A) to mark A")
+    assert not cancel_a.done()  # A is inside engine.prefill (only engine.release ends it): cancel waits
     engine.release.set()
     assert await cancel_a is False
     with pytest.raises(asyncio.CancelledError):
