@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.engine_types import EngineConfig
 from engine.devices import serving_device
@@ -42,7 +41,7 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", lease_ttl_s: float = 60.0,
               lease_grace_s: float = 1.0, lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
               advertise_address: str | None = None, internal_token: str | None = None, kv_pool: str = "auto",
-              **engine: Any) -> DecodeWorkerConfig:
+              **engine: object) -> DecodeWorkerConfig:
         """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
         write into: kv_pool "shm" (CPU shared memory, ShmPoolFactory), "device" (device memory exported over
         IPC, DevicePoolFactory; on the CPU the memfd stand-in) or "auto" (device on a GPU, else shm)."""

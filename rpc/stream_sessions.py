@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import grpc
 
 from rpc.status import ServiceError
 
 Message = TypeVar("Message")  # a request message of the stream
+T = TypeVar("T")
 
 
 class Cancelled(ServiceError):
@@ -27,7 +28,7 @@ class StreamSession(Generic[Message]):
     follows the draining of the requests (drained: e.g. sending what is left)."""
 
     def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self._reader: asyncio.Task[None] | None = None
         self._draining = False
 
@@ -40,7 +41,7 @@ class StreamSession(Generic[Message]):
     def ended(self) -> None:
         """Runs when the stream is over (ended, broken or drained)."""
 
-    def start_task(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def start_task(self, work: Coroutine[object, None, T]) -> asyncio.Task[T]:
         """A request's task, cancelled if the stream ends or breaks before it finishes."""
         task = asyncio.create_task(work)
         self._tasks.add(task)
@@ -77,7 +78,7 @@ class StreamSessions:
     """The open streams of one servicer, so that shutdown can drain them."""
 
     def __init__(self) -> None:
-        self._sessions: set[StreamSession[Any]] = set()
+        self._sessions: set[StreamSession[object]] = set()
 
     async def serve(self, session: StreamSession[Message], requests: AsyncIterator[Message]) -> None:
         """The body of a stream RPC: returns when the stream ends (cancelled when it breaks)."""
