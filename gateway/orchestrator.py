@@ -97,10 +97,14 @@ class RequestRun:
                  arrival: float, deadline: float | None, cleanup_timeout_s: float,
                  observer: RunObserver | None = None) -> None:
         self.job = job
-        # The id the workers know this run by: unique per run, so a client may reuse its request_id as
-        # soon as the Complete is sent while this run's cleanup still talks to the workers.
-        self.worker_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
-        self._metadata = request_metadata(job.request_id) + pool.metadata  # x-request-id (+ internal token)
+        # Two ids, each with one name from here to the workers: trace_id is the client's request id (the
+        # x-request-id every service's log lines carry: `trace_id` on the worker streams); request_id is the
+        # id the workers know this run by (`request_id` in every worker message), unique per run so that a
+        # client may reuse its id as soon as the Complete is sent while this run's cleanup still talks to the
+        # workers, or a standing lease's id when the run takes one.
+        self.trace_id = job.request_id
+        self.request_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
+        self._metadata = request_metadata(self.trace_id) + pool.metadata  # x-request-id (+ internal token)
         # what the run reports before its first token is out is recorded after (_release_observer)
         self._observer: RunObserver | HeldObserver | None = HeldObserver(observer) if observer is not None else None
         self._last_token_at: float | None = None
@@ -140,7 +144,7 @@ class RequestRun:
 
     # --- the request path ---------------------------------------------------------------------------
     async def _produce(self) -> None:
-        bind_request_id(self.job.request_id)  # this task's log lines name the request
+        bind_request_id(self.trace_id)  # this task's log lines name the request
         try:
             await self._run()
         except asyncio.CancelledError:
@@ -148,7 +152,7 @@ class RequestRun:
         except Exception as error:  # noqa: BLE001 - every failure becomes an ErrorEvent
             status = status_of(error)
             if status.code == grpc.StatusCode.INTERNAL:
-                logger.exception("request %s failed", self.job.request_id)
+                logger.exception("request %s failed", self.trace_id)
             self.finished = True
             self._observe_end()
             self.events.put_nowait(ErrorEvent(status))
@@ -156,7 +160,7 @@ class RequestRun:
             try:
                 await asyncio.wait_for(self._cleanup(), self._cleanup_budget())
             except (asyncio.TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError) as error:
-                logger.warning("cleanup of request %s incomplete: %r", self.job.request_id, error)
+                logger.warning("cleanup of request %s incomplete: %r", self.trace_id, error)
 
     async def _run(self) -> None:
         job, params = self.job, self.job.params
@@ -165,10 +169,10 @@ class RequestRun:
         standing = self._pool.take_standing(len(job.prompt_ids))
         if standing is not None:  # a spare reservation: no Reserve round trip; run under its id on the workers
             self._decode, destination = standing
-            self.worker_id = destination.request_id
+            self.request_id = destination.request_id
         else:
             self._decode, destination = await self._pool.reserve(
-                self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=job.request_id)
+                self.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=self.trace_id)
         self._decode_state = DecodeState.RESERVED
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         self.admitted = True
@@ -192,10 +196,10 @@ class RequestRun:
         self._release_observer()  # (metrics held until the first token was handed on)
         if standing is not None:  # refill the spare now that it competes with neither prefill nor first token
             self._pool.refill_standing()
-        request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
+        request = worker_pb2.DecodeRequest(request_id=self.request_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)
-        self._decode_call = self._decode.stream.submit(request, remaining(self._deadline), trace_id=job.request_id)
+        self._decode_call = self._decode.stream.submit(request, remaining(self._deadline), trace_id=self.trace_id)
         self._decode_state = DecodeState.STREAMING
         observer, first_chunk = self._observer, True
         async for chunk in self._decode_call:
@@ -210,7 +214,7 @@ class RequestRun:
                 self._decode_state = DecodeState.FINISHED
                 self._finish(chunk.finish_reason or "stop")
                 return
-        raise Unavailable(f"decode stream of {job.request_id} ended without finishing")
+        raise Unavailable(f"decode stream of {self.trace_id} ended without finishing")
 
     async def _run_prefill(self, destination: kv_pb2.KVDestination,
                            sampling: worker_pb2.WorkerSampling) -> worker_pb2.PrefillResponse:
@@ -226,7 +230,7 @@ class RequestRun:
             except Unavailable:
                 raise error from None
             logger.warning("prefill worker lost during prefill of %s (%s); retrying once on %s",
-                           self.job.request_id, error.details(), retry.load.address)
+                           self.trace_id, error.details(), retry.load.address)
             return await self._prefill_on(retry, destination, sampling)
 
     async def _prefill_on(self, worker: PrefillWorker, destination: kv_pb2.KVDestination,
@@ -236,9 +240,9 @@ class RequestRun:
         with worker.load.claim(len(self.job.prompt_ids)):
             try:
                 self._prefill_call = worker.stream.submit(
-                    worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
+                    worker_pb2.PrefillRequest(request_id=self.request_id, token_ids=self.job.prompt_ids,
                                               sampling=sampling, destination=destination),
-                    remaining(self._deadline), trace_id=self.job.request_id)
+                    remaining(self._deadline), trace_id=self.trace_id)
                 response = await self._prefill_call
             except grpc.aio.AioRpcError as error:
                 self._prefill_state = PrefillState.FAILED
@@ -299,7 +303,7 @@ class RequestRun:
         return max(self._cleanup_timeout, self._lease_deadline - time.time() + self._cleanup_timeout)
 
     async def _cleanup(self) -> None:
-        request_id = self.worker_id
+        request_id = self.request_id
         if self._prefill_state in (PrefillState.INFLIGHT, PrefillState.FAILED):
             assert self._prefill is not None
             if self._prefill_call is not None:

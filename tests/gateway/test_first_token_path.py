@@ -187,7 +187,7 @@ async def test_a_run_on_a_standing_lease_skips_reserve_and_runs_under_its_id():
     run.start()
     assert run.task is not None
     await asyncio.wait_for(run.task, 30)
-    assert workers.reserved == [] and run.worker_id == "standing.abc"
+    assert workers.reserved == [] and run.request_id == "standing.abc"
     prefill, decode = workers.prefill_requests[0], workers.decode_requests[0]
     assert prefill.request_id == prefill.destination.request_id == decode.request_id == "standing.abc"
     assert decode.lease_id == "spare-lease"
