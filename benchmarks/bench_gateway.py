@@ -19,16 +19,22 @@ CPU counts its descendants too (the decode worker's engine process and TP follow
 
 --standing-lease-tokens N adds a deployment like the first whose gateway runs with --standing-lease-tokens N (a
 standing lease of N prompt tokens per decode worker, gateway/standing_leases.py: no Reserve round trip before a
-fitting prompt's prefill; 0: none), to compare with the gateway's default.
+fitting prompt's prefill; 0: none), to compare with the gateway's default. --baseline DIR adds the same
+deployment run from another checkout (DIR/.venv/bin/python, DIR's code: e.g. main beside a branch), taking turns
+with the others in the same run.
 
 Run: .venv/bin/python -m benchmarks.bench_gateway --threads 1 [--spec-concurrency] [--stream-interval N]
-     [--standing-lease-tokens N]
+     [--standing-lease-tokens N] [--baseline DIR]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
+import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +55,43 @@ from pdserve.launcher import Cluster, ClusterSpec
 
 # A run is judged when processes outside the benchmark used at most this many cores' worth of CPU meanwhile.
 OTHER_LOAD_LIMIT = 0.25
+
+class BaselineCluster:
+    """The deployment of `spec`, run from another checkout by a child process (DIR/.venv/bin/python, cwd DIR) that
+    holds a pdserve.launcher.Cluster there: its gateway address and process ids, for GatewayRunner. stop() ends
+    it (the child stops the cluster when its stdin closes)."""
+
+    SCRIPT = """
+import json, sys
+from pathlib import Path
+from pdserve.launcher import Cluster, ClusterSpec
+fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[1]).items()}
+cluster = Cluster(ClusterSpec(**fields), log_dir=Path(sys.argv[2]))
+address = cluster.start(timeout_s=300)
+print(json.dumps({"address": address, "pids": {c.role.split("-")[0]: c.process.pid for c in cluster.children}}), flush=True)
+sys.stdin.read()
+cluster.stop()
+"""
+
+    def __init__(self, checkout: Path, spec: ClusterSpec, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # (nothing written into the other checkout)
+        self.process = subprocess.Popen(
+            [str(checkout / ".venv" / "bin" / "python"), "-c", self.SCRIPT, json.dumps(dataclasses.asdict(spec)),
+             str(log_dir)], cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the baseline deployment from {checkout} did not start (logs in {log_dir})")
+        started = json.loads(line)
+        self.address: str = started["address"]
+        self.pids: dict[str, int] = started["pids"]
+
+    def stop(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(120)
+
 
 def request_count(concurrency: int) -> int:
     """Requests per run: two waves at concurrency C, at least 16 (TTFT p50 at concurrency 1 is a median over the
@@ -133,6 +176,8 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="> 1: also run the gateway with GenerateRequest.stream_interval N (chunks of N tokens)")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                        help="also run the first deployment from the checkout DIR (its .venv and code), taking turns")
     parser.add_argument("--standing-lease-tokens", type=int, default=None, metavar="N",
                         help="one more deployment, like the first, whose gateway runs with --standing-lease-tokens N "
                              "(0: without standing leases), taking turns with the others")
@@ -148,6 +193,7 @@ def main() -> None:
     gateways: dict[str, GatewayRunner] = {}
     try:
         deployments: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [("gateway", (), ())]
+        baseline: BaselineCluster | None = None
         if args.standing_lease_tokens is not None:
             first_name, first_decode_args, _ = deployments[0]
             label = (f"standing lease {args.standing_lease_tokens}" if args.standing_lease_tokens
@@ -166,6 +212,11 @@ def main() -> None:
                                                      for child in cluster.children})
             print(f"{name}: gateway {address}, 1 prefill + 1 decode worker {decode_args or ''} (TP 1, shm, torch "
                   f"attention, {args.threads} threads each), logs in {log_dir}\n", flush=True)
+            if args.baseline is not None and baseline is None:  # the first deployment, from the other checkout
+                baseline = BaselineCluster(args.baseline, spec, log_dir / "baseline")
+                gateways[f"baseline {args.baseline.name}"] = GatewayRunner(baseline.address, baseline.pids)
+                print(f"baseline {args.baseline.name}: the same deployment run from {args.baseline}, gateway "
+                      f"{baseline.address}\n", flush=True)
         llm = LLM(str(args.model), attention_backend="torch", num_threads=args.threads,
                   kv_memory_bytes=args.kv_memory_mb * 2**20)
         try:
@@ -188,6 +239,8 @@ def main() -> None:
             gateway.close()
         for cluster in clusters.values():
             cluster.stop()
+        if baseline is not None:
+            baseline.stop()
     print("## Goals\n")
     for line in overhead:
         print(f"- {line}")
