@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import enum
 import logging
 import threading
@@ -97,6 +98,7 @@ class _Job:
     local_pages: list[int] = field(default_factory=list)
     local_slot: int | None = None  # grpc, linear attention: this engine's state slot for the prompt
     over: asyncio.Event = field(default_factory=asyncio.Event)  # the job no longer touches its pages
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)  # the caller's (its log lines' request id)
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,7 @@ class PrefillService:
         job.state = JobState.COMPUTED
         if self._answers_early(job, computed):
             _resolve(job.answer, self._outcome(job, computed, 0.0))
-        task = asyncio.get_running_loop().create_task(self._hand_off(job, computed))
+        task = asyncio.get_running_loop().create_task(self._hand_off(job, computed), context=job.context)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
