@@ -1,12 +1,12 @@
 """DecodeStream on the decode worker: many Decodes multiplexed over one long-lived bidirectional stream (the
 gateway keeps one per worker), so that an engine step costs one gRPC message per stream, not one per request.
 
-Each request message runs as its own task (rpc/stream_sessions.py) through DecodeService.decode's updates
-(admission, lease claim, stream_interval, abort when left early). Its updates go into
-the session's outbox, and one writer task sends what the outbox holds as one message: the request tasks an
-engine delivery wakes all run before the writer does (their wake-ups are queued first), so one delivery is
-one message; while a write is in flight the outbox keeps collecting, merging a request's updates into one
-entry (never past a finished one). A failed request is answered with an error entry (its status) and the
+Each request message runs as its own task (rpc/stream_sessions.py) through DecodeService.run_decode
+(admission, lease claim, stream_interval, abort when left early), which waits there until the request ends:
+its updates go straight into the session's outbox as each engine delivery is sorted (the delivery callback puts
+them there: no task wakes per request per step), and one writer task sends what the outbox holds as one
+message, so one delivery is one message; while a write is in flight the outbox keeps collecting, merging a
+request's updates into one entry (never past a finished one). A failed request is answered with an error entry (its status) and the
 stream goes on. A cancel message, a request's timeout_ms passing (DEADLINE_EXCEEDED), or the stream ending or
 breaking ends a request: the generator is closed (the engine aborts the request) and Release frees whatever
 it still holds. On shutdown
@@ -14,13 +14,13 @@ it still holds. On shutdown
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from decode_worker.admission import DecodeUpdate, merge_updates
+from decode_worker.streams import Sink
 from rpc.convert import logprob_to_proto
 from rpc.internal.v1 import worker_pb2
 from rpc.logging_setup import bind_request_id
@@ -28,8 +28,8 @@ from rpc.status import AlreadyExists, details_bin, failure_status
 from rpc.stream_sessions import Cancelled, StreamSession
 
 logger = logging.getLogger(__name__)
-# A request's updates (raises what the request fails with).
-Updates = Callable[[worker_pb2.DecodeRequest], AsyncIterator[DecodeUpdate]]
+# Runs a request, its updates to the sink, until it ends (raises what the request fails with).
+Run = Callable[[worker_pb2.DecodeRequest, Sink], Awaitable[None]]
 
 
 def error_entry(request_id: str, status: grpc.Status) -> worker_pb2.DecodeStreamError:
@@ -85,11 +85,11 @@ class DecodeSession(StreamSession[worker_pb2.DecodeStreamRequest]):
     """One open DecodeStream: a task per request (rpc/stream_sessions.py), the outbox and its writer task.
     release_soon(request_id): frees what a request that did not finish still holds."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, updates: Updates,
+    def __init__(self, context: grpc.aio.ServicerContext, run: Run,
                  release_soon: Callable[[str], None]) -> None:
         super().__init__()
         self._context = context
-        self._updates = updates
+        self._run = run
         self._release_soon = release_soon
         self._outbox = Outbox()
         self._ready = asyncio.Event()  # the outbox has something (or the stream is ending)
@@ -143,13 +143,16 @@ class DecodeSession(StreamSession[worker_pb2.DecodeStreamRequest]):
         request_id = request.request_id
         bind_request_id(message.trace_id or request_id)  # this task's log lines name the request
         timeout = message.timeout_ms / 1000 if message.timeout_ms > 0 else None
+        outbox, ready = self._outbox, self._ready
+
+        def sink(update: DecodeUpdate) -> None:  # (on the delivery callback)
+            outbox.add(request_id, update)
+            ready.set()
+
         try:
             async with asyncio.timeout(timeout):
-                async with contextlib.aclosing(self._updates(request)) as updates:
-                    async for update in updates:
-                        finished = update.finished
-                        self._outbox.add(request_id, update)
-                        self._ready.set()
+                await self._run(request, sink)
+            finished = True
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -178,4 +181,4 @@ class DecodeSession(StreamSession[worker_pb2.DecodeStreamRequest]):
             except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError) as error:  # the stream is gone
                 logger.info("decode stream updates not sent: the stream ended (%r)", error)
                 return
-            await asyncio.sleep(0)  # a delivery's wake-ups queued during the write run first: one message
+            await asyncio.sleep(0)  # a delivery callback queued during the write runs first: its updates join

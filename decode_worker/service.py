@@ -4,8 +4,8 @@
 reserve  -> allocates the prompt's pages (and, for linear attention, a state slot) under a lease and
             registers it with the KV receiver of the requested transport (its Destination tells
             prefill where to write). Answered on the event loop, without waiting for the engine step.
-decode   -> claims the lease, waits for the KV to be complete and verified, hands the request to the
-            engine (add_prefilled) and yields its tokens as the engine thread produces them.
+run_decode -> claims the lease, waits for the KV to be complete and verified, hands the request to the
+            engine (add_prefilled) and hands its tokens to the caller's sink as each engine step is delivered.
 release  -> frees whatever the request holds (unclaimed lease or running request). Idempotent.
 A sweeper frees the pages (and state slots) of leases nobody claimed in time.
 
@@ -19,7 +19,6 @@ a thread of theirs).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
@@ -29,7 +28,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_api import EngineFigures, EnginePort, LoadSnapshot
 from decode_worker.leases import ReservationBook
 from decode_worker.process_port import ProcessPort
-from decode_worker.streams import Streams
+from decode_worker.streams import Sink, Streams, updates_of
 from engine.sampling_params import SamplingParams
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
@@ -124,15 +123,17 @@ class DecodeService:
         if self.book.release_unclaimed(request_id, lease_id):
             logger.info("reservation of %s was not delivered; freed it", request_id)
 
-    async def decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
-                     params: SamplingParams, stream_interval: int = 1) -> AsyncIterator[DecodeUpdate]:
-        """Yields the request's tokens: an update after every engine step that produced some, or (with
-        stream_interval > 1) once at least that many tokens are ready, and always when it finishes."""
+    async def run_decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
+                         params: SamplingParams, stream_interval: int, sink: Sink) -> None:
+        """Claims the lease, admits the KV, adds the request to the engine and returns once it finished; its
+        updates go to sink as the engine's steps are delivered: after every step that produced tokens, or
+        (stream_interval > 1) once at least that many are ready, and always when it finishes. Cancelled (the
+        caller left early): the request is aborted and its pages freed."""
         if not 0 <= stream_interval <= MAX_STREAM_INTERVAL:
             raise InvalidArgument("stream_interval", f"must be in 0..{MAX_STREAM_INTERVAL}, got {stream_interval}")
         book = self.book
         held = book.claim(request_id, lease_id, len(prompt_ids), params.max_new_tokens)
-        self._streams.open(request_id)
+        self._streams.open(request_id, max(1, stream_interval), sink)
         try:
             if held.receiver.admit_now(request_id, INLINE_CHECKSUM_BYTES) is None:  # else: no thread hop
                 await asyncio.to_thread(held.receiver.admit, request_id, self.config.admit_timeout_s)
@@ -150,11 +151,15 @@ class DecodeService:
             book.forget(request_id)
             raise
         try:
-            async with contextlib.aclosing(self._streams.stream(request_id, max(1, stream_interval))) as updates:
-                async for update in updates:
-                    yield update
+            await self._streams.run(request_id)
         finally:
             book.forget(request_id)
+
+    def decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
+               params: SamplingParams, stream_interval: int = 1) -> AsyncIterator[DecodeUpdate]:
+        """run_decode's updates as an async iterator (tests, benchmarks); leaving early aborts the request."""
+        return updates_of(lambda sink: asyncio.ensure_future(
+            self.run_decode(request_id, lease_id, prompt_ids, first_token, params, stream_interval, sink)))
 
     async def release(self, request_id: str) -> bool:
         held = self.book.get(request_id)

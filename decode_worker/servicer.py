@@ -5,9 +5,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from decode_worker.admission import DecodeUpdate
 from decode_worker.decode_stream import DecodeSession
 from decode_worker.service import DecodeService
+from decode_worker.streams import Sink
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import TransportKind
 from rpc.convert import load_method, sampling_fields
@@ -47,17 +47,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     async def DecodeStream(self, requests: AsyncIterator[worker_pb2.DecodeStreamRequest],
                            context: grpc.aio.ServicerContext) -> None:
-        await self._streams.serve(DecodeSession(context, self._updates, self._service.release_soon), requests)
+        await self._streams.serve(DecodeSession(context, self._run, self._service.release_soon), requests)
 
     def drain(self) -> None:
         """Shutdown began: open DecodeStreams take no new requests and end once theirs have finished."""
         self._streams.drain()
 
-    def _updates(self, request: worker_pb2.DecodeRequest) -> AsyncIterator[DecodeUpdate]:
-        """One request's updates (raises InvalidArgument for bad sampling settings)."""
+    async def _run(self, request: worker_pb2.DecodeRequest, sink: Sink) -> None:
+        """One request, its updates to sink, until it ends (raises InvalidArgument for bad sampling settings)."""
         params = parse_field("sampling", SamplingParams, **sampling_fields(request.sampling))
-        return self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token,
-                                    params, request.stream_interval)
+        await self._service.run_decode(request.request_id, request.lease_id, list(request.token_ids),
+                                       request.first_token, params, request.stream_interval, sink)
 
     @unary
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:

@@ -106,10 +106,14 @@ class ThreadPort:
             self._loop.call_soon_threadsafe(self._deliver)
 
     def _on_failure(self, engine: DecodeEngine, error: Exception) -> None:
+        """The failure reaches the streams after the earlier steps' outputs and before any later one (the
+        aborted requests' "abort" finishes of the next step), as the engine process's StepFailed message does."""
         failed = self._streams.open_ids()  # a copy of the keys: safe from this thread
+        with self._outbox_lock:
+            earlier, self._outbox = self._outbox, []
         StepLoop.abort_each(engine, failed)
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._fail_streams, failed, error)
+        self._loop.call_soon_threadsafe(self._fail_streams, earlier, failed, error)
 
     # --- event loop ------------------------------------------------------------------------------------
     def _deliver(self) -> None:
@@ -117,6 +121,6 @@ class ThreadPort:
             outputs, self._outbox, self._delivery_scheduled = self._outbox, [], False
         self._streams.deliver(outputs)
 
-    def _fail_streams(self, request_ids: list[str], error: Exception) -> None:
-        self._deliver()  # outputs of earlier steps go first
+    def _fail_streams(self, earlier: list[StepOutput], request_ids: list[str], error: Exception) -> None:
+        self._streams.deliver(earlier)  # outputs of earlier steps go first
         self._streams.fail(request_ids, f"engine step failed: {error}")
