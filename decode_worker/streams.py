@@ -9,6 +9,7 @@ caller leaves early is aborted in the engine."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 
@@ -32,6 +33,7 @@ class RequestStream:
     def __init__(self, interval: int, sink: Sink) -> None:
         self._interval = interval
         self._sink = sink
+        self._context = contextvars.copy_context()  # the opener's: its log lines name the request
         self._items: list[EngineOutput] = []
         self._skip_first = True
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -47,7 +49,7 @@ class RequestStream:
         self._skip_first = self._skip_first and not any(item.new_token_ids for item in items)
         self._items = []
         if update.finished:  # logged before the last update leaves, so the line precedes the reply
-            logger.info("decode finished (%s)", update.finish_reason)
+            self._context.run(logger.info, "decode finished (%s)", update.finish_reason)
         self._sink(update)
         if update.finished:
             self.ended.set_result(None)
