@@ -15,24 +15,26 @@ median (min..max), with the load averages the runs ended at. The CPU table sets 
 output token against the in-process engine's (all steps, as issue 18 states the goal, and decode steps only:
 the decode worker runs no prefill). Goals (issue 18): gateway >= 95% of in-process throughput at
 concurrency 16 and >= 85% at 1, <= 5 ms added TTFT p50 at 1, decode worker CPU per token <= 1.1x. A worker's
-CPU counts its descendants too (the decode worker's engine process and TP followers). --engine-process on (the
-default) runs the decode worker with its engine in a process of its own, off on a thread of the worker; both:
-two deployments side by side, taking turns.
+CPU counts its descendants too (the decode worker's engine process and TP followers).
 
 --standing-lease-tokens N adds a deployment like the first whose gateway runs with --standing-lease-tokens N (a
 standing lease of N prompt tokens per decode worker, gateway/standing_leases.py: no Reserve round trip before a
-fitting prompt's prefill; 0: none), to compare with the gateway's default. --no-decode-stream adds one whose
-gateway runs with --no-decode-stream (a server-streaming Decode call per request instead of one DecodeStream per
-decode worker carrying each engine step's tokens of all its requests in one message).
+fitting prompt's prefill; 0: none), to compare with the gateway's default. --baseline DIR adds the same
+deployment run from another checkout (DIR/.venv/bin/python, DIR's code: e.g. main beside a branch), taking turns
+with the others in the same run.
 
 Run: .venv/bin/python -m benchmarks.bench_gateway --threads 1 [--spec-concurrency] [--stream-interval N]
-     [--engine-process off|on|both] [--standing-lease-tokens N] [--no-decode-stream]
+     [--standing-lease-tokens N] [--baseline DIR]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
+import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -54,12 +56,41 @@ from pdserve.launcher import Cluster, ClusterSpec
 # A run is judged when processes outside the benchmark used at most this many cores' worth of CPU meanwhile.
 OTHER_LOAD_LIMIT = 0.25
 
-# --engine-process: the deployments to compare, by variant name, with the decode worker's extra flags
-ENGINE_PATHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "off": [("gateway, engine thread", ("--no-engine-process",))],
-    "on": [("gateway", ("--engine-process",))],
-    "both": [("gateway", ("--engine-process",)), ("gateway, engine thread", ("--no-engine-process",))],
-}
+class BaselineCluster:
+    """The deployment of `spec`, run from another checkout by a child process (DIR/.venv/bin/python, cwd DIR) that
+    holds a pdserve.launcher.Cluster there: its gateway address and process ids, for GatewayRunner. stop() ends
+    it (the child stops the cluster when its stdin closes)."""
+
+    SCRIPT = """
+import json, sys
+from pathlib import Path
+from pdserve.launcher import Cluster, ClusterSpec
+fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[1]).items()}
+cluster = Cluster(ClusterSpec(**fields), log_dir=Path(sys.argv[2]))
+address = cluster.start(timeout_s=300)
+print(json.dumps({"address": address, "pids": {c.role.split("-")[0]: c.process.pid for c in cluster.children}}), flush=True)
+sys.stdin.read()
+cluster.stop()
+"""
+
+    def __init__(self, checkout: Path, spec: ClusterSpec, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # (nothing written into the other checkout)
+        self.process = subprocess.Popen(
+            [str(checkout / ".venv" / "bin" / "python"), "-c", self.SCRIPT, json.dumps(dataclasses.asdict(spec)),
+             str(log_dir)], cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the baseline deployment from {checkout} did not start (logs in {log_dir})")
+        started = json.loads(line)
+        self.address: str = started["address"]
+        self.pids: dict[str, int] = started["pids"]
+
+    def stop(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(120)
 
 
 def request_count(concurrency: int) -> int:
@@ -145,14 +176,11 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="> 1: also run the gateway with GenerateRequest.stream_interval N (chunks of N tokens)")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
-    parser.add_argument("--engine-process", choices=tuple(ENGINE_PATHS), default="on",
-                        help="the decode worker's engine on a thread (off), in its own process (on), or both side by side")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                        help="also run the first deployment from the checkout DIR (its .venv and code), taking turns")
     parser.add_argument("--standing-lease-tokens", type=int, default=None, metavar="N",
                         help="one more deployment, like the first, whose gateway runs with --standing-lease-tokens N "
                              "(0: without standing leases), taking turns with the others")
-    parser.add_argument("--no-decode-stream", action="store_true",
-                        help="one more deployment, like the first, whose gateway runs with --no-decode-stream (a Decode "
-                             "call per request), taking turns with the others")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
@@ -164,16 +192,14 @@ def main() -> None:
     clusters: dict[str, Cluster] = {}
     gateways: dict[str, GatewayRunner] = {}
     try:
-        deployments = [(name, decode_args, ()) for name, decode_args in ENGINE_PATHS[args.engine_process]]
+        deployments: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [("gateway", (), ())]
+        baseline: BaselineCluster | None = None
         if args.standing_lease_tokens is not None:
             first_name, first_decode_args, _ = deployments[0]
             label = (f"standing lease {args.standing_lease_tokens}" if args.standing_lease_tokens
                      else "no standing lease")
             deployments.append((f"{first_name}, {label}", first_decode_args,
                                 ("--standing-lease-tokens", str(args.standing_lease_tokens))))
-        if args.no_decode_stream:
-            first_name, first_decode_args, _ = deployments[0]
-            deployments.append((f"{first_name}, no decode stream", first_decode_args, ("--no-decode-stream",)))
         for name, decode_args, gateway_args in deployments:
             spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch",
                                transport="shm", worker_args=worker_args, decode_args=decode_args, log_level="WARNING",
@@ -186,6 +212,11 @@ def main() -> None:
                                                      for child in cluster.children})
             print(f"{name}: gateway {address}, 1 prefill + 1 decode worker {decode_args or ''} (TP 1, shm, torch "
                   f"attention, {args.threads} threads each), logs in {log_dir}\n", flush=True)
+            if args.baseline is not None and baseline is None:  # the first deployment, from the other checkout
+                baseline = BaselineCluster(args.baseline, spec, log_dir / "baseline")
+                gateways[f"baseline {args.baseline.name}"] = GatewayRunner(baseline.address, baseline.pids)
+                print(f"baseline {args.baseline.name}: the same deployment run from {args.baseline}, gateway "
+                      f"{baseline.address}\n", flush=True)
         llm = LLM(str(args.model), attention_backend="torch", num_threads=args.threads,
                   kv_memory_bytes=args.kv_memory_mb * 2**20)
         try:
@@ -208,6 +239,8 @@ def main() -> None:
             gateway.close()
         for cluster in clusters.values():
             cluster.stop()
+        if baseline is not None:
+            baseline.stop()
     print("## Goals\n")
     for line in overhead:
         print(f"- {line}")

@@ -74,14 +74,14 @@ class BusyDecoder:
 
     def timed(self, call: Callable[[int], Awaitable[None]], samples: int) -> Metrics:
         async def measure() -> Metrics:
-            steps, start = self.service.engine_steps, time.perf_counter()
+            steps, start = self.service.port.engine_steps, time.perf_counter()
             latencies: list[float] = []
             for index in range(samples):
                 await asyncio.sleep(self.rng.uniform(0.0, self.gap_s))  # arrive at a random point of a step
                 begin = time.perf_counter()
                 await call(index)
                 latencies.append(1e3 * (time.perf_counter() - begin))
-            elapsed, stepped = time.perf_counter() - start, self.service.engine_steps - steps
+            elapsed, stepped = time.perf_counter() - start, self.service.port.engine_steps - steps
             latencies.sort()
             return {"p50_ms": statistics.median(latencies), "p90_ms": latencies[int(0.9 * (len(latencies) - 1))],
                     "max_ms": latencies[-1], "step_ms": 1e3 * elapsed / stepped if stepped else float("nan"),

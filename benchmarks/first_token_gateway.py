@@ -29,40 +29,44 @@ from rpc.v1 import gateway_pb2
 
 
 class _Stubs:
-    """Worker stubs that answer at once: they serialise the request and parse the reply as gRPC does."""
+    """Worker stubs and streams that answer at once: they serialise the request and parse the reply as gRPC does."""
 
     def __init__(self, destination: kv_pb2.KVDestination, prompt_len: int) -> None:
         self._reserve = worker_pb2.ReserveResponse(destination=destination).SerializeToString()
         self._prefill = worker_pb2.PrefillResponse(
             first_token=11, num_prompt_tokens=prompt_len,
             timing=worker_pb2.PrefillTiming(queue_ms=0.1, prefill_ms=30.0)).SerializeToString()
-        self._decode = worker_pb2.DecodeResponse(token_ids=[12, 13, 14], finished=True, finish_reason="length",
-                                                 decode_steps=3).SerializeToString()
+        self._decode = worker_pb2.DecodeStreamUpdate(token_ids=[12, 13, 14], finished=True, finish_reason="length",
+                                                     decode_steps=3).SerializeToString()
 
     async def Reserve(self, request: Any, **_: Any) -> worker_pb2.ReserveResponse:  # noqa: N802
         request.SerializeToString()
         return worker_pb2.ReserveResponse.FromString(self._reserve)
 
-    async def Prefill(self, request: Any, **_: Any) -> worker_pb2.PrefillResponse:  # noqa: N802
-        request.SerializeToString()
-        return worker_pb2.PrefillResponse.FromString(self._prefill)
-
     async def Release(self, request: Any, **_: Any) -> worker_pb2.ReleaseResponse:  # noqa: N802
         return worker_pb2.ReleaseResponse()
 
-    def Decode(self, request: Any, **_: Any) -> Any:  # noqa: N802
+    async def close(self) -> None:
+        """(a worker stream's: nothing to end)"""
+
+    def submit(self, request: Any, timeout: float | None, trace_id: str = "") -> Any:
+        """A worker stream's submit: a prefill's answer (a future) or a decode's chunks."""
         request.SerializeToString()
-        return _DecodeStream(self._decode)
+        if isinstance(request, worker_pb2.DecodeRequest):
+            return _DecodeStream(self._decode)
+        answer = asyncio.get_running_loop().create_future()
+        answer.set_result(worker_pb2.PrefillResponse.FromString(self._prefill))
+        return answer
 
 
 class _DecodeStream:
     def __init__(self, data: bytes) -> None:
         self._data = data
 
-    async def _items(self) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        yield worker_pb2.DecodeResponse.FromString(self._data)
+    async def _items(self) -> AsyncIterator[worker_pb2.DecodeStreamUpdate]:
+        yield worker_pb2.DecodeStreamUpdate.FromString(self._data)
 
-    def __aiter__(self) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    def __aiter__(self) -> AsyncIterator[worker_pb2.DecodeStreamUpdate]:
         return self._items()
 
     def cancel(self) -> None:
@@ -80,8 +84,7 @@ class GatewaySide:
     @classmethod
     async def start(cls, model_dir: str, layout: KVLayout, standing_tokens: int = 256) -> GatewaySide:
         config = GatewayConfig(model_dir=model_dir, prefill=("127.0.0.1:9",), decode=("127.0.0.1:9",),
-                               standing_lease_tokens=standing_tokens,
-                               prefill_stream=False, decode_stream=False)  # the instant stubs answer unary calls
+                               standing_lease_tokens=standing_tokens)
         pool = WorkerPool(config)
         pages = tuple(range(layout.pages_for_tokens(standing_tokens)))
         destination = Destination(
@@ -90,12 +93,12 @@ class GatewaySide:
             num_tokens=standing_tokens, pool_num_pages=4096, completion_slot=3, completion_sequence=5)
         stubs = _Stubs(destination.to_proto(), 128)
         for worker in pool.prefill:
-            worker.state.healthy, worker.state.placement = True, Placement("node", device="cpu")
-            worker.stub = stubs  # type: ignore[assignment]
+            worker.load.healthy, worker.load.placement = True, Placement("node", device="cpu")
+            worker.stub = worker.stream = stubs  # type: ignore[assignment]
         for worker in pool.decode:
-            worker.state.healthy, worker.state.placement = True, Placement("node", kv_pool="shm")
-            worker.state.free_pages, worker.state.total_pages, worker.state.page_size = 4000, 4096, layout.page_size
-            worker.stub = stubs  # type: ignore[assignment]
+            worker.load.healthy, worker.load.placement = True, Placement("node", kv_pool="shm")
+            worker.load.free_pages, worker.load.total_pages, worker.load.page_size = 4000, 4096, layout.page_size
+            worker.stub = worker.stream = stubs  # type: ignore[assignment]
         pool.healthy = True
         pool.polled.set()
         service = GatewayService(config, ModelFacts.from_dir(model_dir), TextTokenizer.from_model_dir(model_dir), pool)

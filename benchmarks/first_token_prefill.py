@@ -1,5 +1,7 @@
-"""The prefill side of benchmarks/profile_first_token.py: the real Prefill handler over a real PrefillService
-and shm pool, the pdserve-tiny engine with its forward replaced by an instant answer."""
+"""The prefill side of benchmarks/profile_first_token.py: one PrefillStream request message as the real servicer
+handles it (parse, PrefillService, reply message) over a real PrefillService and shm pool, the pdserve-tiny
+engine with its forward replaced by an instant answer. (The stream's own set-up and its interceptors run once
+per stream, not per prompt.)"""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +11,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
-from benchmarks.first_token_fixtures import FakeContext, Piece, quiet_info_logging, sync_piece, wrapped_handler
+from benchmarks.first_token_fixtures import Piece, quiet_info_logging, sync_piece
 from engine.kv_cache import PageAllocator
 from engine.llm_engine import PrefillResult
 from engine.sampling_params import SamplingParams
@@ -95,19 +95,19 @@ class PrefillSide:
         return worker_pb2.PrefillRequest(request_id=destination.request_id, token_ids=prompt, sampling=sampling,
                                          destination=destination.to_proto())
 
-    async def prefill_once(self, handler: grpc.RpcMethodHandler, prompt: list[int],
-                           clock: Callable[[], int]) -> tuple[int, int]:
-        """(CPU ns of the handler up to its reply by `clock`, engine thread ns of it); the record is
-        written and the lease released after, untimed."""
+    async def prefill_once(self, prompt: list[int], clock: Callable[[], int]) -> tuple[int, int]:
+        """(CPU ns of one stream request message up to its reply message by `clock`, engine thread ns of it);
+        the record is written and the lease released after, untimed."""
         destination = self.reserve(f"p-{uuid.uuid4().hex[:12]}", len(prompt))
-        data = self.request(prompt, destination).SerializeToString()
-        context, engine_before = FakeContext(), self.engine_ns
+        data = worker_pb2.PrefillStreamRequest(request=self.request(prompt, destination)).SerializeToString()
+        reply_sent, engine_before = asyncio.Event(), self.engine_ns
         start = clock()
-        request = handler.request_deserializer(data)
-        handler.response_serializer(await handler.unary_unary(request, context))
+        message = worker_pb2.PrefillStreamRequest.FromString(data)
+        response = await self.servicer._prefill(message.request, reply_sent)
+        worker_pb2.PrefillStreamResponse(request_id=message.request.request_id, response=response).SerializeToString()
         spent = clock() - start
         engine_ns = self.engine_ns - engine_before
-        context.done()
+        reply_sent.set()
         while self.service._jobs:
             await asyncio.sleep(0)
         self.release(destination)
@@ -117,24 +117,16 @@ class PrefillSide:
         standing = self.reserve("p-fixed", len(prompt))
         message = self.request(prompt, standing)
         data = message.SerializeToString()
-        service, handler_box = self.service, {}
+        service = self.service
         params = SamplingParams(**sampling_fields(message.sampling))
         response = worker_pb2.PrefillResponse(first_token=11, num_prompt_tokens=len(prompt),
                                               timing=worker_pb2.PrefillTiming(queue_ms=0.1, prefill_ms=30.0))
 
-        async def handler() -> grpc.RpcMethodHandler:
-            if "h" not in handler_box:
-                raw = grpc.unary_unary_rpc_method_handler(
-                    self.servicer.Prefill, worker_pb2.PrefillRequest.FromString,
-                    worker_pb2.PrefillResponse.SerializeToString)
-                handler_box["h"] = await wrapped_handler("/pdserve.internal.v1.PrefillService/Prefill", raw)
-            return handler_box["h"]
-
         async def whole(clock: Callable[[], int]) -> int:
-            return (await self.prefill_once(await handler(), prompt, clock))[0]
+            return (await self.prefill_once(prompt, clock))[0]
 
         async def engine_part() -> int:
-            return (await self.prefill_once(await handler(), prompt, time.thread_time_ns))[1]
+            return (await self.prefill_once(prompt, time.thread_time_ns))[1]
 
         return {
             "prefill: PrefillRequest.FromString": sync_piece(lambda: worker_pb2.PrefillRequest.FromString(data)),
@@ -143,7 +135,7 @@ class PrefillSide:
             "prefill: PrefillService._check": sync_piece(lambda: service._check("p-fixed", prompt, params, standing)),
             "prefill: PrefillResponse build + serialise": sync_piece(lambda: worker_pb2.PrefillResponse(
                 first_token=11, num_prompt_tokens=len(prompt), timing=response.timing).SerializeToString()),
-            "prefill: handler to reply, loop thread (thread CPU)": lambda: whole(time.thread_time_ns),
-            "prefill: handler to reply, both threads (process CPU)": lambda: whole(time.process_time_ns),
+            "prefill: stream message to reply, loop thread (thread CPU)": lambda: whole(time.thread_time_ns),
+            "prefill: stream message to reply, both threads (process CPU)": lambda: whole(time.process_time_ns),
             "prefill: engine thread _work, forward excluded": engine_part,
         }

@@ -11,11 +11,10 @@ a loaded machine does not distort the way it distorts wall clock:
   N tokens   + N-2 decode steps: (N - 2 tokens) / (N - 2) is the decode worker's CPU per streamed token.
 Also counts the decode engine's steps (its /metrics), so per-token figures are per step at concurrency 1.
 
-With --engine-process (the default) the decode worker runs its engine in a process of its own: that process's
-threads show as decode-engine/engine (the step loop) and decode-engine/loop (its command thread);
---no-engine-process runs it on a thread of the worker.
+The decode worker runs its engine in a process of its own: that process's threads show as decode-engine/engine
+(the step loop) and decode-engine/loop (its command thread).
 
-Run: .venv/bin/python -m benchmarks.profile_hops [--model DIR] [--requests 24] [--output-len 64] [--no-engine-process]
+Run: .venv/bin/python -m benchmarks.profile_hops [--model DIR] [--requests 24] [--output-len 64]
 Needs py-spy (the dev extra) to name the services' Python threads.
 """
 from __future__ import annotations
@@ -125,16 +124,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the table sums them)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                        help="the decode worker's engine in its own process (the default) or on a thread")
     args = parser.parse_args()
     if args.output_len < 3:
         parser.error("--output-len must be at least 3")
     py_spy = find_py_spy()
     print(f"machine: {machine_description()}", flush=True)
     spec = ClusterSpec(model_dir=str(args.model), listen="127.0.0.1:0", attention_backend="torch", transport="shm",
-                       worker_args=("--num-threads", str(args.threads), "--kv-memory-mb", "512"), log_level="WARNING",
-                       decode_args=("--engine-process",) if args.engine_process else ("--no-engine-process",))
+                       worker_args=("--num-threads", str(args.threads), "--kv-memory-mb", "512"), log_level="WARNING")
     cluster = Cluster(spec, log_dir=Path(tempfile.mkdtemp(prefix="profile-hops-")))
     address = cluster.start(timeout_s=300)
     try:
@@ -142,8 +138,7 @@ def main() -> None:
         prompts, _ = make_prompts(args.model, args.requests, args.input_len, 0, config.vocab_size,
                                   list(config.eos_token_id))
         pids = {child.role.split("-")[0]: child.process.pid for child in cluster.children}
-        if args.engine_process:
-            pids["decode-engine"] = engine_process(pids["decode"])
+        pids["decode-engine"] = engine_process(pids["decode"])
         asyncio.run(send_all(address, prompts[:4], 8))  # warm-up
         names = {role: python_thread_names(py_spy, pid) for role, pid in pids.items()}
         lengths = [1, 2, args.output_len]

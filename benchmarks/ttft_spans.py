@@ -43,6 +43,7 @@ from benchmarks.common import DEFAULT_MODEL, machine_description, make_prompts, 
 from engine import LLM
 from engine.models.registry import load_config
 from engine.sampling_params import SamplingParams
+from gateway.prefill_stream import PrefillStream
 from pdserve.launcher import Child, Cluster, ClusterSpec, read_ready_file
 from rpc.convert import sampling_to_proto
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
@@ -58,17 +59,18 @@ async def gateway_ttft(client: GatewayClient, prompt: list[int], output_len: int
     return record.ttft_s * 1e3
 
 
-async def direct_path(decode: worker_pb2_grpc.DecodeServiceStub, prefill: worker_pb2_grpc.PrefillServiceStub,
+async def direct_path(decode: worker_pb2_grpc.DecodeServiceStub, prefill: PrefillStream,
                       prompt: list[int], spans: Spans) -> None:
-    """Reserve -> Prefill straight on the workers (what the gateway does before its first token), timed."""
+    """Reserve -> Prefill straight on the workers (what the gateway does before its first token: the prompt
+    over a PrefillStream), timed."""
     request_id = f"spans-{uuid.uuid4().hex[:12]}"
     start = time.perf_counter()
     reserved = await decode.Reserve(worker_pb2.ReserveRequest(
         request_id=request_id, num_prompt_tokens=len(prompt), max_new_tokens=4, transport=kv_pb2.TRANSPORT_SHM),
         timeout=30)
     middle = time.perf_counter()
-    response = await prefill.Prefill(worker_pb2.PrefillRequest(
-        request_id=request_id, token_ids=prompt, destination=reserved.destination, sampling=GREEDY), timeout=60)
+    response = await prefill.prefill(worker_pb2.PrefillRequest(
+        request_id=request_id, token_ids=prompt, destination=reserved.destination, sampling=GREEDY), 60)
     end = time.perf_counter()
     await decode.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=30)
     spans["Reserve RPC"].append((middle - start) * 1e3)
@@ -119,7 +121,7 @@ async def measure(args: argparse.Namespace, gateways: dict[str, str], decode: st
                for name, channel in channels.items()}
     decode_channel, prefill_channel = grpc.aio.insecure_channel(decode), grpc.aio.insecure_channel(prefill)
     decode_stub = worker_pb2_grpc.DecodeServiceStub(decode_channel)
-    prefill_stub = worker_pb2_grpc.PrefillServiceStub(prefill_channel)
+    prefill_stub = PrefillStream(worker_pb2_grpc.PrefillServiceStub(prefill_channel), (), prefill)
     variants = [*gateways, "direct", *(["in process"] if llm is not None else [])]
     spans: Spans = {key: [] for key in ("Reserve RPC", "Prefill RPC", "  prefill queue", "  engine forward",
                                         "  KV handoff before reply", *(["in-process TTFT"] if llm is not None else []))}
@@ -147,6 +149,7 @@ async def measure(args: argparse.Namespace, gateways: dict[str, str], decode: st
                     for role in pids:
                         cpu[variant][role] += (after[role] - before[role]) * 1e3 / (len(prompts) * args.rounds)
     finally:
+        await prefill_stub.close()
         for channel in (*channels.values(), decode_channel, prefill_channel):
             await channel.close()
     report(spans, ttft, cpu, args)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
+
+from engine.sequence import TokenLogprob
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -31,29 +33,39 @@ def fits_ever(num_prompt_tokens: int, max_new_tokens: int, spec_block_size: int,
     return pages_for(num_prompt_tokens + max_new_tokens + spec_block_size, page_size) <= total_pages
 
 
+class EngineOutput(Protocol):
+    """One request's part of an engine step: an engine.StepOutput, or the engine process's WireOutput."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprob]
+
+
 @dataclass(frozen=True)
 class DecodeUpdate:
     """Tokens generated since the previous update (the first token, produced by prefill, excluded)."""
 
     token_ids: list[int]
-    logprobs: list[Any]
+    logprobs: list[TokenLogprob]
     finished: bool
     finish_reason: str | None
     steps: int  # engine steps that produced these tokens
 
 
-def new_tokens(outputs: Sequence[Any], skip_first_token: bool) -> int:
+def new_tokens(outputs: Sequence[EngineOutput], skip_first_token: bool) -> int:
     """How many tokens merge_outputs(outputs, skip_first_token) would carry."""
     count = sum(len(output.new_token_ids) for output in outputs)
     return count - 1 if skip_first_token and count else count
 
 
-def merge_outputs(outputs: Sequence[Any], skip_first_token: bool) -> DecodeUpdate:
+def merge_outputs(outputs: Sequence[EngineOutput], skip_first_token: bool) -> DecodeUpdate:
     """Merges one request's StepOutputs (in order) into one update. skip_first_token: drop the first token
     of the first non-empty output (add_prefilled re-emits the token prefill already returned). The
     engine gives no logprob for that token, so logprobs need no trimming."""
     tokens: list[int] = []
-    logprobs: list[Any] = []
+    logprobs: list[TokenLogprob] = []
     finished, reason = False, None
     for output in outputs:
         new = list(output.new_token_ids)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.engine_types import EngineConfig
 from engine.devices import serving_device
@@ -15,8 +14,8 @@ from kvtransfer.shm_pool import ShmPoolFactory
 class DecodeWorkerConfig(EmbedsEngineConfig):
     """engine.draft_model_dir: None = the model's draft/ folder if present, "" = no speculative decoding.
     advertise_address: host:port prefill workers push KV to (grpc transport); None = the bound address.
-    engine_process: run the engine (and its TP followers) in an engine process of its own, fed through pipes
-    (decode_worker/process_port.py; the default), instead of on a thread of the worker process (engine_port.py)."""
+    The engine (and its TP followers) runs in an engine process of its own, fed through pipes
+    (decode_worker/process_port.py)."""
 
     engine: EngineConfig
     listen: str = "127.0.0.1:0"
@@ -27,7 +26,6 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
     admit_timeout_s: float = 10.0
     advertise_address: str | None = None
     internal_token: str | None = field(default=None, repr=False)  # calls must carry it (TCP deployments)
-    engine_process: bool = True
 
     def __post_init__(self) -> None:
         self.check_addresses()
@@ -43,7 +41,7 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", lease_ttl_s: float = 60.0,
               lease_grace_s: float = 1.0, lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
               advertise_address: str | None = None, internal_token: str | None = None, kv_pool: str = "auto",
-              engine_process: bool = True, **engine: Any) -> DecodeWorkerConfig:
+              **engine: object) -> DecodeWorkerConfig:
         """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
         write into: kv_pool "shm" (CPU shared memory, ShmPoolFactory), "device" (device memory exported over
         IPC, DevicePoolFactory; on the CPU the memfd stand-in) or "auto" (device on a GPU, else shm)."""
@@ -56,4 +54,4 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
                    else ShmPoolFactory())
         return cls(worker_engine_config(engine, kv_pool=kv_pool, page_pools=factory), listen, metrics_listen,
                    lease_ttl_s, lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address,
-                   internal_token, engine_process)
+                   internal_token)

@@ -1,34 +1,35 @@
 """DecodeStream on the decode worker: many Decodes multiplexed over one long-lived bidirectional stream (the
 gateway keeps one per worker), so that an engine step costs one gRPC message per stream, not one per request.
 
-Each request message runs as its own task through the same updates generator as the unary Decode RPC
-(DecodeService.decode: admission, lease claim, stream_interval, abort when left early). Its updates go into
-the session's outbox, and one writer task sends what the outbox holds as one message: the request tasks an
-engine delivery wakes all run before the writer does (their wake-ups are queued first), so one delivery is
-one message; while a write is in flight the outbox keeps collecting, merging a request's updates into one
-entry (never past a finished one). A failed request is answered with an error entry (the status its unary
-call would have ended with) and the stream goes on. A cancel message, a request's timeout_ms passing
-(DEADLINE_EXCEEDED), or the stream ending or breaking ends a request as a cancelled unary Decode ends: the
-generator is closed (the engine aborts the request) and Release frees whatever it still holds. On shutdown
+Each request message runs as its own task (rpc/stream_sessions.py) through DecodeService.run_decode
+(admission, lease claim, stream_interval, abort when left early), which waits there until the request ends:
+its updates go straight into the session's outbox as each engine delivery is sorted (the delivery callback puts
+them there: no task wakes per request per step), and one writer task sends what the outbox holds as one
+message, so one delivery is one message; while a write is in flight the outbox keeps collecting, merging a
+request's updates into one entry (never past a finished one). A failed request is answered with an error entry (its status) and the
+stream goes on. A cancel message, a request's timeout_ms passing (DEADLINE_EXCEEDED), or the stream ending or
+breaking ends a request: the generator is closed (the engine aborts the request) and Release frees whatever
+it still holds. On shutdown
 (drain) the streams stop reading, let their running requests finish, send what is left and then end."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from decode_worker.admission import DecodeUpdate, merge_updates
+from decode_worker.streams import Sink
 from rpc.convert import logprob_to_proto
 from rpc.internal.v1 import worker_pb2
 from rpc.logging_setup import bind_request_id
 from rpc.status import AlreadyExists, details_bin, failure_status
+from rpc.stream_sessions import Cancelled, StreamSession
 
 logger = logging.getLogger(__name__)
-# The unary Decode's updates for a request (raises what the unary RPC would fail with).
-Updates = Callable[[worker_pb2.DecodeRequest], AsyncIterator[DecodeUpdate]]
+# Runs a request, its updates to the sink, until it ends (raises what the request fails with).
+Run = Callable[[worker_pb2.DecodeRequest, Sink], Awaitable[None]]
 
 
 def error_entry(request_id: str, status: grpc.Status) -> worker_pb2.DecodeStreamError:
@@ -80,67 +81,57 @@ class Outbox:
         return message
 
 
-class _Session:
-    """One open DecodeStream: a reader task starting one task per request, the outbox and its writer task.
-    release_soon(request_id): frees what a request that did not finish still holds (as after a unary call)."""
+class DecodeSession(StreamSession[worker_pb2.DecodeStreamRequest]):
+    """One open DecodeStream: a task per request (rpc/stream_sessions.py), the outbox and its writer task.
+    release_soon(request_id): frees what a request that did not finish still holds."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, updates: Updates,
+    def __init__(self, context: grpc.aio.ServicerContext, run: Run,
                  release_soon: Callable[[str], None]) -> None:
+        super().__init__()
         self._context = context
-        self._updates = updates
+        self._run = run
         self._release_soon = release_soon
         self._outbox = Outbox()
         self._ready = asyncio.Event()  # the outbox has something (or the stream is ending)
         self._closing = False
         self._running: dict[str, asyncio.Task[bool]] = {}
-        self._reader: asyncio.Task[None] | None = None
-        self._draining = False
+        self._writer: asyncio.Task[None] | None = None
 
     async def run(self, requests: AsyncIterator[worker_pb2.DecodeStreamRequest]) -> None:
-        writer = asyncio.create_task(self._write())
-        self._reader = asyncio.ensure_future(self._read(requests))
-        try:
-            await self._reader
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if not self._draining or (current is not None and current.cancelling()):
-                raise  # the stream broke (or the server's grace ran out)
-            if self._running:  # draining: the requests already read finish, then what is left is sent
-                await asyncio.wait(set(self._running.values()))
-            self._closing = True
-            self._ready.set()
-            await writer
-        finally:
-            for task in self._running.values():  # the stream ended or broke: as a cancelled unary call
+        self._writer = asyncio.create_task(self._write())
+        await super().run(requests)
+
+    async def drained(self) -> None:
+        """Draining: the requests already read have finished; what is left is sent, then the stream ends."""
+        self._closing = True
+        self._ready.set()
+        assert self._writer is not None
+        await self._writer
+
+    def ended(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+
+    def receive(self, message: worker_pb2.DecodeStreamRequest) -> None:
+        if message.HasField("request"):
+            self._start(message)
+        else:
+            task = self._running.get(message.cancel_request_id)
+            if task is not None:
                 task.cancel()
-            writer.cancel()
-
-    def drain(self) -> None:
-        self._draining = True
-        if self._reader is not None:
-            self._reader.cancel()
-
-    async def _read(self, requests: AsyncIterator[worker_pb2.DecodeStreamRequest]) -> None:
-        async for message in requests:
-            if message.HasField("request"):
-                self._start(message)
-            else:
-                task = self._running.get(message.cancel_request_id)
-                if task is not None:
-                    task.cancel()
 
     def _start(self, message: worker_pb2.DecodeStreamRequest) -> None:
         request_id = message.request.request_id
         if request_id in self._running:  # (the one running keeps its id; this one is refused)
             self._fail(request_id, AlreadyExists(f"request {request_id} is already decoding on this stream"))
             return
-        task = asyncio.create_task(self._serve(message))
+        task = self.start_task(self._serve(message))
         self._running[request_id] = task
         task.add_done_callback(lambda _: self._ended(request_id, task))
 
     def _ended(self, request_id: str, task: asyncio.Task[bool]) -> None:
-        """As at the end of a unary Decode: a request that did not finish (failed, cancelled, even before it
-        started) has whatever it still holds freed."""
+        """A request that did not finish (failed, cancelled, even before it started) has whatever it still
+        holds freed."""
         if self._running.get(request_id) is task:
             del self._running[request_id]
         if task.cancelled() or not task.result():
@@ -152,18 +143,21 @@ class _Session:
         request_id = request.request_id
         bind_request_id(message.trace_id or request_id)  # this task's log lines name the request
         timeout = message.timeout_ms / 1000 if message.timeout_ms > 0 else None
+        outbox, ready = self._outbox, self._ready
+
+        def sink(update: DecodeUpdate) -> None:  # (on the delivery callback)
+            outbox.add(request_id, update)
+            ready.set()
+
         try:
             async with asyncio.timeout(timeout):
-                async with contextlib.aclosing(self._updates(request)) as updates:
-                    async for update in updates:
-                        finished = update.finished
-                        self._outbox.add(request_id, update)
-                        self._ready.set()
+                await self._run(request, sink)
+            finished = True
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise  # cancelled (cancel message, stream ended): nobody to answer
-            self._fail(request_id, _Cancelled("decode cancelled"))
+            self._fail(request_id, Cancelled("decode cancelled"))
         except Exception as error:  # noqa: BLE001 - every failure is answered with its status
             self._fail(request_id, error)
         return finished
@@ -187,32 +181,4 @@ class _Session:
             except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError) as error:  # the stream is gone
                 logger.info("decode stream updates not sent: the stream ended (%r)", error)
                 return
-            await asyncio.sleep(0)  # a delivery's wake-ups queued during the write run first: one message
-
-
-class _Cancelled(Exception):
-    """A request's decode was cancelled from inside the worker while its stream lives on."""
-
-    grpc_status = "CANCELLED"
-
-
-class DecodeStreams:
-    """The open DecodeStream calls of one servicer, so that shutdown can drain them."""
-
-    def __init__(self) -> None:
-        self._sessions: set[_Session] = set()
-
-    async def serve(self, requests: AsyncIterator[worker_pb2.DecodeStreamRequest], context: grpc.aio.ServicerContext,
-                    updates: Updates, release_soon: Callable[[str], None]) -> None:
-        """The body of the DecodeStream RPC: returns when the stream ends (cancelled when it breaks)."""
-        session = _Session(context, updates, release_soon)
-        self._sessions.add(session)
-        try:
-            await session.run(requests)
-        finally:
-            self._sessions.discard(session)
-
-    def drain(self) -> None:
-        """Every open stream stops reading; each ends once the requests it read have finished and been sent."""
-        for session in list(self._sessions):
-            session.drain()
+            await asyncio.sleep(0)  # a delivery callback queued during the write runs first: its updates join

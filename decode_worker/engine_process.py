@@ -1,20 +1,18 @@
-"""The decode engine in a process of its own (DecodeWorkerConfig.engine_process): the child side.
+"""The decode engine in a process of its own: the child side (the worker's side is process_port.py).
 
 The worker's event loop and gRPC threads then never take the GIL from the step loop. Two threads here:
 the engine thread (rpc/engine_thread.py) steps the LLMEngine and runs per-request commands between steps;
 the main thread reads the worker's commands from a pipe and answers reservations itself, under the
 engine's pool lock, so a Reserve never waits for the step in progress. Everything goes back to the worker
-on one pipe, one message per step (a compact tuple list) or per command, each with the load figures.
+on one pipe, one message per step or per command, each with the load figures.
 
-Wire format. Worker -> engine: (tag, op, args), each answered (tag 0: nobody waits; the answer still
-carries the load figures). ops: reserve (num_tokens,),
-free (page_ids, slot), add (request_id, prompt_ids, first_token, page_ids, params, slot), abort
-(request_id,), stop (). Engine -> worker: ("ready", EngineFacts) | ("error", text) at start, then
-("out", [output tuple], Load) | ("reply", tag, error | None, value, Load) | ("failed", [request id], text,
-Load) (a failed step: those requests were aborted);
-error = (kind, text), kind "ValueError" / "ResourceExhausted" / "RuntimeError"."""
+Wire format: the dataclasses below, pickled. Worker -> engine: a Command (its tag names the Reply; tag 0:
+nobody waits, the reply still carries the load figures) holding Reserve, Free, Add, Abort or Stop. Engine ->
+worker: Ready or StartFailed at start, then Outputs (one step), Reply (one command) or StepFailed (a failed
+step: those requests were aborted)."""
 from __future__ import annotations
 
+import enum
 import logging
 import signal
 import sys
@@ -22,11 +20,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
+from typing import NamedTuple, Union
+
+import torch
 
 from decode_worker.config import DecodeWorkerConfig
+from decode_worker.engine_api import DecodeEngine
 from decode_worker.leases import allocate_admitted
 from decode_worker.step_loop import StepLoop
+from engine.engine_types import EngineConfig, StepOutput
+from engine.kv_cache import CacheShape
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
 from rpc.engine_thread import EngineThread
 from rpc.logging_setup import configure_logging
 from rpc.processes import die_with_parent, forget_parent_signals
@@ -37,17 +42,72 @@ logger = logging.getLogger(__name__)
 ROLE = "decode-engine"
 
 
+# --- worker -> engine ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reserve:
+    """Admit and allocate a reservation of num_tokens (pending: requests holding a claimed lease the engine
+    does not run yet); replied with (page_ids, state_slot)."""
+
+    num_tokens: int
+    pending: int
+
+
+@dataclass(frozen=True)
+class Free:
+    """Give a reservation's pages and state slot back."""
+
+    page_ids: list[int]
+    state_slot: int | None
+
+
+@dataclass(frozen=True)
+class Add:
+    """A prefilled request joins the running batch (between steps)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    first_token: int
+    page_ids: list[int]
+    params: SamplingParams
+    state_slot: int | None
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort the request (between steps); unknown ids are ignored."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Close the engine and end the process."""
+
+
+@dataclass(frozen=True)
+class Command:
+    tag: int  # names the Reply (0: nobody waits for it)
+    body: Reserve | Free | Add | Abort | Stop
+
+
+# --- engine -> worker ----------------------------------------------------------------------------------
 class WireOutput(NamedTuple):
-    """One request's part of a step (the attributes of engine.StepOutput that streams read)."""
+    """One request's part of a step (the attributes of engine.StepOutput that streams read; a NamedTuple: one
+    per running request per step, it pickles as cheaply as a plain tuple)."""
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
-    logprobs: list[Any]
+    logprobs: list[TokenLogprob]
+
+    @classmethod
+    def of(cls, output: StepOutput) -> WireOutput:
+        return cls(output.request_id, output.new_token_ids, output.finished, output.finish_reason, output.logprobs)
 
 
-class Load(NamedTuple):
+@dataclass(frozen=True)
+class Load:
     """The engine's figures when a message left (read by the sender, in message order)."""
 
     free_pages: int
@@ -64,26 +124,82 @@ class Load(NamedTuple):
 class EngineFacts:
     """What does not change after the engine is built (what the worker's receivers and book read)."""
 
-    config: Any  # engine.engine_types.EngineConfig
-    cache_shape: Any
+    config: EngineConfig
+    cache_shape: CacheShape
     pool_names: tuple[str, ...]
-    device: Any
+    device: torch.device
     max_context: int
     num_pages: int
     num_state_slots: int
     load: Load
 
 
-def load_of(engine: Any) -> Load:
+class ErrorKind(enum.Enum):
+    """Which exception a failed command raises in the worker."""
+
+    RESOURCE_EXHAUSTED = "ResourceExhausted"
+    VALUE = "ValueError"
+    RUNTIME = "RuntimeError"
+
+
+@dataclass(frozen=True)
+class WireError:
+    kind: ErrorKind
+    text: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> WireError:
+        kind = (ErrorKind.RESOURCE_EXHAUSTED if isinstance(error, ResourceExhausted)
+                else ErrorKind.VALUE if isinstance(error, ValueError) else ErrorKind.RUNTIME)
+        return cls(kind, str(error) or type(error).__name__)
+
+    def exception(self) -> Exception:
+        if self.kind is ErrorKind.RESOURCE_EXHAUSTED:
+            return ResourceExhausted(self.text)
+        return (ValueError if self.kind is ErrorKind.VALUE else RuntimeError)(self.text)
+
+
+@dataclass(frozen=True)
+class Ready:
+    facts: EngineFacts
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    text: str
+
+
+@dataclass(frozen=True)
+class Outputs:
+    outputs: list[WireOutput]
+    load: Load
+
+
+Reservation = tuple[list[int], int | None]  # a Reserve's (page_ids, state_slot)
+
+
+@dataclass(frozen=True)
+class Reply:
+    tag: int
+    error: WireError | None
+    value: Reservation | None  # a Reserve's; None for the other commands
+    load: Load
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    request_ids: list[str]  # aborted by the engine process already
+    text: str
+    load: Load
+
+
+Event = Union[Ready, StartFailed, Outputs, Reply, StepFailed]
+
+
+def load_of(engine: DecodeEngine) -> Load:
     stats = engine.acceptance_stats
     return Load(engine.num_free_pages, engine.num_free_state_slots, engine.num_running, engine.num_waiting,
                 engine.num_preemptions, stats.num_verify_steps, stats.num_drafts, stats.num_accepted_drafts)
-
-
-def error_tuple(error: BaseException) -> tuple[str, str]:
-    kind = "ResourceExhausted" if isinstance(error, ResourceExhausted) else (
-        "ValueError" if isinstance(error, ValueError) else "RuntimeError")
-    return kind, str(error) or type(error).__name__
 
 
 class EngineHost:
@@ -91,92 +207,102 @@ class EngineHost:
     builds the engine instead of build_engine(config)."""
 
     def __init__(self, config: DecodeWorkerConfig, events: Connection,
-                 engine_factory: Callable[[], Any] | None = None) -> None:
+                 engine_factory: Callable[[], DecodeEngine] | None = None) -> None:
         self._events = events
         self._lock = threading.Lock()
         self._block = config.spec_block_size
         self._steps = StepLoop(self._send_outputs, self._send_failure)
-        self._thread: EngineThread[Any] = EngineThread(engine_factory or (lambda: build_engine(config)),
-                                                       self._steps.work, name=ROLE)
-        self._engine: Any = None
+        self._thread: EngineThread[DecodeEngine] = EngineThread(engine_factory or (lambda: build_engine(config)),
+                                                                self._steps.work, name=ROLE)
+        self._engine: DecodeEngine | None = None
         self._requests: set[str] = set()  # added and not finished or aborted (engine thread only)
 
     def serve(self, commands: Connection) -> None:
-        """Builds the engine (its error goes to the worker), then answers commands until stop or EOF."""
+        """Builds the engine (its error goes to the worker), then answers commands until Stop or EOF."""
         try:
             engine = self._engine = self._thread.start(build_here=True)  # one thread yet: TP followers may fork
         except Exception as error:  # noqa: BLE001 - reported to the worker's start()
-            self._send(("error", str(error)))
+            self._send(StartFailed(str(error)))
             return
-        self._send(("ready", EngineFacts(engine.config, engine.cache_shape, tuple(engine.pool_names), engine.device,
-                                         engine.model_config.max_position_embeddings, engine.allocator.num_pages,
-                                         engine.num_state_slots, load_of(engine))))
+        self._send(Ready(EngineFacts(engine.config, engine.cache_shape, tuple(engine.pool_names), engine.device,
+                                     engine.model_config.max_position_embeddings, engine.allocator.num_pages,
+                                     engine.num_state_slots, load_of(engine))))
         try:
             while True:
                 try:
-                    tag, op, args = commands.recv()
+                    command: Command = commands.recv()
                 except EOFError:
                     logger.warning("the decode worker closed its pipe; stopping the engine")
                     return
-                if op == "stop":
+                if isinstance(command.body, Stop):
                     return
                 try:
-                    self._handle(tag, op, args)
+                    self._handle(engine, command)
                 except (ResourceExhausted, ValueError) as error:  # a refusal: the caller reports it
-                    self._reply(tag, error_tuple(error), None)
+                    self._reply(command.tag, WireError.of(error))
                 except Exception as error:  # noqa: BLE001 - one bad command must not stop the engine
-                    logger.exception("engine command %s failed", op)
-                    self._reply(tag, error_tuple(error), None)
+                    logger.exception("engine command %s failed", type(command.body).__name__)
+                    self._reply(command.tag, WireError.of(error))
         finally:
             self._thread.stop()  # closes the engine: its pools go, its TP followers stop
 
-    def _handle(self, tag: int, op: str, args: tuple[Any, ...]) -> None:
-        engine = self._engine
-        if op == "reserve":
-            self._reply(tag, None, allocate_admitted(engine, args[0], self._block, args[1]))  # a refusal: answered by serve
-        elif op == "free":
-            engine.free_reservation(*args)
-            self._reply(tag, None, None)
-        elif op in ("add", "abort"):
-            self._thread.post(lambda engine: self._between_steps(engine, tag, op, args))
-        else:
-            self._reply(tag, ("ValueError", f"unknown engine command {op!r}"), None)
+    def _handle(self, engine: DecodeEngine, command: Command) -> None:
+        tag, body = command.tag, command.body
+        match body:
+            case Reserve(num_tokens, pending):  # a refusal: answered by serve
+                self._reply(tag, None, allocate_admitted(engine, num_tokens, self._block, pending))
+            case Free(page_ids, state_slot):
+                engine.free_reservation(page_ids, state_slot)
+                self._reply(tag, None)
+            case Add() | Abort():
+                self._thread.post(lambda engine: self._between_steps(engine, tag, body))
+            case _:
+                self._reply(tag, WireError(ErrorKind.VALUE, f"unknown engine command {body!r}"))
 
-    def _between_steps(self, engine: Any, tag: int, op: str, args: tuple[Any, ...]) -> None:
+    def _between_steps(self, engine: DecodeEngine, tag: int, body: Add | Abort) -> None:
         try:
-            (self._steps.add if op == "add" else self._steps.abort)(engine, *args)
+            if isinstance(body, Add):
+                self._steps.add(engine, body.request_id, body.prompt_ids, body.first_token, body.page_ids, body.params,
+                                body.state_slot)
+                self._requests.add(body.request_id)
+            else:
+                self._steps.abort(engine, body.request_id)
+                self._requests.discard(body.request_id)
         except Exception as error:  # noqa: BLE001 - answered to the caller
-            self._reply(tag, error_tuple(error), None)
+            self._reply(tag, WireError.of(error))
             return
-        (self._requests.add if op == "add" else self._requests.discard)(args[0])
-        self._reply(tag, None, None)
+        self._reply(tag, None)
 
     # --- to the worker -------------------------------------------------------------------------------
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, event: Event | Callable[[Load], Event]) -> None:
+        """event: the message, or (once the engine exists) a function of the load figures read now, under the
+        lock, so that figures follow message order."""
         with self._lock:
-            if self._engine is not None:
-                message = (*message, load_of(self._engine))
+            if not isinstance(event, (Ready, StartFailed)):
+                assert self._engine is not None
+                event = event(load_of(self._engine))
             try:
-                self._events.send(message)
+                self._events.send(event)
             except (BrokenPipeError, OSError):  # the worker is gone: the command thread ends on EOF
-                logger.warning("the decode worker's pipe is closed; dropped a %s message", message[0])
+                logger.warning("the decode worker's pipe is closed; dropped a %s message", type(event).__name__)
 
-    def _reply(self, tag: int, error: tuple[str, str] | None, value: Any) -> None:
-        self._send(("reply", tag, error, value))
+    def _reply(self, tag: int, error: WireError | None, value: Reservation | None = None) -> None:
+        self._send(lambda load: Reply(tag, error, value, load))
 
-    def _send_outputs(self, outputs: list[Any]) -> None:
+    def _send_outputs(self, outputs: list[StepOutput]) -> None:
         for output in outputs:
             if output.finished:
                 self._requests.discard(output.request_id)
-        self._send(("out", [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.logprobs or None)
-                            for o in outputs]))
+        wire = [WireOutput.of(output) for output in outputs]
+        self._send(lambda load: Outputs(wire, load))
 
-    def _send_failure(self, engine: Any, error: Exception) -> None:
+    def _send_failure(self, engine: DecodeEngine, error: Exception) -> None:
         """A failed step aborts every request the engine holds (as on a worker's engine thread); the worker
         ends their streams."""
         failed, self._requests = sorted(self._requests), set()
         StepLoop.abort_each(engine, failed)
-        self._send(("failed", failed, str(error) or type(error).__name__))
+        text = str(error) or type(error).__name__
+        self._send(lambda load: StepFailed(failed, text, load))
 
 
 def engine_process_main(config: DecodeWorkerConfig, commands: Connection, events: Connection, log_level: int,
@@ -194,7 +320,7 @@ def engine_process_main(config: DecodeWorkerConfig, commands: Connection, events
     EngineHost(config, events).serve(commands)
 
 
-def build_engine(config: DecodeWorkerConfig) -> Any:
+def build_engine(config: DecodeWorkerConfig) -> DecodeEngine:
     from engine.llm_engine import LLMEngine
 
     return LLMEngine(config.engine_config())

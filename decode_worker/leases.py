@@ -2,10 +2,9 @@
 lease, from Reserve until Decode claims it, Release frees it or the sweeper expires it.
 
 Reservations are allocated by `allocate_admitted` under the engine's pool lock (the stepping thread takes
-that lock only while it schedules, never across a forward): on the event loop when the engine runs on a
-thread of this process, on the engine process's command thread when it runs in its own process
-(decode_worker/engine_port.py, process_port.py). Either way a Reserve is answered without waiting for the
-engine step in progress. Every path that ends a reservation
+that lock only while it schedules, never across a forward): on the engine process's command thread
+(decode_worker/engine_process.py), or on the event loop of a test that runs the engine on a thread of its own.
+Either way a Reserve is answered without waiting for the engine step in progress. Every path that ends a reservation
 gives its pages and slot back exactly once: whoever removes the lease from the LeaseTable frees it.
 
 Page-exhaustion policy: a reservation keeps `headroom_pages` free for the running requests to grow (one
@@ -17,10 +16,11 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from decode_worker.admission import admits, fits_ever, headroom
 from decode_worker.config import DecodeWorkerConfig
+from decode_worker.engine_api import DecodeEngine, EngineFigures
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import LeaseExpired, UnknownTransfer
 from kvtransfer.leases import Lease, LeaseTable
@@ -31,14 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 class PagePort(Protocol):
-    """Where reservations are allocated and freed (decode_worker/engine_port.py's ports)."""
+    """Where reservations are allocated and freed (of engine_api.EnginePort)."""
 
     async def allocate(self, num_tokens: int, pending: int = 0) -> tuple[list[int], int | None]: ...
 
     def free(self, page_ids: list[int], state_slot: int | None) -> None: ...
 
 
-def allocate_admitted(engine: Any, num_tokens: int, spec_block_size: int,
+def allocate_admitted(engine: DecodeEngine, num_tokens: int, spec_block_size: int,
                       pending: int = 0) -> tuple[list[int], int | None]:
     """The prompt's pages and, for a model with linear attention, its state slot: admission and allocation
     under the engine's pool lock, so what was counted free is what gets taken. pending: requests that hold
@@ -70,7 +70,7 @@ class ReservationBook:
     """engine: an LLMEngine or a process port's EngineView (limits: context, pool size, page size); pages:
     where reservations are allocated; receivers: {transport: KVReceiver}. Event-loop only."""
 
-    def __init__(self, config: DecodeWorkerConfig, engine: Any, receivers: Mapping[TransportKind, KVReceiver],
+    def __init__(self, config: DecodeWorkerConfig, engine: EngineFigures, receivers: Mapping[TransportKind, KVReceiver],
                  pages: PagePort) -> None:
         self.config = config
         self._engine = engine

@@ -3,17 +3,18 @@ scrape time: nothing is added to the engine step."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from decode_worker.service import DecodeService
+
 
 class DecodeCollector(Collector):
-    """service: a DecodeService (its load snapshot, lease expiries and engine)."""
+    """service: a DecodeService (its load snapshot, lease expiries, engine and engine port)."""
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: DecodeService) -> None:
         self._service = service
 
     def collect(self) -> Iterator[Metric]:
@@ -43,9 +44,9 @@ class DecodeCollector(Collector):
              self._service.lease_expiries),
             ("pdserve_preemptions", "Running requests preempted for lack of pages (recomputed later)",
              getattr(engine, "num_preemptions", 0)),
-            ("pdserve_decode_engine_steps", "Engine steps that produced tokens", self._service.engine_steps),
+            ("pdserve_decode_engine_steps", "Engine steps that produced tokens", self._service.port.engine_steps),
             ("pdserve_decode_engine_step_tokens", "Tokens those steps produced (per step: the batch's tokens)",
-             self._service.engine_step_tokens),
+             self._service.port.engine_step_tokens),
         ]
         if stats is not None:
             counters += [
@@ -58,7 +59,7 @@ class DecodeCollector(Collector):
             yield CounterMetricFamily(name, documentation, value=value)
 
 
-def decode_registry(service: Any) -> CollectorRegistry:
+def decode_registry(service: DecodeService) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(DecodeCollector(service))
     return registry

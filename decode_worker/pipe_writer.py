@@ -11,7 +11,6 @@ import os
 import pickle
 import struct
 from multiprocessing.connection import Connection
-from typing import Any
 
 _MAX_FRAME = 0x7FFFFFFF  # Connection's short header; longer messages use another one (never needed here)
 
@@ -31,7 +30,7 @@ class PipeWriter:
     def buffered(self) -> int:
         return len(self._pending)
 
-    def send(self, obj: Any) -> None:
+    def send(self, obj: object) -> None:
         """Queues obj; raises BrokenPipeError / OSError if the reader is gone."""
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         if len(payload) > _MAX_FRAME:

@@ -1,4 +1,5 @@
-"""The decode engine in its own process, seen from the worker (DecodeWorkerConfig.engine_process).
+"""The decode engine in its own process, seen from the worker: the EnginePort (engine_api.py) of every decode
+worker.
 
 The worker starts decode_worker/engine_process.py (forked while the worker is single-threaded on the CPU,
 else spawned; it dies with the worker, and its TP followers with it) over two pipes: commands out (never
@@ -15,11 +16,13 @@ import itertools
 import logging
 import multiprocessing as mp
 from collections.abc import Callable
-from typing import Any
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from decode_worker.config import DecodeWorkerConfig
-from decode_worker.engine_port import LoadSnapshot, snapshot_of
-from decode_worker.engine_process import EngineFacts, Load, WireOutput, engine_process_main
+from decode_worker.engine_api import LoadSnapshot, snapshot_of
+from decode_worker.engine_process import (Abort, Add, Command, EngineFacts, Event, Free, Load, Outputs, Ready, Reply,
+                                          Reservation, Reserve, StartFailed, StepFailed, Stop, engine_process_main)
 from decode_worker.engine_view import EngineView
 from decode_worker.pipe_writer import PipeWriter
 from decode_worker.streams import Streams
@@ -27,10 +30,9 @@ from engine.sampling_params import SamplingParams
 from engine.weight_store import remove_stale_segments
 from kvtransfer.shm_pool import cleanup_stale_segments
 from rpc.processes import child_start_method
-from rpc.status import ResourceExhausted, Unavailable
+from rpc.status import Unavailable
 
 logger = logging.getLogger(__name__)
-_ERRORS: dict[str, type[Exception]] = {"ResourceExhausted": ResourceExhausted, "ValueError": ValueError}
 
 
 class ProcessPort:
@@ -40,12 +42,12 @@ class ProcessPort:
         self._config = config
         self._streams = streams
         self.on_lost = on_lost
-        self._process: Any = None
+        self._process: BaseProcess | None = None
         self._commands: PipeWriter | None = None
-        self._events: Any = None  # multiprocessing Connection (receive end)
+        self._events: Connection | None = None  # the receive end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[EngineFacts] | None = None
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._pending: dict[int, asyncio.Future[Reservation | None]] = {}
         self._tags = itertools.count(1)
         self._gone: str | None = None  # why the engine process can no longer be used
         self._stopping = False
@@ -102,7 +104,7 @@ class ProcessPort:
             return
         if self._gone is None:
             with contextlib.suppress(Unavailable):  # its pipe broke: it is gone or going, reaped below
-                self._send(0, "stop")
+                self._send(Command(0, Stop()))
         await self._reap(timeout)
 
     async def _reap(self, timeout: float) -> None:
@@ -119,22 +121,22 @@ class ProcessPort:
         remove_stale_segments()  # and the weight segment it owned, when no other process outlived it there
 
     # --- commands ----------------------------------------------------------------------------------------
-    def _send(self, tag: int, op: str, *args: Any) -> None:
+    def _send(self, command: Command) -> None:
         if self._gone is not None:
             raise Unavailable(f"decode engine unavailable: {self._gone}")
         assert self._commands is not None
         try:
-            self._commands.send((tag, op, args))
+            self._commands.send(command)
         except OSError as error:
             self._lost(f"decode engine pipe broke: {error}")
             raise Unavailable(f"decode engine unavailable: {self._gone}") from error
 
-    async def _call(self, op: str, *args: Any) -> Any:
+    async def _call(self, body: Reserve | Add | Abort) -> Reservation | None:
         assert self._loop is not None
         tag = next(self._tags)
         future = self._pending[tag] = self._loop.create_future()
         try:
-            self._send(tag, op, *args)
+            self._send(Command(tag, body))
         except BaseException:
             self._pending.pop(tag, None)
             raise
@@ -144,46 +146,49 @@ class ProcessPort:
             future.add_done_callback(lambda done: done.cancelled() or done.exception())
             raise
 
-    def _post(self, op: str, *args: Any) -> None:
+    def _post(self, body: Free | Abort) -> None:
         """A command nobody waits for (its answer only updates the load figures); dropped if the engine is gone."""
         if self._gone is None:
             try:
-                self._send(0, op, *args)
+                self._send(Command(0, body))
             except Unavailable:
-                logger.warning("engine command %s dropped: %s", op, self._gone)
+                logger.warning("engine command %s dropped: %s", type(body).__name__, self._gone)
 
     async def allocate(self, num_tokens: int, pending: int = 0) -> tuple[list[int], int | None]:
         """Admission and allocation by the engine process's command thread. A caller cancelled while it waits
         leaves nothing behind: the pages are freed when the answer comes."""
-        future = self._call("reserve", num_tokens, pending)
-        task = asyncio.ensure_future(future)
+        task = asyncio.ensure_future(self._call(Reserve(num_tokens, pending)))
         try:
-            return await asyncio.shield(task)
+            reservation = await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(self._free_answer)
             raise
+        assert reservation is not None
+        return reservation
 
-    def _free_answer(self, task: asyncio.Future[Any]) -> None:
+    def _free_answer(self, task: asyncio.Future[Reservation | None]) -> None:
         if not task.cancelled() and task.exception() is None:
-            self.free(*task.result())
+            reservation = task.result()
+            if reservation is not None:
+                self.free(*reservation)
 
     def free(self, page_ids: list[int], state_slot: int | None) -> None:
-        self._post("free", page_ids, state_slot)
+        self._post(Free(page_ids, state_slot))
 
     async def add(self, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int],
                   params: SamplingParams, state_slot: int | None) -> None:
         try:
-            await self._call("add", request_id, prompt_ids, first_token, page_ids, params, state_slot)
+            await self._call(Add(request_id, prompt_ids, first_token, page_ids, params, state_slot))
         except asyncio.CancelledError:  # the command still runs: an abort after it (FIFO) frees the pages
             self.abort_soon(request_id)
             raise
 
     def abort_soon(self, request_id: str) -> None:
-        self._post("abort", request_id)
+        self._post(Abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         if self._gone is None:
-            await self._call("abort", request_id)
+            await self._call(Abort(request_id))
 
     # --- event loop: what the engine process sends -------------------------------------------------------
     def _on_events(self) -> None:
@@ -199,31 +204,28 @@ class ProcessPort:
             if self._process.exitcode is not None:
                 self._on_exit()
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "out":
-            outputs = [WireOutput._make(output) for output in message[1]]
-            self.engine_steps += 1
-            self.engine_step_tokens += sum(len(output.new_token_ids) for output in outputs)
-            self._update(message[2])
-            self._streams.deliver(outputs)
-        elif kind == "reply":
-            _, tag, error, value, load = message
-            self._update(load)
-            future = self._pending.pop(tag, None)
-            if future is not None and not future.done():
-                if error is None:
-                    future.set_result(value)
-                else:
-                    future.set_exception(_ERRORS.get(error[0], RuntimeError)(error[1]))
-        elif kind == "failed":  # the engine process aborted the step's requests already
-            _, failed, text, load = message
-            self._update(load)
-            self._streams.fail(failed, f"engine step failed: {text}")
-        elif kind == "ready" and self._ready is not None and not self._ready.done():
-            self._ready.set_result(message[1])
-        elif kind == "error" and self._ready is not None and not self._ready.done():
-            self._ready.set_exception(RuntimeError(message[1]))
+    def _handle(self, event: Event) -> None:
+        match event:
+            case Outputs(outputs, load):
+                self.engine_steps += 1
+                self.engine_step_tokens += sum(len(output.new_token_ids) for output in outputs)
+                self._update(load)
+                self._streams.deliver(outputs)
+            case Reply(tag, error, value, load):
+                self._update(load)
+                future = self._pending.pop(tag, None)
+                if future is not None and not future.done():
+                    if error is None:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(error.exception())
+            case StepFailed(failed, text, load):  # the engine process aborted the step's requests already
+                self._update(load)
+                self._streams.fail(failed, f"engine step failed: {text}")
+            case Ready(facts) if self._ready is not None and not self._ready.done():
+                self._ready.set_result(facts)
+            case StartFailed(text) if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(RuntimeError(text))
 
     def _update(self, load: Load) -> None:
         if self.engine is not None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import grpc
 
 from decode_worker.config import DecodeWorkerConfig
+from decode_worker.engine_api import EngineFigures
 from decode_worker.servicer import DecodeServicer
 from decode_worker.service import DecodeService
 from engine.device_ipc import ipc_for
@@ -21,6 +21,7 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.grpc_servicer import KVTransferAioServicer
 from kvtransfer.shm_pool import SharedPagePool, cleanup_stale_segments
 from kvtransfer.shm_receiver import ShmReceiver
+from kvtransfer.transport import KVReceiver
 from decode_worker.metrics import decode_registry
 from rpc import server
 from rpc.interceptors import server_interceptors
@@ -40,10 +41,10 @@ class _Receivers:
     host pages on the CPU stand-in; through a host mirror and a copy to the device on a GPU)."""
 
     def __init__(self) -> None:
-        self.pools: list[Any] = []
+        self.pools: list[SharedPagePool | DevicePagePool] = []
         self.push: PushReceiver | None = None
 
-    def __call__(self, engine: Any) -> dict[TransportKind, Any]:
+    def __call__(self, engine: EngineFigures) -> dict[TransportKind, KVReceiver]:
         layout = KVLayout.from_cache_shape(engine.cache_shape)
         if engine.config.kv_pool != "device":
             self.pools = [SharedPagePool.attach(name, layout) for name in engine.pool_names]

@@ -4,34 +4,31 @@
 reserve  -> allocates the prompt's pages (and, for linear attention, a state slot) under a lease and
             registers it with the KV receiver of the requested transport (its Destination tells
             prefill where to write). Answered on the event loop, without waiting for the engine step.
-decode   -> claims the lease, waits for the KV to be complete and verified, hands the request to the
-            engine (add_prefilled) and yields its tokens as the engine thread produces them.
+run_decode -> claims the lease, waits for the KV to be complete and verified, hands the request to the
+            engine (add_prefilled) and hands its tokens to the caller's sink as each engine step is delivered.
 release  -> frees whatever the request holds (unclaimed lease or running request). Idempotent.
 A sweeper frees the pages (and state slots) of leases nobody claimed in time.
 
 If the running requests' growth still runs out of pages, the engine preempts the newest running request
 and recomputes it later (its stream just pauses).
 
-The engine runs on a thread of this process (engine_port.ThreadPort) or, with config.engine_process, in an
-engine process of its own (process_port.ProcessPort), where this process's event loop cannot take the GIL
-from the step loop.
+The engine runs in an engine process of its own (process_port.ProcessPort), where this process's event loop
+cannot take the GIL from the step loop (tests may hand in another EnginePort, e.g. one running the engine on
+a thread of theirs).
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from decode_worker.admission import DecodeUpdate
 from decode_worker.config import DecodeWorkerConfig
-from decode_worker.engine_port import LoadSnapshot, ThreadPort
-from decode_worker.engine_process import build_engine
+from decode_worker.engine_api import EngineFigures, EnginePort, LoadSnapshot
 from decode_worker.leases import ReservationBook
-from decode_worker.streams import Streams
-from engine.config_base import alias
+from decode_worker.process_port import ProcessPort
+from decode_worker.streams import Sink, Streams, updates_of
 from engine.sampling_params import SamplingParams
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
@@ -46,33 +43,29 @@ logger = logging.getLogger(__name__)
 
 class DecodeService:
     """receivers_factory(engine) -> {transport: KVReceiver}, built once the engine (and its pools) exist.
-    engine_factory (tests): builds the engine on an engine thread of this process, whatever the config says.
-    on_engine_lost(reason): an engine process died while serving (its streams have failed already)."""
+    on_engine_lost(reason): the engine process died while serving (its streams have failed already).
+    port_factory (tests): where the engine runs instead of an engine process, given the service's Streams."""
 
-    def __init__(self, config: DecodeWorkerConfig, receivers_factory: Callable[[Any], Mapping[TransportKind, KVReceiver]],
-                 engine_factory: Callable[[], Any] | None = None,
-                 on_engine_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: DecodeWorkerConfig,
+                 receivers_factory: Callable[[EngineFigures], Mapping[TransportKind, KVReceiver]],
+                 on_engine_lost: Callable[[str], None] | None = None,
+                 port_factory: Callable[[Streams], EnginePort] | None = None) -> None:
         self.config = config
         self._receivers_factory = receivers_factory
         self.receivers: Mapping[TransportKind, KVReceiver] = {}
         self._streams = Streams(self._abort_soon)
-        if config.engine_process and engine_factory is None:
-            from decode_worker.process_port import ProcessPort
-
-            self._port: Any = ProcessPort(config, self._streams, on_engine_lost)
-        else:
-            self._port = ThreadPort(engine_factory or (lambda: build_engine(config)), self._streams,
-                                    config.spec_block_size)
+        self._port: EnginePort = (port_factory(self._streams) if port_factory is not None
+                                  else ProcessPort(config, self._streams, on_engine_lost))
         self._book: ReservationBook | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.engine: Any = None
+        self._tasks: set[asyncio.Task[bool]] = set()
+        self._engine: EngineFigures | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.engine = await self._port.start()
-        self.receivers = dict(self._receivers_factory(self.engine))
-        self._book = ReservationBook(self.config, self.engine, self.receivers, self._port)
+        self._engine = await self._port.start()
+        self.receivers = dict(self._receivers_factory(self._engine))
+        self._book = ReservationBook(self.config, self._engine, self.receivers, self._port)
         self._sweeper = asyncio.create_task(self._book.sweep())
 
     async def stop(self) -> None:
@@ -86,6 +79,12 @@ class DecodeService:
         if self._book is None:
             raise RuntimeError("DecodeService.start() has not run")
         return self._book
+
+    @property
+    def engine(self) -> EngineFigures:
+        if self._engine is None:
+            raise RuntimeError("DecodeService.start() has not run")
+        return self._engine
 
     @property
     def load(self) -> LoadSnapshot:
@@ -105,8 +104,10 @@ class DecodeService:
     def lease_expiries(self) -> int:
         return self._book.expiries if self._book is not None else 0
 
-    engine_steps = alias("_port.engine_steps")
-    engine_step_tokens = alias("_port.engine_step_tokens")
+    @property
+    def port(self) -> EnginePort:
+        """Where the engine runs (its engine_steps / engine_step_tokens: batch occupancy)."""
+        return self._port
 
     def _abort_soon(self, request_id: str) -> None:
         self._port.abort_soon(request_id)
@@ -122,15 +123,17 @@ class DecodeService:
         if self.book.release_unclaimed(request_id, lease_id):
             logger.info("reservation of %s was not delivered; freed it", request_id)
 
-    async def decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
-                     params: SamplingParams, stream_interval: int = 1) -> AsyncIterator[DecodeUpdate]:
-        """Yields the request's tokens: an update after every engine step that produced some, or (with
-        stream_interval > 1) once at least that many tokens are ready, and always when it finishes."""
+    async def run_decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
+                         params: SamplingParams, stream_interval: int, sink: Sink) -> None:
+        """Claims the lease, admits the KV, adds the request to the engine and returns once it finished; its
+        updates go to sink as the engine's steps are delivered: after every step that produced tokens, or
+        (stream_interval > 1) once at least that many are ready, and always when it finishes. Cancelled (the
+        caller left early): the request is aborted and its pages freed."""
         if not 0 <= stream_interval <= MAX_STREAM_INTERVAL:
             raise InvalidArgument("stream_interval", f"must be in 0..{MAX_STREAM_INTERVAL}, got {stream_interval}")
         book = self.book
         held = book.claim(request_id, lease_id, len(prompt_ids), params.max_new_tokens)
-        self._streams.open(request_id)
+        self._streams.open(request_id, max(1, stream_interval), sink)
         try:
             if held.receiver.admit_now(request_id, INLINE_CHECKSUM_BYTES) is None:  # else: no thread hop
                 await asyncio.to_thread(held.receiver.admit, request_id, self.config.admit_timeout_s)
@@ -148,11 +151,15 @@ class DecodeService:
             book.forget(request_id)
             raise
         try:
-            async with contextlib.aclosing(self._streams.stream(request_id, max(1, stream_interval))) as updates:
-                async for update in updates:
-                    yield update
+            await self._streams.run(request_id)
         finally:
             book.forget(request_id)
+
+    def decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
+               params: SamplingParams, stream_interval: int = 1) -> AsyncIterator[DecodeUpdate]:
+        """run_decode's updates as an async iterator (tests, benchmarks); leaving early aborts the request."""
+        return updates_of(lambda sink: asyncio.ensure_future(
+            self.run_decode(request_id, lease_id, prompt_ids, first_token, params, stream_interval, sink)))
 
     async def release(self, request_id: str) -> bool:
         held = self.book.get(request_id)

@@ -1,19 +1,19 @@
 """gRPC Decode servicer: protobuf <-> DecodeService calls, nothing else."""
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 
-from decode_worker.admission import DecodeUpdate
-from decode_worker.decode_stream import DecodeStreams
+from decode_worker.decode_stream import DecodeSession
 from decode_worker.service import DecodeService
+from decode_worker.streams import Sink
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import TransportKind
-from rpc.convert import load_method, logprob_to_proto, sampling_fields
-from rpc.status import InvalidArgument, parse_field, streaming, unary
+from rpc.convert import load_method, sampling_fields
+from rpc.status import InvalidArgument, parse_field, unary
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from rpc.stream_sessions import StreamSessions
 
 
 def transport_from_proto(value: int) -> TransportKind:
@@ -29,7 +29,7 @@ def transport_from_proto(value: int) -> TransportKind:
 class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     def __init__(self, service: DecodeService) -> None:
         self._service = service
-        self._streams = DecodeStreams()
+        self._streams = StreamSessions()
 
     @unary
     async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
@@ -45,37 +45,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         context.add_done_callback(on_done)
         return worker_pb2.ReserveResponse(destination=destination.to_proto())
 
-    @streaming
-    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        finished = False
-
-        def on_done(_: object) -> None:  # the stream ended without finishing (client cancel): free the request
-            if not finished:
-                self._service.release_soon(request.request_id)
-
-        context.add_done_callback(on_done)
-        async with contextlib.aclosing(self._updates(request)) as stream:
-            async for update in stream:
-                finished = update.finished
-                response = worker_pb2.DecodeResponse(token_ids=update.token_ids, finished=finished,
-                                                     finish_reason=update.finish_reason or "", decode_steps=update.steps)
-                if update.logprobs:
-                    response.logprobs.extend(logprob_to_proto(lp) for lp in update.logprobs)
-                yield response
-
     async def DecodeStream(self, requests: AsyncIterator[worker_pb2.DecodeStreamRequest],
                            context: grpc.aio.ServicerContext) -> None:
-        await self._streams.serve(requests, context, self._updates, self._service.release_soon)
+        await self._streams.serve(DecodeSession(context, self._run, self._service.release_soon), requests)
 
     def drain(self) -> None:
         """Shutdown began: open DecodeStreams take no new requests and end once theirs have finished."""
         self._streams.drain()
 
-    def _updates(self, request: worker_pb2.DecodeRequest) -> AsyncIterator[DecodeUpdate]:
-        """One request's updates, for both RPCs (raises InvalidArgument for bad sampling settings)."""
+    async def _run(self, request: worker_pb2.DecodeRequest, sink: Sink) -> None:
+        """One request, its updates to sink, until it ends (raises InvalidArgument for bad sampling settings)."""
         params = parse_field("sampling", SamplingParams, **sampling_fields(request.sampling))
-        return self._service.decode(request.request_id, request.lease_id, list(request.token_ids), request.first_token,
-                                    params, request.stream_interval)
+        await self._service.run_decode(request.request_id, request.lease_id, list(request.token_ids),
+                                       request.first_token, params, request.stream_interval, sink)
 
     @unary
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
+from decode_worker.engine_api import DecodeEngine
+from engine.engine_types import StepOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -16,8 +17,9 @@ class StepLoop:
     """hand_over(outputs): a step's outputs (called only when there are some); on_failure(engine, error): a step
     raised (the step's requests are the caller's to fail); after(engine): runs after every work call."""
 
-    def __init__(self, hand_over: Callable[[list[Any]], None], on_failure: Callable[[Any, Exception], None],
-                 after: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, hand_over: Callable[[list[StepOutput]], None],
+                 on_failure: Callable[[DecodeEngine, Exception], None],
+                 after: Callable[[DecodeEngine], None] | None = None) -> None:
         self._hand_over = hand_over
         self._on_failure = on_failure
         self._after = after
@@ -25,7 +27,7 @@ class StepLoop:
         self.engine_steps = 0  # engine steps that produced output, and the tokens they produced (batch occupancy)
         self.engine_step_tokens = 0
 
-    def work(self, engine: Any) -> bool:
+    def work(self, engine: DecodeEngine) -> bool:
         """One step if there is work; True when there is more."""
         if self.force_step or engine.has_work():
             self.force_step = False
@@ -43,7 +45,7 @@ class StepLoop:
             self._after(engine)
         return engine.has_work()
 
-    def add(self, engine: Any, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int],
+    def add(self, engine: DecodeEngine, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int],
             params: SamplingParams, state_slot: int | None) -> None:
         """A request whose KV is in place joins the running batch; if the engine refuses it, its pages (and
         state slot) go back to the pool and the error is raised again."""
@@ -54,12 +56,12 @@ class StepLoop:
             raise
         self.force_step = True  # emits the request even if it finished on its first token
 
-    def abort(self, engine: Any, request_id: str) -> None:
+    def abort(self, engine: DecodeEngine, request_id: str) -> None:
         if engine.abort(request_id):
             self.force_step = True
 
     @staticmethod
-    def abort_each(engine: Any, request_ids: list[str]) -> None:
+    def abort_each(engine: DecodeEngine, request_ids: list[str]) -> None:
         """Aborts requests after a failed step (each failure logged, none stops the others)."""
         for request_id in request_ids:
             try:

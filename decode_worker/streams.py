@@ -1,18 +1,19 @@
-"""The per-request mailboxes the engine's step outputs are sorted into, and the streams that read them.
+"""The engine's step outputs, turned into each request's updates as they are delivered.
 
-Whoever runs the engine (an engine thread in this process, decode_worker/engine_port.py, or an engine
-process, decode_worker/process_port.py) hands each batch of step outputs to `deliver` on the event loop,
-which sorts them into the mailboxes of the requests being streamed. A stream merges whatever piled up in
-its mailbox into one update (or waits for stream_interval tokens). A failed step ends the running streams
-with an error; a stream whose reader leaves early asks for its request to be aborted in the engine."""
+Whoever runs the engine (the engine process, decode_worker/process_port.py; a test's engine thread) hands each
+batch of step outputs to `deliver` on the event loop, which gives each claimed request's outputs to its
+RequestStream: it merges them into an update (at once, or once stream_interval tokens are ready) and hands the
+update to the request's sink there and then - no task is woken per request per step (a DecodeStream's sink
+puts it in the stream's outbox). A failed step ends the running requests with EngineFailed; a request whose
+caller leaves early is aborted in the engine."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
 
-from decode_worker.admission import DecodeUpdate, merge_outputs, new_tokens
+from decode_worker.admission import DecodeUpdate, EngineOutput, merge_outputs, merge_updates, new_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -21,91 +22,122 @@ class EngineFailed(Exception):
     """Ends a stream: the engine step failed, the engine process died or the worker is shutting down."""
 
 
-class _Mailbox:
-    """What the engine produced for one stream and its reader has not taken yet: a list and at most one
-    waiting reader (lighter than an asyncio.Queue: one wake-up per engine step, whatever piled up)."""
+# Where a request's updates go, on the event loop, as they are made.
+Sink = Callable[[DecodeUpdate], None]
 
-    def __init__(self) -> None:
-        self._items: list[Any] = []
-        self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, item: Any) -> None:
-        self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+class RequestStream:
+    """One claimed request: its outputs merged into updates for `sink` (the first step's first token, which
+    prefill produced, dropped); `ended` resolves once the request finished, or fails with EngineFailed."""
 
-    async def take(self) -> list[Any]:
-        """Everything queued so far (waits for at least one item)."""
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        items, self._items = self._items, []
-        return items
+    def __init__(self, interval: int, sink: Sink) -> None:
+        self._interval = interval
+        self._sink = sink
+        self._context = contextvars.copy_context()  # the opener's: its log lines name the request
+        self._items: list[EngineOutput] = []
+        self._skip_first = True
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def put(self, output: EngineOutput) -> None:
+        if self.ended.done():
+            return
+        items = self._items
+        items.append(output)
+        if not output.finished and new_tokens(items, self._skip_first) < self._interval:
+            return
+        update = merge_outputs(items, self._skip_first)
+        self._skip_first = self._skip_first and not any(item.new_token_ids for item in items)
+        self._items = []
+        if update.finished:  # logged before the last update leaves, so the line precedes the reply
+            self._context.run(logger.info, "decode finished (%s)", update.finish_reason)
+        self._sink(update)
+        if update.finished:
+            self.ended.set_result(None)
+
+    def fail(self, reason: str) -> None:
+        if not self.ended.done():
+            self.ended.set_exception(EngineFailed(reason))
 
 
 class Streams:
-    """Event loop only. abort_soon(request_id): asks the engine to abort a request whose reader left early."""
+    """Event loop only. abort_soon(request_id): asks the engine to abort a request whose caller left early."""
 
     def __init__(self, abort_soon: Callable[[str], None]) -> None:
         self._abort_soon = abort_soon
-        self._mailboxes: dict[str, _Mailbox] = {}  # claimed requests
+        self._streams: dict[str, RequestStream] = {}  # claimed requests
 
-    def open(self, request_id: str) -> None:
-        """A claimed request: its outputs are kept from now on (and a failed step ends its stream)."""
-        self._mailboxes[request_id] = _Mailbox()
+    def open(self, request_id: str, interval: int, sink: Sink) -> None:
+        """A claimed request: its outputs go to sink from now on (and a failed step ends it)."""
+        self._streams[request_id] = RequestStream(interval, sink)
 
     def close(self, request_id: str) -> None:
-        self._mailboxes.pop(request_id, None)
+        self._streams.pop(request_id, None)
 
     def open_ids(self) -> list[str]:
-        return list(self._mailboxes)
+        return list(self._streams)
 
-    def deliver(self, outputs: Iterable[Any]) -> None:
-        """Step outputs (objects with request_id, new_token_ids, finished, finish_reason, logprobs), in order."""
-        mailboxes = self._mailboxes
+    def deliver(self, outputs: Iterable[EngineOutput]) -> None:
+        """Step outputs, in order."""
+        streams = self._streams
         for output in outputs:
-            mailbox = mailboxes.get(output.request_id)
-            if mailbox is not None:
-                mailbox.put(output)
+            stream = streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
 
     def fail(self, request_ids: Iterable[str], reason: str) -> None:
         for request_id in request_ids:
-            mailbox = self._mailboxes.get(request_id)
-            if mailbox is not None:
-                mailbox.put(EngineFailed(reason))
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.fail(reason)
 
     def fail_all(self, reason: str) -> None:
-        self.fail(list(self._mailboxes), reason)
+        self.fail(list(self._streams), reason)
 
-    async def stream(self, request_id: str, interval: int) -> AsyncIterator[DecodeUpdate]:
-        """The request's updates until it finishes. Leaving early (cancel, release) aborts it in the engine."""
-        mailbox = self._mailboxes[request_id]
-        skip_first, done = True, False
-        items: list[Any] = []
+    async def run(self, request_id: str) -> None:
+        """Until the request finishes (raises EngineFailed if its engine failed). Leaving early (cancelled: the
+        caller went away, was released or timed out) aborts it in the engine."""
+        stream, done = self._streams[request_id], False
         try:
-            while True:
-                taken = await mailbox.take()  # the reader may have fallen behind: merge what piled up
-                for item in taken:
-                    if isinstance(item, EngineFailed):
-                        done = True
-                        raise item
-                items += taken
-                if not items[-1].finished and new_tokens(items, skip_first) < interval:
-                    continue
-                update = merge_outputs(items, skip_first)
-                skip_first = skip_first and not any(output.new_token_ids for output in items)
-                items = []
-                done = update.finished
-                if update.finished:  # logged before the last chunk leaves, so the line precedes the reply
-                    logger.info("decode finished (%s)", update.finish_reason)
-                yield update
-                if update.finished:
-                    return
+            await asyncio.shield(stream.ended)
+            done = True
+        except EngineFailed:
+            done = True
+            raise
         finally:
             self.close(request_id)
-            if not done:  # the caller went away (cancel / release): stop generating, free the pages
+            if not done:  # stop generating, free the pages
                 logger.info("decode stream of %s ended early; aborting it", request_id)
                 self._abort_soon(request_id)
+
+
+async def updates_of(run: Callable[[Sink], asyncio.Future[None] | asyncio.Task[None]]) -> AsyncIterator[DecodeUpdate]:
+    """A request's updates as an async iterator (tests, benchmarks): run(sink) starts the request (a task that
+    ends with it); updates that pile up while the caller is busy are merged. Leaving early cancels the task."""
+    pending: list[DecodeUpdate] = []
+    wake: asyncio.Event = asyncio.Event()
+
+    def sink(update: DecodeUpdate) -> None:
+        pending.append(update)
+        wake.set()
+
+    task = run(sink)
+    task.add_done_callback(lambda _: wake.set())
+    try:
+        while True:
+            if pending:
+                taken, pending[:] = list(pending), []
+                update = merge_updates(taken)
+                yield update
+                if update.finished:
+                    break
+                continue
+            if task.done():
+                task.result()  # raises what the request failed with
+                return
+            wake.clear()
+            await wake.wait()
+        await task
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

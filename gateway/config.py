@@ -24,10 +24,7 @@ class GatewayConfig:
     standing_lease_tokens: > 0 (the default, DEFAULT_STANDING_LEASE_TOKENS) keeps one spare reservation of that
     many prompt tokens per decode worker with room for two (gateway/standing_leases.py), taken by a request
     whose prompt fits instead of a Reserve round trip before its prefill; longer prompts Reserve as before
-    (0: off); standing_lease_ttl_s: the lease a spare asks for. prefill_stream: send prefills over one
-    long-lived PrefillStream per prefill worker (gateway/prefill_stream.py) instead of a unary Prefill call each.
-    decode_stream: run decodes over one long-lived DecodeStream per decode worker (gateway/decode_stream.py: one
-    message per engine step for all its requests) instead of a server-streaming Decode call each."""
+    (0: off); standing_lease_ttl_s: the lease a spare asks for."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -49,8 +46,6 @@ class GatewayConfig:
     tls_key: str | None = None
     standing_lease_tokens: int = DEFAULT_STANDING_LEASE_TOKENS
     standing_lease_ttl_s: float = 30.0
-    prefill_stream: bool = True
-    decode_stream: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))

@@ -1,32 +1,26 @@
-"""The gateway's side of DecodeStream: one long-lived, multiplexed Decode stream per decode worker, which
-carries every running request's tokens of an engine step in one message instead of one message per
-request (the per-message gRPC work was most of the decode worker's CPU per token past the engine's).
+"""The gateway's side of DecodeStream: one long-lived, multiplexed stream per decode worker carries every
+running request's tokens of an engine step in one message instead of one message per request (the
+per-message gRPC work was most of the decode worker's CPU per token past the engine's).
 
-The stream is opened by the first request that needs it; a writer task sends the request and cancel
-messages in order (a gRPC call takes one write at a time), and a reader task hands each update and error
-entry to its request's DecodeCall. A DecodeCall is used as the unary Decode call is: async iteration of
-DecodeResponse-like chunks (DecodeStreamUpdate has DecodeResponse's fields), cancel(), and a
-grpc.aio.AioRpcError with the code the unary call would have ended with: the worker's status for a request
-it failed; UNAVAILABLE for every request on a stream that broke (the worker died; the stream's own status
-when it was refused outright, e.g. UNAUTHENTICATED), after which the next request opens a new stream.
-cancel() (or the local deadline) sends a cancel message, which aborts the request on the worker as a
-cancelled unary call does; a request cancelled before it was sent is not sent. The per-request deadline
-travels as timeout_ms and is also kept here (LOCAL_DEADLINE_GRACE_S later), as prefill_stream.py does."""
+The writer task (worker_stream.OpenStream) sends the request and cancel messages in order, and the reader task
+hands each update and error entry to its request's DecodeCall: async iteration of DecodeStreamUpdate chunks,
+cancel(), and a grpc.aio.AioRpcError for a request that failed: the worker's status for a request it failed;
+UNAVAILABLE for every request on a stream that broke (the worker died; the stream's own status when it was
+refused outright, e.g. UNAUTHENTICATED), after which the next request opens a new stream. cancel() (or the
+local deadline) sends a cancel message, which aborts the request on the worker; a request cancelled before it
+was sent is not sent. The per-request deadline travels as timeout_ms and is also kept here
+(LOCAL_DEADLINE_GRACE_S later), as prefill_stream.py does."""
 from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
-from gateway.worker_stream import LOCAL_DEADLINE_GRACE_S, Metadata, code_of, ended_status, rpc_error, stop_tasks
+from gateway.worker_stream import (LOCAL_DEADLINE_GRACE_S, Metadata, OpenStream, WorkerStream, code_of, rpc_error,
+                                   timeout_ms)
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
-from rpc.logging_setup import REQUEST_ID_KEY
-
-logger = logging.getLogger(__name__)
 
 
 class DecodeCall:
@@ -39,7 +33,8 @@ class DecodeCall:
         self.ended = False  # the finished chunk or the failure is queued: nothing more comes
         self.ended_by_worker = False  # it finished or failed there (nothing to cancel on the worker)
         self.on_end: Callable[[DecodeCall], None] | None = None
-        self._items: collections.deque[Any] = collections.deque()  # chunks, then possibly an exception
+        # chunks, then possibly an exception
+        self._items: collections.deque[worker_pb2.DecodeStreamUpdate | BaseException] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
 
     def __aiter__(self) -> DecodeCall:
@@ -60,7 +55,7 @@ class DecodeCall:
         return item
 
     def cancel(self) -> bool:
-        """As a grpc call's cancel(): False when it had ended already; iterating raises CancelledError."""
+        """False when it had ended already; iterating raises CancelledError."""
         return self.fail(asyncio.CancelledError())
 
     def put(self, chunk: worker_pb2.DecodeStreamUpdate) -> None:
@@ -90,103 +85,58 @@ class DecodeCall:
             self._waiter.set_result(None)
 
 
-class _Open:
-    """One DecodeStream call with its writer and reader tasks and the requests running on it."""
+class _Open(OpenStream[worker_pb2.DecodeStreamRequest, worker_pb2.DecodeStreamResponse, DecodeCall]):
+    async def send(self, message: worker_pb2.DecodeStreamRequest, call: DecodeCall) -> None:
+        if not message.HasField("request"):  # a cancel
+            await self.call.write(message)
+            return
+        if call.ended:  # a request cancelled before it was sent is not sent
+            return
+        await self.call.write(message)
+        call.sent = True
+        if call.ended and not call.ended_by_worker:  # cancelled while being sent: tell the worker
+            self.cancel_on_worker(call)
 
-    def __init__(self, stub: worker_pb2_grpc.DecodeServiceStub, metadata: Metadata, address: str) -> None:
-        self.address = address
-        self.call = stub.DecodeStream(metadata=metadata)
-        self.pending: dict[str, DecodeCall] = {}
-        self.outbox: asyncio.Queue[tuple[worker_pb2.DecodeStreamRequest, DecodeCall]] = asyncio.Queue()
-        self.broken = False
-        self._writer = asyncio.create_task(self._write())
-        self._reader = asyncio.create_task(self._read())
+    def deliver(self, message: worker_pb2.DecodeStreamResponse) -> None:
+        pending = self.pending
+        for update in message.updates:
+            call = pending.get(update.request_id)
+            if call is not None:  # (None: dropped by its caller meanwhile)
+                call.put(update)
+        for error in message.errors:
+            call = pending.get(error.request_id)
+            if call is not None:
+                call.fail(rpc_error(code_of(error.code), error.message, error.status_details), by_worker=True)
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                message, call = await self.outbox.get()
-                if message.HasField("request"):
-                    if call.ended:  # a request cancelled before it was sent is not sent
-                        continue
-                    await self.call.write(message)
-                    call.sent = True
-                    if call.ended and not call.ended_by_worker:  # cancelled while being sent: tell the worker
-                        self.cancel_on_worker(call)
-                else:
-                    await self.call.write(message)
-        except asyncio.CancelledError:
-            raise
-        except (grpc.RpcError, asyncio.InvalidStateError) as error:
-            self.fail(error)
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                message = await self.call.read()
-                if message is grpc.aio.EOF:
-                    self.fail(None)
-                    return
-                pending = self.pending
-                for update in message.updates:
-                    call = pending.get(update.request_id)
-                    if call is not None:  # (None: dropped by its caller meanwhile)
-                        call.put(update)
-                for error in message.errors:
-                    call = pending.get(error.request_id)
-                    if call is not None:
-                        call.fail(rpc_error(code_of(error.code), error.message, error.status_details), by_worker=True)
-        except asyncio.CancelledError:
-            raise
-        except grpc.RpcError as error:
-            self.fail(error)
+    def fail_one(self, call: DecodeCall, error: grpc.aio.AioRpcError) -> None:
+        call.fail(error, by_worker=True)
 
     def cancel_on_worker(self, call: DecodeCall) -> None:
         """The caller ended a request the worker may still run: a cancel message aborts it there."""
         if call.sent and not self.broken:
             self.outbox.put_nowait((worker_pb2.DecodeStreamRequest(cancel_request_id=call.request_id), call))
 
-    def fail(self, error: BaseException | None, closing: bool = False) -> None:
-        """The stream is over: every pending request fails (UNAVAILABLE, unless the worker refused the stream
-        itself with another code, or the gateway is closing: CANCELLED); the next request opens a new one."""
-        if self.broken:
-            return
-        self.broken = True
-        code, details = ended_status(f"decode stream to {self.address}", error, closing)
-        if self.pending:
-            logger.warning("%s; failing %d running decodes with %s", details, len(self.pending), code.name)
-        for call in list(self.pending.values()):
-            call.fail(rpc_error(code, details), by_worker=True)
-        stop_tasks(self._writer, self._reader)
-        self.call.cancel()
 
-
-class DecodeStream:
+class DecodeStream(WorkerStream[worker_pb2.DecodeStreamRequest, worker_pb2.DecodeStreamResponse, DecodeCall]):
     """The multiplexed Decode of one decode worker (address: for messages only)."""
 
     def __init__(self, stub: worker_pb2_grpc.DecodeServiceStub, metadata: Metadata, address: str) -> None:
+        super().__init__(address, metadata)
         self._stub = stub
-        self._metadata = tuple(metadata)
-        self._address = address
-        self._open: _Open | None = None
-        self._closed = False
 
-    def call(self, request: worker_pb2.DecodeRequest, timeout: float | None, metadata: Metadata = ()) -> DecodeCall:
-        """What stub.Decode(request, timeout=, metadata=) does, over the stream: its chunks, cancel().
-        The x-request-id in metadata names the request in the worker's log."""
-        trace_id = next((str(value) for key, value in metadata if key == REQUEST_ID_KEY), "")
-        return self.submit(request, timeout, trace_id)
+    def _connect(self) -> _Open:
+        return _Open(self._stub.DecodeStream(metadata=self._metadata), f"decode stream to {self._address}")
 
     def submit(self, request: worker_pb2.DecodeRequest, timeout: float | None, trace_id: str = "") -> DecodeCall:
-        """Queues the request on the stream (opened if need be); no task of its own."""
+        """Queues the request on the stream (opened if need be); no task of its own. trace_id: the x-request-id
+        naming the request in the worker's log."""
         request_id = request.request_id
         call = DecodeCall(request_id)
-        if self._closed:
+        if self.closed:
             call.fail(rpc_error(grpc.StatusCode.CANCELLED, "the gateway is shutting down"))
             return call
-        if self._open is None or self._open.broken:
-            self._open = _Open(self._stub, self._metadata, self._address)
-        stream = self._open
+        stream = self.current()
+        assert isinstance(stream, _Open)
         if request_id in stream.pending:
             call.fail(rpc_error(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already decoding"))
             return call
@@ -203,18 +153,11 @@ class DecodeStream:
                 stream.cancel_on_worker(call)
 
         call.on_end = forget
-        message = worker_pb2.DecodeStreamRequest(request=request, trace_id=trace_id,
-                                                 timeout_ms=0 if timeout is None else max(1, round(timeout * 1000)))
+        message = worker_pb2.DecodeStreamRequest(request=request, trace_id=trace_id, timeout_ms=timeout_ms(timeout))
         stream.outbox.put_nowait((message, call))
         return call
 
-    async def close(self) -> None:
-        """Ends the stream (gateway shutdown): requests still running fail CANCELLED."""
-        self._closed = True
-        if self._open is not None:
-            self._open.fail(None, closing=True)
-
 
 def _expire(call: DecodeCall) -> None:
-    """The local deadline passed: DEADLINE_EXCEEDED, as a unary call's."""
+    """The local deadline passed: DEADLINE_EXCEEDED."""
     call.fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))

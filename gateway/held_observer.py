@@ -2,17 +2,19 @@
 the first token's path), then handed to the real observer in the order they happened."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Generic, TypeVar
+
+Observer = TypeVar("Observer")  # a RunObserver (gateway.orchestrator)
 
 
-class HeldObserver:
+class HeldObserver(Generic[Observer]):
     """Takes a RunObserver's calls (gateway.orchestrator) and keeps them until release(), which makes them
     on `observer`, in order, and returns it: the run then reports to the observer itself. The durations
     are taken when the run calls, so holding changes none of the values, only when they are recorded."""
 
-    def __init__(self, observer: Any) -> None:
+    def __init__(self, observer: Observer) -> None:
         self._observer = observer
-        self._calls: list[tuple[str, tuple[Any, ...]]] = []
+        self._calls: list[tuple[str, tuple[float | int | bool | None, ...]]] = []
 
     def admitted(self, queue_s: float, prompt_tokens: int, spare: bool = False) -> None:
         self._calls.append(("admitted", (queue_s, prompt_tokens, spare)))
@@ -32,7 +34,7 @@ class HeldObserver:
     def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None:
         self._calls.append(("finished", (e2e_s, decode_steps, decode_tokens)))
 
-    def release(self) -> Any:
+    def release(self) -> Observer:
         """Makes the held calls on the observer, in the order they came, and returns the observer."""
         calls, self._calls = self._calls, []
         for name, args in calls:

@@ -15,9 +15,11 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
-
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.http_generate import GenerateHandler, error_response, json_response
@@ -102,7 +104,8 @@ async def start_http(front: HttpFront, listen: str, max_body_bytes: int = MAX_ME
     host, port = listen.rsplit(":", 1)
     loop = asyncio.get_running_loop()
 
-    def make_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+    def make_request(message: RawRequestMessage, payload: StreamReader, protocol: RequestHandler,
+                     writer: AbstractStreamWriter, task: asyncio.Task[None]) -> web.BaseRequest:
         """Bodies up to the gRPC API's message limit (long prompts), not aiohttp's default 1 MiB."""
         return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body_bytes)
 

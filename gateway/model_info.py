@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from engine.models.registry import load_config
 
@@ -21,7 +20,7 @@ class SamplingDefaults:
     max_new_tokens: int | None = None
 
     @classmethod
-    def from_generation_config(cls, config: dict[str, Any]) -> SamplingDefaults:
+    def from_generation_config(cls, config: dict[str, object]) -> SamplingDefaults:
         """HF semantics: do_sample false means greedy whatever the temperature says."""
         temperature = config.get("temperature")
         if config.get("do_sample") is False:

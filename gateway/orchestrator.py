@@ -14,18 +14,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.decode_stream import DecodeCall
 from gateway.held_observer import HeldObserver
 from gateway.requests import GenerateJob
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
-from gateway.workers import DecodeWorker, PrefillWorker, WorkerPool, remaining
+from gateway.worker_clients import DecodeWorker, PrefillWorker
+from gateway.workers import WorkerPool, remaining
 from rpc.convert import sampling_to_proto
-from rpc.internal.v1 import worker_pb2
+from rpc.internal.v1 import kv_pb2, worker_pb2
 from rpc.logging_setup import bind_request_id, request_metadata
 from rpc.status import Unavailable, status_of
 from rpc.v1 import logprobs_pb2
@@ -37,8 +39,9 @@ logger = logging.getLogger(__name__)
 class TokensEvent:
     token_ids: list[int]
     text: str
-    logprobs: list[Any] = field(default_factory=list)  # logprobs_pb2.TokenLogprob, one per token when asked
-    prompt_logprobs: list[Any] = field(default_factory=list)  # the first event: prompt tokens 1 .. n-1 when asked
+    logprobs: list[logprobs_pb2.TokenLogprob] = field(default_factory=list)  # one per token when asked
+    # the first event: prompt tokens 1 .. n-1 when asked
+    prompt_logprobs: list[logprobs_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,14 @@ class RequestRun:
                  arrival: float, deadline: float | None, cleanup_timeout_s: float,
                  observer: RunObserver | None = None) -> None:
         self.job = job
-        # The id the workers know this run by: unique per run, so a client may reuse its request_id as
-        # soon as the Complete is sent while this run's cleanup still talks to the workers.
-        self.worker_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
-        self._metadata = request_metadata(job.request_id) + pool.metadata  # x-request-id (+ internal token)
+        # Two ids, each with one name from here to the workers: trace_id is the client's request id (the
+        # x-request-id every service's log lines carry: `trace_id` on the worker streams); request_id is the
+        # id the workers know this run by (`request_id` in every worker message), unique per run so that a
+        # client may reuse its id as soon as the Complete is sent while this run's cleanup still talks to the
+        # workers, or a standing lease's id when the run takes one.
+        self.trace_id = job.request_id
+        self.request_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
+        self._metadata = request_metadata(self.trace_id) + pool.metadata  # x-request-id (+ internal token)
         # what the run reports before its first token is out is recorded after (_release_observer)
         self._observer: RunObserver | HeldObserver | None = HeldObserver(observer) if observer is not None else None
         self._last_token_at: float | None = None
@@ -120,8 +127,8 @@ class RequestRun:
         self._prefill: PrefillWorker | None = None
         self._prefill_state = PrefillState.NONE
         self._decode_state = DecodeState.NONE
-        self._prefill_call: Any = None
-        self._decode_call: Any = None
+        self._prefill_call: asyncio.Future[worker_pb2.PrefillResponse] | None = None
+        self._decode_call: DecodeCall | None = None
         self._cancelling = False
         self._lease_deadline = 0.0  # time.time() when the decode lease lapses (its pages freed there)
         self.finished = False  # the final event is queued (cleanup may still be running)
@@ -139,7 +146,7 @@ class RequestRun:
 
     # --- the request path ---------------------------------------------------------------------------
     async def _produce(self) -> None:
-        bind_request_id(self.job.request_id)  # this task's log lines name the request
+        bind_request_id(self.trace_id)  # this task's log lines name the request
         try:
             await self._run()
         except asyncio.CancelledError:
@@ -147,7 +154,7 @@ class RequestRun:
         except Exception as error:  # noqa: BLE001 - every failure becomes an ErrorEvent
             status = status_of(error)
             if status.code == grpc.StatusCode.INTERNAL:
-                logger.exception("request %s failed", self.job.request_id)
+                logger.exception("request %s failed", self.trace_id)
             self.finished = True
             self._observe_end()
             self.events.put_nowait(ErrorEvent(status))
@@ -155,7 +162,7 @@ class RequestRun:
             try:
                 await asyncio.wait_for(self._cleanup(), self._cleanup_budget())
             except (asyncio.TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError) as error:
-                logger.warning("cleanup of request %s incomplete: %r", self.job.request_id, error)
+                logger.warning("cleanup of request %s incomplete: %r", self.trace_id, error)
 
     async def _run(self) -> None:
         job, params = self.job, self.job.params
@@ -164,10 +171,10 @@ class RequestRun:
         standing = self._pool.take_standing(len(job.prompt_ids))
         if standing is not None:  # a spare reservation: no Reserve round trip; run under its id on the workers
             self._decode, destination = standing
-            self.worker_id = destination.request_id
+            self.request_id = destination.request_id
         else:
             self._decode, destination = await self._pool.reserve(
-                self.worker_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=job.request_id)
+                self.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=self.trace_id)
         self._decode_state = DecodeState.RESERVED
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         self.admitted = True
@@ -191,10 +198,10 @@ class RequestRun:
         self._release_observer()  # (metrics held until the first token was handed on)
         if standing is not None:  # refill the spare now that it competes with neither prefill nor first token
             self._pool.refill_standing()
-        request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
+        request = worker_pb2.DecodeRequest(request_id=self.request_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)
-        self._decode_call = self._decode.decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
+        self._decode_call = self._decode.stream.submit(request, remaining(self._deadline), trace_id=self.trace_id)
         self._decode_state = DecodeState.STREAMING
         observer, first_chunk = self._observer, True
         async for chunk in self._decode_call:
@@ -209,9 +216,10 @@ class RequestRun:
                 self._decode_state = DecodeState.FINISHED
                 self._finish(chunk.finish_reason or "stop")
                 return
-        raise Unavailable(f"decode stream of {job.request_id} ended without finishing")
+        raise Unavailable(f"decode stream of {self.trace_id} ended without finishing")
 
-    async def _run_prefill(self, destination: Any, sampling: Any) -> Any:
+    async def _run_prefill(self, destination: kv_pb2.KVDestination,
+                           sampling: worker_pb2.WorkerSampling) -> worker_pb2.PrefillResponse:
         """Prefill on the least loaded worker; if that worker becomes unreachable (UNAVAILABLE: it died)
         the prompt is sent once more, to another reachable prefill worker, into the same destination."""
         try:
@@ -224,34 +232,31 @@ class RequestRun:
             except Unavailable:
                 raise error from None
             logger.warning("prefill worker lost during prefill of %s (%s); retrying once on %s",
-                           self.job.request_id, error.details(), retry.state.address)
+                           self.trace_id, error.details(), retry.load.address)
             return await self._prefill_on(retry, destination, sampling)
 
-    async def _prefill_on(self, worker: PrefillWorker, destination: Any, sampling: Any) -> Any:
+    async def _prefill_on(self, worker: PrefillWorker, destination: kv_pb2.KVDestination,
+                          sampling: worker_pb2.WorkerSampling) -> worker_pb2.PrefillResponse:
         self._prefill = worker
-        tokens = len(self.job.prompt_ids)
-        worker.state.outstanding_tokens += tokens
-        worker.state.outstanding_requests += 1
         self._prefill_state = PrefillState.INFLIGHT
-        try:
-            self._prefill_call = worker.prefill(
-                worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
-                                          sampling=sampling, destination=destination),
-                timeout=remaining(self._deadline), metadata=self._metadata)
-            response = await self._prefill_call
-        except grpc.aio.AioRpcError as error:
-            self._prefill_state = PrefillState.FAILED
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                self._pool.mark_unreachable(worker.state, error)
-            raise
-        finally:
-            worker.state.outstanding_tokens -= tokens
-            worker.state.outstanding_requests -= 1
+        with worker.load.claim(len(self.job.prompt_ids)):
+            try:
+                self._prefill_call = worker.stream.submit(
+                    worker_pb2.PrefillRequest(request_id=self.request_id, token_ids=self.job.prompt_ids,
+                                              sampling=sampling, destination=destination),
+                    remaining(self._deadline), trace_id=self.trace_id)
+                response = await self._prefill_call
+            except grpc.aio.AioRpcError as error:
+                self._prefill_state = PrefillState.FAILED
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._pool.mark_unreachable(worker.load, error)
+                raise
         self._prefill_state = PrefillState.OK
         return response
 
     # --- events -------------------------------------------------------------------------------------
-    def _emit(self, token_ids: list[int], logprobs: list[Any], prompt_logprobs: list[Any] | None = None) -> bool:
+    def _emit(self, token_ids: list[int], logprobs: list[logprobs_pb2.TokenLogprob],
+              prompt_logprobs: list[logprobs_pb2.TokenLogprob] | None = None) -> bool:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
         if self._observer is not None:
@@ -301,7 +306,7 @@ class RequestRun:
         return max(self._cleanup_timeout, self._lease_deadline - time.time() + self._cleanup_timeout)
 
     async def _cleanup(self) -> None:
-        request_id = self.worker_id
+        request_id = self.request_id
         if self._prefill_state in (PrefillState.INFLIGHT, PrefillState.FAILED):
             assert self._prefill is not None
             if self._prefill_call is not None:

@@ -1,28 +1,47 @@
 """Routing policies over worker load snapshots (pure: no I/O, testable with plain numbers).
 
 prefill: the healthy worker with the fewest outstanding prompt tokens (tracked by the gateway:
-         added when a Prefill is sent, removed when it returns).
+         PrefillLoad.claim while a prefill is out).
 decode:  the healthy worker with the most uncommitted pages, then the fewest running requests
-         (last GetDecodeLoad, adjusted by the gateway's own reservations since)."""
+         (last GetDecodeLoad, adjusted by the gateway's own reservations since: DecodeLoad's methods).
+The load dataclasses are the one owner of the gateway's load accounting."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from gateway.transport_choice import Placement
 
 
 @dataclass
-class PrefillState:
+class PrefillLoad:
+    """A prefill worker's load as the gateway counts it: the prompts it sent there and has no answer for yet.
+    The one place these counts change: claim() when a prefill is sent, release() when it is answered."""
+
     address: str
     healthy: bool = True
     outstanding_tokens: int = 0
     outstanding_requests: int = 0
     placement: Placement | None = None  # from its load answers (the transport choice)
 
+    @contextlib.contextmanager
+    def claim(self, num_tokens: int) -> Iterator[None]:
+        """Counts a prefill of num_tokens prompt tokens against the worker while the block runs."""
+        self.outstanding_tokens += num_tokens
+        self.outstanding_requests += 1
+        try:
+            yield
+        finally:
+            self.outstanding_tokens -= num_tokens
+            self.outstanding_requests -= 1
+
 
 @dataclass
-class DecodeState:
+class DecodeLoad:
+    """A decode worker's load: its last GetDecodeLoad answer, adjusted by what the gateway reserved there since.
+    The one place these figures change (polls, Reserve claims and their outcome, standing leases)."""
+
     address: str
     healthy: bool = True
     free_pages: int = 0        # uncommitted pages (what Reserve admits against)
@@ -34,6 +53,44 @@ class DecodeState:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // max(1, self.page_size))
+
+    def polled(self, free_pages: int, total_pages: int, running: int, page_size: int,
+               free_state_slots: int | None, placement: Placement) -> None:
+        """A load answer: its figures replace the estimates."""
+        self.free_pages, self.total_pages, self.running = max(0, free_pages), total_pages, running
+        self.page_size, self.free_state_slots, self.placement = page_size or 16, free_state_slots, placement
+
+    def claim(self, num_tokens: int) -> int:
+        """A Reserve for num_tokens is sent: counted now, not when its answer comes back, so the requests of a
+        burst routed meanwhile see it instead of all ranking the same snapshot first. Returns the pages
+        claimed (for unclaim / granted)."""
+        pages = self.pages_for(num_tokens)
+        self.free_pages -= pages
+        self.running += 1
+        return pages
+
+    def unclaim(self, pages: int) -> None:
+        """The Reserve that claimed `pages` did not succeed."""
+        self.free_pages += pages
+        self.running = max(0, self.running - 1)
+
+    def granted(self, claimed: int, pages: int) -> None:
+        """The Reserve that claimed `claimed` pages got `pages`: the estimate becomes the real count."""
+        self.free_pages += claimed - pages
+
+    def full(self) -> None:
+        """The worker refused a Reserve for room: no free pages until the next poll says otherwise."""
+        self.free_pages = 0
+
+    def spare_granted(self, pages: int) -> None:
+        """A standing lease of `pages` (and a state slot, for linear attention) was granted there."""
+        self.free_pages = max(0, self.free_pages - pages)
+        if self.free_state_slots is not None:  # until the next poll says otherwise
+            self.free_state_slots = max(0, self.free_state_slots - 1)
+
+    def spare_taken(self) -> None:
+        """A request took that worker's standing lease: it runs there."""
+        self.running += 1
 
 
 class RoundRobinTieBreak:
@@ -52,7 +109,7 @@ class PrefillRouter:
     def __init__(self) -> None:
         self._ties = RoundRobinTieBreak()
 
-    def rank(self, workers: Sequence[PrefillState]) -> list[int]:
+    def rank(self, workers: Sequence[PrefillLoad]) -> list[int]:
         """Indices of healthy workers, best first."""
         order = self._ties.order(len(workers))
         healthy = [i for i in order if workers[i].healthy]
@@ -63,7 +120,7 @@ class DecodeRouter:
     def __init__(self) -> None:
         self._ties = RoundRobinTieBreak()
 
-    def rank(self, workers: Sequence[DecodeState], num_tokens: int = 0) -> list[int]:
+    def rank(self, workers: Sequence[DecodeLoad], num_tokens: int = 0) -> list[int]:
         """Indices of healthy workers, best first; workers that cannot hold num_tokens go last
         (their Reserve is still tried: the snapshot may be stale)."""
         order = self._ties.order(len(workers))

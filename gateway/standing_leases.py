@@ -19,20 +19,31 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
+from gateway.config import GatewayConfig
+from gateway.worker_clients import DecodeWorker
 from rpc.internal.v1 import kv_pb2, worker_pb2
 from rpc.logging_setup import request_metadata
-
-if TYPE_CHECKING:
-    from gateway.workers import DecodeWorker, WorkerPool
 
 logger = logging.getLogger(__name__)
 RETRY_S = 1.0  # after a refused spare (no room, unreachable)
 REFUSED_RETRY_S = 60.0  # after a spare the worker can never grant (its context or pool is too small for it)
+
+
+class SparePool(Protocol):
+    """What the spares need of the worker pool (gateway/workers.WorkerPool)."""
+
+    config: GatewayConfig
+    decode: Sequence[DecodeWorker]
+    polled: asyncio.Event
+    metadata: tuple[tuple[str, str], ...]
+
+    def transport_for(self, decode: DecodeWorker) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,7 @@ class StandingLeases:
     """tokens: the prompt tokens each spare holds (longer prompts Reserve as usual); ttl_s: the lease asked
     for (the decode worker caps it at its lease TTL); a spare is used and kept while >= ttl_s / 2 is left."""
 
-    def __init__(self, pool: WorkerPool, tokens: int, ttl_s: float) -> None:
+    def __init__(self, pool: SparePool, tokens: int, ttl_s: float) -> None:
         if tokens <= 0 or ttl_s <= 0:
             raise ValueError("standing lease tokens and ttl_s must be positive")
         self._pool = pool
@@ -98,9 +109,9 @@ class StandingLeases:
                 continue
             del self._spares[index]
             self.taken += 1
-            state = spare.worker.state
-            state.running += 1
-            return spare.worker, narrowed_destination(spare.destination, num_prompt_tokens, state.page_size)
+            load = spare.worker.load
+            load.spare_taken()
+            return spare.worker, narrowed_destination(spare.destination, num_prompt_tokens, load.page_size)
         return None
 
     def refill_soon(self) -> None:
@@ -127,8 +138,7 @@ class StandingLeases:
 
     # --- refill -------------------------------------------------------------------------------------
     def _usable(self, spare: Spare) -> bool:
-        state = spare.worker.state
-        return (state.healthy and spare.left_s >= self.ttl_s / 2
+        return (spare.worker.load.healthy and spare.left_s >= self.ttl_s / 2
                 and self._pool.transport_for(spare.worker) == kv_pb2.TRANSPORT_SHM)
 
     async def _refill_forever(self) -> None:
@@ -139,7 +149,7 @@ class StandingLeases:
                 spare = self._spares.get(index)
                 if spare is not None and not self._usable(spare):
                     del self._spares[index]
-                    if worker.state.healthy:
+                    if worker.load.healthy:
                         self._release_soon(spare)  # an unreachable worker frees it when the lease lapses
                 due = time.monotonic() >= self._retry_at.get(index, 0.0)
                 if index not in self._spares and due and self._has_room(worker):
@@ -158,10 +168,10 @@ class StandingLeases:
     def _has_room(self, worker: DecodeWorker) -> bool:
         """Reachable, shm, and (by its last load report) room for two spares: never the last pages, nor the last
         state slot of a model with linear attention (a spare holds one)."""
-        state = worker.state
-        return (state.healthy and self._pool.transport_for(worker) == kv_pb2.TRANSPORT_SHM
-                and state.free_pages >= 2 * state.pages_for(self.tokens)
-                and (state.free_state_slots is None or state.free_state_slots >= 2))
+        load = worker.load
+        return (load.healthy and self._pool.transport_for(worker) == kv_pb2.TRANSPORT_SHM
+                and load.free_pages >= 2 * load.pages_for(self.tokens)
+                and (load.free_state_slots is None or load.free_state_slots >= 2))
 
     async def _grant(self, index: int, worker: DecodeWorker) -> None:
         request_id = f"standing.{uuid.uuid4().hex[:16]}"
@@ -172,16 +182,13 @@ class StandingLeases:
         except grpc.aio.AioRpcError as error:
             never = error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
             logger.log(logging.WARNING if never else logging.INFO, "no standing lease on %s: %s %s%s",
-                       worker.state.address, error.code().name, error.details(),
+                       worker.load.address, error.code().name, error.details(),
                        f" (asking again in {REFUSED_RETRY_S:.0f} s)" if never else "")
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                worker.state.free_pages = 0  # until the next poll says otherwise
+                worker.load.full()
             self._retry_at[index] = time.monotonic() + (REFUSED_RETRY_S if never else RETRY_S)
             return
-        state = worker.state
-        state.free_pages = max(0, state.free_pages - len(response.destination.page_ids))
-        if state.free_state_slots is not None:  # until the next poll says otherwise
-            state.free_state_slots = max(0, state.free_state_slots - 1)
+        worker.load.spare_granted(len(response.destination.page_ids))
         self._spares[index] = Spare(worker, response.destination)
 
     def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:

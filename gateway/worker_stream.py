@@ -1,24 +1,33 @@
-"""What the gateway's long-lived, multiplexed worker streams share (prefill_stream.py, decode_stream.py): the
-errors their requests fail with, shaped as the unary calls' would be, and the end of a stream."""
+"""What the gateway's long-lived, multiplexed worker streams share (prefill_stream.py, decode_stream.py): one
+open stream call with its writer task (a gRPC call takes one write at a time, and a write cancelled half-way
+would cancel the whole call, so one task sends the outbox in order), its reader task (each message handed to
+the stream's requests) and its fail loop (a stream that is over fails every request pending on it); the
+handle that opens a stream when the first request needs it and again after one broke; and the errors
+requests fail with (grpc.aio.AioRpcError carrying the status the worker answered with)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Generic, TypeVar
 
 import grpc
 
 from rpc.status import STATUS_DETAILS_KEY
 
+logger = logging.getLogger(__name__)
 # The local deadline fires this much after the request's: the worker's own DEADLINE_EXCEEDED answer (and the
-# gateway's incoming call, whose deadline this is) end the request first, as they do a unary call; the local
-# timer only covers a worker that never answers.
+# gateway's incoming call, whose deadline this is) end the request first; the local timer only covers a worker
+# that never answers.
 LOCAL_DEADLINE_GRACE_S = 0.1
-Metadata = Sequence[tuple[str, Any]]
+Metadata = Sequence[tuple[str, str | bytes]]
+Sent = TypeVar("Sent")  # a request message of the stream
+Received = TypeVar("Received")  # a response message of the stream
+Pending = TypeVar("Pending")  # what a request waits on (a future, a DecodeCall)
 
 
 def rpc_error(code: grpc.StatusCode, details: str, status_details: bytes = b"") -> grpc.aio.AioRpcError:
-    """The error a unary call ending with (code, details) raises; status_details: its google.rpc.Status."""
+    """The error of a request that ended with (code, details); status_details: its google.rpc.Status."""
     trailing = grpc.aio.Metadata((STATUS_DETAILS_KEY, status_details)) if status_details else grpc.aio.Metadata()
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
@@ -42,9 +51,97 @@ def ended_status(name: str, error: BaseException | None, closing: bool) -> tuple
     return error.code(), details
 
 
-def stop_tasks(*tasks: asyncio.Task[Any]) -> None:
-    """Cancels a stream's writer and reader tasks, but the one calling (it is ending anyway)."""
-    current = asyncio.current_task()
-    for task in tasks:
-        if task is not current:
-            task.cancel()
+def timeout_ms(timeout: float | None) -> int:
+    """A request's deadline as the stream messages carry it (0: none)."""
+    return 0 if timeout is None else max(1, round(timeout * 1000))
+
+
+class OpenStream(Generic[Sent, Received, Pending]):
+    """One open stream call: `pending` maps request ids to what their callers wait on; `outbox` holds the
+    messages to send, each with the request it belongs to. Subclasses say what a message means (deliver),
+    whether one is still worth sending and what follows its sending (send), and how a request fails (fail_one)."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, name: str) -> None:
+        self.call = call
+        self.name = name
+        self.pending: dict[str, Pending] = {}
+        self.outbox: asyncio.Queue[tuple[Sent, Pending]] = asyncio.Queue()
+        self.broken = False
+        self._writer = asyncio.create_task(self._write())
+        self._reader = asyncio.create_task(self._read())
+
+    async def send(self, message: Sent, pending: Pending) -> None:
+        await self.call.write(message)
+
+    def deliver(self, message: Received) -> None:
+        raise NotImplementedError
+
+    def fail_one(self, pending: Pending, error: grpc.aio.AioRpcError) -> None:
+        raise NotImplementedError
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                message, pending = await self.outbox.get()
+                await self.send(message, pending)
+        except asyncio.CancelledError:
+            raise
+        except (grpc.RpcError, asyncio.InvalidStateError) as error:
+            self.fail(error)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self.call.read()
+                if message is grpc.aio.EOF:
+                    self.fail(None)
+                    return
+                self.deliver(message)
+        except asyncio.CancelledError:
+            raise
+        except grpc.RpcError as error:
+            self.fail(error)
+
+    def fail(self, error: BaseException | None, closing: bool = False) -> None:
+        """The stream is over: every pending request fails (UNAVAILABLE, unless the worker refused the stream
+        itself with another code, or the gateway is closing: CANCELLED); the next request opens a new one."""
+        if self.broken:
+            return
+        self.broken = True
+        code, details = ended_status(self.name, error, closing)
+        if self.pending:
+            logger.warning("%s; failing %d pending requests with %s", details, len(self.pending), code.name)
+        for pending in list(self.pending.values()):
+            self.fail_one(pending, rpc_error(code, details))
+        current = asyncio.current_task()
+        for task in (self._writer, self._reader):  # (the one calling is ending anyway)
+            if task is not current:
+                task.cancel()
+        self.call.cancel()
+
+
+class WorkerStream(Generic[Sent, Received, Pending]):
+    """The multiplexed stream of one worker: opened by the first request that needs it and again after one
+    broke (address: for messages only)."""
+
+    def __init__(self, address: str, metadata: Metadata) -> None:
+        self._address = address
+        self._metadata = tuple(metadata)
+        self._open: OpenStream[Sent, Received, Pending] | None = None
+        self.closed = False
+
+    def _connect(self) -> OpenStream[Sent, Received, Pending]:
+        """Opens a new stream call (sending self._metadata)."""
+        raise NotImplementedError
+
+    def current(self) -> OpenStream[Sent, Received, Pending]:
+        """The open stream, opened now if there is none (or the last one broke)."""
+        if self._open is None or self._open.broken:
+            self._open = self._connect()
+        return self._open
+
+    async def close(self) -> None:
+        """Ends the stream (gateway shutdown): requests still pending fail CANCELLED."""
+        self.closed = True
+        if self._open is not None:
+            self._open.fail(None, closing=True)

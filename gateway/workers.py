@@ -1,61 +1,28 @@
-"""The gateway's view of its workers: one channel per worker, load polling, health, routing, and the
-Reserve call with its retry policy."""
+"""The gateway's view of its workers (worker_clients.py: one channel and stream per worker): load polling,
+health, routing, and the Reserve call with its retry policy."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
 from gateway.config import GatewayConfig
-from gateway.decode_stream import DecodeStream
-from gateway.prefill_stream import PrefillStream
-from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
+from gateway.router import DecodeLoad, DecodeRouter, PrefillLoad, PrefillRouter
 from gateway.standing_leases import StandingLeases
 from gateway.transport_choice import Placement, choose_transport
-from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from gateway.worker_clients import DecodeWorker, PrefillWorker, connect_decode, connect_prefill
+from rpc.internal.v1 import kv_pb2, worker_pb2
 from rpc.interceptors import token_metadata
 from rpc.logging_setup import request_metadata
-from rpc.server import CHANNEL_OPTIONS
 from rpc.status import ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
 TRANSPORT_VALUES = {"shm": kv_pb2.TRANSPORT_SHM, "grpc": kv_pb2.TRANSPORT_GRPC, "device": kv_pb2.TRANSPORT_DEVICE}
 # Reserve failures after which the worker may still hold a reservation for the request.
 _UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
-
-
-@dataclass
-class PrefillWorker:
-    state: PrefillState
-    channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.PrefillServiceStub
-    stream: PrefillStream | None = None  # the multiplexed Prefill (GatewayConfig.prefill_stream)
-
-    def prefill(self, request: worker_pb2.PrefillRequest, timeout: float | None, metadata: Any) -> Any:
-        """The Prefill call (awaitable, cancel()-able): over the worker's stream when it has one, else unary."""
-        if self.stream is not None:
-            return self.stream.call(request, timeout, metadata)
-        return self.stub.Prefill(request, timeout=timeout, metadata=metadata)
-
-
-@dataclass
-class DecodeWorker:
-    state: DecodeState
-    channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.DecodeServiceStub
-    stream: DecodeStream | None = None  # the multiplexed Decode (GatewayConfig.decode_stream)
-
-    def decode(self, request: worker_pb2.DecodeRequest, timeout: float | None, metadata: Any) -> Any:
-        """The Decode call (async-iterable chunks, cancel()-able): over the worker's stream when it has one,
-        else a server-streaming call of its own."""
-        if self.stream is not None:
-            return self.stream.call(request, timeout, metadata)
-        return self.stub.Decode(request, timeout=timeout, metadata=metadata)
 
 
 def remaining(deadline: float | None, floor: float = 0.001) -> float | None:
@@ -67,10 +34,8 @@ class WorkerPool:
     def __init__(self, config: GatewayConfig, on_health: Callable[[bool], None] | None = None) -> None:
         self.config = config
         self.metadata = token_metadata(config.internal_token)  # sent with every call to a worker
-        self.prefill = [self._prefill(address, self.metadata if config.prefill_stream else None)
-                        for address in config.prefill]
-        self.decode = [self._decode(address, self.metadata if config.decode_stream else None)
-                       for address in config.decode]
+        self.prefill = [connect_prefill(address, self.metadata) for address in config.prefill]
+        self.decode = [connect_decode(address, self.metadata) for address in config.decode]
         self._prefill_router = PrefillRouter()
         self._decode_router = DecodeRouter()
         self._on_health = on_health
@@ -79,22 +44,6 @@ class WorkerPool:
         self.polled = asyncio.Event()  # set after the first polling round
         self.standing = (StandingLeases(self, config.standing_lease_tokens, config.standing_lease_ttl_s)
                          if config.standing_lease_tokens else None)
-
-    @staticmethod
-    def _prefill(address: str, stream_metadata: tuple[tuple[str, str], ...] | None) -> PrefillWorker:
-        """stream_metadata: the metadata of the worker's PrefillStream (None: unary Prefill calls)."""
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        stub = worker_pb2_grpc.PrefillServiceStub(channel)
-        stream = PrefillStream(stub, stream_metadata, address) if stream_metadata is not None else None
-        return PrefillWorker(PrefillState(address, healthy=False), channel, stub, stream)
-
-    @staticmethod
-    def _decode(address: str, stream_metadata: tuple[tuple[str, str], ...] | None) -> DecodeWorker:
-        """stream_metadata: the metadata of the worker's DecodeStream (None: a Decode call per request)."""
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        stub = worker_pb2_grpc.DecodeServiceStub(channel)
-        stream = DecodeStream(stub, stream_metadata, address) if stream_metadata is not None else None
-        return DecodeWorker(DecodeState(address, healthy=False), channel, stub, stream)
 
     # --- polling and health -------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,8 +57,7 @@ class WorkerPool:
         if self.standing is not None:
             await self.standing.close()
         for worker in (*self.prefill, *self.decode):
-            if worker.stream is not None:
-                await worker.stream.close()
+            await worker.stream.close()
         for worker in (*self.prefill, *self.decode):
             await worker.channel.close()
 
@@ -124,43 +72,41 @@ class WorkerPool:
         async def prefill(worker: PrefillWorker) -> None:
             try:
                 load = await worker.stub.GetPrefillLoad(worker_pb2.GetPrefillLoadRequest(), timeout=timeout, metadata=self.metadata)
-                worker.state.placement = Placement(load.placement.node_id, device=load.placement.device)
-                self._mark(worker.state, True)
+                worker.load.placement = Placement(load.placement.node_id, device=load.placement.device)
+                self._mark(worker.load, True)
             except grpc.aio.AioRpcError as error:
-                self._mark(worker.state, False, error)
+                self._mark(worker.load, False, error)
 
         async def decode(worker: DecodeWorker) -> None:
             try:
                 load = await worker.stub.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as error:
-                self._mark(worker.state, False, error)
+                self._mark(worker.load, False, error)
                 return
-            state = worker.state
-            state.free_pages = max(0, load.free_pages - load.headroom_pages)
-            state.total_pages, state.running, state.page_size = load.total_pages, load.running, load.page_size or 16
-            state.free_state_slots = load.free_state_slots if load.total_state_slots else None
-            state.placement = Placement(load.placement.node_id, kv_pool=load.placement.kv_pool)
-            self._mark(state, True)
+            worker.load.polled(load.free_pages - load.headroom_pages, load.total_pages, load.running, load.page_size,
+                               load.free_state_slots if load.total_state_slots else None,
+                               Placement(load.placement.node_id, kv_pool=load.placement.kv_pool))
+            self._mark(worker.load, True)
 
         await asyncio.gather(*map(prefill, self.prefill), *map(decode, self.decode))
         self._update_health()
         self.polled.set()
 
-    def _mark(self, state: PrefillState | DecodeState, healthy: bool, error: grpc.aio.AioRpcError | None = None) -> None:
-        if state.healthy != healthy:
+    def _mark(self, load: PrefillLoad | DecodeLoad, healthy: bool, error: grpc.aio.AioRpcError | None = None) -> None:
+        if load.healthy != healthy:
             if healthy:
-                logger.info("worker %s is reachable", state.address)
+                logger.info("worker %s is reachable", load.address)
             else:
-                logger.warning("worker %s is unreachable: %s", state.address, error.code().name if error else "?")
-        state.healthy = healthy
+                logger.warning("worker %s is unreachable: %s", load.address, error.code().name if error else "?")
+        load.healthy = healthy
 
-    def mark_unreachable(self, state: PrefillState | DecodeState, error: grpc.aio.AioRpcError) -> None:
-        self._mark(state, False, error)
+    def mark_unreachable(self, load: PrefillLoad | DecodeLoad, error: grpc.aio.AioRpcError) -> None:
+        self._mark(load, False, error)
         self._update_health()
 
     def _update_health(self) -> None:
         """SERVING while at least one prefill and one decode worker answer (requests are routed to those)."""
-        healthy = any(w.state.healthy for w in self.prefill) and any(w.state.healthy for w in self.decode)
+        healthy = any(w.load.healthy for w in self.prefill) and any(w.load.healthy for w in self.decode)
         if healthy != self.healthy:
             self.healthy = healthy
             if self._on_health is not None:
@@ -168,7 +114,7 @@ class WorkerPool:
 
     # --- routing ------------------------------------------------------------------------------------
     def pick_prefill(self) -> PrefillWorker:
-        order = self._prefill_router.rank([w.state for w in self.prefill])
+        order = self._prefill_router.rank([w.load for w in self.prefill])
         if not order:
             raise Unavailable("no reachable prefill worker")
         return self.prefill[order[0]]
@@ -177,7 +123,7 @@ class WorkerPool:
         """x-request-id (names the request in the worker's log) and the internal token, if any."""
         return request_metadata(trace_id) + self.metadata
 
-    async def _undo_reserve(self, worker: DecodeWorker, call: asyncio.Future[Any], request_id: str,
+    async def _undo_reserve(self, worker: DecodeWorker, call: asyncio.Future[worker_pb2.ReserveResponse], request_id: str,
                             trace_id: str) -> None:
         """The request was cancelled while its Reserve was in flight: let the call finish (a Release sent
         before it lands would miss it), then release what it reserved."""
@@ -203,19 +149,19 @@ class WorkerPool:
         """Where the prefill side of a request will be: the placement every reachable prefill worker shares
         (the worker itself is picked after Reserve, by load), or None when they differ (auto then takes grpc,
         which works from any of them)."""
-        placements = {w.state.placement for w in self.prefill if w.state.healthy}
+        placements = {w.load.placement for w in self.prefill if w.load.healthy}
         return placements.pop() if len(placements) == 1 else None
 
     def transport_for(self, decode: DecodeWorker) -> int:
         """The Transport of a request reserved on `decode` (gateway/transport_choice.py)."""
-        return TRANSPORT_VALUES[choose_transport(self.config.transport, self.prefill_placement(), decode.state.placement)]
+        return TRANSPORT_VALUES[choose_transport(self.config.transport, self.prefill_placement(), decode.load.placement)]
 
     def take_standing(self, num_prompt_tokens: int) -> tuple[DecodeWorker, kv_pb2.KVDestination] | None:
         """A standing lease (gateway/standing_leases.py) for the prompt, on the decode worker the router ranks
         first if it holds one, or None: Reserve as usual. The destination names the spare's request id: run under it."""
         if self.standing is None:
             return None
-        return self.standing.take(num_prompt_tokens, self._decode_router.rank([w.state for w in self.decode],
+        return self.standing.take(num_prompt_tokens, self._decode_router.rank([w.load for w in self.decode],
                                                                               num_prompt_tokens))
 
     def refill_standing(self) -> None:
@@ -234,7 +180,7 @@ class WorkerPool:
             give_up = min(give_up, deadline)
         backoff, last = 0.005, "no decode worker"
         while True:
-            order = self._decode_router.rank([w.state for w in self.decode], num_prompt_tokens)
+            order = self._decode_router.rank([w.load for w in self.decode], num_prompt_tokens)
             if not order:
                 raise Unavailable("no reachable decode worker")
             for index in order:
@@ -243,40 +189,31 @@ class WorkerPool:
                                                     max_new_tokens=max_new_tokens, transport=self.transport_for(worker))
                 call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
                                                                   metadata=self._metadata_for(trace_id)))
-                # Counted against the worker now, not when the answer comes back: the requests of a burst that
-                # are routed meanwhile see it, instead of all ranking the same snapshot first.
-                claimed = worker.state.pages_for(num_prompt_tokens + 1)
-                worker.state.free_pages -= claimed
-                worker.state.running += 1
+                claimed = worker.load.claim(num_prompt_tokens + 1)
                 try:
                     destination = (await asyncio.shield(call)).destination
                 except asyncio.CancelledError:
-                    _unclaim(worker.state, claimed)
+                    worker.load.unclaim(claimed)
                     await self._undo_reserve(worker, call, request_id, trace_id)
                     raise
                 except grpc.aio.AioRpcError as error:
-                    _unclaim(worker.state, claimed)
+                    worker.load.unclaim(claimed)
                     if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         last = error.details() or "full"
-                        worker.state.free_pages = 0  # until the next poll says otherwise
+                        worker.load.full()
                         if self.standing is not None:
                             self.standing.give_back(worker)
                         continue
                     if error.code() == grpc.StatusCode.UNAVAILABLE:
-                        self.mark_unreachable(worker.state, error)
+                        self.mark_unreachable(worker.load, error)
                         continue
                     if error.code() in _UNKNOWN_OUTCOME:  # it may have reserved just as the deadline fired
                         await self._release(worker, request_id, trace_id)
                     raise
-                worker.state.free_pages += claimed - len(destination.page_ids)  # the estimate -> the pages it got
+                worker.load.granted(claimed, len(destination.page_ids))
                 return worker, destination
             if time.monotonic() >= give_up:
                 raise ResourceExhausted(f"no decode worker has room for the request: {last}")
             await asyncio.sleep(min(backoff, max(0.0, give_up - time.monotonic())))
             backoff = min(backoff * 2, 0.1)
 
-
-def _unclaim(state: DecodeState, pages: int) -> None:
-    """Undoes what reserve() counted against a worker for a Reserve that did not succeed."""
-    state.free_pages += pages
-    state.running = max(0, state.running - 1)

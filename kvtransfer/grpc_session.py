@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtransfer.checksum import Algorithm, digest
 from kvtransfer.chunks import MAX_CHUNK_BYTES, WireChunk, kind_from_wire
@@ -18,12 +18,9 @@ from kvtransfer.destination import Destination
 from kvtransfer.errors import (
     BadChunk, ChecksumMismatch, IncompleteTransfer, KVTransferError, LayoutMismatch, TransferAborted, UnknownTransfer,
 )
-from kvtransfer.layout import SegmentKind, check_layout
+from kvtransfer.layout import KVLayout, SegmentKind, check_layout
 from kvtransfer.page_spans import segment_offset
 from rpc.internal.v1 import kv_pb2
-
-if TYPE_CHECKING:
-    from kvtransfer.grpc_receiver import PushReceiver
 
 
 class PendingPush:
@@ -79,10 +76,24 @@ class PageCoverage:
         return self.ranges == [[0, page_bytes]]
 
 
+class SessionHost(Protocol):
+    """What a push session uses of its receiver (grpc_receiver.PushReceiver): the pool's layout and size, the
+    expected requests, each rank's pool view, and the bookkeeping of a rank's stream."""
+
+    layout: KVLayout
+    num_pages: int
+
+    def view(self, rank: int) -> memoryview: ...
+    def lookup(self, request_id: str, lease_id: str) -> PendingPush: ...
+    def open_rank(self, request: PendingPush, rank: int) -> None: ...
+    def close_rank(self, request: PendingPush, rank: int, nbytes: int) -> None: ...
+    def fail(self, request: PendingPush, error: KVTransferError) -> None: ...
+
+
 class PushSession:
     """One Push stream (one request, one rank): apply() each chunk, then close()."""
 
-    def __init__(self, receiver: PushReceiver) -> None:
+    def __init__(self, receiver: SessionHost) -> None:
         self.receiver = receiver
         self.request: PendingPush | None = None
         self.rank = -1

@@ -7,7 +7,6 @@ import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -30,7 +29,7 @@ HASH_VERSION = "pdserve-kv-layout-v1"
 _GEOMETRY = ("num_layers", "latent_dim", "rope_dim", "page_size", "draft_layers", "draft_dim")
 
 
-def _values(source: Any, names: Iterable[str]) -> dict[str, Any]:
+def _values(source: object, names: Iterable[str]) -> dict[str, int]:
     return {name: getattr(source, name) for name in names}
 
 
@@ -139,7 +138,7 @@ class KVLayout:
 
         return kv_pb2.KVLayout(hash=self.hash, **_values(self, _PAGE_FIELDS), **self._state_fields())
 
-    def _state_fields(self) -> dict[str, Any]:
+    def _state_fields(self) -> dict[str, int]:
         """The state's fields by kv_pb2.KVLayout's names (none without state)."""
         return {} if self.state is None else _values(self.state, _STATE_FIELDS)
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config_base import alias
 from engine.kv_cache import CacheShape, PagedLatentCache
 from kvtransfer.completion import SLOT_BYTES, CompletionTable
 from kvtransfer.errors import LayoutMismatch, SegmentError
@@ -44,6 +43,7 @@ class SharedPagePool:
         self.name = name
         self.layout = layout
         self.header = header
+        self.num_pages, self.num_state_slots = header.num_pages, header.num_state_slots
         self.is_owner = owner
         self._mm = mapping
         whole = memoryview(mapping)
@@ -122,8 +122,6 @@ class SharedPagePool:
         return cls(name, mapping, header, expected_layout, owner=False)
 
     # --- properties ---------------------------------------------------------------------------------
-    num_pages = alias("header.num_pages")
-    num_state_slots = alias("header.num_state_slots")
 
     @property
     def mapping_bytes(self) -> int:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.engine_types import EngineConfig
 from engine.devices import serving_device
@@ -37,7 +36,7 @@ class PrefillWorkerConfig(EmbedsEngineConfig):
     @classmethod
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", batch_tokens: int = 2048,
               batch_target_ms: float = DEFAULT_BATCH_TARGET_MS, internal_token: str | None = None,
-              **engine: Any) -> PrefillWorkerConfig:
+              **engine: object) -> PrefillWorkerConfig:
         """engine: EngineConfig fields. The prefill role computes into private pages and attaches decode
         workers' shared pools: shm pools and device pools, by name (DevicePoolFactory.attach)."""
         device = serving_device(engine.get("device", "auto"))

@@ -3,13 +3,19 @@ and seconds by transport, and the queue's size (read from the service at scrape 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
+
+class QueueFigures(Protocol):
+    """The prefill queue's size (prefill_worker.service.PrefillLoadSnapshot)."""
+
+    queued_requests: int
+    queued_tokens: int
 
 class PrefillMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -30,8 +36,8 @@ class PrefillMetrics:
         self.queued_requests = Gauge("pdserve_prefill_queued_requests", "Prompts waiting for a prefill step", registry=r)
         self.queued_tokens = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting for a prefill step", registry=r)
 
-    def track(self, load: Callable[[], Any]) -> None:
-        """load() -> PrefillLoadSnapshot, read at scrape time."""
+    def track(self, load: Callable[[], QueueFigures]) -> None:
+        """load() -> the service's PrefillLoadSnapshot, read at scrape time."""
         self.queued_requests.set_function(lambda: load().queued_requests)
         self.queued_tokens.set_function(lambda: load().queued_tokens)
 

@@ -5,25 +5,34 @@ tokens (fewer when that would take longer than `batch_target_ms`: batch_policy.p
 engine.prefill call (chunked inside the engine), writing KV straight into the decode pools (shm) or into
 local pages (grpc); for models with linear attention the KDA state goes with them (straight into decode's
 reserved state slot on shm; from a local slot, pushed, on grpc). The KV export (completion records / push)
-then runs off the engine thread, so the next batch can start. On shm the KV is already in place when the
-forward ends, so the RPC is answered first and the completion record (the checksum decode verifies before
-it admits the request) is written once the reply is out (the caller's `reply_sent`): on the event loop it
-would otherwise delay sending the first token. A Decode that arrives sooner waits for the record.
-cancel() drops a queued job, or stops a running one between two chunks (the engine asks before each
-chunk) and waits until it no longer touches its destination pages (a cancelled job writes no record)."""
+then runs off the engine thread, so the next batch can start.
+
+A job has one state (JobState) and one answer (the future prefill() returns):
+  QUEUED -> RUNNING (the engine thread took it) -> COMPUTED (its result is back on the event loop) -> DONE,
+  or CANCELLED from any of the first three (the caller went away, or cancel()): no record is written after.
+Answer before record: on shm the KV is already in place when the forward ends, so the callback that brings
+the result back answers the caller there and then (the first token leaves at once), and the job's hand-off
+task writes the completion record (the checksum decode verifies before it admits the request) once the
+caller's `reply_sent` says the reply is out. A Decode that arrives sooner waits for the record. Other
+transports export first, then answer. cancel() drops a queued job, or stops a running one between two chunks
+(the engine asks before each chunk), and returns once the job no longer touches its destination pages."""
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from engine.engine_types import PrefillJob
+import torch
+
+from engine.engine_types import PrefillJob, PrefillResult
 from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.device_transport import DeviceWriter
@@ -37,6 +46,7 @@ from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unava
 from rpc.interceptors import token_metadata
 from prefill_worker.batch_policy import PrefillCost, batch_token_limit
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.engine_api import PageCopies, PrefillEngine
 from prefill_worker.kv_export import (
     finish_shm, prefill_pool_names, push_pages, rank_device_ids, stage_to_host, writes_in_place,
 )
@@ -48,7 +58,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PrefillOutcome:
     first_token: int
-    first_logprob: Any  # engine TokenLogprob or None
+    first_logprob: TokenLogprob | None
     num_prompt_tokens: int
     queue_ms: float
     prefill_ms: float
@@ -56,23 +66,12 @@ class PrefillOutcome:
     prompt_logprobs: tuple[Any, ...] = ()  # engine TokenLogprobs of prompt tokens 1 .. n-1 (prompt scoring)
 
 
-@dataclass
-class _Job:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    destination: Destination
-    future: asyncio.Future[Any]  # the engine thread's _Computed (or error)
-    answer: asyncio.Future[PrefillOutcome]  # what the RPC returns (set before a deferred completion record)
-    arrival: float = field(default_factory=time.perf_counter)
-    state: str = "queued"  # queued -> running -> done | dropped
-    started: float = 0.0
-    local_pages: list[int] = field(default_factory=list)
-    local_slot: int | None = None  # grpc, linear attention: this engine's state slot for the prompt
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    answered: asyncio.Event = field(default_factory=asyncio.Event)  # the reply is out (or the call ended)
-    cancelled: bool = False
-    task: asyncio.Task[Any] | None = None
+class JobState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"  # on the engine thread
+    COMPUTED = "computed"  # its result is back; the KV hand-off runs
+    DONE = "done"
+    CANCELLED = "cancelled"  # nothing more is written for it
 
 
 @dataclass(frozen=True)
@@ -80,10 +79,27 @@ class _Computed:
     """What the engine thread hands back: the result and, for grpc, the page copies to push (and the
     state slot's rows of every rank, for linear attention)."""
 
-    result: Any
+    result: PrefillResult
     prefill_ms: float
-    pages: tuple[Any, Any] | None = None
-    states: Any = None
+    pages: PageCopies | None = None
+    states: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class _Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    destination: Destination
+    answer: asyncio.Future[PrefillOutcome]  # what prefill() returns (set before a deferred completion record)
+    reply_sent: asyncio.Event  # the caller's: its reply is out (or the call ended)
+    state: JobState = JobState.QUEUED  # changed under the service's lock
+    arrival: float = field(default_factory=time.perf_counter)
+    started: float = 0.0
+    local_pages: list[int] = field(default_factory=list)
+    local_slot: int | None = None  # grpc, linear attention: this engine's state slot for the prompt
+    over: asyncio.Event = field(default_factory=asyncio.Event)  # the job no longer touches its pages
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)  # the caller's (its log lines' request id)
 
 
 @dataclass(frozen=True)
@@ -95,7 +111,7 @@ class PrefillLoadSnapshot:
 
 
 class PrefillService:
-    def __init__(self, config: PrefillWorkerConfig, engine_factory: Callable[[], Any] | None = None,
+    def __init__(self, config: PrefillWorkerConfig, engine_factory: Callable[[], PrefillEngine] | None = None,
                  metrics: PrefillMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else PrefillMetrics()
@@ -106,9 +122,10 @@ class PrefillService:
         self._accepted = 0
         self._cost = PrefillCost()  # engine thread only
         factory = engine_factory or (lambda: _build_engine(config))
-        self._engine: EngineThread[Any] = EngineThread(factory, self._work, name="prefill-engine")
+        self._engine: EngineThread[PrefillEngine] = EngineThread(factory, self._work, name="prefill-engine")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.engine: Any = None
+        self._tasks: set[asyncio.Task[None]] = set()  # the jobs' hand-offs
+        self.engine: PrefillEngine | None = None
         self._shm: ShmWriter | None = None
         self._grpc: GrpcWriter | None = None
         self._device: DeviceWriter | None = None
@@ -129,9 +146,11 @@ class PrefillService:
     async def stop(self) -> None:
         with self._lock:
             queued, self._queue = list(self._queue), collections.deque()
+            for job in queued:
+                job.state = JobState.CANCELLED
         for job in queued:
-            job.state = "dropped"
-            _resolve(job.future, Unavailable("prefill worker shutting down"))
+            self.metrics.prompts.labels("error").inc()
+            self._end(job, Unavailable("prefill worker shutting down"))
         await asyncio.to_thread(self._engine.stop)
         for writer in (self._shm, self._grpc, self._device):
             if writer is not None:
@@ -168,75 +187,105 @@ class PrefillService:
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       destination: Destination, reply_sent: asyncio.Event | None = None) -> PrefillOutcome:
-        """reply_sent: set by the caller once its reply has left (gRPC: the call's done callback, which also
-        fires when the call ends any other way); an shm completion record waits for it. None: the record
-        follows as soon as this returns."""
+        """reply_sent: set by the caller once its reply has left (or will not); an shm completion record waits
+        for it. None: the record follows as soon as this returns."""
         self._check(request_id, prompt_ids, params, destination)
         assert self._loop is not None
         job = _Job(request_id, list(prompt_ids), params, destination, self._loop.create_future(),
-                   self._loop.create_future(), answered=reply_sent or asyncio.Event())
+                   reply_sent or asyncio.Event())
         self._jobs[request_id] = job
         with self._lock:
             self._queue.append(job)
             self._accepted += 1
         self._engine.wake()
-        job.task = self._loop.create_task(self._complete(job))
-        try:  # (not shielded: a cancelled RPC cancels only its answer; the job goes on in _complete)
+        try:
             outcome = await job.answer
-        except BaseException as error:
-            if isinstance(error, asyncio.CancelledError):
-                job.cancelled = True
-                self._drop_if_queued(job)
-            job.answered.set()  # no reply to wait for
+        except asyncio.CancelledError:  # the caller went away: stop the job, no record
+            self._cancel(job)
             raise
         if reply_sent is None:
-            job.answered.set()  # (the caller's continuation runs before the job resumes)
+            job.reply_sent.set()  # (the caller's continuation runs before the hand-off resumes)
         return outcome
 
-    async def _complete(self, job: _Job) -> None:
-        """Waits for the engine, answers the RPC and exports the KV (skipped when the request was cancelled
-        meanwhile); every outcome, error included, goes to job.answer (this task itself never fails)."""
+    async def cancel(self, request_id: str) -> bool:
+        """True: dropped before it ran. False: it had started (this waited until it stopped writing) or
+        is unknown. Either way the destination pages are not touched after this returns."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return False
+        dropped = self._cancel(job)
+        await job.over.wait()
+        return dropped
+
+    def _cancel(self, job: _Job) -> bool:
+        """Marks the job CANCELLED (a running one stops at its next chunk; a computed one writes no record);
+        True when it was still queued (then it is over now)."""
+        with self._lock:
+            queued = job.state is JobState.QUEUED
+            if queued:
+                self._queue.remove(job)
+            if job.state is not JobState.DONE:
+                job.state = JobState.CANCELLED
+        if queued:
+            self.metrics.prompts.labels("cancelled").inc()
+            self._end(job, asyncio.CancelledError())
+        return queued
+
+    # --- event loop: the engine's result, the answer and the KV hand-off ---------------------------------
+    def _computed(self, job: _Job, computed: _Computed | BaseException) -> None:
+        """The engine thread's result (or failure), on the event loop. An in-place shm prefill is answered here
+        and now (the caller resumes in the next loop pass); the hand-off task then writes the KV's record."""
+        if isinstance(computed, BaseException) or job.state is JobState.CANCELLED:
+            self.metrics.prompts.labels("error" if isinstance(computed, Exception) else "cancelled").inc()
+            self._end(job, computed if isinstance(computed, BaseException) else asyncio.CancelledError())
+            return
+        job.state = JobState.COMPUTED
+        if self._answers_early(job, computed):
+            _resolve(job.answer, self._outcome(job, computed, 0.0))
+        task = asyncio.get_running_loop().create_task(self._hand_off(job, computed), context=job.context)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _hand_off(self, job: _Job, computed: _Computed) -> None:
+        """The KV export: after the reply for an early-answered shm prefill (skipped if the job was cancelled
+        meanwhile), else before the answer. Every outcome goes to job.answer (this task never fails)."""
+        early = job.answer.done()
         try:
-            computed = await job.future
-            if job.cancelled:
-                raise asyncio.CancelledError()
-            if self._answers_early(job, computed):  # answered by _computed already: the KV is in place
-                await job.answered.wait()
-                if job.cancelled:  # call or Cancel ended it before the reply was out: no record (lease released)
+            if early:
+                await job.reply_sent.wait()
+                if job.state is JobState.CANCELLED:  # ended before the reply was out: no record (lease released)
                     raise asyncio.CancelledError()
             started = time.perf_counter()
-            num_bytes = await self._export_after_reply(job, computed) if _answered(job) else \
-                await self._export(job, computed)
+            num_bytes = await (self._export_after_reply(job, computed) if early else self._export(job, computed))
             transfer_s = time.perf_counter() - started
             logger.info("prefilled %d tokens: queue %.1f ms, prefill %.1f ms, %s handoff of %d bytes in %.1f ms",
                         len(job.prompt_ids), (job.started - job.arrival) * 1000, computed.prefill_ms,
                         job.destination.transport.name.lower(), num_bytes, transfer_s * 1000)
             self.metrics.prefilled(job.started - job.arrival, computed.prefill_ms / 1000,
                                    job.destination.transport.name.lower(), num_bytes, transfer_s)
-            _resolve(job.answer, self._outcome(job, computed, transfer_s * 1000))
+            self._end(job, self._outcome(job, computed, transfer_s * 1000))
         except asyncio.CancelledError:
             self.metrics.prompts.labels("cancelled").inc()
-            _resolve(job.answer, asyncio.CancelledError())
-        except Exception as error:  # noqa: BLE001 - handed to the RPC (or, once answered, to decode's admission)
+            self._end(job, asyncio.CancelledError())
+        except Exception as error:  # noqa: BLE001 - handed to the caller (or, once answered, to decode's admission)
             self.metrics.prompts.labels("error").inc()
-            if _answered(job):  # a deferred record failed: the writer marked it FAILED, decode refuses the KV
+            if early:  # a deferred record failed: the writer marked it FAILED, decode refuses the KV
                 logger.warning("completion record of %s failed after its response: %s", job.request_id, error)
-            _resolve(job.answer, error)
-        finally:
-            self._jobs.pop(job.request_id, None)
-            job.finished.set()
+            self._end(job, error)
 
-    def _computed(self, job: _Job, computed: _Computed) -> None:
-        """The engine's result, on the event loop: an in-place shm prefill is answered here and now, so the
-        RPC's task wakes before _complete's (one loop pass from the engine thread to the reply); _complete
-        then writes the record once the reply is out."""
-        if self._answers_early(job, computed) and not job.cancelled:
-            _resolve(job.answer, self._outcome(job, computed, 0.0))
-        _resolve(job.future, computed)
+    def _end(self, job: _Job, outcome: PrefillOutcome | BaseException) -> None:
+        """The job is over: its answer (unless given already), and it no longer touches its pages."""
+        with self._lock:
+            if job.state is not JobState.CANCELLED:
+                job.state = JobState.DONE
+        _resolve(job.answer, outcome)
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
+        job.over.set()
 
     @staticmethod
     def _answers_early(job: _Job, computed: _Computed) -> bool:
-        """shm written in place: the RPC is answered before the completion record (see the module doc)."""
+        """shm written in place: the caller is answered before the completion record (see the module doc)."""
         return computed.pages is None and job.destination.transport == TransportKind.SHM
 
     @staticmethod
@@ -275,26 +324,6 @@ class PrefillService:
         pages = len(destination.page_ids) * destination.num_ranks
         return pages * self.layout.bytes_per_page <= INLINE_CHECKSUM_BYTES
 
-    def _drop_if_queued(self, job: _Job) -> bool:
-        with self._lock:
-            if job.state != "queued":
-                return False
-            job.state = "dropped"
-            self._queue.remove(job)
-        job.future.cancel()
-        return True
-
-    async def cancel(self, request_id: str) -> bool:
-        """True: dropped before it ran. False: it had started (this waited until it stopped writing) or
-        is unknown. Either way the destination pages are not touched after this returns."""
-        job = self._jobs.get(request_id)
-        if job is None:
-            return False
-        job.cancelled = True
-        dropped = self._drop_if_queued(job)
-        await job.finished.wait()
-        return dropped
-
     # --- engine thread --------------------------------------------------------------------------------
     def _take_batch(self) -> list[_Job]:
         batch: list[_Job] = []
@@ -303,12 +332,12 @@ class PrefillService:
         with self._lock:
             while self._queue and (not batch or tokens + len(self._queue[0].prompt_ids) <= limit):
                 job = self._queue.popleft()
-                job.state, job.started = "running", time.perf_counter()
+                job.state, job.started = JobState.RUNNING, time.perf_counter()
                 batch.append(job)
                 tokens += len(job.prompt_ids)
         return batch
 
-    def _work(self, engine: Any) -> bool:
+    def _work(self, engine: PrefillEngine) -> bool:
         batch = self._take_batch()
         if not batch:
             return False
@@ -323,7 +352,7 @@ class PrefillService:
                 else:
                     job.local_pages, job.local_slot = engine.allocate_reservation(len(job.prompt_ids))
                     pages, pools, slot = job.local_pages, None, job.local_slot
-            except Exception as error:  # noqa: BLE001 - reported on the job's RPC
+            except Exception as error:  # noqa: BLE001 - reported to the job's caller
                 self._fail(job, error)
                 continue
             runnable.append(job)
@@ -344,10 +373,11 @@ class PrefillService:
         self._cost.observe(prefill_ms, sum(len(job.prompt_ids) for job in runnable))
         for job, result in zip(runnable, results):
             if result is None:  # cancelled (or its lease ran out) between chunks: nothing more was written
+                cancelled = job.state is JobState.CANCELLED
                 logger.info("prefill of %s stopped between chunks (%s)", job.request_id,
-                            "cancelled" if job.cancelled else "lease ended")
+                            "cancelled" if cancelled else "lease ended")
                 self._free_local(engine, job)
-                self._fail(job, asyncio.CancelledError() if job.cancelled else
+                self._fail(job, asyncio.CancelledError() if cancelled else
                            LeaseExpired(f"the lease of request {job.request_id} ended during its prefill"))
                 continue
             pages = states = None
@@ -382,9 +412,9 @@ class PrefillService:
         return writes_in_place([self._device.pool(name).device_id for name in pools], self._device_ids)
 
     def _should_stop(self, job: _Job) -> bool:
-        """Asked by the engine thread between chunks: the RPC was cancelled, or the lease ran out or is no
+        """Asked by the engine thread between chunks: the job was cancelled, or the lease ran out or is no
         longer reserved for this request (released by the decode worker)."""
-        if job.cancelled:
+        if job.state is JobState.CANCELLED:
             return True
         try:
             job.destination.check_lease()
@@ -394,22 +424,17 @@ class PrefillService:
         return False
 
     @staticmethod
-    def _free_local(engine: Any, job: _Job) -> None:
+    def _free_local(engine: PrefillEngine, job: _Job) -> None:
         if job.local_pages:
             engine.free_reservation(job.local_pages, job.local_slot)
             job.local_pages, job.local_slot = [], None
 
     def _fail(self, job: _Job, error: BaseException) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(_resolve, job.future, error)
+        self._loop.call_soon_threadsafe(self._computed, job, error)
 
 
-def _answered(job: _Job) -> bool:
-    """The RPC has its answer (an RPC cancelled meanwhile cancels its answer: not answered)."""
-    return job.answer.done() and not job.answer.cancelled()
-
-
-def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+def _resolve(future: asyncio.Future[PrefillOutcome], value: PrefillOutcome | BaseException) -> None:
     if future.done():
         return
     if isinstance(value, asyncio.CancelledError):
@@ -420,7 +445,7 @@ def _resolve(future: asyncio.Future[Any], value: Any) -> None:
         future.set_result(value)
 
 
-def _build_engine(config: PrefillWorkerConfig) -> Any:
+def _build_engine(config: PrefillWorkerConfig) -> PrefillEngine:
     from engine.llm_engine import LLMEngine
 
     return LLMEngine(config.engine_config())

@@ -11,31 +11,27 @@ from kvtransfer.destination import Destination
 from rpc.convert import load_method, logprob_to_proto, sampling_fields
 from rpc.status import InvalidArgument, parse_field, unary
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
-from prefill_worker.prefill_stream import PrefillStreams
+from rpc.stream_sessions import StreamSessions
+from prefill_worker.prefill_stream import PrefillSession
 from prefill_worker.service import PrefillService
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     def __init__(self, service: PrefillService) -> None:
         self._service = service
-        self._streams = PrefillStreams()
-
-    @unary
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
-        reply_sent = asyncio.Event()  # the KV's completion record waits until the reply is out: see PrefillService
-        context.add_done_callback(lambda _: reply_sent.set())
-        return await self._prefill(request, reply_sent)
+        self._streams = StreamSessions()
 
     async def PrefillStream(self, requests: AsyncIterator[worker_pb2.PrefillStreamRequest],
                             context: grpc.aio.ServicerContext) -> None:
-        await self._streams.serve(requests, context, self._prefill)
+        await self._streams.serve(PrefillSession(context, self._prefill), requests)
 
     def drain(self) -> None:
         """Shutdown began: open PrefillStreams take no new prompts and end once theirs are answered."""
         self._streams.drain()
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, reply_sent: asyncio.Event) -> worker_pb2.PrefillResponse:
-        """One prompt, for both RPCs: reply_sent is set by the caller once its reply is out."""
+        """One prompt: reply_sent is set by the caller once its reply is out (the KV's completion record waits
+        for it: see PrefillService)."""
         params = parse_field("sampling", SamplingParams, **sampling_fields(request.sampling))
         if not request.HasField("destination"):
             raise InvalidArgument("destination", "is required")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar, Union
 
+import grpc
 from google.protobuf.message import Message
 
 from rpc.v1 import gateway_pb2, logprobs_pb2
@@ -17,9 +18,49 @@ from rpc.status import unary
 # Tokens per Decode / Generate message, at most (GenerateRequest.stream_interval, DecodeRequest.stream_interval).
 MAX_STREAM_INTERVAL = 1024
 M = TypeVar("M", bound=Message)
+FieldValue = Union[int, float, bool, str, tuple[int, ...], None]  # a scalar field (or a repeated int field)
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
-def set_given(message: Message, source: Any, names: Iterable[str]) -> None:
+class Sampling(Protocol):
+    """What sampling_to_proto reads of an engine.sampling_params.SamplingParams."""
+
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None
+    speculative: bool | None
+    block_size: int | None
+
+
+class Logprob(Protocol):
+    """An engine.sequence.TokenLogprob."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class _RoleConfig(Protocol):
+    engine: object  # an engine.engine_types.EngineConfig
+
+
+class _LoadService(Protocol):
+    """A worker service as its Get*Load RPC reads it."""
+
+    config: _RoleConfig
+    load: DataclassInstance
+
+
+def set_given(message: Message, source: object, names: Iterable[str]) -> None:
     """message.<name> = source.<name> (source[name] for a mapping) for each name whose value is not None, so
     that an optional field stays unset (HasField false) where the source leaves it open."""
     for name in names:
@@ -34,7 +75,7 @@ _DISTRIBUTION = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_pen
 _OPTIONAL = ("speculative", "block_size", "prompt_logprobs")  # WorkerSampling's own optional fields
 
 
-def sampling_to_proto(params: Any) -> worker_pb2.WorkerSampling:
+def sampling_to_proto(params: Sampling) -> worker_pb2.WorkerSampling:
     """params: engine.sampling_params.SamplingParams."""
     message = worker_pb2.WorkerSampling(max_new_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
                                         ignore_eos=params.ignore_eos, logprobs=params.logprobs)
@@ -67,12 +108,12 @@ def structured_from_proto(message: gateway_pb2.StructuredOutput) -> tuple[str, s
     return kind, getattr(message, kind)
 
 
-def present_fields(message: Message, names: Iterable[str]) -> dict[str, Any]:
+def present_fields(message: Message, names: Iterable[str]) -> dict[str, FieldValue]:
     """{name: value} of the named optional fields that are set (set_given's way back)."""
     return {name: getattr(message, name) for name in names if message.HasField(name)}
 
 
-def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, Any]:
+def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, FieldValue]:
     """engine.sampling_params.SamplingParams keyword arguments; an unset optional field is left out (the
     engine's default: seed None, speculative None, ...)."""
     return dict(max_new_tokens=message.max_new_tokens, stop_token_ids=tuple(message.stop_token_ids),
@@ -82,7 +123,7 @@ def sampling_fields(message: worker_pb2.WorkerSampling) -> dict[str, Any]:
                 **present_fields(message.distribution, _DISTRIBUTION), **present_fields(message, _OPTIONAL))
 
 
-def load_to_proto(message_cls: type[M], load: Any, **placement: str) -> M:
+def load_to_proto(message_cls: type[M], load: DataclassInstance, **placement: str) -> M:
     """A Get*LoadResponse from a worker's load dataclass (its fields have the message's names, but for
     tp_size, which goes into the WorkerPlacement with this node's id and the `placement` fields)."""
     fields = dataclasses.asdict(load)
@@ -96,15 +137,15 @@ def load_method(message_cls: type[M], *placement: str) -> Callable[..., Awaitabl
     placement."""
 
     @unary
-    async def get_load(self: Any, request: Message, context: Any) -> M:
-        service = self._service
+    async def get_load(self: object, request: Message, context: grpc.aio.ServicerContext) -> M:
+        service: _LoadService = getattr(self, "_service")
         engine = service.config.engine
         return load_to_proto(message_cls, service.load, **{name: getattr(engine, name) for name in placement})
 
     return get_load
 
 
-def logprob_to_proto(logprob: Any) -> logprobs_pb2.TokenLogprob:
+def logprob_to_proto(logprob: Logprob) -> logprobs_pb2.TokenLogprob:
     """logprob: engine.sequence.TokenLogprob (token_id, logprob, top_ids, top_logprobs)."""
     return logprobs_pb2.TokenLogprob(
         token_id=logprob.token_id, logprob=logprob.logprob,

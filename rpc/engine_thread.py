@@ -11,13 +11,15 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar, Union
 
 logger = logging.getLogger(__name__)
 
 E = TypeVar("E")
 T = TypeVar("T")
 _STOP = object()
+# A queued command: fn(engine), and where its result goes (None, None: nowhere).
+Command = tuple[Callable[[E], object], Union[asyncio.AbstractEventLoop, None], Union["asyncio.Future[object]", None]]
 
 
 class EngineThread(Generic[E]):
@@ -27,7 +29,7 @@ class EngineThread(Generic[E]):
     def __init__(self, engine_factory: Callable[[], E], work: Callable[[E], bool], name: str = "engine") -> None:
         self._factory = engine_factory
         self._work = work
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command[E] | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -88,7 +90,8 @@ class EngineThread(Generic[E]):
                 busy = False
 
     @staticmethod
-    def _execute(engine: E, fn: Callable[[E], Any], loop: asyncio.AbstractEventLoop | None, future: Any) -> None:
+    def _execute(engine: E, fn: Callable[[E], object], loop: asyncio.AbstractEventLoop | None,
+                 future: asyncio.Future[object] | None) -> None:
         try:
             result = fn(engine)
         except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
@@ -105,7 +108,7 @@ class EngineThread(Generic[E]):
         self._commands.put((fn, loop, future))
         return await future
 
-    def post(self, fn: Callable[[E], Any]) -> None:
+    def post(self, fn: Callable[[E], object]) -> None:
         """Runs fn(engine) on the engine thread without waiting (errors are logged)."""
         self._commands.put((_logged(fn), None, None))
 
@@ -122,8 +125,8 @@ class EngineThread(Generic[E]):
                 logger.warning("engine thread did not stop within %s s", timeout)
 
 
-def _logged(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def run(engine: Any) -> Any:
+def _logged(fn: Callable[[E], object]) -> Callable[[E], object]:
+    def run(engine: E) -> object:
         try:
             return fn(engine)
         except Exception:  # noqa: BLE001
@@ -133,11 +136,11 @@ def _logged(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return run
 
 
-def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+def _set_result(future: asyncio.Future[T], result: T) -> None:
     if not future.done():
         future.set_result(result)
 
 
-def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+def _set_exception(future: asyncio.Future[object], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)

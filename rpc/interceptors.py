@@ -11,9 +11,10 @@ import hmac
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple, Union
 
 import grpc
+from google.protobuf.message import Message
 
 logger = logging.getLogger(__name__)
 TOKEN_METADATA_KEY = "authorization"
@@ -23,8 +24,14 @@ class Malformed(NamedTuple):
     reason: str
 
 
-def _safe(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
+Parsed = Union[Message, Malformed]  # what a method's deserializer gives once wrapped
+# A servicer method as grpc registers it: (request or request iterator, context) -> its response (awaitable,
+# or an async iterator of responses).
+Behavior = Callable[..., object]
+
+
+def _safe(deserializer: Callable[[bytes], Message]) -> Callable[[bytes], Parsed]:
+    def parse(data: bytes) -> Parsed:
         try:
             return deserializer(data)
         except Exception as error:  # noqa: BLE001 - DecodeError and anything a custom parser raises
@@ -38,9 +45,9 @@ async def _refuse(context: grpc.aio.ServicerContext, method: str, malformed: Mal
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed message ({malformed.reason})")
 
 
-def _checked_unary(behavior: Callable[..., Any], method: str, streams: bool) -> Callable[..., Any]:
+def _checked_unary(behavior: Behavior, method: str, streams: bool) -> Behavior:
     if streams and inspect.isasyncgenfunction(behavior):
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(request: Parsed, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
             if isinstance(request, Malformed):
                 await _refuse(context, method, request)
             async for item in behavior(request, context):
@@ -48,7 +55,7 @@ def _checked_unary(behavior: Callable[..., Any], method: str, streams: bool) -> 
 
         return stream
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(request: Parsed, context: grpc.aio.ServicerContext) -> object:
         if isinstance(request, Malformed):
             await _refuse(context, method, request)
         result = behavior(request, context)
@@ -57,21 +64,21 @@ def _checked_unary(behavior: Callable[..., Any], method: str, streams: bool) -> 
     return unary
 
 
-def _checked_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
-    async def requests(iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+def _checked_stream(behavior: Behavior, method: str) -> Behavior:
+    async def requests(iterator: AsyncIterator[Parsed], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
         async for item in iterator:
             if isinstance(item, Malformed):
                 await _refuse(context, method, item)
             yield item
 
     if inspect.isasyncgenfunction(behavior):
-        async def stream(iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(iterator: AsyncIterator[Parsed], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
             async for item in behavior(requests(iterator, context), context):
                 yield item
 
         return stream
 
-    async def unary(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(iterator: AsyncIterator[Parsed], context: grpc.aio.ServicerContext) -> object:
         result = behavior(requests(iterator, context), context)
         return await result if inspect.isawaitable(result) else result
 
@@ -154,7 +161,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         self._expected = [f"Bearer {token}".encode() for token in tokens]
         self._exempt = tuple(exempt)
 
-    def _allowed(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
+    def _allowed(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         for key, value in metadata or ():
             if key == TOKEN_METADATA_KEY:
                 given = value.encode() if isinstance(value, str) else bytes(value)
@@ -178,7 +185,7 @@ def _unauthenticated(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHan
         return None
     message = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     ignore = lambda data: None  # noqa: E731 - the request is never parsed

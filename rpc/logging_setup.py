@@ -31,7 +31,7 @@ def request_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
 
 
 class _RoleFilter(logging.Filter):
-    """Stamps role and rank on every record (read when emitted, so set_rank() takes effect at once)."""
+    """Stamps role and rank on every record (read from the environment when emitted)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.role = os.environ.get(ROLE_ENV, "pdserve")
@@ -44,8 +44,8 @@ class _RoleFilter(logging.Filter):
 def configure_logging(role: str, rank: int = 0, level: str | int = "INFO") -> None:
     """Replaces the root handlers with one stderr handler whose lines read `... <role>[<rank>] logger: msg`.
 
-    role and rank also go to the environment, so processes spawned from here (TP followers) inherit
-    the role; a follower calls set_rank() with its own rank."""
+    role and rank also go to the environment, so processes spawned from here inherit the role (TP followers
+    format their own lines: engine/tp_launcher.py)."""
     os.environ[ROLE_ENV] = role
     os.environ[RANK_ENV] = str(rank)
     if isinstance(level, str):
@@ -55,8 +55,3 @@ def configure_logging(role: str, rank: int = 0, level: str | int = "INFO") -> No
     handler.addFilter(_RoleFilter())
     logging.basicConfig(level=level, handlers=[handler], force=True)
     logging.getLogger("grpc").setLevel(max(level, logging.WARNING))
-
-
-def set_rank(rank: int) -> None:
-    """Sets the rank shown in this process's log lines."""
-    os.environ[RANK_ENV] = str(rank)

@@ -13,7 +13,7 @@ import datetime
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -44,7 +44,7 @@ class InvalidArgument(ServiceError):
         self.field = field
 
 
-def parse_field(field: str, parse: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def parse_field(field: str, parse: Callable[..., T], *args: object, **kwargs: object) -> T:
     """parse(*args, **kwargs), its ValueError raised again as InvalidArgument naming `field`."""
     try:
         return parse(*args, **kwargs)
@@ -194,7 +194,7 @@ def failure_status(method: str, error: BaseException) -> grpc.Status:
     return status
 
 
-def bind_request_id_of(request: Any, context: grpc.aio.ServicerContext) -> None:
+def bind_request_id_of(request: Message, context: grpc.aio.ServicerContext) -> None:
     """This RPC's log lines carry the request id: x-request-id metadata, else the message's request_id."""
     request_id = next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY), "")
     request_id = request_id or getattr(request, "request_id", "")
@@ -202,14 +202,14 @@ def bind_request_id_of(request: Any, context: grpc.aio.ServicerContext) -> None:
         bind_request_id(request_id)
 
 
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+F = TypeVar("F", bound=Callable[..., Awaitable[Message]])
 
 
 def unary(method: F) -> F:
     """Wraps an async unary servicer method: exceptions become context.abort(code, details)."""
 
     @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(self: object, request: Message, context: grpc.aio.ServicerContext) -> Message | None:
         bind_request_id_of(request, context)
         try:
             return await method(self, request, context)
@@ -221,14 +221,14 @@ def unary(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-G = TypeVar("G", bound=Callable[..., AsyncIterator[Any]])
+G = TypeVar("G", bound=Callable[..., AsyncIterator[Message]])
 
 
 def streaming(method: G) -> G:
     """Wraps an async-generator servicer method the same way as `unary`."""
 
     @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def wrapper(self: object, request: Message, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
         bind_request_id_of(request, context)
         try:
             async with contextlib.aclosing(method(self, request, context)) as items:

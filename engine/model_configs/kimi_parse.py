@@ -1,4 +1,4 @@
-"""config.json -> KimiLinearConfig for transformers' flat kimi_linear layout and K3's nested layout.
+"""config.json -> KimiLinearConfig's fields for transformers' flat kimi_linear layout and K3's nested layout.
 
 kimi_linear: every field at the top level; transformers writes some under other names
 (model_max_length, num_experts / num_local_experts, ...), and its mlp_layer_types / layer_types.
@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.model_configs.linear_attn import LinearAttnConfig
 from engine.model_configs.quantization import QuantizationConfig
 
@@ -69,18 +68,10 @@ def _first(d: dict[str, Any], names: tuple[str, ...], default: Any) -> Any:
     return default
 
 
-def _check_mlp_layer_types(d: dict[str, Any], config: KimiLinearConfig) -> None:
-    """transformers' mlp_layer_types ('dense' / 'sparse') must agree with first_k_dense_replace / moe_layer_freq."""
-    kinds = d.get("mlp_layer_types")
-    if kinds is None:
-        return
-    derived = ["sparse" if config.is_moe_layer(i) else "dense" for i in range(config.num_hidden_layers)]
-    if list(kinds) != derived:
-        raise ValueError(f"mlp_layer_types {list(kinds)} disagrees with first_k_dense_replace="
-                         f"{config.first_k_dense_replace} / moe_layer_freq={config.moe_layer_freq}")
+Fields = tuple[dict[str, Any], list[str] | None]  # KimiLinearConfig's fields, transformers' mlp_layer_types
 
 
-def _text_fields(d: dict[str, Any], model_type: str, top: dict[str, Any]) -> KimiLinearConfig:
+def _text_fields(d: dict[str, Any], model_type: str, top: dict[str, Any]) -> Fields:
     missing = [key for key in _REQUIRED if d.get(key) is None]
     if missing:
         raise ValueError(f"config.json lacks required field(s): {', '.join(missing)}")
@@ -107,13 +98,13 @@ def _text_fields(d: dict[str, Any], model_type: str, top: dict[str, Any]) -> Kim
             values[key] = float(values[key])
     values["linear_attn"] = LinearAttnConfig.from_hf_dict(d, d["num_hidden_layers"])
     values["quantization"] = QuantizationConfig.from_hf_dict(d.get("quantization_config") or top.get("quantization_config"))
-    config = KimiLinearConfig(model_type=model_type, **values)
-    _check_mlp_layer_types(d, config)
-    return config
+    values["model_type"] = model_type
+    return values, d.get("mlp_layer_types")
 
 
-def parse_kimi_config(d: dict[str, Any]) -> KimiLinearConfig:
-    """d: a whole config.json of model_type kimi_linear or kimi_k3."""
+def parse_kimi_fields(d: dict[str, Any]) -> Fields:
+    """d: a whole config.json of model_type kimi_linear or kimi_k3 -> (KimiLinearConfig's fields, the
+    mlp_layer_types to check against them, if given): KimiLinearConfig.from_hf_dict builds and checks."""
     model_type = d.get("model_type")
     if model_type == "kimi_linear":
         return _text_fields(d, "kimi_linear", {})

@@ -16,9 +16,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-pool", choices=("auto", "shm", "device"), default="auto",
                         help="where the KV pages live: shm (CPU shared memory), device (device memory exported over "
                              "CUDA/HIP IPC; on the CPU a memfd stand-in) or auto (device on a GPU, else shm)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the engine (and its TP followers) in a process of its own, fed through pipes, so the "
-                             "gRPC server's event loop never takes the GIL from the step loop")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,5 +24,4 @@ def run(args: argparse.Namespace) -> int:
     from decode_worker.server import serve
 
     return run_worker("decode", args, DecodeWorkerConfig.build, serve, max_running=args.max_running,
-                      lease_ttl_s=args.lease_ttl, advertise_address=args.advertise, kv_pool=args.kv_pool,
-                      engine_process=args.engine_process)
+                      lease_ttl_s=args.lease_ttl, advertise_address=args.advertise, kv_pool=args.kv_pool)

@@ -27,12 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep one spare decode reservation of N prompt tokens per decode worker (with room for "
                              "two), so that a request whose prompt fits skips the Reserve round trip before prefill; "
                              f"longer prompts Reserve as before (default {DEFAULT_STANDING_LEASE_TOKENS}; 0: off)")
-    parser.add_argument("--prefill-stream", action=argparse.BooleanOptionalAction, default=True,
-                        help="send prefills over one long-lived, multiplexed PrefillStream per prefill worker instead "
-                             "of a unary Prefill call each (saves a call set-up on every first token; default on)")
-    parser.add_argument("--decode-stream", action=argparse.BooleanOptionalAction, default=True,
-                        help="run decodes over one long-lived, multiplexed DecodeStream per decode worker (one message "
-                             "per engine step for all its requests) instead of a Decode call each (default on)")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="largest request (and prompt text) accepted, refused before tokenising (default 4 MiB)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
@@ -55,7 +49,6 @@ def run(args: argparse.Namespace) -> int:
         config = GatewayConfig(model_dir=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
                                listen=args.listen, http_listen=args.http_listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
                                admission_timeout_s=args.admission_timeout, standing_lease_tokens=args.standing_lease_tokens,
-                               prefill_stream=args.prefill_stream, decode_stream=args.decode_stream,
                                max_request_bytes=args.max_request_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                api_keys=tuple(args.api_key) + (read_key_file(args.api_key_file) if args.api_key_file else ()),
                                internal_token=read_token_file(args.internal_token_file))

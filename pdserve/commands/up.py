@@ -34,8 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on the CPU a memfd stand-in) / grpc")
     parser.add_argument("--draft-model", default=None, help="draft directory ('' disables speculative decoding)")
     parser.add_argument("--kv-memory-mb", type=int, default=None, help="KV pool per decode rank (MiB)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                        help="decode workers run their engine in a process of its own (see pdserve decode)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker rank")
     parser.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
                         help="on the CPU: prefill workers on the lower half of the cores, decode workers on the upper "
@@ -109,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.share_weights:
         worker_args += ("--no-shared-weights",)
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
-    decode_args += ("--engine-process" if args.engine_process else "--no-engine-process",)
     try:
         prefill_pins, decode_pins = cpu_pinning(args)
         decode_args += decode_pins

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_worker.admission import DecodeUpdate
 from decode_worker.servicer import DecodeServicer
-from decode_worker.streams import Streams
+from decode_worker.streams import Sink, Streams
 from engine.engine_types import StepOutput
 from engine.sampling_params import SamplingParams
 from rpc.convert import sampling_to_proto
@@ -26,8 +25,8 @@ FIRST = 7  # every request's first token (from "prefill"), re-emitted by its fir
 
 @dataclass
 class ScriptedService:
-    """What the servicer calls (decode, release_soon), recording what it is asked to abort and release.
-    decode refuses any lease but LEASE (NOT_FOUND, as an unknown lease), else streams from `streams`."""
+    """What the servicer calls (run_decode, release_soon), recording what it is asked to abort and release.
+    run_decode refuses any lease but LEASE (NOT_FOUND, as an unknown lease), else streams from `streams`."""
 
     aborted: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
@@ -36,14 +35,12 @@ class ScriptedService:
     def __post_init__(self) -> None:
         self.streams = Streams(self.aborted.append)
 
-    async def decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
-                     params: SamplingParams, stream_interval: int = 1) -> AsyncIterator[DecodeUpdate]:
+    async def run_decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
+                         params: SamplingParams, stream_interval: int, sink: Sink) -> None:
         if lease_id != LEASE:
             raise NotFound(f"no lease {lease_id!r} for request {request_id}")
-        self.streams.open(request_id)
-        async with contextlib.aclosing(self.streams.stream(request_id, max(1, stream_interval))) as updates:
-            async for update in updates:
-                yield update
+        self.streams.open(request_id, max(1, stream_interval), sink)
+        await self.streams.run(request_id)
 
     def release_soon(self, request_id: str) -> None:
         self.released.append(request_id)

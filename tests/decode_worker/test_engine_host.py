@@ -1,7 +1,8 @@
 """The engine process's side of the pipe protocol (decode_worker/engine_process.EngineHost), run on a thread
 over a fake engine: reservations are answered with the load figures, refusals carry their kind, an added
 request streams one message per step until it finishes, a refused one gives its pages back, a failed step is
-reported with the requests it aborted, stop closes the engine. No process is started."""
+reported with the requests it aborted, stop closes the engine. The fake engine implements engine_api.DecodeEngine
+(checked), so renaming what the host uses of an engine breaks it. No process is started."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +10,9 @@ from multiprocessing import Pipe
 from types import SimpleNamespace
 from typing import Any
 
-from decode_worker.engine_process import EngineHost
+from decode_worker.engine_api import DecodeEngine
+from decode_worker.engine_process import (Add, Command, EngineHost, ErrorKind, Free, Outputs, Ready, Reply, Reserve,
+                                          StepFailed, Stop, WireError)
 from engine.engine_types import StepOutput
 from engine.sampling_params import SamplingParams
 
@@ -84,12 +87,12 @@ class FakeEngine:
         self.closed = True
 
 
-def _next(events, kind: str) -> tuple[Any, ...]:
+def _next(events, kind: type) -> Any:
     """The next message of `kind` (others in between are skipped); fails after 30 s without one."""
     while True:
-        assert events.poll(30), f"no {kind!r} message within 30 s"
+        assert events.poll(30), f"no {kind.__name__} message within 30 s"
         message = events.recv()
-        if message[0] == kind:
+        if isinstance(message, kind):
             return message
 
 
@@ -106,42 +109,47 @@ def _serve(engine: FakeEngine) -> tuple[Any, Any, threading.Thread]:
 def test_engine_host_answers_commands_and_streams_steps():
     """Every command is answered with the load figures; a request streams until it finishes and frees its pages."""
     engine = FakeEngine()
+    assert isinstance(engine, DecodeEngine)
     commands, events, thread = _serve(engine)
     try:
-        facts = _next(events, "ready")[1]
+        facts = _next(events, Ready).facts
         assert (facts.num_pages, facts.pool_names, facts.max_context, facts.load.free_pages) == (PAGES, ("pool-0",), 4096, PAGES)
 
-        commands.send((1, "reserve", (40, 0)))
-        _, tag, error, value, load = _next(events, "reply")
-        assert (tag, error, value, load.free_pages) == (1, None, ([0, 1, 2], None), PAGES - 3)
-        commands.send((2, "reserve", (16 * 6, 0)))  # 6 pages asked, 5 free, growth headroom for none running
-        _, tag, error, value, _ = _next(events, "reply")
-        assert tag == 2 and error[0] == "ResourceExhausted" and value is None
+        commands.send(Command(1, Reserve(40, 0)))
+        reply = _next(events, Reply)
+        assert (reply.tag, reply.error, reply.value, reply.load.free_pages) == (1, None, ([0, 1, 2], None), PAGES - 3)
+        commands.send(Command(2, Reserve(16 * 6, 0)))  # 6 pages asked, 5 free, growth headroom for none running
+        reply = _next(events, Reply)
+        assert reply.tag == 2 and reply.error.kind is ErrorKind.RESOURCE_EXHAUSTED and reply.value is None
 
-        commands.send((3, "add", ("r1", [5] * 40, 7, [0, 1, 2], SamplingParams(max_new_tokens=4), None)))
-        assert _next(events, "reply")[1:3] == (3, None)
+        commands.send(Command(3, Add("r1", [5] * 40, 7, [0, 1, 2], SamplingParams(max_new_tokens=4), None)))
+        reply = _next(events, Reply)
+        assert (reply.tag, reply.error) == (3, None)
         tokens, finished = [], False
         while not finished:
-            _, outputs, load = _next(events, "out")
-            (request_id, new, finished, reason, _),  = outputs
-            tokens += new
-        assert request_id == "r1" and reason == "length" and tokens == [8, 9, 10] and load.free_pages == PAGES
+            message = _next(events, Outputs)
+            (output,) = message.outputs
+            tokens += output.new_token_ids
+            finished = output.finished
+        assert output.request_id == "r1" and output.finish_reason == "length" and tokens == [8, 9, 10]
+        assert message.load.free_pages == PAGES
 
-        commands.send((4, "reserve", (16, 0)))
-        pages = _next(events, "reply")[3][0]
-        commands.send((5, "add", ("bad", [], 7, pages, SamplingParams(max_new_tokens=4), None)))
-        _, tag, error, _, load = _next(events, "reply")
-        assert tag == 5 and error == ("ValueError", "prompt_ids is empty") and load.free_pages == PAGES
+        commands.send(Command(4, Reserve(16, 0)))
+        pages = _next(events, Reply).value[0]
+        commands.send(Command(5, Add("bad", [], 7, pages, SamplingParams(max_new_tokens=4), None)))
+        reply = _next(events, Reply)
+        assert reply.tag == 5 and reply.error == WireError(ErrorKind.VALUE, "prompt_ids is empty")
+        assert reply.load.free_pages == PAGES
 
         engine.fail_next_step = True
-        commands.send((6, "reserve", (16, 0)))
-        pages = _next(events, "reply")[3][0]
-        commands.send((7, "add", ("r2", [5], 7, pages, SamplingParams(max_new_tokens=4), None)))
-        _, failed, text, load = _next(events, "failed")
-        assert failed == ["r2"] and "injected step failure" in text
-        assert not engine.running and load.free_pages == PAGES  # the failed step's requests were aborted
+        commands.send(Command(6, Reserve(16, 0)))
+        pages = _next(events, Reply).value[0]
+        commands.send(Command(7, Add("r2", [5], 7, pages, SamplingParams(max_new_tokens=4), None)))
+        failed = _next(events, StepFailed)
+        assert failed.request_ids == ["r2"] and "injected step failure" in failed.text
+        assert not engine.running and failed.load.free_pages == PAGES  # the failed step's requests were aborted
     finally:
-        commands.send((0, "stop", ()))
+        commands.send(Command(0, Stop()))
         thread.join(30)
     assert not thread.is_alive() and engine.closed
 
@@ -152,22 +160,22 @@ def test_reserve_is_answered_while_a_step_runs():
     engine = FakeEngine()
     commands, events, thread = _serve(engine)
     try:
-        _next(events, "ready")
-        commands.send((1, "reserve", (16, 0)))
-        pages = _next(events, "reply")[3][0]
+        _next(events, Ready)
+        commands.send(Command(1, Reserve(16, 0)))
+        pages = _next(events, Reply).value[0]
         engine.step_gate = gate = threading.Event()
-        commands.send((2, "add", ("long", [5], 7, pages, SamplingParams(max_new_tokens=3), None)))
-        _next(events, "reply")
+        commands.send(Command(2, Add("long", [5], 7, pages, SamplingParams(max_new_tokens=3), None)))
+        _next(events, Reply)
         assert engine.stepping.wait(30)
         engine.stepping.clear()
-        commands.send((3, "reserve", (33, 0)))
-        _, tag, error, value, load = _next(events, "reply")
-        assert (tag, error, value) == (3, None, ([1, 2, 3], None)) and not gate.is_set()
-        commands.send((4, "free", value))
-        assert _next(events, "reply")[1] == 4 and not gate.is_set()
+        commands.send(Command(3, Reserve(33, 0)))
+        reply = _next(events, Reply)
+        assert (reply.tag, reply.error, reply.value) == (3, None, ([1, 2, 3], None)) and not gate.is_set()
+        commands.send(Command(4, Free(*reply.value)))
+        assert _next(events, Reply).tag == 4 and not gate.is_set()
         gate.set()
-        assert _next(events, "out")[1][0][0] == "long"
+        assert _next(events, Outputs).outputs[0].request_id == "long"
     finally:
-        commands.send((0, "stop", ()))
+        commands.send(Command(0, Stop()))
         thread.join(30)
     assert not thread.is_alive()

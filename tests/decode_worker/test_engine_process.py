@@ -1,4 +1,4 @@
-"""DecodeService with its engine in a process of its own (config.engine_process), over the tiny service model
+"""DecodeService with its engine in a process of its own (process_port.ProcessPort), over the tiny service model
 and a shared-memory pool: reserve -> decode -> stream -> release, abort, engine death, construction errors,
 no segment left behind. Each test starts an engine process: all are slow."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ from decode_worker.streams import EngineFailed
 from engine import weight_store
 from kvtransfer.destination import TransportKind
 from rpc.status import Unavailable
+from tests.decode_worker.thread_port import thread_port
 from tests.services.decode_hooks import mark_kv_complete
 from tests.services.helpers import eventually, greedy
 from tests.services.k3_service_model import make_k3_service_model
@@ -28,16 +29,18 @@ PAGE_SIZE = 16
 PROMPT = [5 + i % 200 for i in range(40)]
 
 
-def _config(model: Path, engine_process: bool, draft: bool = False, **engine: object) -> DecodeWorkerConfig:
+def _config(model: Path, draft: bool = False, **engine: object) -> DecodeWorkerConfig:
     fields = {"kv_memory_bytes": 256 * 1024} | engine
     return DecodeWorkerConfig.build(model_dir=str(model), draft_model_dir=None if draft else "",
-                                    attention_backend="torch", page_size=PAGE_SIZE, num_threads=1,
-                                    engine_process=engine_process, **fields)
+                                    attention_backend="torch", page_size=PAGE_SIZE, num_threads=1, **fields)
 
 
-async def _started(config: DecodeWorkerConfig, lost: list[str] | None = None) -> tuple[DecodeService, _Receivers]:
+async def _started(config: DecodeWorkerConfig, lost: list[str] | None = None,
+                   engine_process: bool = True) -> tuple[DecodeService, _Receivers]:
+    """engine_process=False: the engine on a thread of the test (tests/decode_worker/thread_port.py), the oracle."""
     receivers = _Receivers()
-    service = DecodeService(config, receivers, on_engine_lost=None if lost is None else lost.append)
+    service = DecodeService(config, receivers, on_engine_lost=None if lost is None else lost.append,
+                            port_factory=None if engine_process else thread_port(config))
     await service.start()
     receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))  # no pushes here; expect() needs an address
     return service, receivers
@@ -62,7 +65,7 @@ async def test_process_path_streams_what_the_thread_path_does(service_model, dra
     process has exited and its pool segments are gone from /dev/shm."""
     outputs = {}
     for engine_process in (False, True):
-        service, receivers = await _started(_config(service_model, engine_process, draft))
+        service, receivers = await _started(_config(service_model, draft), engine_process=engine_process)
         try:
             total = service.load.free_pages
             outputs[engine_process] = [await _generate(service, f"r{i}", 12, None if draft else False) for i in range(2)]
@@ -85,7 +88,8 @@ async def test_k3_state_slots_through_the_engine_process(tmp_path):
     model = make_k3_service_model(tmp_path)
     outputs = {}
     for engine_process in (False, True):
-        service, receivers = await _started(_config(model, engine_process, kv_memory_bytes=2 * 2**20, max_running=3))
+        service, receivers = await _started(_config(model, kv_memory_bytes=2 * 2**20, max_running=3),
+                                            engine_process=engine_process)
         try:
             pages, slots = service.load.free_pages, service.load.free_state_slots
             assert slots == 4
@@ -104,7 +108,7 @@ async def test_k3_state_slots_through_the_engine_process(tmp_path):
 async def test_cancel_and_release_free_the_pages(service_model):
     """A Decode stream closed early aborts its request in the engine process, and Release of a running
     request does too: both give every page back."""
-    service, receivers = await _started(_config(service_model, True))
+    service, receivers = await _started(_config(service_model))
     try:
         total = service.load.free_pages
         destination = await service.reserve("early", len(PROMPT), 200, TransportKind.SHM)
@@ -132,7 +136,7 @@ async def test_engine_process_death_fails_streams_and_is_reported(service_model)
     on_engine_lost, makes Reserve UNAVAILABLE, and stop() still completes with no pool segment left, nor the
     weight segment the killed process owned."""
     lost: list[str] = []
-    service, receivers = await _started(_config(service_model, True), lost)
+    service, receivers = await _started(_config(service_model), lost)
     names = list(service.engine.pool_names)
     weights = _weight_segments_of(service._port.pid)
     try:
@@ -181,7 +185,7 @@ async def test_engine_construction_error_surfaces_at_start(service_model, tmp_pa
     config = json.loads((service_model / "config.json").read_text())
     config["num_attention_heads"] = 7  # not divisible: the engine refuses the model
     (broken / "config.json").write_text(json.dumps(config))
-    service = DecodeService(_config(broken, True), _Receivers())
+    service = DecodeService(_config(broken), _Receivers())
     with pytest.raises(RuntimeError, match="engine failed to start"):
         await service.start()
     pid = service._port.pid

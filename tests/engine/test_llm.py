@@ -58,7 +58,7 @@ def test_tp2_equals_tp1(checkpoints):
 
 
 def test_chunked_prefill_and_preemption_do_not_change_outputs(checkpoints):
-    """Small prefill chunks, few running slots and a pool so small that sequences get preempted
+    """Small prefill chunks, few running slots and a pool so small that sequences get preempted (counted)
     and recomputed all produce the same greedy tokens as an unconstrained engine."""
     model_dir = str(checkpoints["yarn"])
     prompts = [list(range(2, 2 + n)) for n in (3, 30, 17, 45, 8, 21)]
@@ -70,6 +70,7 @@ def test_chunked_prefill_and_preemption_do_not_change_outputs(checkpoints):
              page_size=4, kv_memory_bytes=page_bytes * 30) as llm:
         assert llm.engine.allocator.num_pages == 30  # three long sequences need more: preemption happens
         assert llm.generate(prompts, params) == expected
+        assert llm.engine.num_preemptions > 0  # (the outputs above went through preemption and recompute)
         assert llm.engine.num_free_pages == llm.engine.allocator.num_pages
 
 

@@ -48,7 +48,7 @@ async def test_concurrent_requests_share_one_stream_and_get_their_own_chunks(wor
     channel, stream = _client(worker)
     try:
         names = [f"d{index}" for index in range(16)]
-        calls = {name: stream.call(decode_request(name), 30, (("x-request-id", "trace"),)) for name in names}
+        calls = {name: stream.submit(decode_request(name), 30, "trace") for name in names}
         collected = {name: asyncio.ensure_future(_collect(call)) for name, call in calls.items()}
         await _streaming(worker, names)
         worker.service.step(names, 11)
@@ -71,7 +71,7 @@ async def test_a_failed_request_raises_the_unary_status_and_the_stream_goes_on(w
         bad = decode_request("bad")
         bad.sampling.distribution.temperature = -1.0
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await _collect(stream.call(bad, 30))
+            await _collect(stream.submit(bad, 30))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.details().startswith("sampling")
         details = dict(refused.value.trailing_metadata())["grpc-status-details-bin"]
@@ -80,9 +80,9 @@ async def test_a_failed_request_raises_the_unary_status_and_the_stream_goes_on(w
         assert violation.field_violations[0].field == "sampling"
         opened = stream._open
         with pytest.raises(grpc.aio.AioRpcError) as lost:
-            await _collect(stream.call(decode_request("lost", lease_id="nope"), 30))
+            await _collect(stream.submit(decode_request("lost", lease_id="nope"), 30))
         assert lost.value.code() == grpc.StatusCode.NOT_FOUND
-        good = asyncio.ensure_future(_collect(stream.call(decode_request("good"), 30)))
+        good = asyncio.ensure_future(_collect(stream.submit(decode_request("good"), 30)))
         await _streaming(worker, ["good"])
         worker.service.step(["good"], 11, finished=("good",))
         assert await asyncio.wait_for(good, 60) == [11]
@@ -97,7 +97,7 @@ async def test_cancel_aborts_the_request_on_the_worker_and_the_stream_serves_on(
     and releases the request, another request on the stream still gets its chunks."""
     channel, stream = _client(worker)
     try:
-        gone, kept = stream.call(decode_request("gone"), 30), stream.call(decode_request("kept"), 30)
+        gone, kept = stream.submit(decode_request("gone"), 30), stream.submit(decode_request("kept"), 30)
         await _streaming(worker, ["gone", "kept"])
         worker.service.step(["gone", "kept"], 11)
         assert [(await anext(call)).token_ids for call in (gone, kept)] == [[11], [11]]
@@ -119,7 +119,7 @@ async def test_the_deadline_is_kept_by_the_gateway_and_sent_to_the_worker(worker
     channel, stream = _client(worker)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as late:
-            await _collect(stream.call(decode_request("late"), 1.0))
+            await _collect(stream.submit(decode_request("late"), 1.0))
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await eventually(lambda: worker.service.aborted == ["late"] and worker.service.released == ["late"],
                          "the worker to abort the request")
@@ -135,7 +135,7 @@ async def test_a_worker_that_dies_fails_running_requests_unavailable_and_the_str
     channel, stream = _client(first)
     port = int(first.address.rsplit(":", 1)[1])
     try:
-        calls = [stream.call(decode_request(name), 30) for name in ("a", "b")]
+        calls = [stream.submit(decode_request(name), 30) for name in ("a", "b")]
         await _streaming(first, ["a", "b"])
         first.service.step(["a", "b"], 11)
         assert [(await anext(call)).token_ids for call in calls] == [[11], [11]]
@@ -147,7 +147,7 @@ async def test_a_worker_that_dies_fails_running_requests_unavailable_and_the_str
             assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
         revived = await start_worker(port=port)
         try:
-            again = asyncio.ensure_future(_collect(stream.call(decode_request("c"), 30)))
+            again = asyncio.ensure_future(_collect(stream.submit(decode_request("c"), 30)))
             await _streaming(revived, ["c"])
             revived.service.step(["c"], 21, finished=("c",))
             assert await asyncio.wait_for(again, 60) == [21]
@@ -166,16 +166,16 @@ async def test_a_refused_stream_passes_its_code_and_close_fails_running(worker):
     channel, stream = _client(worker, token=None)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await _collect(stream.call(decode_request("n"), 30))
+            await _collect(stream.submit(decode_request("n"), 30))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         await channel.close()
     channel, stream = _client(worker)
     try:
-        running = stream.call(decode_request("p"), 30)
+        running = stream.submit(decode_request("p"), 30)
         await _streaming(worker, ["p"])
         await stream.close()
-        for call in (running, stream.call(decode_request("q"), 30)):
+        for call in (running, stream.submit(decode_request("q"), 30)):
             with pytest.raises(grpc.aio.AioRpcError) as closed:
                 await _collect(call)
             assert closed.value.code() == grpc.StatusCode.CANCELLED
@@ -208,7 +208,7 @@ async def test_a_worker_that_never_answers_fails_the_request_at_the_local_deadli
     stream = DecodeStream(worker_pb2_grpc.DecodeServiceStub(channel), (), "silent")
     try:
         with pytest.raises(grpc.aio.AioRpcError) as late:
-            await _collect(stream.call(worker_pb2.DecodeRequest(request_id="hung"), 0.05))
+            await _collect(stream.submit(worker_pb2.DecodeRequest(request_id="hung"), 0.05))
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await eventually(lambda: len(silent.received) == 2, "the request and its cancel")
         assert silent.received == [("hung", 50), ("hung", 0)]

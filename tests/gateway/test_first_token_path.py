@@ -10,22 +10,22 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 from gateway.orchestrator import FinishEvent, RequestRun, TokensEvent
 from gateway.requests import GenerateJob
-from gateway.router import PrefillState
-from gateway.workers import PrefillWorker
+from gateway.router import PrefillLoad
+from gateway.worker_clients import PrefillWorker, WorkerClient
 from rpc.internal.v1 import kv_pb2, worker_pb2
 
 FIRST = 42
 
 
 class _DecodeStream:
-    def __init__(self, responses: list[worker_pb2.DecodeResponse]) -> None:
+    def __init__(self, responses: list[worker_pb2.DecodeStreamUpdate]) -> None:
         self._responses = responses
 
-    async def _iterate(self) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    async def _iterate(self) -> AsyncIterator[worker_pb2.DecodeStreamUpdate]:
         for response in self._responses:
             yield response
 
-    def __aiter__(self) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    def __aiter__(self) -> AsyncIterator[worker_pb2.DecodeStreamUpdate]:
         return self._iterate()
 
     def cancel(self) -> None:
@@ -40,7 +40,7 @@ class _Workers:
         self.metadata: tuple[tuple[str, str], ...] = ()
         self.polled = asyncio.Event()
         self.polled.set()
-        self.prefill_worker = PrefillWorker(PrefillState("prefill"), channel=None, stub=self)  # type: ignore[arg-type]
+        self.prefill_worker = WorkerClient(PrefillLoad("prefill"), channel=None, stub=self, stream=self)  # type: ignore[arg-type]
         self.decode_requests: list[worker_pb2.DecodeRequest] = []
         self.prefill_requests: list[worker_pb2.PrefillRequest] = []
         self.reserved: list[str] = []
@@ -67,20 +67,29 @@ class _Workers:
     def stub(self) -> _Workers:
         return self
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, **_: Any) -> worker_pb2.PrefillResponse:  # noqa: N802
+    @property
+    def stream(self) -> _Workers:  # (both workers' streams)
+        return self
+
+    def submit(self, request: worker_pb2.PrefillRequest | worker_pb2.DecodeRequest, timeout: float | None,
+               trace_id: str = "") -> asyncio.Future[worker_pb2.PrefillResponse] | _DecodeStream:
+        if isinstance(request, worker_pb2.DecodeRequest):
+            return self.decode(request)
         self.order.append("prefill")
         self.prefill_requests.append(request)
-        return worker_pb2.PrefillResponse(first_token=FIRST)
+        answer: asyncio.Future[worker_pb2.PrefillResponse] = asyncio.get_running_loop().create_future()
+        answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST))
+        return answer
 
     async def Release(self, request: worker_pb2.ReleaseRequest, **_: Any) -> worker_pb2.ReleaseResponse:  # noqa: N802
         self.order.append("release")
         return worker_pb2.ReleaseResponse(found=True)
 
-    def decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> _DecodeStream:
+    def decode(self, request: worker_pb2.DecodeRequest) -> _DecodeStream:
         self.order.append("decode call")
         self.decode_requests.append(request)
-        return _DecodeStream([worker_pb2.DecodeResponse(token_ids=[7, 8, 9], finished=True, finish_reason="length",
-                                                        decode_steps=3)])
+        return _DecodeStream([worker_pb2.DecodeStreamUpdate(token_ids=[7, 8, 9], finished=True, finish_reason="length",
+                                                            decode_steps=3)])
 
 
 async def test_first_token_is_forwarded_before_decode_is_called():
@@ -93,8 +102,11 @@ async def test_first_token_is_forwarded_before_decode_is_called():
     run = RequestRun(job, workers, None, time.perf_counter(), None, cleanup_timeout_s=5.0)  # type: ignore[arg-type]
     tokens: list[int] = []
 
+    waiting = asyncio.Event()
+
     async def consume() -> FinishEvent:  # as the servicer does: await the queue directly
         while True:
+            waiting.set()
             event = await run.events.get()
             if isinstance(event, FinishEvent):
                 return event
@@ -103,7 +115,7 @@ async def test_first_token_is_forwarded_before_decode_is_called():
             tokens.extend(event.token_ids)
 
     consumer = asyncio.create_task(consume())
-    await asyncio.sleep(0)  # the consumer waits on the queue before the run starts, as a servicer does
+    await waiting.wait()  # the consumer waits on the queue before the run starts, as a servicer does
     run.start()
     event = await asyncio.wait_for(consumer, 30)
     assert order[:3] == ["prefill", ("tokens", [FIRST]), "decode call"], order
@@ -175,7 +187,7 @@ async def test_a_run_on_a_standing_lease_skips_reserve_and_runs_under_its_id():
     run.start()
     assert run.task is not None
     await asyncio.wait_for(run.task, 30)
-    assert workers.reserved == [] and run.worker_id == "standing.abc"
+    assert workers.reserved == [] and run.request_id == "standing.abc"
     prefill, decode = workers.prefill_requests[0], workers.decode_requests[0]
     assert prefill.request_id == prefill.destination.request_id == decode.request_id == "standing.abc"
     assert decode.lease_id == "spare-lease"
@@ -190,11 +202,14 @@ async def test_metrics_wait_until_the_first_token_is_handed_on():
     path order, with the durations measured when they happened (queue + prefill <= TTFT)."""
     run, phases = _observed_run("r4")
 
+    waiting = asyncio.Event()
+
     async def first_event() -> tuple[Any, list[tuple[str, float]]]:  # as the servicer: awaits the queue itself
+        waiting.set()
         return await run.events.get(), list(phases.seen)
 
     consumer = asyncio.create_task(first_event())
-    await asyncio.sleep(0)
+    await waiting.wait()  # (set just before it awaits the queue: it waits there now)
     run.start()
     first, seen_then = await asyncio.wait_for(consumer, 30)
     assert isinstance(first, TokensEvent) and first.token_ids == [FIRST]

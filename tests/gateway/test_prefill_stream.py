@@ -15,6 +15,7 @@ from google.rpc import error_details_pb2
 
 from gateway.prefill_stream import PrefillStream
 from kvtransfer.shm_pool import SharedPagePool
+from prefill_worker.service import JobState
 from rpc.interceptors import token_metadata
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from rpc.status import status_of
@@ -80,7 +81,7 @@ async def test_the_deadline_is_kept_by_the_gateway_and_sent_to_the_worker(stream
             await stream.prefill(stream_worker.request("late", [4] * 8), 0.2)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         job = stream_worker.service._jobs["late"]  # still held in the engine
-        await eventually(lambda: job.cancelled, "the worker's own timeout to cancel the prompt")
+        await eventually(lambda: job.state is JobState.CANCELLED, "the worker's own timeout to cancel the prompt")
         stream_worker.engine.gate.set()
         await eventually(lambda: not stream_worker.service._jobs, "the worker to drop the prompt")
         assert stream_worker.engine.stopped == ["late"] and not stream_worker.receiver.ready("late")
@@ -122,7 +123,7 @@ async def test_a_cancelled_prompt_is_dropped_and_the_stream_serves_on(stream_wor
     stream_worker.engine.gate.clear()
     channel, stream = _client(stream_worker)
     try:
-        call = stream.call(stream_worker.request("gone", [3] * 8), 30, (("x-request-id", "trace"),))
+        call = stream.submit(stream_worker.request("gone", [3] * 8), 30, "trace")
         await eventually(lambda: stream_worker.engine.started == ["gone"], "the prompt to run")
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -131,7 +132,7 @@ async def test_a_cancelled_prompt_is_dropped_and_the_stream_serves_on(stream_wor
         job = stream_worker.service._jobs["gone"]
         cancel = asyncio.ensure_future(stub.Cancel(worker_pb2.CancelRequest(request_id="gone"), timeout=30,
                                                    metadata=token_metadata(TOKEN)))
-        await eventually(lambda: job.cancelled, "the Cancel RPC to reach the worker")
+        await eventually(lambda: job.state is JobState.CANCELLED, "the Cancel RPC to reach the worker")
         stream_worker.engine.gate.set()
         assert (await cancel).dropped is False  # it was running: Cancel waited until it stopped
         assert stream_worker.engine.stopped == ["gone"] and not stream_worker.receiver.ready("gone")

@@ -13,8 +13,8 @@ from engine.sampling_params import SamplingParams
 from gateway.orchestrator import FinishEvent, RequestRun, TokensEvent
 from gateway.prefill_stream import PrefillStream
 from gateway.requests import GenerateJob
-from gateway.router import PrefillState
-from gateway.workers import PrefillWorker
+from gateway.router import PrefillLoad
+from gateway.worker_clients import PrefillWorker, WorkerClient
 from rpc.interceptors import token_metadata
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from tests.prefill_worker.stream_server import TOKEN, shm_pool, start_worker, stop_worker  # noqa: F401 - fixture
@@ -41,15 +41,19 @@ class _RetryPool:
         pass
 
     def pick_prefill(self) -> PrefillWorker:
-        return next(worker for worker in self.prefill if worker.state.healthy)
+        return next(worker for worker in self.prefill if worker.load.healthy)
 
-    def mark_unreachable(self, state: PrefillState, error: grpc.aio.AioRpcError) -> None:
+    def mark_unreachable(self, state: PrefillLoad, error: grpc.aio.AioRpcError) -> None:
         state.healthy = False
         self.marked.append(error.code().name)
 
-    def decode(self, request: worker_pb2.DecodeRequest, **_: Any) -> Any:
+    @property
+    def stream(self) -> _RetryPool:  # (the decode worker's stream)
+        return self
+
+    def submit(self, request: worker_pb2.DecodeRequest, timeout: float | None, trace_id: str = "") -> Any:
         async def chunks():
-            yield worker_pb2.DecodeResponse(token_ids=[1], finished=True, finish_reason="length", decode_steps=1)
+            yield worker_pb2.DecodeStreamUpdate(token_ids=[1], finished=True, finish_reason="length", decode_steps=1)
 
         return chunks()
 
@@ -64,7 +68,7 @@ async def test_a_run_whose_prefill_worker_dies_is_answered_by_the_other(shm_pool
         channel = grpc.aio.insecure_channel(worker.address)
         stream = PrefillStream(worker_pb2_grpc.PrefillServiceStub(channel), token_metadata(TOKEN), worker.address)
         channels.append(channel)
-        workers.append(PrefillWorker(PrefillState(worker.address, healthy=True), channel,
+        workers.append(WorkerClient(PrefillLoad(worker.address, healthy=True), channel,
                                      worker_pb2_grpc.PrefillServiceStub(channel), stream))
     destination = first.request("run", [9] * 8).destination
     pool = _RetryPool(workers, destination)
@@ -79,13 +83,12 @@ async def test_a_run_whose_prefill_worker_dies_is_answered_by_the_other(shm_pool
         while not events or not isinstance(events[-1], FinishEvent):
             events.append(await asyncio.wait_for(run.events.get(), 60))
         assert isinstance(events[0], TokensEvent) and events[0].token_ids == [9], events
-        assert pool.marked == ["UNAVAILABLE"] and not workers[0].state.healthy
+        assert pool.marked == ["UNAVAILABLE"] and not workers[0].load.healthy
         assert second.engine.started == ["run"]
         assert run.task is not None
         await asyncio.wait_for(run.task, 60)
     finally:
         for worker in workers:
-            assert worker.stream is not None
             await worker.stream.close()
         for channel in channels:
             await channel.close()

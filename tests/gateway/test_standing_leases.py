@@ -54,7 +54,7 @@ def _pool(fake: _LeasingDecode, ttl_s: float = 30.0) -> WorkerPool:
     pool = WorkerPool(config)
     worker = pool.decode[0]
     worker.stub = fake
-    worker.state.healthy, worker.state.free_pages, worker.state.page_size = True, 100, PAGE_SIZE
+    worker.load.healthy, worker.load.free_pages, worker.load.page_size = True, 100, PAGE_SIZE
     return pool
 
 
@@ -63,6 +63,19 @@ async def _eventually(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.005)
+
+
+def _refill_passes(pool: WorkerPool) -> asyncio.Queue[None]:
+    """A queue that gets one item whenever the spares' refill task ends a pass (before it waits for the next)."""
+    passes: asyncio.Queue[None] = asyncio.Queue()
+    wait_between_passes = pool.standing._sleep
+
+    async def counted(seconds: float) -> None:
+        passes.put_nowait(None)
+        await wait_between_passes(seconds)
+
+    pool.standing._sleep = counted  # type: ignore[method-assign]
+    return passes
 
 
 async def _started(fake: _LeasingDecode, ttl_s: float = 30.0) -> WorkerPool:
@@ -94,11 +107,12 @@ async def test_a_spare_the_worker_can_never_grant_is_not_asked_for_again_soon(co
     fake = _LeasingDecode()
     fake.refuse = code
     pool = _pool(fake)
+    passes = _refill_passes(pool)
     pool.polled.set()
     pool.standing.start()
     await _eventually(lambda: len(fake.requests) == 1, "the first Reserve")
-    for _ in range(20):  # 20 refill passes (poll interval 0.01 s)
-        await asyncio.sleep(0.01)
+    for _ in range(20):  # 20 more refill passes (poll interval 0.01 s), each seen to end
+        await asyncio.wait_for(passes.get(), 60)
     assert len(fake.requests) == 1 and pool.standing.held() == []
     await pool.close()
 
@@ -116,7 +130,7 @@ async def test_take_narrows_claims_once_and_refills():
     narrowed = Destination.from_proto(taken)
     assert narrowed.page_ids == tuple(spare.page_ids[:2]) and narrowed.num_tokens == 20
     assert narrowed.binding == Destination.from_proto(spare).binding
-    assert pool.standing.taken == 1 and pool.decode[0].state.running == 1
+    assert pool.standing.taken == 1 and pool.decode[0].load.running == 1
     pool.refill_standing()  # as the run does once its prefill returned
     await _eventually(lambda: len(pool.standing.held()) == 1, "a refill")
     second = pool.standing.held()[0].destination
@@ -143,7 +157,7 @@ async def test_take_refuses_long_prompts_and_unreachable_workers():
     fake = _LeasingDecode()
     pool = await _started(fake)
     assert pool.take_standing(TOKENS + 1) is None
-    pool.decode[0].state.healthy = False
+    pool.decode[0].load.healthy = False
     assert pool.take_standing(10) is None
     await _eventually(lambda: not pool.standing.held(), "the dropped spare")
     assert pool.standing.taken == 0
@@ -169,9 +183,7 @@ async def test_close_releases_every_spare():
     assert len(fake.held) == 1
     await pool.close()
     assert fake.held == {}
-    reserves = len(fake.requests)
-    await asyncio.sleep(0.05)
-    assert len(fake.requests) == reserves
+    assert pool.standing._task is not None and pool.standing._task.done()  # no refill pass can Reserve again
 
 
 async def test_full_worker_gets_its_spare_back():
@@ -194,11 +206,13 @@ async def test_full_worker_gets_its_spare_back():
         Release = fake.Release
 
     pool.decode[0].stub = _FullThenRoom()
-    pool.decode[0].state.free_pages = 1  # too few for a spare until a poll says otherwise
+    pool.decode[0].load.free_pages = 1  # too few for a spare until a poll says otherwise
     worker, destination = await pool.reserve("r", 10, 5, deadline=None)
     assert destination.request_id == "r"
     await _eventually(lambda: spare not in fake.held, "the spare's release")
-    await asyncio.sleep(0.05)
+    passes = _refill_passes(pool)
+    for _ in range(3):  # three refill passes end with the worker still short of pages
+        await asyncio.wait_for(passes.get(), 60)
     assert pool.standing.held() == [] and set(fake.held) == {"r"}
     await pool.close()
 
@@ -209,16 +223,16 @@ async def test_a_spare_never_takes_the_last_state_slot(free_slots, spare):
     load report; None: the model has no state slots), as it is only where two spares' pages are."""
     fake = _LeasingDecode()
     pool = _pool(fake)
-    pool.decode[0].state.free_state_slots = free_slots
+    pool.decode[0].load.free_state_slots = free_slots
     assert pool.standing._has_room(pool.decode[0]) is spare
-    pool.decode[0].state.free_state_slots, pool.decode[0].state.free_pages = 2, 2 * (TOKENS // PAGE_SIZE) - 1
+    pool.decode[0].load.free_state_slots, pool.decode[0].load.free_pages = 2, 2 * (TOKENS // PAGE_SIZE) - 1
     assert not pool.standing._has_room(pool.decode[0])  # one page short of two spares
     if spare:
-        pool.decode[0].state.free_state_slots, pool.decode[0].state.free_pages = free_slots, 100
+        pool.decode[0].load.free_state_slots, pool.decode[0].load.free_pages = free_slots, 100
         pool.polled.set()
         pool.standing.start()
         await _eventually(lambda: len(pool.standing.held()) == 1, "a spare")
-        assert pool.decode[0].state.free_state_slots == (None if free_slots is None else free_slots - 1)
+        assert pool.decode[0].load.free_state_slots == (None if free_slots is None else free_slots - 1)
     await pool.close()
 
 

@@ -33,12 +33,12 @@ async def test_poll_reads_both_placements():
     try:
         pool.prefill[0].stub, pool.decode[0].stub = _FakePrefill(), _FakeDecode()
         await pool.poll_once()
-        assert pool.prefill[0].state.placement == Placement("node-a", device="cuda")
-        decode = pool.decode[0].state
+        assert pool.prefill[0].load.placement == Placement("node-a", device="cuda")
+        decode = pool.decode[0].load
         assert decode.placement == Placement("node-a", kv_pool="shm")
         assert (decode.free_pages, decode.total_pages, decode.page_size) == (36, 64, 32)
         assert decode.free_state_slots is None  # a model without state slots
-        assert pool.prefill[0].state.healthy and decode.healthy and pool.polled.is_set()
+        assert pool.prefill[0].load.healthy and decode.healthy and pool.polled.is_set()
         pool.decode[0].stub = _FakeDecode(total_state_slots=8)
         await pool.poll_once()
         assert decode.free_state_slots == 3

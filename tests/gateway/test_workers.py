@@ -10,6 +10,7 @@ from gateway.config import GatewayConfig
 from gateway.workers import WorkerPool
 from rpc.status import ResourceExhausted, Unavailable
 from rpc.internal.v1 import kv_pb2, worker_pb2
+from tests.services.helpers import eventually
 
 
 def _error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -38,7 +39,7 @@ async def _pool(scripts, admission_timeout_s=5.0) -> tuple[WorkerPool, list[_Fak
     fakes = [_FakeDecode(script) for script in scripts]
     for worker, fake, free in zip(pool.decode, fakes, range(100, 0, -10)):
         worker.stub = fake
-        worker.state.healthy, worker.state.free_pages = True, free  # the first worker looks emptiest
+        worker.load.healthy, worker.load.free_pages = True, free  # the first worker looks emptiest
     return pool, fakes
 
 
@@ -73,11 +74,11 @@ async def test_unreachable_worker_is_marked_and_skipped():
     with none left the request is Unavailable; other errors pass through."""
     pool, fakes = await _pool([[grpc.StatusCode.UNAVAILABLE], []])
     worker, _ = await pool.reserve("r", 10, 5, deadline=None)
-    assert worker is pool.decode[1] and not pool.decode[0].state.healthy and not pool.healthy
-    pool.decode[1].state.healthy = False
+    assert worker is pool.decode[1] and not pool.decode[0].load.healthy and not pool.healthy
+    pool.decode[1].load.healthy = False
     with pytest.raises(Unavailable):
         await pool.reserve("s", 10, 5, deadline=None)
-    pool.decode[1].state.healthy = True
+    pool.decode[1].load.healthy = True
     fakes[1].script = [grpc.StatusCode.INVALID_ARGUMENT]
     with pytest.raises(grpc.aio.AioRpcError):
         await pool.reserve("t", 10, 5, deadline=None)
@@ -91,10 +92,12 @@ class _SlowDecode(_FakeDecode):
         super().__init__([])
         self.gate = asyncio.Event()
         self.entered = asyncio.Event()
+        self.waiting = 0  # Reserve calls held at the gate
         self.released: list[str] = []
 
     async def Reserve(self, request, timeout=None, metadata=()):  # noqa: N802
         self.entered.set()
+        self.waiting += 1
         await self.gate.wait()
         return await super().Reserve(request, timeout)
 
@@ -110,9 +113,9 @@ async def test_cancel_during_reserve_releases_what_it_reserved():
     pool.decode[0].stub = slow
     task = asyncio.create_task(pool.reserve("r", 10, 5, deadline=None))
     await asyncio.wait_for(slow.entered.wait(), timeout=60)
+    assert pool.decode[0].load.running == 1  # claimed while the Reserve is out
     task.cancel()
-    for _ in range(20):  # let the cancellation reach reserve() (in-process fakes: no I/O to wait for)
-        await asyncio.sleep(0)
+    await eventually(lambda: pool.decode[0].load.running == 0, "the cancellation to reach reserve() (unclaimed)")
     assert not task.done() and slow.released == []  # still waiting for the Reserve reply
     slow.gate.set()
     with pytest.raises(asyncio.CancelledError):
@@ -129,22 +132,21 @@ async def test_a_burst_is_spread_while_its_reserves_are_in_flight():
     pool, _ = await _pool([[], []])
     slow = [_SlowDecode(), _SlowDecode()]
     for worker, fake, free in zip(pool.decode, slow, (41, 40)):
-        worker.stub, worker.state.free_pages, worker.state.running = fake, free, 0
+        worker.stub, worker.load.free_pages, worker.load.running = fake, free, 0
     tasks = [asyncio.create_task(pool.reserve(f"r{i}", 40, 5, deadline=None)) for i in range(4)]
-    for _ in range(20):  # every request ranks and sends its Reserve (in-process fakes: no I/O to wait for)
-        await asyncio.sleep(0)
-    assert [fake.calls for fake in slow] == [0, 0] and [w.state.running for w in pool.decode] == [2, 2]
-    assert [w.state.free_pages for w in pool.decode] == [41 - 2 * 3, 40 - 2 * 3]  # 41 prompt + first token: 3 pages
+    await eventually(lambda: sum(fake.waiting for fake in slow) == 4, "every request to send its Reserve")
+    assert [fake.calls for fake in slow] == [0, 0] and [w.load.running for w in pool.decode] == [2, 2]
+    assert [w.load.free_pages for w in pool.decode] == [41 - 2 * 3, 40 - 2 * 3]  # 41 prompt + first token: 3 pages
     for fake in slow:
         fake.gate.set()
     chosen = [worker for worker, _ in await asyncio.gather(*tasks)]
     assert [chosen.count(w) for w in pool.decode] == [2, 2]
-    assert [w.state.free_pages for w in pool.decode] == [41 - 2 * 2, 40 - 2 * 2]  # the fakes reserve 2 pages each
+    assert [w.load.free_pages for w in pool.decode] == [41 - 2 * 2, 40 - 2 * 2]  # the fakes reserve 2 pages each
     slow[0].script = [grpc.StatusCode.INVALID_ARGUMENT]
     slow[1].script = [grpc.StatusCode.INVALID_ARGUMENT]
     with pytest.raises(grpc.aio.AioRpcError):
         await pool.reserve("bad", 40, 5, deadline=None)
-    assert [w.state.free_pages for w in pool.decode] == [37, 36] and [w.state.running for w in pool.decode] == [2, 2]
+    assert [w.load.free_pages for w in pool.decode] == [37, 36] and [w.load.running for w in pool.decode] == [2, 2]
     await pool.close()
 
 
@@ -177,14 +179,14 @@ async def test_reserve_carries_the_transport_chosen_from_both_ends():
     config = GatewayConfig(model_dir="unused", prefill=("127.0.0.1:1", "127.0.0.1:2"), decode=("127.0.0.1:3",))
     pool = WorkerPool(config)
     fake = _Recording([])
-    pool.decode[0].stub, pool.decode[0].state.healthy, pool.decode[0].state.free_pages = fake, True, 100
+    pool.decode[0].stub, pool.decode[0].load.healthy, pool.decode[0].load.free_pages = fake, True, 100
     for worker in pool.prefill:
-        worker.state.healthy, worker.state.placement = True, Placement("node-a", device="cpu")
+        worker.load.healthy, worker.load.placement = True, Placement("node-a", device="cpu")
     for pool_kind, node in (("shm", "node-a"), ("device", "node-a"), ("shm", "node-b")):
-        pool.decode[0].state.placement = Placement(node, kv_pool=pool_kind)
+        pool.decode[0].load.placement = Placement(node, kv_pool=pool_kind)
         await pool.reserve(f"r-{pool_kind}-{node}", 10, 5, deadline=None)
-    pool.prefill[1].state.placement = Placement("node-a", device="cuda")
-    pool.decode[0].state.placement = Placement("node-a", kv_pool="device")
+    pool.prefill[1].load.placement = Placement("node-a", device="cuda")
+    pool.decode[0].load.placement = Placement("node-a", kv_pool="device")
     await pool.reserve("r-mixed", 10, 5, deadline=None)
     assert fake.transports == [kv_pb2.TRANSPORT_SHM, kv_pb2.TRANSPORT_DEVICE, kv_pb2.TRANSPORT_GRPC, kv_pb2.TRANSPORT_GRPC]
     await pool.close()

@@ -5,14 +5,14 @@ decode worker would."""
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
 
+from engine.engine_types import PrefillJob
 from engine.kv_cache import PageAllocator
 from engine.sampling_params import SamplingParams
 from engine.llm_engine import PrefillResult
@@ -26,26 +26,24 @@ from prefill_worker.servicer import PrefillServicer
 from rpc.convert import sampling_to_proto
 from rpc.interceptors import server_interceptors
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
+from tests.prefill_worker.in_place_engine import InPlaceEngine
 
 LAYOUT = KVLayout(num_layers=2, latent_dim=16, rope_dim=4, page_size=16, dtype="float32")
 TOKEN = "stream-test-token"
 
 
-@dataclass
-class GatedEngine:
+class GatedEngine(InPlaceEngine):
     """Answers each prompt with its first token id once `gate` is set; a prompt whose should_stop says so (asked
     after the gate, as the engine asks between chunks) gets None and is listed in `stopped`."""
 
-    gate: threading.Event = field(default_factory=threading.Event)
-    started: list[str] = field(default_factory=list)
-    stopped: list[str] = field(default_factory=list)
-    config: Any = field(default_factory=lambda: SimpleNamespace(tp_size=1, page_size=LAYOUT.page_size))
-    cache_shape: Any = field(default_factory=lambda: LAYOUT.to_cache_shape(8))
+    def __init__(self) -> None:
+        super().__init__(LAYOUT)
+        self.gate = threading.Event()
+        self.started: list[str] = []
+        self.stopped: list[str] = []
 
-    def validate_prompt(self, prompt_ids: list[int]) -> None:
-        pass
-
-    def prefill(self, jobs: list[Any], should_stop: Any = None) -> list[PrefillResult | None]:
+    def prefill(self, jobs: list[PrefillJob],
+                should_stop: Callable[[str], bool] | None = None) -> list[PrefillResult | None]:
         self.started.extend(job.request_id for job in jobs)
         assert self.gate.wait(60)
         results: list[PrefillResult | None] = []
@@ -56,9 +54,6 @@ class GatedEngine:
             else:
                 results.append(PrefillResult(job.request_id, job.prompt_ids[0], None, len(job.prompt_ids), 0.0))
         return results
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass

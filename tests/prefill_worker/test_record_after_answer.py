@@ -1,48 +1,54 @@
 """PrefillService over a real shm pool (a fake engine that writes nothing: the pages are already in place):
-the RPC is answered before the completion record is written; the record follows at once (or, given
-reply_sent, once the caller says its reply is out) and verifies on the decode side; a job whose RPC went
+the caller is answered before the completion record is written; the record follows at once (or, given
+reply_sent, once the caller says its reply is out) and verifies on the decode side; a job whose caller went
 away before it took its answer gets no record."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from types import SimpleNamespace
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from engine.engine_types import PrefillJob, PrefillResult
 from engine.kv_cache import PageAllocator
-from engine.llm_engine import PrefillResult
 from kvtransfer.layout import KVLayout
 from kvtransfer.leases import LeaseTable
 from kvtransfer.shm_pool import SharedPagePool
 from kvtransfer.shm_receiver import ShmReceiver
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.service import PrefillService
+from prefill_worker.service import JobState, PrefillService
+from tests.prefill_worker.in_place_engine import InPlaceEngine
 from tests.services.helpers import eventually, greedy
 
 LAYOUT = KVLayout(num_layers=2, latent_dim=16, rope_dim=4, page_size=16, dtype="float32")
 FIRST = 7
 
 
-class _InPlaceEngine:
+class _InPlaceEngine(InPlaceEngine):
     """Answers every prompt with FIRST at once; `gate` (when given) holds the prefill until it is set."""
 
     def __init__(self, gate: Any = None) -> None:
-        self.config = SimpleNamespace(tp_size=1, page_size=LAYOUT.page_size)
-        self.cache_shape = LAYOUT.to_cache_shape(8)
+        super().__init__(LAYOUT)
         self.gate = gate
 
-    def validate_prompt(self, prompt_ids: list[int]) -> None:
-        pass
-
-    def prefill(self, jobs: list[Any], should_stop: Any = None) -> list[PrefillResult]:
+    def prefill(self, jobs: list[PrefillJob],
+                should_stop: Callable[[str], bool] | None = None) -> list[PrefillResult | None]:
         if self.gate is not None:
             assert self.gate.wait(60)
         return [PrefillResult(job.request_id, FIRST, None, len(job.prompt_ids), 0.0) for job in jobs]
 
-    def close(self) -> None:
-        pass
+
+class _ReplySent(asyncio.Event):
+    """A caller's reply_sent that tells when the job starts waiting on it (`awaited`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.awaited = asyncio.Event()
+
+    async def wait(self) -> bool:
+        self.awaited.set()
+        return await super().wait()
 
 
 @pytest.fixture
@@ -83,16 +89,15 @@ async def test_answer_comes_before_the_completion_record_which_then_verifies(dec
 
 
 async def test_the_record_waits_until_the_reply_is_out(decode_side):
-    """Given reply_sent, the record is not written while the caller has not set it (the reply is still being
-    sent), and is written once it is set."""
+    """Given reply_sent, the job's hand-off waits on it before the record (the reply is still being sent): once
+    it waits there, the record is not written, and it is written once reply_sent is set."""
     receiver, reserve = decode_side
     service = await _service(_InPlaceEngine())
-    reply_sent = asyncio.Event()
+    reply_sent = _ReplySent()
     try:
         outcome = await service.prefill("c", [5] * 20, greedy(4), reserve("c", 20), reply_sent)
         assert outcome.first_token == FIRST
-        for _ in range(20):  # nothing but reply_sent lets the record be written
-            await asyncio.sleep(0)
+        await asyncio.wait_for(reply_sent.awaited.wait(), 60)  # the hand-off waits for the reply
         assert not receiver.ready("c")
         reply_sent.set()
         await eventually(lambda: receiver.ready("c"), "the completion record")
@@ -106,13 +111,14 @@ async def test_a_cancel_before_the_reply_is_out_leaves_no_record(decode_side):
     returns once the job is over, and the record is never written (the pages are released, not read)."""
     receiver, reserve = decode_side
     service = await _service(_InPlaceEngine())
-    reply_sent = asyncio.Event()
+    reply_sent = _ReplySent()
     try:
         await service.prefill("d", [5] * 20, greedy(4), reserve("d", 20), reply_sent)
+        await asyncio.wait_for(reply_sent.awaited.wait(), 60)  # the hand-off waits for the reply
+        job = service._jobs["d"]
         cancel = asyncio.create_task(service.cancel("d"))
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert not cancel.done()  # the job waits for the reply to be out (or the call to end)
+        await eventually(lambda: job.state is JobState.CANCELLED, "cancel() to mark the job")
+        assert not cancel.done() and not job.over.is_set()  # the job waits for the reply to be out
         reply_sent.set()  # the call ends
         assert await asyncio.wait_for(cancel, 60) is False
         assert not receiver.ready("d")
@@ -161,35 +167,23 @@ async def test_a_call_cancelled_before_its_answer_gets_no_record(decode_side):
         await service.stop()
 
 
-async def test_the_answer_reaches_the_caller_in_the_loop_pass_the_result_lands_in(decode_side):
-    """The engine thread's result is handed over by one loop callback that answers an in-place shm prefill
-    itself: the caller's prefill() resumes in the very next loop pass (no hop through the job's task or a
-    shield), before any callback scheduled after the result's arrival runs."""
+async def test_the_answer_is_given_by_the_callback_the_result_lands_in(decode_side):
+    """The engine thread's result is handed over by one loop callback (PrefillService._computed) that answers an
+    in-place shm prefill itself: when that callback returns, the caller's answer is set (no hop through the
+    job's hand-off task or a shield first), while the record is still to come."""
     receiver, reserve = decode_side
     service = await _service(_InPlaceEngine())
-    loop = asyncio.get_running_loop()
-    passes: list[int] = []
+    seen: list[tuple[bool, bool]] = []
+    computed = service._computed
 
-    def tick() -> None:  # counts loop passes from the result's arrival until prefill() has returned
-        passes.append(1)
-        if len(passes) < 50:
-            loop.call_soon(tick)
+    def watched(job: Any, result: Any) -> None:
+        computed(job, result)
+        seen.append((job.answer.done(), receiver.ready(job.request_id)))
 
-    class _Loop:  # the service's loop, but a callback from the engine thread also starts the count
-        def __getattr__(self, name: str):
-            return getattr(loop, name)
-
-        def call_soon_threadsafe(self, callback, *args):
-            def arrived() -> None:
-                callback(*args)
-                loop.call_soon(tick)
-
-            return loop.call_soon_threadsafe(arrived)
-
-    service._loop = _Loop()  # type: ignore[assignment]
+    service._computed = watched  # type: ignore[method-assign]
     try:
         outcome = await service.prefill("f", [5] * 20, greedy(4), reserve("f", 20), asyncio.Event())
         assert outcome.first_token == FIRST
-        assert passes == [], f"prefill() returned {len(passes)} loop passes after its result arrived"
+        assert seen == [(True, False)], seen
     finally:
         await service.stop()

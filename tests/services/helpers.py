@@ -13,6 +13,8 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
+from gateway.decode_stream import DecodeStream
+from gateway.prefill_stream import PrefillStream
 from rpc.v1 import gateway_pb2_grpc
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 
@@ -159,3 +161,25 @@ async def wait_for_free_pages(address: str, expected: int, timeout: float = 60.0
     """Polls GetDecodeLoad until the worker is at_rest(load, expected, spares) for SETTLE_S; returns the last Load
     either way (callers assert at_rest on it)."""
     return (await _settled(address, lambda load: at_rest(load, expected, spares), timeout))[1]
+
+
+async def prefill_once(stub: worker_pb2_grpc.PrefillServiceStub, request: worker_pb2.PrefillRequest, timeout: float,
+                       metadata: tuple[tuple[str, str], ...] = ()) -> worker_pb2.PrefillResponse:
+    """One prompt over a PrefillStream of its own (as the gateway sends it), closed afterwards; raises the
+    request's AioRpcError (the stream's, e.g. UNAUTHENTICATED, when the worker refused the stream)."""
+    stream = PrefillStream(stub, metadata, "test")
+    try:
+        return await stream.prefill(request, timeout)
+    finally:
+        await stream.close()
+
+
+async def decode_once(stub: worker_pb2_grpc.DecodeServiceStub, request: worker_pb2.DecodeRequest, timeout: float,
+                      metadata: tuple[tuple[str, str], ...] = ()) -> list[int]:
+    """One request over a DecodeStream of its own (as the gateway sends it), closed afterwards: its tokens
+    (after the first); raises the request's AioRpcError."""
+    stream = DecodeStream(stub, metadata, "test")
+    try:
+        return [token async for chunk in stream.submit(request, timeout) for token in chunk.token_ids]
+    finally:
+        await stream.close()

@@ -18,6 +18,7 @@ from pdserve.launcher import Cluster
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from rpc.v1 import gateway_pb2_grpc
 from tests.services.conftest import launch, worker_address
+from tests.services.helpers import decode_once, prefill_once
 
 pytestmark = pytest.mark.slow
 API_KEY = "client-key-1"
@@ -48,8 +49,8 @@ def secured(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 async def test_workers_refuse_calls_without_the_token(secured):
-    """Reserve, Release and Prefill (and GetDecodeLoad) sent to the TCP workers without the token, or with a
-    wrong one, end UNAUTHENTICATED; with the generated token they are served."""
+    """Reserve, Release, a PrefillStream and a DecodeStream (and GetDecodeLoad) sent to the TCP workers without
+    the token, or with a wrong one, end UNAUTHENTICATED; with the generated token they are served."""
     cluster, _ = secured
     assert cluster.internal_token
     decode, prefill = worker_address(cluster, "decode-0"), worker_address(cluster, "prefill-0")
@@ -62,8 +63,9 @@ async def test_workers_refuse_calls_without_the_token(secured):
                 metadata=md, timeout=30),
             "Release": lambda md: decode_stub.Release(worker_pb2.ReleaseRequest(request_id="someone"), metadata=md,
                                                       timeout=30),
-            "Prefill": lambda md: prefill_stub.Prefill(worker_pb2.PrefillRequest(request_id="intruder", token_ids=[5]),
-                                                       metadata=md, timeout=30),
+            "PrefillStream": lambda md: prefill_once(prefill_stub, worker_pb2.PrefillRequest(
+                request_id="intruder", token_ids=[5]), 30, md),
+            "DecodeStream": lambda md: decode_once(decode_stub, worker_pb2.DecodeRequest(request_id="intruder"), 30, md),
             "GetLoad": lambda md: decode_stub.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), metadata=md, timeout=30),
         }
         for name, call in calls.items():

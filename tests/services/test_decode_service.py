@@ -15,6 +15,7 @@ from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
 from rpc.status import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from tests.decode_worker.thread_port import thread_port
 from tests.services.decode_hooks import engine_thread_blocked, mark_kv_complete
 from tests.services.helpers import eventually, greedy
 
@@ -27,8 +28,8 @@ async def _running_service(service_model, lease_ttl_s: float) -> AsyncIterator[D
     config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
                                       kv_memory_bytes=96 * 1024, page_size=PAGE_SIZE, num_threads=1,
                                       lease_ttl_s=lease_ttl_s, lease_grace_s=0.0, lease_sweep_interval_s=0.02,
-                                      admit_timeout_s=0.2, engine_process=False)  # tests reach into the engine thread
-    decode = DecodeService(config, receivers)
+                                      admit_timeout_s=0.2)
+    decode = DecodeService(config, receivers, port_factory=thread_port(config))  # reached into: an engine thread
     await decode.start()
     receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))  # no pushes here; expect() needs an address
     try:

@@ -18,8 +18,9 @@ from decode_worker.servicer import DecodeServicer
 from kvtransfer.destination import Destination
 from rpc.convert import sampling_to_proto
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from tests.decode_worker.thread_port import thread_port
 from tests.services.decode_hooks import NextDecodeForward, mark_kv_complete
-from tests.services.helpers import eventually, greedy
+from tests.services.helpers import decode_once, eventually, greedy
 
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]
 MAX_TOKENS = 6
@@ -34,9 +35,8 @@ def _inject_failure() -> None:
 async def served(service_model) -> AsyncIterator[tuple[DecodeService, worker_pb2_grpc.DecodeServiceStub, NextDecodeForward]]:
     receivers = _Receivers()
     config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
-                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1,
-                                      engine_process=False)  # the test reaches into the engine thread
-    service = DecodeService(config, receivers)
+                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1)
+    service = DecodeService(config, receivers, port_factory=thread_port(config))  # reached into: an engine thread
     await service.start()
     failure = NextDecodeForward(service.engine.leader.execute, _inject_failure)
     service.engine.leader.execute = failure  # instance attribute: only this engine's forwards are wrapped
@@ -55,17 +55,15 @@ async def served(service_model) -> AsyncIterator[tuple[DecodeService, worker_pb2
 
 
 async def _decode(service: DecodeService, stub: worker_pb2_grpc.DecodeServiceStub, request_id: str) -> list[int]:
-    """Reserve over gRPC, mark the (already zeroed) pages complete as a prefill worker would, then Decode."""
+    """Reserve over gRPC, mark the (already zeroed) pages complete as a prefill worker would, then decode over a
+    DecodeStream."""
     reply = await stub.Reserve(worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=len(PROMPT),
                                                          max_new_tokens=MAX_TOKENS, transport=kv_pb2.TRANSPORT_SHM),
                                timeout=30)
     mark_kv_complete(service.engine, Destination.from_proto(reply.destination))
-    tokens = []
     request = worker_pb2.DecodeRequest(request_id=request_id, lease_id=reply.destination.lease_id, token_ids=PROMPT,
                                        first_token=7, sampling=sampling_to_proto(greedy(MAX_TOKENS)))
-    async for chunk in stub.Decode(request, timeout=120):
-        tokens += list(chunk.token_ids)
-    return tokens
+    return await decode_once(stub, request, 120)
 
 
 async def _engine_settles(service: Any, probe: Callable[[Any], Any], expected: Any, timeout: float = 120.0) -> None:

@@ -1,53 +1,33 @@
 """DecodeStream through real processes (issue 18, item 2): the session deployment's gateway runs its decodes over
-one DecodeStream per decode worker (the default); a second gateway with `--no-decode-stream` on the same
-workers makes a Decode call per request. Greedy outputs are the in-process engine's either way, with
-speculation and without; a client that goes away mid-decode, beside others sharing the stream, is aborted
-alone and leaves no page or lease. (A decode worker killed mid-stream: tests/services/test_supervision.py.)"""
+one DecodeStream per decode worker (the one way). Greedy outputs are the in-process engine's, with speculation and
+without, with decode step counts that account for every token; a client that goes away mid-decode, beside others
+sharing the stream, is aborted alone and leaves no page or lease. (A decode worker killed mid-stream:
+tests/services/test_supervision.py.)"""
 from __future__ import annotations
 
 import asyncio
-import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from gateway.client import build_request, generate
-from pdserve.launcher import Cluster
 from tests.services.conftest import MAX_TOKENS, PROMPTS, worker_address
 from tests.services.helpers import (at_rest, decode_load, gateway_stub, greedy, greedy_through_gateway,
                                     idle_free_pages, token_prompts, wait_for_free_pages)
-from tests.services.processes import serving_gateway
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def unary_gateway(cluster: Cluster, service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A gateway with --no-decode-stream (and no spare, so the deployment's own gateway keeps the only one) in
-    front of the session deployment's workers: its address."""
-    flags = ["--listen", "127.0.0.1:0", "--http-listen", "", "--model", str(service_model), "--no-decode-stream",
-             "--standing-lease-tokens", "0", "--prefill", worker_address(cluster, "prefill-0"),
-             "--decode", worker_address(cluster, "decode-0")]
-    process, address = serving_gateway(flags, tmp_path_factory.mktemp("unary_gateway") / "gateway.addr")
-    yield address
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(60) == 0
-
-
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "nospec"])
-async def test_greedy_outputs_are_the_same_with_and_without_the_decode_stream(cluster, unary_gateway, reference,
-                                                                              speculative):
-    """The 16 prompts of 1..2048 tokens, sent at once through each gateway, come back token-identical to the
-    in-process engine's, with the same LENGTH finishes and decode step counts that account for every token."""
-    for address in (cluster.gateway_address, unary_gateway):
-        results = await greedy_through_gateway(address, PROMPTS, MAX_TOKENS, speculative)
-        assert [r.token_ids for r in results] == reference[speculative], address
-        for result in results:
-            assert result.error is None and result.finish_reason == "LENGTH", address
-            acceptance = result.complete.acceptance
-            assert acceptance.verify_steps * acceptance.mean_accepted_tokens == pytest.approx(MAX_TOKENS - 1)
+async def test_greedy_outputs_over_the_decode_stream(cluster, reference, speculative):
+    """The 16 prompts of 1..2048 tokens, sent at once through the gateway, come back token-identical to the
+    in-process engine's, with LENGTH finishes and decode step counts that account for every token."""
+    results = await greedy_through_gateway(cluster.gateway_address, PROMPTS, MAX_TOKENS, speculative)
+    assert [r.token_ids for r in results] == reference[speculative]
+    for result in results:
+        assert result.error is None and result.finish_reason == "LENGTH"
+        acceptance = result.complete.acceptance
+        assert acceptance.verify_steps * acceptance.mean_accepted_tokens == pytest.approx(MAX_TOKENS - 1)
 
 
 async def test_a_client_gone_mid_decode_is_aborted_alone_and_frees_its_pages(cluster, llm):

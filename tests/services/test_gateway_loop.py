@@ -43,8 +43,11 @@ async def test_16mb_prompt_is_refused_at_once_and_delays_nobody(cluster):
         huge_request.SerializeToString()
         client_cost = time.perf_counter() - started
 
+        huge_sent = asyncio.Event()
+
         async def huge() -> float:
             started = time.perf_counter()
+            huge_sent.set()  # (then, without yielding, its call goes out)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await generate(stub, huge_request, timeout=60)
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, caught.value
@@ -52,7 +55,7 @@ async def test_16mb_prompt_is_refused_at_once_and_delays_nobody(cluster):
             return time.perf_counter() - started
 
         async def small_after_huge() -> float:
-            await asyncio.sleep(0)  # the huge request goes out first
+            await huge_sent.wait()  # the huge request goes out first
             return await _timed_small(stub)
 
         refused_in, small_in = await asyncio.gather(huge(), small_after_huge())
@@ -66,7 +69,10 @@ async def test_long_text_is_tokenised_off_the_event_loop(cluster):
     complete before that refusal arrives (with tokenisation on the loop they would wait behind it)."""
     order: list[str] = []
     async with gateway_stub(cluster.gateway_address) as stub:
+        long_sent = asyncio.Event()
+
         async def long() -> None:
+            long_sent.set()  # (then, without yielding, its call goes out)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await generate(stub, build_request(LONG_TEXT, max_tokens=4), timeout=120)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
@@ -74,7 +80,7 @@ async def test_long_text_is_tokenised_off_the_event_loop(cluster):
             order.append("long refused")
 
         async def smalls() -> None:
-            await asyncio.sleep(0)
+            await long_sent.wait()  # the long text goes out first
             for _ in range(3):
                 await _timed_small(stub)
             order.append("small done")

@@ -13,6 +13,7 @@ from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
 from kvtransfer.shm_transport import ShmWriter
 from rpc.status import FailedPrecondition, ResourceExhausted
+from tests.decode_worker.thread_port import thread_port
 from tests.services.decode_hooks import engine_thread_blocked, mark_kv_complete
 from tests.services.helpers import eventually, greedy
 from tests.services.k3_service_model import make_k3_service_model
@@ -31,9 +32,8 @@ async def service(k3_model):
     config = DecodeWorkerConfig.build(model_dir=str(k3_model), draft_model_dir="", attention_backend="torch",
                                       kv_memory_bytes=2 * 2**20, page_size=PAGE_SIZE, num_threads=1, max_running=3,
                                       lease_ttl_s=0.3, lease_grace_s=0.0, lease_sweep_interval_s=0.02,
-                                      admit_timeout_s=0.3,
-                                      engine_process=False)  # the test reaches into the engine thread
-    decode = DecodeService(config, receivers)
+                                      admit_timeout_s=0.3)
+    decode = DecodeService(config, receivers, port_factory=thread_port(config))  # reached into: an engine thread
     await decode.start()
     receivers.push.advertise(["127.0.0.1:1"] * len(receivers.pools))
     yield decode

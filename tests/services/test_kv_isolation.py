@@ -14,7 +14,7 @@ from kvtransfer.destination import Destination
 from rpc.convert import sampling_to_proto
 from rpc.internal.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from tests.services.conftest import worker_address
-from tests.services.helpers import gateway_stub, token_prompts
+from tests.services.helpers import decode_once, gateway_stub, prefill_once, token_prompts
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
@@ -38,9 +38,8 @@ async def test_forged_prefill_into_another_requests_pages_writes_nothing(cluster
                 transport=kv_pb2.TRANSPORT_SHM), timeout=30)).destination
 
         async def prefill_into(request_id: str, prompt: list[int], destination: Destination):
-            return await prefill.Prefill(worker_pb2.PrefillRequest(
-                request_id=request_id, token_ids=prompt, sampling=sampling, destination=destination.to_proto()),
-                timeout=60)
+            return await prefill_once(prefill, worker_pb2.PrefillRequest(
+                request_id=request_id, token_ids=prompt, sampling=sampling, destination=destination.to_proto()), 60)
 
         victim = Destination.from_proto(await reserve("victim"))
         attacker = Destination.from_proto(await reserve("attacker"))
@@ -55,11 +54,9 @@ async def test_forged_prefill_into_another_requests_pages_writes_nothing(cluster
                 await prefill_into(request_id, attacker_prompt, destination)
             assert caught.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
                                            grpc.StatusCode.FAILED_PRECONDITION), caught.value
-        tokens = [first]
-        async for chunk in decode.Decode(worker_pb2.DecodeRequest(
-                request_id="victim", lease_id=victim.lease_id, token_ids=victim_prompt, first_token=first,
-                sampling=sampling), timeout=120):
-            tokens += list(chunk.token_ids)
+        tokens = [first] + await decode_once(decode, worker_pb2.DecodeRequest(
+            request_id="victim", lease_id=victim.lease_id, token_ids=victim_prompt, first_token=first,
+            sampling=sampling), 120)
         assert (await decode.Release(worker_pb2.ReleaseRequest(request_id="attacker"), timeout=30)).found
     async with gateway_stub(cluster.gateway_address) as stub:
         expected = await generate(stub, build_request(victim_prompt, max_tokens=MAX_TOKENS, temperature=0.0,

@@ -15,22 +15,19 @@ from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.layout import KVLayout
 from rpc.status import AlreadyExists
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.service import PrefillService
+from prefill_worker.service import JobState, PrefillService
+from tests.prefill_worker.in_place_engine import InPlaceEngine
 from tests.services.helpers import eventually, greedy
 
 LAYOUT = KVLayout(num_layers=2, latent_dim=16, rope_dim=4, page_size=16, dtype="float32")
 
 
-class _BlockingEngine:
+class _BlockingEngine(InPlaceEngine):
     def __init__(self) -> None:
-        self.config = SimpleNamespace(tp_size=1, page_size=16)
-        self.cache_shape = LAYOUT.to_cache_shape(8)
+        super().__init__(LAYOUT)
         self.release = threading.Event()
         self.batches: list[list[str]] = []
         self.stopped: list[str] = []
-
-    def validate_prompt(self, prompt_ids) -> None:
-        pass
 
     def prefill(self, jobs, should_stop=None):
         """Two chunks per prompt: the first before `release` is set, then (like the engine) should_stop
@@ -41,9 +38,6 @@ class _BlockingEngine:
         self.stopped.extend(sorted(stopped))
         return [None if job.request_id in stopped else PrefillResult(job.request_id, 7, None, len(job.prompt_ids), 0.0)
                 for job in jobs]
-
-    def close(self) -> None:
-        pass
 
 
 def _destination(request_id: str, tokens: int) -> Destination:
@@ -74,10 +68,10 @@ async def test_cancel_drops_queued_and_waits_for_running(prefill):
     assert await service.cancel("B") is True
     with pytest.raises(asyncio.CancelledError):
         await calls["B"]
+    job_a = service._jobs["A"]
     cancel_a = asyncio.create_task(service.cancel("A"))
-    for _ in range(20):  # let cancel(A) run up to its wait; only engine.release can end A's prefill
-        await asyncio.sleep(0)
-    assert not cancel_a.done()  # A is inside engine.prefill: cancel waits
+    await eventually(lambda: job_a.state is JobState.CANCELLED, "cancel(A) to mark A")
+    assert not cancel_a.done()  # A is inside engine.prefill (only engine.release ends it): cancel waits
     engine.release.set()
     assert await cancel_a is False
     with pytest.raises(asyncio.CancelledError):

@@ -14,6 +14,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from kvtransfer.destination import TransportKind
+from tests.decode_worker.thread_port import thread_port
 from tests.services.decode_hooks import NextDecodeForward, mark_kv_complete
 from tests.services.helpers import greedy
 
@@ -26,9 +27,8 @@ pytestmark = pytest.mark.slow  # an engine start and a decode: ~15 s on the shar
 async def held(service_model) -> AsyncIterator[tuple[DecodeService, NextDecodeForward, threading.Event]]:
     receivers = _Receivers()
     config = DecodeWorkerConfig.build(model_dir=str(service_model), draft_model_dir="", attention_backend="torch",
-                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1,
-                                      engine_process=False)  # the test reaches into the engine thread
-    service = DecodeService(config, receivers)
+                                      kv_memory_bytes=256 * 1024, page_size=16, num_threads=1)
+    service = DecodeService(config, receivers, port_factory=thread_port(config))  # reached into: an engine thread
     await service.start()
     step_may_go_on = threading.Event()
     hold = NextDecodeForward(service.engine.leader.execute, lambda: step_may_go_on.wait(120))

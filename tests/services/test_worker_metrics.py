@@ -27,12 +27,17 @@ class _Engine:
 
 
 @dataclass
+class _Port:
+    engine_steps: int = 6
+    engine_step_tokens: int = 40
+
+
+@dataclass
 class _DecodeService:
     load: LoadSnapshot
     engine: _Engine = field(default_factory=_Engine)
     lease_expiries: int = 1
-    engine_steps: int = 6
-    engine_step_tokens: int = 40
+    port: _Port = field(default_factory=_Port)
 
 
 def _samples(registry) -> dict[tuple[str, tuple], float]:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import Tiles, block_for
+from engine.attention.triton_kernels.tiles import Tiles, block_for
 from engine.attention.triton_kernels.online_softmax import (
     load_query, online_softmax_step, score_dot, softmax_start,
 )

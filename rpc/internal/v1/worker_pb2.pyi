@@ -173,20 +173,6 @@ class DecodeRequest(_message.Message):
     stream_interval: int
     def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
-class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "decode_steps")
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprob]
-    finished: bool
-    finish_reason: str
-    decode_steps: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_logprobs_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_steps: _Optional[int] = ...) -> None: ...
-
 class DecodeStreamRequest(_message.Message):
     __slots__ = ("request", "cancel_request_id", "timeout_ms", "trace_id")
     REQUEST_FIELD_NUMBER: _ClassVar[int]

@@ -37,11 +37,6 @@ class PrefillServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
-                '/pdserve.internal.v1.PrefillService/Prefill',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
-                _registered_method=True)
         self.PrefillStream = channel.stream_stream(
                 '/pdserve.internal.v1.PrefillService/PrefillStream',
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillStreamRequest.SerializeToString,
@@ -65,19 +60,12 @@ class PrefillServiceServicer:
     Runs prompts and writes their KV into pages a decode worker reserved.
     """
 
-    def Prefill(self, request, context):
-        """Runs the prompt, writes its KV (and the draft's context) into the destination pages, writes the
-        kvtransfer completion record and returns the first generated token.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def PrefillStream(self, request_iterator, context):
-        """Prefill multiplexed over one long-lived stream (the gateway keeps one per worker): each request message
-        runs as its own Prefill, answered by one response message with its request_id, in completion order.
-        A failed request gets an error message (the status the unary call would end with) and the stream goes
-        on; when the stream ends or breaks, every request still running on it is cancelled.
+        """Prompts multiplexed over one long-lived stream (the gateway keeps one per worker): each request message
+        runs the prompt, writes its KV (and the draft's context) into the destination pages, writes the
+        kvtransfer completion record and is answered by one response message with its request_id (the first
+        generated token), in completion order. A failed request gets an error message (its status) and the
+        stream goes on; when the stream ends or breaks, every request still running on it is cancelled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -101,11 +89,6 @@ class PrefillServiceServicer:
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
-            ),
             'PrefillStream': grpc.stream_stream_rpc_method_handler(
                     servicer.PrefillStream,
                     request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillStreamRequest.FromString,
@@ -134,33 +117,6 @@ class PrefillService:
 
     Runs prompts and writes their KV into pages a decode worker reserved.
     """
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.internal.v1.PrefillService/Prefill',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def PrefillStream(request_iterator,
@@ -261,11 +217,6 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
-                '/pdserve.internal.v1.DecodeService/Decode',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
-                _registered_method=True)
         self.DecodeStream = channel.stream_stream(
                 '/pdserve.internal.v1.DecodeService/DecodeStream',
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
@@ -297,21 +248,14 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decode(self, request, context):
-        """Claims the lease, verifies the KV completion record and streams the generated tokens (after the
-        first). Cancelling the call aborts the request and frees its pages.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def DecodeStream(self, request_iterator, context):
-        """Decode multiplexed over one long-lived stream (the gateway keeps one per worker): each request message
-        starts a request as its own Decode, or cancels one. Each response message carries every update that was
-        ready at one delivery of engine step outputs, for all the requests on the stream, so a step costs one
-        message per stream instead of one per request. A failed request gets an error entry (the status its
-        unary call would end with) and the stream goes on; when the stream ends or breaks, every request still
-        running on it is aborted and its pages freed, as when a unary Decode call is cancelled.
+        """Decodes multiplexed over one long-lived stream (the gateway keeps one per worker): each request message
+        starts a request (claims its lease, verifies the KV completion record, streams the generated tokens
+        after the first) or cancels one (aborted, its pages freed). Each response message carries every update
+        that was ready at one delivery of engine step outputs, for all the requests on the stream, so a step
+        costs one message per stream instead of one per request. A failed request gets an error entry (its
+        status) and the stream goes on; when the stream ends or breaks, every request still running on it is
+        aborted and its pages freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -338,11 +282,6 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
                     response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
-            ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'DecodeStream': grpc.stream_stream_rpc_method_handler(
                     servicer.DecodeStream,
@@ -390,33 +329,6 @@ class DecodeService:
             '/pdserve.internal.v1.DecodeService/Reserve',
             pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
             pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.internal.v1.DecodeService/Decode',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

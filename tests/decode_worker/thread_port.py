@@ -1,78 +1,60 @@
-"""Where the decode worker's engine runs, behind one interface the DecodeService uses: ThreadPort runs the
-LLMEngine on an engine thread of this process (rpc/engine_thread.py); process_port.ProcessPort runs it in
-an engine process of its own. Both give the service the engine (or its view), load figures, reservation
-allocation without waiting for a step, add / abort between steps, and feed a Streams with step outputs."""
+"""A test helper: the decode engine on an engine thread of the test's own process (rpc/engine_thread.py), an
+EnginePort (decode_worker/engine_api.py) like the worker's engine process, so that tests can reach into the
+engine between steps (service._port.engine_thread). Each step's outputs are queued in an outbox and the event
+loop is woken once per batch of steps; reservations are allocated on the event loop under the pool lock."""
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-from decode_worker.admission import headroom
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.engine_api import DecodeEngine, EnginePort, LoadSnapshot, snapshot_of
+from decode_worker.engine_process import build_engine
 from decode_worker.leases import allocate_admitted
 from decode_worker.step_loop import StepLoop
 from decode_worker.streams import Streams
-from engine.config_base import alias
+from engine.engine_types import StepOutput
 from engine.sampling_params import SamplingParams
 from rpc.engine_thread import EngineThread
 
 
-@dataclass(frozen=True)
-class LoadSnapshot:
-    free_pages: int = 0
-    total_pages: int = 0
-    running: int = 0
-    waiting: int = 0
-    leases: int = 0
-    leased_pages: int = 0
-    page_size: int = 16
-    tp_size: int = 1
-    headroom_pages: int = 0
-    requests_total: int = 0
-    free_state_slots: int = 0  # linear attention: state slots neither used nor leased (0 for pure MLA)
-    total_state_slots: int = 0
-    standing_leases: int = 0  # of `leases`: unclaimed standing leases (gateways' spares)
-    standing_pages: int = 0  # of `leased_pages`: the pages they hold
-    standing_state_slots: int = 0  # the state slots they hold
-
-
-def snapshot_of(engine: Any, spec_block_size: int) -> LoadSnapshot:
-    """The engine's figures now (an LLMEngine, or a process port's EngineView)."""
-    running, page_size = engine.num_running, engine.config.page_size
-    return LoadSnapshot(
-        free_pages=engine.num_free_pages, total_pages=engine.allocator.num_pages, running=running,
-        waiting=engine.num_waiting, page_size=page_size, tp_size=engine.config.tp_size,
-        headroom_pages=headroom(running, spec_block_size, page_size),
-        free_state_slots=engine.num_free_state_slots, total_state_slots=engine.num_state_slots,
-    )
+def thread_port(config: DecodeWorkerConfig,
+                engine_factory: Callable[[], DecodeEngine] | None = None) -> Callable[[Streams], EnginePort]:
+    """DecodeService(port_factory=...): the engine of `config` (or engine_factory's) on a thread of this process."""
+    return lambda streams: ThreadPort(engine_factory or (lambda: build_engine(config)), streams,
+                                      config.spec_block_size)
 
 
 class ThreadPort:
     """The engine on an engine thread: each step's outputs are queued in an outbox and the event loop is
     woken once per batch of steps (not per output); a failed step aborts the open streams' requests."""
 
-    def __init__(self, engine_factory: Callable[[], Any], streams: Streams, spec_block_size: int) -> None:
-        self.engine_thread: EngineThread[Any] = EngineThread(engine_factory, self._work, name="decode-engine")
+    def __init__(self, engine_factory: Callable[[], DecodeEngine], streams: Streams, spec_block_size: int) -> None:
+        self.engine_thread: EngineThread[DecodeEngine] = EngineThread(engine_factory, self._work, name="decode-engine")
         self._streams = streams
         self._block = spec_block_size
         self._steps = StepLoop(self._hand_over, self._on_failure, self._publish)
-        self._outbox: list[Any] = []  # step outputs the event loop has not delivered yet
+        self._outbox: list[StepOutput] = []  # step outputs the event loop has not delivered yet
         self._outbox_lock = threading.Lock()
         self._delivery_scheduled = False  # under _outbox_lock: a _deliver is queued on the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._snapshot = LoadSnapshot()
-        self.engine: Any = None
+        self.engine: DecodeEngine | None = None
 
-    engine_steps = alias("_steps.engine_steps")  # steps that produced output, and the tokens they produced
-    engine_step_tokens = alias("_steps.engine_step_tokens")
+    @property
+    def engine_steps(self) -> int:
+        return self._steps.engine_steps
+
+    @property
+    def engine_step_tokens(self) -> int:
+        return self._steps.engine_step_tokens
 
     def snapshot(self) -> LoadSnapshot:
         """The engine figures published after its last step."""
         return self._snapshot
 
-    async def start(self) -> Any:
+    async def start(self) -> DecodeEngine:
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(self.engine_thread.start)
         await self.engine_thread.call(self._publish)
@@ -83,9 +65,11 @@ class ThreadPort:
 
     # --- reservations: on the event loop, under the engine's pool lock ---------------------------------
     async def allocate(self, num_tokens: int, pending: int = 0) -> tuple[list[int], int | None]:
+        assert self.engine is not None
         return allocate_admitted(self.engine, num_tokens, self._block, pending)  # no await: cancellation cannot split it
 
     def free(self, page_ids: list[int], state_slot: int | None) -> None:
+        assert self.engine is not None
         self.engine.free_reservation(page_ids, state_slot)
 
     # --- between steps, on the engine thread -------------------------------------------------------------
@@ -105,13 +89,13 @@ class ThreadPort:
         await self.engine_thread.call(lambda engine: self._steps.abort(engine, request_id))
 
     # --- engine thread ---------------------------------------------------------------------------------
-    def _work(self, engine: Any) -> bool:
+    def _work(self, engine: DecodeEngine) -> bool:
         return self._steps.work(engine)
 
-    def _publish(self, engine: Any) -> None:
+    def _publish(self, engine: DecodeEngine) -> None:
         self._snapshot = snapshot_of(engine, self._block)
 
-    def _hand_over(self, outputs: list[Any]) -> None:
+    def _hand_over(self, outputs: list[StepOutput]) -> None:
         """Queues a step's outputs for the event loop, waking it only when no delivery is pending yet
         (a loop that fell behind takes several steps' outputs in one wake-up)."""
         with self._outbox_lock:
@@ -121,11 +105,15 @@ class ThreadPort:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._deliver)
 
-    def _on_failure(self, engine: Any, error: Exception) -> None:
+    def _on_failure(self, engine: DecodeEngine, error: Exception) -> None:
+        """The failure reaches the streams after the earlier steps' outputs and before any later one (the
+        aborted requests' "abort" finishes of the next step), as the engine process's StepFailed message does."""
         failed = self._streams.open_ids()  # a copy of the keys: safe from this thread
+        with self._outbox_lock:
+            earlier, self._outbox = self._outbox, []
         StepLoop.abort_each(engine, failed)
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._fail_streams, failed, error)
+        self._loop.call_soon_threadsafe(self._fail_streams, earlier, failed, error)
 
     # --- event loop ------------------------------------------------------------------------------------
     def _deliver(self) -> None:
@@ -133,6 +121,6 @@ class ThreadPort:
             outputs, self._outbox, self._delivery_scheduled = self._outbox, [], False
         self._streams.deliver(outputs)
 
-    def _fail_streams(self, request_ids: list[str], error: Exception) -> None:
-        self._deliver()  # outputs of earlier steps go first
+    def _fail_streams(self, earlier: list[StepOutput], request_ids: list[str], error: Exception) -> None:
+        self._streams.deliver(earlier)  # outputs of earlier steps go first
         self._streams.fail(request_ids, f"engine step failed: {error}")

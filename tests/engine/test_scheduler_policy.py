@@ -1,0 +1,78 @@
+"""The Scheduler's policy on its own (engine/scheduler.py; no model): prefill first within the token budget;
+when a decode step runs out of pages, the newest partly prefilled waiting sequence gives its pages back first,
+then the most recently arrived running sequence is preempted (back to the front of the waiting queue, its
+cache dropped, its tokens kept); the oldest running sequence always keeps running."""
+from __future__ import annotations
+
+from engine.kv_cache import PageAllocator, PageTable
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SeqStatus
+
+PAGE_SIZE = 4
+
+
+def _sequence(allocator: PageAllocator, request_id: str, prompt_len: int, order: int) -> Sequence:
+    return Sequence(request_id=request_id, prompt_len=prompt_len, token_ids=list(range(prompt_len)),
+                    params=SamplingParams(max_new_tokens=64), page_table=PageTable(allocator, PAGE_SIZE),
+                    arrival_order=order)
+
+
+def _running(scheduler: Scheduler, allocator: PageAllocator, request_id: str, cached: int, order: int) -> Sequence:
+    """A running sequence whose cache holds `cached` tokens, its next token appended (cache = all but the last)."""
+    seq = _sequence(allocator, request_id, cached, order)
+    seq.page_table.ensure(cached)
+    seq.num_cached, seq.status = cached, SeqStatus.RUNNING
+    seq.token_ids.append(1)
+    scheduler.running.append(seq)
+    return seq
+
+
+def test_prefill_runs_first_in_arrival_order_within_the_token_budget():
+    """Waiting sequences are chunked in arrival order up to max_batched_tokens (the last one cut short), ahead of
+    the running ones' decode."""
+    allocator = PageAllocator(64)
+    scheduler = Scheduler(SchedulerConfig(max_running=8, max_batched_tokens=10), allocator)
+    _running(scheduler, allocator, "running", 4, 0)
+    for order, (name, length) in enumerate((("a", 6), ("b", 8)), start=1):
+        scheduler.add(_sequence(allocator, name, length, order))
+    step = scheduler.schedule()
+    assert [(chunk.seq.request_id, chunk.num_tokens) for chunk in step.prefill] == [("a", 6), ("b", 4)]
+    assert step.decode == () and step.preempted == ()
+
+
+def test_out_of_pages_the_newest_waiting_sequence_gives_its_pages_back_first():
+    """A decode step that needs a page while none is free takes the pages of the newest partly prefilled waiting
+    sequence (its cache dropped, recomputed later) before it preempts anyone; the older waiting one keeps its
+    pages."""
+    allocator = PageAllocator(4)
+    scheduler = Scheduler(SchedulerConfig(max_running=1, max_batched_tokens=64), allocator)
+    running = _running(scheduler, allocator, "running", 4, 0)  # 1 page, full: its next token needs a second
+    older, newer = _sequence(allocator, "older", 8, 1), _sequence(allocator, "newer", 8, 2)
+    for seq, pages in ((older, 2), (newer, 1)):  # partly prefilled, held back by max_running
+        seq.page_table.ensure(pages * PAGE_SIZE)
+        seq.num_cached = pages * PAGE_SIZE - 1
+        scheduler.add(seq)
+    assert allocator.num_free == 0
+    step = scheduler.schedule()
+    assert step.decode == (running,) and step.preempted == ()
+    assert newer.page_table.pages == [] and newer.num_cached == 0 and list(scheduler.waiting) == [older, newer]
+    assert len(older.page_table.pages) == 2 and older.num_cached == 7
+    assert len(running.page_table.pages) == 2
+
+
+def test_out_of_pages_the_most_recent_running_sequence_is_preempted():
+    """With no waiting pages to reclaim, the most recently arrived running sequence is preempted: its pages freed,
+    its cache dropped, its tokens kept, and it waits at the front of the queue; the older ones run."""
+    allocator = PageAllocator(4)
+    scheduler = Scheduler(SchedulerConfig(max_running=8, max_batched_tokens=64), allocator)
+    first = _running(scheduler, allocator, "first", 4, 0)
+    newest = _running(scheduler, allocator, "newest", 4, 2)
+    middle = _running(scheduler, allocator, "middle", 4, 1)
+    tokens = list(newest.token_ids)
+    step = scheduler.schedule()  # each needs a second page, one is free: "middle" gets the newest one's
+    assert step.preempted == (newest,)
+    assert set(step.decode) == {first, middle}
+    assert newest.status == SeqStatus.WAITING and newest.num_cached == 0 and newest.page_table.pages == []
+    assert newest.token_ids == tokens and list(scheduler.waiting) == [newest] and newest not in scheduler.running
+    assert allocator.num_free == 0 and len(first.page_table.pages) == len(middle.page_table.pages) == 2
