@@ -15,6 +15,8 @@ from engine.config_base import length_of
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
+from engine.prefix_cache import PrefixCache
+from engine.prefix_reuse import PrefixReuse
 from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
                                  StepOutput)
 from engine.host_fetch import fetch_to_host
@@ -66,7 +68,11 @@ class LLMEngine:
         use_graphs = config.use_graphs and config.resolved_device == "cuda"
         # With a draft, a verify step keeps the KDA state after each of its <= spec_block_size positions for every
         # running sequence: that scratch is part of the budget too.
-        split = split_memory_budget(config.kv_memory_bytes, probe.bytes_per_page, slot_bytes, config.max_running,
+        # Prefix cache on a model with KDA layers: checkpoint_memory_fraction of the budget holds state checkpoints.
+        checkpoint_bytes = int(config.kv_memory_bytes * config.checkpoint_memory_fraction) \
+            if config.prefix_cache and slot_bytes else 0
+        num_checkpoints = checkpoint_bytes // slot_bytes if slot_bytes else 0
+        split = split_memory_budget(config.kv_memory_bytes - num_checkpoints * slot_bytes, probe.bytes_per_page, slot_bytes, config.max_running,
                                     snapshot_steps=config.spec_block_size if draft_dir else 0,
                                     state_fraction=config.state_memory_fraction)
         num_pages, num_slots = split.num_pages, split.num_slots
@@ -89,6 +95,7 @@ class LLMEngine:
             graph_query_lens=(1, min(config.spec_block_size, self.draft_config.verify_block_size)) if draft_dir else (1,),
             share_weights=config.share_weights,
             num_state_slots=num_slots,
+            num_checkpoint_slots=num_checkpoints,
             snapshot_rows=split.snapshot_rows,
             snapshot_steps=split.snapshot_steps,
         )
@@ -101,8 +108,17 @@ class LLMEngine:
         # Pages and state slots share one lock (pool_lock): reservations may come from another thread.
         self.allocator = PageAllocator(num_pages - 1 if use_graphs else num_pages,
                                        lock=self.state_pool.lock if self.state_pool is not None else None)
+        self.prefix_cache: PrefixCache | None = None
+        self._reuse: PrefixReuse | None = None
+        if config.prefix_cache:
+            salt = f"{config.model_dir}|{config.torch_dtype_name}|{draft_dir}|{config.draft_dtype_name}|{config.page_size}"
+            self.prefix_cache = PrefixCache(self.allocator, config.page_size, salt, num_checkpoints,
+                                            needs_checkpoints=self.state_pool is not None,
+                                            checkpoint_interval=config.state_checkpoint_interval)
+            self._reuse = PrefixReuse(self.prefix_cache, self.leader.execute, config.page_size,
+                                      self.state_pool is not None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
-                                   self.state_pool)
+                                   self.state_pool, self.prefix_cache)
         self.acceptance_stats = AcceptanceStats()
         self.spec_backoff = SpecBackoff(config.spec_min_tokens_per_step)
         self._markov = getattr(self.runner.draft, "markov_head", None)  # DSpark: Markov head used when proposing
@@ -110,10 +126,12 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self.eos_ids = set(self.model_config.eos_token_id)
-        logger.info("engine ready on %s (%s): %d pages (%d B), %d state slots (%d B), verify scratch %d x %d (%d B), "
-                    "draft=%s, tp=%d", self.device, config.torch_dtype_name, num_pages, num_pages * probe.bytes_per_page,
-                    num_slots, num_slots * slot_bytes, split.snapshot_rows, split.snapshot_steps,
-                    split.snapshot_rows * split.snapshot_steps * slot_bytes,
+        logger.info("engine ready on %s (%s): %d pages (%d B), %d state slots (%d B), %d checkpoint slots (%d B), "
+                    "verify scratch %d x %d (%d B), prefix cache %s, draft=%s, tp=%d", self.device,
+                    config.torch_dtype_name, num_pages, num_pages * probe.bytes_per_page, num_slots,
+                    num_slots * slot_bytes, num_checkpoints, num_checkpoints * slot_bytes, split.snapshot_rows,
+                    split.snapshot_steps, split.snapshot_rows * split.snapshot_steps * slot_bytes,
+                    "on" if config.prefix_cache else "off",
                     f"{config.draft_dtype_name}" if draft_dir else "none", config.tp_size)
 
     # --- properties the services read -------------------------------------------------------------
@@ -132,7 +150,7 @@ class LLMEngine:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """A snapshot of the prefix cache's counters (all zero with prefix_cache off)."""
-        return PrefixCacheStats()
+        return self.prefix_cache.snapshot() if self.prefix_cache is not None else PrefixCacheStats()
 
     num_running = length_of("scheduler.running")
     num_waiting = length_of("scheduler.waiting")
@@ -254,6 +272,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_ids, params, pages=page_ids)
         seq.state_slot = state_slot
         seq.num_cached = len(prompt_ids)
+        seq.looked_up = True  # its prompt came from elsewhere: a recompute after preemption is not a first lookup
         if seq.generator is not None and not params.greedy:
             # The prefill worker drew the first token from the same seed: skip those draws so the
             # rest of the request samples exactly as it would in one engine.
@@ -305,6 +324,7 @@ class LLMEngine:
                         logprobs=seq.new_logprobs,
                         num_prompt_tokens=seq.prompt_len,
                         num_generated=seq.num_generated,
+                        num_cached_tokens=seq.num_cached_tokens,
                     )
                 )
                 seq.new_tokens, seq.new_logprobs = [], []
@@ -315,8 +335,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        seq.page_table.release()
-        self.scheduler.free_state(seq)
+        if self._reuse is not None:
+            self._reuse.before_release(seq)
+        self.scheduler.drop_cache(seq)
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> int:
         """Appends generated tokens up to a stop condition; returns how many were kept."""
@@ -348,13 +369,18 @@ class LLMEngine:
         items = [PrefillItem(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages,
                              c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0) for c in chunks]
         plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft))
+        if self._reuse is not None:
+            self._reuse.restore([c.seq for c in chunks])
         logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
         sampled = [c.seq for c, item in zip(chunks, items) if item.needs_logits]
         tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], logits) if sampled else []
+        for chunk in chunks:
+            chunk.seq.num_cached += chunk.num_tokens
+        if self._reuse is not None:
+            self._reuse.after_prefill([c.seq for c in chunks])
         row = 0
         for chunk, item in zip(chunks, items):
             seq = chunk.seq
-            seq.num_cached += chunk.num_tokens
             if seq.remaining_prefill == 0:
                 self.scheduler.promote(seq)
                 if item.needs_logits:
@@ -427,6 +453,8 @@ class LLMEngine:
             self._append_tokens(seq, accepted, lps)
             if seq.status != SeqStatus.FINISHED:
                 seq.page_table.truncate(seq.num_cached + 1)
+        if self._reuse is not None:
+            self._reuse.after_decode([seq for seq in seqs if seq.status == SeqStatus.RUNNING])
 
     # --- prefill service entry point ---------------------------------------------------------------
     def prefill(self, jobs: list[PrefillJob], should_stop=None) -> list[PrefillResult | None]:

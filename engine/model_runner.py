@@ -13,7 +13,8 @@ from engine.forward_batch import copy_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
 from engine.layers.embedding import ParallelLMHead
 from engine.page_pool import PagePool, PagePoolFactory
-from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, ReadStatePlan, TargetPlan, pack_target_plan
+from engine.step_plan import (AttachPoolsPlan, CheckpointStatePlan, CommitStatePlan, DraftPlan, ReadStatePlan,
+                              TargetPlan, pack_target_plan)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class RunnerConfig:
     share_weights: bool = False  # map the node's one shared copy of this rank's weights (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
     num_state_slots: int = 0  # per-sequence state slots (models with linear attention)
+    num_checkpoint_slots: int = 0  # prefix cache: KDA state checkpoints kept beside the slots (engine/prefix_cache.py)
     snapshot_rows: int = 0  # speculative verify scratch: sequences x positions, allocated at start (0: none)
     snapshot_steps: int = 0
     draft_dtype: str = ""  # the draft's weights and activations ("": dtype); its cache pages stay in dtype
@@ -146,6 +148,10 @@ class ModelRunner:
             self.cache = PagedLatentCache(self.cache_shape, device=self.device)
         if self.cache.state is not None and config.snapshot_rows:
             self.cache.state.reserve_snapshots(config.snapshot_rows, config.snapshot_steps)
+        self.checkpoints: torch.Tensor | None = None  # uint8 [checkpoint slots, slot stride]: StatePool.raw rows
+        if self.cache.state is not None and config.num_checkpoint_slots:
+            self.checkpoints = torch.zeros((config.num_checkpoint_slots, self.cache.state.shape.slot_stride),
+                                           dtype=torch.uint8, device=self.device)
         self.graphs = self._capture_graphs() if config.use_graphs else None
         logger.info(
             "rank %d/%d ready on %s: %d pages x %d tokens (%s), %d state slots, draft=%s",
@@ -239,12 +245,22 @@ class ModelRunner:
         if isinstance(plan, CommitStatePlan):
             self.cache.state.commit_snapshots(plan.slots, plan.steps)
             return None
+        if isinstance(plan, CheckpointStatePlan):
+            self.copy_checkpoints(plan)
+            return None
         if isinstance(plan, AttachPoolsPlan):
             self._cache_for(plan.pool_names)
             return None
         if isinstance(plan, ReadStatePlan):  # a collective: every rank's slot row, gathered in rank order
             return self.tp.all_gather(self.cache.state.raw[plan.slot : plan.slot + 1].clone(), dim=0)
         raise TypeError(f"unknown plan {type(plan).__name__}")
+
+    def copy_checkpoints(self, plan: CheckpointStatePlan) -> None:
+        slots = self._cache_for(plan.pool_names).state.raw
+        src, dst = (slots, self.checkpoints) if plan.save else (self.checkpoints, slots)
+        sources, targets = zip(*plan.pairs)
+        dst.index_copy_(0, host_to_device(list(targets), torch.int64, self.device),
+                        src.index_select(0, host_to_device(list(sources), torch.int64, self.device)))
 
     @torch.inference_mode()
     def run_target(self, plan: TargetPlan) -> torch.Tensor:

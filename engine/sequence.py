@@ -47,6 +47,12 @@ class Sequence:
     arrival_order: int = 0
     state_slot: int | None = None  # the state-pool slot (models with linear attention), held while cached
     spec_state: SpecState = field(default_factory=SpecState)  # speculation back-off (engine/spec_policy.py)
+    # Prefix cache (engine/prefix_cache.py): prompt tokens its first admission took from the cache; a checkpoint
+    # slot to restore into state_slot before its next prefill chunk; the key of its latest decode checkpoint.
+    num_cached_tokens: int = 0
+    looked_up: bool = False
+    restore_checkpoint: int | None = None
+    decode_checkpoint: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,5 +71,9 @@ class Sequence:
         """Tokens still to run through prefill (all but the last token are cached once it is done).
 
         Before the first token is sampled the whole prompt must be prefilled."""
-        target = self.prompt_len if self.num_generated == 0 else self.num_tokens - 1
-        return target - self.num_cached
+        return self.prefill_target - self.num_cached
+
+    @property
+    def prefill_target(self) -> int:
+        """The cache length prefill ends at: the prompt, or (recomputing after preemption) all but the last token."""
+        return self.prompt_len if self.num_generated == 0 else self.num_tokens - 1

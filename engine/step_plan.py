@@ -123,6 +123,17 @@ class CommitStatePlan:
 
 
 @dataclass(frozen=True)
+class CheckpointStatePlan:
+    """Prefix cache, models with KDA layers: every rank copies whole state slots between its state pool and its
+    checkpoint pool. save: state slot pairs[i][0] -> checkpoint pairs[i][1]; otherwise (restore) checkpoint
+    pairs[i][0] -> state slot pairs[i][1] (in the pools named by pool_names; None: the rank's own)."""
+
+    pairs: list[tuple[int, int]]
+    save: bool
+    pool_names: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class ReadStatePlan:
     """Every rank contributes its copy of one state slot (its KDA heads' share); the leader gets them
     all, rank order: uint8 [tp_size, slot bytes] (a prefill handoff sends row r to decode rank r)."""
