@@ -436,6 +436,7 @@ class LLMEngine:
         """Keeps what verification accepted: KDA state after the last kept position, the tokens (up to a
         stop), acceptance statistics; pages past the kept context go back."""
         logits, offsets, results = verified.logits, verified.offsets, verified.results
+        starts = [seq.num_cached for seq in seqs]
         for i, token in verified.sampled.items():
             seq = seqs[i]
             seq.num_cached += 1
@@ -454,7 +455,8 @@ class LLMEngine:
             if seq.status != SeqStatus.FINISHED:
                 seq.page_table.truncate(seq.num_cached + 1)
         if self._reuse is not None:
-            self._reuse.after_decode([seq for seq in seqs if seq.status == SeqStatus.RUNNING])
+            self._reuse.after_decode([(seq, row, start) for row, (seq, start) in enumerate(zip(seqs, starts))
+                                      if seq.status == SeqStatus.RUNNING], verified.snapshot_state)
 
     # --- prefill service entry point ---------------------------------------------------------------
     def prefill(self, jobs: list[PrefillJob], should_stop=None) -> list[PrefillResult | None]:

@@ -13,8 +13,9 @@ from engine.forward_batch import copy_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
 from engine.layers.embedding import ParallelLMHead
 from engine.page_pool import PagePool, PagePoolFactory
+from engine.state_pool import StatePool
 from engine.step_plan import (AttachPoolsPlan, CheckpointStatePlan, CommitStatePlan, DraftPlan, ReadStatePlan,
-                              TargetPlan, pack_target_plan)
+                              SnapshotCheckpointPlan, TargetPlan, pack_target_plan)
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +150,11 @@ class ModelRunner:
         if self.cache.state is not None and config.snapshot_rows:
             self.cache.state.reserve_snapshots(config.snapshot_rows, config.snapshot_steps)
         self.checkpoints: torch.Tensor | None = None  # uint8 [checkpoint slots, slot stride]: StatePool.raw rows
+        self._checkpoint_view: StatePool | None = None  # conv / recurrent views of them
         if self.cache.state is not None and config.num_checkpoint_slots:
-            self.checkpoints = torch.zeros((config.num_checkpoint_slots, self.cache.state.shape.slot_stride),
-                                           dtype=torch.uint8, device=self.device)
+            shape = dataclasses.replace(self.cache.state.shape, num_slots=config.num_checkpoint_slots)
+            self.checkpoints = torch.zeros((shape.num_slots, shape.slot_stride), dtype=torch.uint8, device=self.device)
+            self._checkpoint_view = StatePool(shape, raw=self.checkpoints)
         self.graphs = self._capture_graphs() if config.use_graphs else None
         logger.info(
             "rank %d/%d ready on %s: %d pages x %d tokens (%s), %d state slots, draft=%s",
@@ -248,6 +251,9 @@ class ModelRunner:
         if isinstance(plan, CheckpointStatePlan):
             self.copy_checkpoints(plan)
             return None
+        if isinstance(plan, SnapshotCheckpointPlan):
+            self.checkpoint_snapshots(plan)
+            return None
         if isinstance(plan, AttachPoolsPlan):
             self._cache_for(plan.pool_names)
             return None
@@ -261,6 +267,12 @@ class ModelRunner:
         sources, targets = zip(*plan.pairs)
         dst.index_copy_(0, host_to_device(list(targets), torch.int64, self.device),
                         src.index_select(0, host_to_device(list(sources), torch.int64, self.device)))
+
+    def checkpoint_snapshots(self, plan: SnapshotCheckpointPlan) -> None:
+        state, view = self.cache.state, self._checkpoint_view
+        rows, steps, slots = (host_to_device(list(col), torch.int64, self.device) for col in zip(*plan.rows))
+        view.conv.index_copy_(1, slots, state.snapshot_conv[:, rows, steps])
+        view.recurrent.index_copy_(1, slots, state.snapshot_recurrent[:, rows, steps])
 
     @torch.inference_mode()
     def run_target(self, plan: TargetPlan) -> torch.Tensor:

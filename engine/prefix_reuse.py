@@ -4,8 +4,8 @@ KDA state checkpoints; before a prefill forward it restores the checkpoints the 
 Checkpoint positions (models with KDA layers; all on page boundaries, each tied to the key of the page ending there):
 - prefill: every checkpoint_interval tokens and the last page boundary of the prompt (the scheduler ends prefill
   chunks there, engine/scheduler.py);
-- decode: every page boundary a sequence's cache reaches, from the slot after a plain step or from the verify
-  scratch after a speculative one; each sequence keeps only its latest decode checkpoint, so a finished request
+- decode: every page boundary a sequence's cache reaches or passes, from the slot when the step ends on it, or
+  from the verify scratch (the state after each verify position) when a speculative step passes it; each sequence keeps only its latest decode checkpoint, so a finished request
   leaves the one nearest its end (what the next turn of a chat resumes from)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence
-from engine.step_plan import CheckpointStatePlan
+from engine.step_plan import CheckpointStatePlan, SnapshotCheckpointPlan
 
 
 class PrefixReuse:
@@ -46,21 +46,31 @@ class PrefixReuse:
         if saves:
             self.execute(CheckpointStatePlan(saves, save=True))
 
-    def after_decode(self, seqs: list[Sequence]) -> None:
-        """After a decode step's commit, for the sequences still running."""
-        saves = []
-        for seq in seqs:
+    def after_decode(self, steps: list[tuple[Sequence, int, int]], snapshot: bool) -> None:
+        """After a decode step's commit, for the sequences still running: (sequence, its row in the step, its
+        num_cached before the step). A page boundary reached exactly is checkpointed from the slot; one passed
+        inside a verify step's kept tokens, from the verify scratch (snapshot: the step kept per-position state)."""
+        saves, from_snapshot = [], []
+        for seq, row, start in steps:
             self._publish(seq)
-            if self.has_state and seq.num_cached % self.page_size == 0:
-                previous = seq.decode_checkpoint
-                slot = self._checkpoint_slot(seq)
-                if slot is not None:
-                    saves.append((seq.state_slot, slot))
-                    if previous is not None:
-                        self.cache.drop_checkpoint(previous)
-                    seq.decode_checkpoint = seq.page_table.cache_keys[-1]
+            boundary = seq.num_cached // self.page_size * self.page_size
+            if not self.has_state or boundary <= start or (boundary < seq.num_cached and not snapshot):
+                continue
+            previous = seq.decode_checkpoint
+            slot = self._checkpoint_slot(seq)
+            if slot is None:
+                continue
+            if boundary == seq.num_cached:
+                saves.append((seq.state_slot, slot))
+            else:
+                from_snapshot.append((row, boundary - 1 - start, slot))
+            if previous is not None:
+                self.cache.drop_checkpoint(previous)
+            seq.decode_checkpoint = seq.page_table.cache_keys[-1]
         if saves:
             self.execute(CheckpointStatePlan(saves, save=True))
+        if from_snapshot:
+            self.execute(SnapshotCheckpointPlan(from_snapshot))
 
     def before_release(self, seq: Sequence) -> None:
         """A finishing or aborted sequence: its full pages stay cached."""

@@ -134,6 +134,14 @@ class CheckpointStatePlan:
 
 
 @dataclass(frozen=True)
+class SnapshotCheckpointPlan:
+    """Prefix cache, right after a speculative verify step's commit: checkpoint rows[i][2] takes the KDA state
+    after verify position rows[i][1] of the step's sequence rows[i][0] (a page boundary inside the kept tokens)."""
+
+    rows: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
 class ReadStatePlan:
     """Every rank contributes its copy of one state slot (its KDA heads' share); the leader gets them
     all, rank order: uint8 [tp_size, slot bytes] (a prefill handoff sends row r to decode rank r)."""

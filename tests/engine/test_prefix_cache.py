@@ -124,10 +124,12 @@ def test_k3_hits_end_on_checkpoints_and_are_exact():
         assert on.num_free_state_slots == on.num_state_slots
 
 
-def test_k3_next_turn_resumes_from_the_finished_request():
+@pytest.mark.parametrize("speculative", [False, None], ids=["plain", "spec"])
+def test_k3_next_turn_resumes_from_the_finished_request(speculative):
     """Multi-turn: turn 2 = turn 1's prompt + its output + a new message hits past turn 1's prompt (a checkpoint
-    taken while turn 1 decoded), plainly decoding (speculation off) so every page boundary is checkpointed."""
-    params = SamplingParams(max_new_tokens=40, temperature=0.0, logprobs=5, speculative=False)
+    taken while turn 1 decoded: from the slot on plain steps, from the verify scratch when a speculative step
+    passes a page boundary)."""
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, logprobs=5, speculative=speculative)
     off, on = _engines(K3)
     with off, on:
         turn1 = _prompt(4, 45)

@@ -77,10 +77,12 @@ class MiniEngine:
                     self.scheduler.promote(seq)
                     self._append(seq)
         elif step.decode:
+            starts = [seq.num_cached for seq in step.decode]
             for seq in step.decode:
                 seq.num_cached += 1
                 self._append(seq)
-            self.reuse.after_decode([s for s in step.decode if s.status == SeqStatus.RUNNING])
+            self.reuse.after_decode([(s, row, start) for row, (s, start) in enumerate(zip(step.decode, starts))
+                                     if s.status == SeqStatus.RUNNING], snapshot=False)
         elif self.scheduler.waiting and not self.scheduler.running:
             self.finish(self.scheduler.waiting[0])  # cannot fit: the engine aborts it
         self.cache.check_consistency()
