@@ -7,6 +7,8 @@ the cache; a hit never covers a page after a changed token (negative control), o
 state checkpoint, and a checkpoint whose pages were evicted is never used."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -139,3 +141,22 @@ def test_k3_next_turn_resumes_from_the_finished_request(speculative):
         got = _run(on, "t2", turn2, params)
         _assert_same(got, _run(off, "t2", turn2, params))
         assert got[2] >= (len(turn1) + len(want1[0]) - 1) // 16 * 16 - 16 and got[2] > len(turn1)
+
+
+def test_k3_checkpoint_pool_stays_within_its_share(caplog):
+    """The checkpoint pool takes at most checkpoint_memory_fraction of kv_memory_bytes, pages + slots + verify
+    scratch + checkpoints stay within kv_memory_bytes, and the start-up line gives pages, slots and checkpoints."""
+    budget = 48 * 2**20
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        engine = LLMEngine(EngineConfig(model_dir=K3, kv_memory_bytes=budget, checkpoint_memory_fraction=0.25))
+    with engine:
+        runner, state = engine.runner, engine.state_pool
+        tensors = [runner.cache.kv, runner.cache.draft, state.raw, state.snapshot_conv, state.snapshot_recurrent,
+                   runner.checkpoints]
+        used = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        checkpoint_bytes = runner.checkpoints.numel()
+        assert 0 < checkpoint_bytes <= budget // 4 and used <= budget
+        slots = engine.prefix_cache_stats.checkpoint_slots
+        assert slots == runner.checkpoints.shape[0] == budget // 4 // state.shape.slot_stride
+    line = next(r.getMessage() for r in caplog.records if "engine ready" in r.getMessage())
+    assert f"{slots} checkpoint slots" in line and f"{engine.num_state_slots} state slots" in line
