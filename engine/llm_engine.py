@@ -15,6 +15,7 @@ from engine.config_base import length_of
 from engine.forward_batch import ForwardMode
 from engine.kv_cache import PageAllocator, PageTable
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
+from engine.prefill_jobs import run_prefill_jobs
 from engine.prefix_cache import PrefixCache
 from engine.prefix_reuse import PrefixReuse
 from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
@@ -23,11 +24,11 @@ from engine.host_fetch import fetch_to_host
 from engine.sampling import exponential_noise, make_generator
 from engine.sampling_params import SamplingParams, speculates
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus, TokenLogprob
+from engine.sequence import KVDestination, Sequence, SeqStatus, TokenLogprob
 from engine.spec_policy import SpecBackoff, record_verify, should_speculate
 from engine.spec_verify import AcceptanceStats, VerifyResult
 from engine.state_pool import split_memory_budget
-from engine.step_plan import (CommitStatePlan, DecodeItem, PrefillItem, ReadStatePlan, TargetPlan, decode_plan,
+from engine.step_plan import (CommitStatePlan, DecodeItem, ExportPlan, PrefillItem, ReadStatePlan, TargetPlan, decode_plan,
                               prefill_plan, with_state_slots)
 from engine.step_results import sample_on_device, sample_tokens, token_logprobs
 from engine.tp_launcher import TPLeader, default_threads
@@ -378,6 +379,9 @@ class LLMEngine:
             chunk.seq.num_cached += chunk.num_tokens
         if self._reuse is not None:
             self._reuse.after_prefill([c.seq for c in chunks])
+        for chunk in chunks:
+            if chunk.seq.export_to is not None and chunk.seq.remaining_prefill == 0:
+                self._export(chunk.seq)
         row = 0
         for chunk, item in zip(chunks, items):
             seq = chunk.seq
@@ -386,6 +390,9 @@ class LLMEngine:
                 if item.needs_logits:
                     self._append_tokens(seq, [tokens[row]], self._logprobs_of(seq, logits[row : row + 1], [tokens[row]]))
                     row += 1
+                if seq.export_to is not None and seq.status != SeqStatus.FINISHED:
+                    self.scheduler.remove(seq)
+                    self._finish(seq, "prefill")
 
     def _with_state(self, plan: TargetPlan, seqs: list[Sequence]) -> TargetPlan:
         """Adds each sequence's state slot; slots of sequences starting at token 0 are zeroed first."""
@@ -460,12 +467,35 @@ class LLMEngine:
 
     # --- prefill service entry point ---------------------------------------------------------------
     def prefill(self, jobs: list[PrefillJob], should_stop=None) -> list[PrefillResult | None]:
-        """Prefills prompts into given pages (another engine's shared pools, or this one's) in chunks and
-        returns each prompt's first token; the engine keeps no state for them (engine/prefill_jobs.py).
-        should_stop(request_id) -> bool is asked between chunks; a prompt it stops gets None."""
-        from engine.prefill_jobs import run_prefill_jobs
-
+        """Prefills prompts for another engine: each runs here as a prefill-only sequence (the prefix cache serves
+        it too), its KV then copied into the pages the job names (engine/prefill_jobs.py); returns each prompt's
+        first token. should_stop(request_id) -> bool is asked between steps; a prompt it stops gets None."""
         return run_prefill_jobs(self, jobs, should_stop)
+
+    def check_prefill_job(self, job: PrefillJob) -> None:
+        """ValueError naming what is wrong with a prefill job."""
+        self.validate_prompt(job.prompt_ids)
+        if len(job.page_ids) * self.config.page_size < len(job.prompt_ids):
+            raise ValueError(f"{len(job.page_ids)} pages cannot hold a prompt of {len(job.prompt_ids)} tokens")
+        if -(-len(job.prompt_ids) // self.config.page_size) > self.allocator.num_pages:
+            raise ValueError(f"a prompt of {len(job.prompt_ids)} tokens needs more pages than this engine's pool "
+                             f"has ({self.allocator.num_pages})")
+        if (self.state_pool is not None) != (job.state_slot is not None):
+            raise ValueError(f"prefill job {job.request_id}: a model with linear attention needs a state slot "
+                             "(and one without, none)")
+
+    def add_prefill_job(self, job: PrefillJob) -> None:
+        self.check_prefill_job(job)
+        seq = self._new_sequence(job.request_id, job.prompt_ids, job.params)
+        seq.export_to = KVDestination(tuple(job.page_ids), job.pool_names, job.state_slot)
+        self.scheduler.add(seq)
+
+    def _export(self, seq: Sequence) -> None:
+        """Copies a finished prefill-only prompt's pages and state into its destination."""
+        dest = seq.export_to
+        count = -(-seq.prompt_len // self.config.page_size)
+        self.leader.execute(ExportPlan(seq.page_table.pages[:count], list(dest.page_ids[:count]), dest.pool_names,
+                                       seq.state_slot, dest.state_slot))
 
     def read_pages(self, page_ids: list[int]):
         """This (leader) rank's copies of pages: (target [layers, n, page_size, D], draft or None)."""

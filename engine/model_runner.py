@@ -14,8 +14,8 @@ from engine.kv_cache import CacheShape, PagedLatentCache
 from engine.layers.embedding import ParallelLMHead
 from engine.page_pool import PagePool, PagePoolFactory
 from engine.state_pool import StatePool
-from engine.step_plan import (AttachPoolsPlan, CheckpointStatePlan, CommitStatePlan, DraftPlan, ReadStatePlan,
-                              SnapshotCheckpointPlan, TargetPlan, pack_target_plan)
+from engine.step_plan import (AttachPoolsPlan, CheckpointStatePlan, CommitStatePlan, DraftPlan, ExportPlan,
+                              ReadStatePlan, SnapshotCheckpointPlan, TargetPlan, pack_target_plan)
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +254,9 @@ class ModelRunner:
         if isinstance(plan, SnapshotCheckpointPlan):
             self.checkpoint_snapshots(plan)
             return None
+        if isinstance(plan, ExportPlan):
+            self.export(plan)
+            return None
         if isinstance(plan, AttachPoolsPlan):
             self._cache_for(plan.pool_names)
             return None
@@ -267,6 +270,16 @@ class ModelRunner:
         sources, targets = zip(*plan.pairs)
         dst.index_copy_(0, host_to_device(list(targets), torch.int64, self.device),
                         src.index_select(0, host_to_device(list(sources), torch.int64, self.device)))
+
+    def export(self, plan: ExportPlan) -> None:
+        dst = self._cache_for(plan.pool_names)
+        src_index = host_to_device(list(plan.src_pages), torch.int64, self.device)
+        dst_index = host_to_device(list(plan.dst_pages), torch.int64, self.device)
+        dst.kv.index_copy_(1, dst_index, self.cache.kv.index_select(1, src_index))
+        if self.cache.draft is not None and dst.draft is not None:
+            dst.draft.index_copy_(1, dst_index, self.cache.draft.index_select(1, src_index))
+        if plan.src_slot is not None:
+            dst.state.raw[plan.dst_slot].copy_(self.cache.state.raw[plan.src_slot])
 
     def checkpoint_snapshots(self, plan: SnapshotCheckpointPlan) -> None:
         state, view = self.cache.state, self._checkpoint_view

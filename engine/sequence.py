@@ -27,6 +27,16 @@ class TokenLogprob:
     top_logprobs: list[float]
 
 
+@dataclass(frozen=True)
+class KVDestination:
+    """A prefill-only sequence's destination (engine/prefill_jobs.py): pages (and a state slot) in the pools named
+    (None: this engine's own pool) that its prompt's KV is copied into when its prefill is done."""
+
+    page_ids: tuple[int, ...]
+    pool_names: tuple[str, ...] | None
+    state_slot: int | None
+
+
 @dataclass(eq=False)
 class Sequence:
     """Invariant while running: the cache holds every token but the last (num_cached == len(token_ids) - 1),
@@ -53,6 +63,7 @@ class Sequence:
     looked_up: bool = False
     restore_checkpoint: int | None = None
     decode_checkpoint: bytes | None = None
+    export_to: KVDestination | None = None  # a prefill-only sequence: where its prompt's KV goes, then it ends
 
     @property
     def num_tokens(self) -> int:

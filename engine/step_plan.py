@@ -142,6 +142,19 @@ class SnapshotCheckpointPlan:
 
 
 @dataclass(frozen=True)
+class ExportPlan:
+    """A prefill-only sequence is done: every rank copies its own pages src_pages[i] -> dst_pages[i] (target and
+    draft context) and its state slot src_slot -> dst_slot (models with linear attention) into the pools named
+    (None: its own pool)."""
+
+    src_pages: list[int]
+    dst_pages: list[int]
+    pool_names: tuple[str, ...] | None
+    src_slot: int | None = None
+    dst_slot: int | None = None
+
+
+@dataclass(frozen=True)
 class ReadStatePlan:
     """Every rank contributes its copy of one state slot (its KDA heads' share); the leader gets them
     all, rank order: uint8 [tp_size, slot bytes] (a prefill handoff sends row r to decode rank r)."""
