@@ -280,6 +280,9 @@ class ModelRunner:
             dst.draft.index_copy_(1, dst_index, self.cache.draft.index_select(1, src_index))
         if plan.src_slot is not None:
             dst.state.raw[plan.dst_slot].copy_(self.cache.state.raw[plan.src_slot])
+        # A collective: when the leader returns, every rank's copy is in place (the prefill worker checksums the
+        # destination pages next, and a follower's copy must not still be running).
+        self.tp.all_reduce(torch.zeros(1, device=self.device))
 
     def checkpoint_snapshots(self, plan: SnapshotCheckpointPlan) -> None:
         state, view = self.cache.state, self._checkpoint_view

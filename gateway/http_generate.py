@@ -120,7 +120,7 @@ class GenerateHandler:
             elif isinstance(event, FinishEvent):
                 outcome[:] = [event.reason, "200"]
                 body = builder.response("".join(texts), logprobs, event.reason, event.prompt_tokens,
-                                        event.completion_tokens)
+                                        event.completion_tokens, event.cached_tokens)
                 return json_response(body, 200, builder.request_id)
             elif isinstance(event, ErrorEvent):
                 error = from_status(event.status.code, event.status.details, parsed.prompt_param, parsed.logprobs_param)
@@ -168,7 +168,8 @@ class GenerateHandler:
         if isinstance(event, FinishEvent):
             await response.write(sse(builder.chunk("", finish_reason=event.reason, include_usage=parsed.include_usage)))
             if parsed.include_usage:
-                await response.write(sse(builder.usage_chunk(event.prompt_tokens, event.completion_tokens)))
+                await response.write(sse(builder.usage_chunk(event.prompt_tokens, event.completion_tokens,
+                                                                  event.cached_tokens)))
             outcome[:] = [event.reason, "200"]
             return
         error = from_status(event.status.code, event.status.details, parsed.prompt_param, parsed.logprobs_param)

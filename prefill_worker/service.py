@@ -53,6 +53,7 @@ class PrefillOutcome:
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
+    num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
 
 
 @dataclass
@@ -242,7 +243,8 @@ class PrefillService:
     def _outcome(job: _Job, computed: _Computed, transfer_ms: float) -> PrefillOutcome:
         result = computed.result
         return PrefillOutcome(result.first_token, result.first_logprobs, result.num_prompt_tokens,
-                              (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_ms)
+                              (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_ms,
+                              result.num_cached_tokens)
 
     async def _export_after_reply(self, job: _Job, computed: _Computed) -> int:
         """The deferred shm record; none (0 bytes) once the lease has ended - released after the reply (a

@@ -26,9 +26,11 @@ class TokenLogprobLike(Protocol):
     top: Sequence[TopLogprobLike]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -97,10 +99,10 @@ class ResponseBuilder:
         return choice
 
     def response(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str,
-                 prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+                 prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The whole (non-streaming) response."""
         return {**self._envelope(False), "choices": [self._choice(text, logprobs, finish_reason, False)],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprobLike] = (), finish_reason: str | None = None,
               first: bool = False, include_usage: bool = False) -> dict[str, Any]:
@@ -111,6 +113,6 @@ class ResponseBuilder:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
-        return {**self._envelope(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**self._envelope(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rpc.v1 import logprobs_pb2 as pdserve_dot_v1_dot_logprobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x19pdserve/v1/logprobs.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seed\"\xe3\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\t \x01(\x05H\x02\x88\x01\x01\x12\x18\n\x0bspeculative\x18\n \x01(\x08H\x03\x88\x01\x01\x12\x17\n\nblock_size\x18\x0b \x01(\x05H\x04\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x05\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\r \x01(\x05H\x06\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0f\n\r_top_logprobsB\x0e\n\x0c_speculativeB\r\n\x0b_block_sizeB\x16\n\x14_skip_special_tokensB\x12\n\x10_stream_interval\"T\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"E\n\x0f\x41\x63\x63\x65ptanceStats\x12\x1c\n\x14mean_accepted_tokens\x18\x01 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x02 \x01(\x03\"\xb0\x02\n\x08\x43omplete\x12\x38\n\rfinish_reason\x18\x01 \x01(\x0e\x32!.pdserve.v1.Complete.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12/\n\nacceptance\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.AcceptanceStats\x12\x0c\n\x04stop\x18\x05 \x01(\t\"x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12\"\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xd1\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x05 \x01(\x05\x12\x1b\n\x13num_prefill_workers\x18\x06 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x07 \x01(\x05\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x32\xea\x01\n\x0eGatewayService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x19pdserve/v1/logprobs.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seed\"\xe3\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\t \x01(\x05H\x02\x88\x01\x01\x12\x18\n\x0bspeculative\x18\n \x01(\x08H\x03\x88\x01\x01\x12\x17\n\nblock_size\x18\x0b \x01(\x05H\x04\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x05\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\r \x01(\x05H\x06\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0f\n\r_top_logprobsB\x0e\n\x0c_speculativeB\r\n\x0b_block_sizeB\x16\n\x14_skip_special_tokensB\x12\n\x10_stream_interval\"T\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"E\n\x0f\x41\x63\x63\x65ptanceStats\x12\x1c\n\x14mean_accepted_tokens\x18\x01 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x02 \x01(\x03\"\xb0\x02\n\x08\x43omplete\x12\x38\n\rfinish_reason\x18\x01 \x01(\x0e\x32!.pdserve.v1.Complete.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12/\n\nacceptance\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.AcceptanceStats\x12\x0c\n\x04stop\x18\x05 \x01(\t\"x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12\"\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xd1\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x05 \x01(\x05\x12\x1b\n\x13num_prefill_workers\x18\x06 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x07 \x01(\x05\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x32\xea\x01\n\x0eGatewayService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,25 +41,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=757
   _globals['_CHUNK']._serialized_end=841
   _globals['_USAGE']._serialized_start=843
-  _globals['_USAGE']._serialized_end=900
-  _globals['_ACCEPTANCESTATS']._serialized_start=902
-  _globals['_ACCEPTANCESTATS']._serialized_end=971
-  _globals['_COMPLETE']._serialized_start=974
-  _globals['_COMPLETE']._serialized_end=1278
-  _globals['_COMPLETE_FINISHREASON']._serialized_start=1158
-  _globals['_COMPLETE_FINISHREASON']._serialized_end=1278
-  _globals['_ERROR']._serialized_start=1280
-  _globals['_ERROR']._serialized_end=1318
-  _globals['_GENERATERESPONSE']._serialized_start=1321
-  _globals['_GENERATERESPONSE']._serialized_end=1481
-  _globals['_ABORTREQUEST']._serialized_start=1483
-  _globals['_ABORTREQUEST']._serialized_end=1517
-  _globals['_ABORTRESPONSE']._serialized_start=1519
-  _globals['_ABORTRESPONSE']._serialized_end=1549
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1551
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1572
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1575
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1784
-  _globals['_GATEWAYSERVICE']._serialized_start=1787
-  _globals['_GATEWAYSERVICE']._serialized_end=2021
+  _globals['_USAGE']._serialized_end=923
+  _globals['_ACCEPTANCESTATS']._serialized_start=925
+  _globals['_ACCEPTANCESTATS']._serialized_end=994
+  _globals['_COMPLETE']._serialized_start=997
+  _globals['_COMPLETE']._serialized_end=1301
+  _globals['_COMPLETE_FINISHREASON']._serialized_start=1181
+  _globals['_COMPLETE_FINISHREASON']._serialized_end=1301
+  _globals['_ERROR']._serialized_start=1303
+  _globals['_ERROR']._serialized_end=1341
+  _globals['_GENERATERESPONSE']._serialized_start=1344
+  _globals['_GENERATERESPONSE']._serialized_end=1504
+  _globals['_ABORTREQUEST']._serialized_start=1506
+  _globals['_ABORTREQUEST']._serialized_end=1540
+  _globals['_ABORTRESPONSE']._serialized_start=1542
+  _globals['_ABORTRESPONSE']._serialized_end=1572
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1574
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1595
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1598
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1807
+  _globals['_GATEWAYSERVICE']._serialized_start=1810
+  _globals['_GATEWAYSERVICE']._serialized_end=2044
 # @@protoc_insertion_point(module_scope)
