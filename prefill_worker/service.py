@@ -99,7 +99,7 @@ class PrefillService:
                  metrics: PrefillMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else PrefillMetrics()
-        self.metrics.track(lambda: self.load)
+        self.metrics.track(lambda: self.load, self._cache_stats)
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._jobs: dict[str, _Job] = {}
@@ -113,6 +113,10 @@ class PrefillService:
         self._grpc: GrpcWriter | None = None
         self._device: DeviceWriter | None = None
         self._device_ids: tuple[str, ...] = ()
+
+    def _cache_stats(self) -> Any:
+        """The engine's prefix cache counters (thread-safe: they are read under the engine's pool lock)."""
+        return getattr(self.engine, "prefix_cache_stats", None)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -10,7 +10,8 @@ import sys
 import threading
 
 from pdserve.commands.common import (
-    DEFAULT_GATEWAY, DEFAULT_HTTP, DEFAULT_MODEL_DIR, add_device_arguments, device_flags, device_kwargs, fail,
+    DEFAULT_GATEWAY, DEFAULT_HTTP, DEFAULT_MODEL_DIR, add_device_arguments, add_prefix_cache_argument, device_flags,
+    device_kwargs, fail,
 )
 from rpc.logging_setup import configure_logging
 
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="decode workers run their engine in a process of its own (see pdserve decode)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker rank")
+    add_prefix_cache_argument(parser)
     parser.add_argument("--internal", choices=("uds", "tcp"), default="uds",
                         help="how the workers listen: Unix sockets in a private 0700 directory (default), or TCP on "
                              "127.0.0.1 with a generated token every internal call must carry")
@@ -80,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         worker_args += ("--num-threads", str(args.num_threads))
     if not args.share_weights:
         worker_args += ("--no-shared-weights",)
+    if not args.prefix_cache:
+        worker_args += ("--no-prefix-cache",)
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
     decode_args += ("--engine-process" if args.engine_process else "--no-engine-process",)
     try:

@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from decode_worker.config import DecodeWorkerConfig
-from pdserve import launcher
-from pdserve.commands import decode, up
+from tests.services.helpers import up_specs
+from pdserve.commands import decode
 
 
 def test_the_config_switch_is_on_by_default():
@@ -33,24 +33,7 @@ def test_pdserve_decode_passes_the_flag_to_the_config(monkeypatch, argv, expecte
 def test_pdserve_up_hands_the_flag_to_the_decode_workers(monkeypatch):
     """`pdserve up` puts --engine-process (--no-engine-process with that flag) in the decode workers' arguments,
     and only theirs."""
-    parser = argparse.ArgumentParser()
-    up.add_arguments(parser)
-    parser.add_argument("--log-level", default="WARNING")  # the top-level parser's
-    specs = []
-
-    class _Stop(Exception):
-        pass
-
-    def capture(spec, *args, **kwargs):
-        specs.append(spec)
-        raise _Stop
-
-    monkeypatch.setattr(launcher, "Cluster", capture)
-    monkeypatch.setattr(up, "configure_logging", lambda *args: None)  # leave pytest's logging alone
-    monkeypatch.setattr(up.signal, "signal", lambda *args: None)  # and its signal handlers
-    for argv in ([], ["--no-engine-process"]):
-        with pytest.raises(_Stop):
-            up.run(parser.parse_args(argv))
+    specs = up_specs(monkeypatch, [[], ["--no-engine-process"]])
     assert "--engine-process" in specs[0].decode_args and "--no-engine-process" not in specs[0].decode_args
     assert "--no-engine-process" in specs[1].decode_args and "--engine-process" not in specs[1].decode_args
     assert not {"--engine-process", "--no-engine-process"} & set(specs[0].worker_args)
