@@ -75,15 +75,17 @@ def test_deepseek_tiny_hits_are_exact(options):
         assert off.prefix_cache_stats.cached_pages == 0
 
 
-def test_deepseek_tiny_tp2_hits_are_exact():
+@pytest.mark.parametrize("model", [TINY, K3], ids=["pdserve-tiny", "k3"])
+def test_tp2_hits_are_exact(model):
     """TP=2 (two processes; one TP group per process at a time, so the engines run one after the other): a
-    shared prefix hits and the outputs equal the TP=2 cache-off engine's."""
+    shared prefix of 50 tokens hits 3 pages (K3: the first prompt's last page boundary, 48, is checkpointed; each
+    rank restores its own share of the state) and the outputs equal the TP=2 cache-off engine's."""
     base = _prompt(1, 50)
     requests = (("a", base + [5, 6]), ("b", base + [9]))
     results = {}
     for cache in (False, True):
-        config = EngineConfig(model_dir=TINY, tp_size=2, attention_backend="torch", page_size=16,
-                              kv_memory_bytes=48 * 2**20, prefix_cache=cache)
+        config = EngineConfig(model_dir=model, tp_size=2, attention_backend="torch", page_size=16,
+                              kv_memory_bytes=48 * 2**20, prefix_cache=cache, state_checkpoint_interval=32)
         with LLMEngine(config) as engine:
             results[cache] = [_run(engine, rid, prompt) for rid, prompt in requests]
     for got, want in zip(results[True], results[False]):
