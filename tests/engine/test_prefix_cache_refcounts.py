@@ -42,6 +42,7 @@ class MiniEngine:
                                    self.state_pool, self.cache)
         self.seqs: dict[str, Sequence] = {}
         self.order = 0
+        self.generated: dict[str, int] = {}  # finished request -> tokens it generated (-1: aborted, cannot fit)
 
     def add(self, rid: str, prompt: list[int], max_new: int) -> None:
         seq = Sequence(rid, len(prompt), list(prompt), SamplingParams(max_new_tokens=max_new, temperature=0.0),
@@ -56,6 +57,7 @@ class MiniEngine:
         self.reuse.before_release(seq)
         self.scheduler.drop_cache(seq)
         del self.seqs[seq.request_id]
+        self.generated.setdefault(seq.request_id, seq.num_generated)
 
     def abort(self, rid: str) -> None:
         if rid in self.seqs:
@@ -84,6 +86,7 @@ class MiniEngine:
             self.reuse.after_decode([(s, row, start) for row, (s, start) in enumerate(zip(step.decode, starts))
                                      if s.status == SeqStatus.RUNNING], snapshot=False)
         elif self.scheduler.waiting and not self.scheduler.running:
+            self.generated[self.scheduler.waiting[0].request_id] = -1
             self.finish(self.scheduler.waiting[0])  # cannot fit: the engine aborts it
         self.cache.check_consistency()
 
@@ -197,4 +200,21 @@ def test_kda_hit_stops_at_last_checkpoint_and_pins_it():
     assert any(not plan.save for plan in engine.plans) and not engine.cache.checkpoints._pins
     while engine.seqs:
         engine.step()
+    engine.assert_idle()
+
+
+def test_a_request_needing_the_whole_pool_runs_by_evicting_the_cache():
+    """The cache never holds pages a request needs: with every page cached, a request that needs the whole pool
+    still runs to its end (evicting), and the checkpoint pool never grows past its slots."""
+    engine = MiniEngine(12, kda=True, max_batched=64)
+    for index in range(4):
+        engine.add(f"fill{index}", [40 + index] * 11, 1)
+        while engine.seqs:
+            engine.step()
+    stats = engine.cache.snapshot()
+    assert stats.cached_pages == 8 and stats.checkpoints <= stats.checkpoint_slots == 3
+    engine.add("big", list(range(2, 46)), 3)  # 44 + 3 tokens: all 12 pages
+    while engine.seqs:
+        engine.step()
+    assert engine.generated["big"] == 3 and engine.cache.snapshot().evicted_pages >= 8
     engine.assert_idle()
