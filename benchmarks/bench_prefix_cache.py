@@ -16,6 +16,7 @@ one cached. Greedy outputs of the two variants are checked equal.
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import statistics
 import time
@@ -31,6 +32,7 @@ from engine.prefix_reuse import PrefixReuse
 from engine.scheduler import Scheduler
 
 VOCAB_LOW, VOCAB_HIGH = 4, 3000
+logger = logging.getLogger("bench_prefix_cache")
 
 
 def _tokens(rng: random.Random, count: int) -> list[int]:
@@ -173,13 +175,16 @@ def main() -> None:
              lambda engine, seed, outputs: chat_run(engine, seed, args.conversations, args.turns, outputs)),
         ):
             outputs: dict = {}
-            rounds: list[int] = []
+            round_seeds = [next(seeds) for _ in range(args.repeats)]
+            calls = {"off": 0, "on": 0}
 
             def variant(name: str):
-                def run() -> Metrics:
-                    if name == "off":  # each round: fresh prompts, the same for both variants
-                        rounds.append(next(seeds))
-                    return make(engines[name], rounds[-1], outputs)
+                def run() -> Metrics:  # a variant's k-th run: round k's fresh prompts, the same for both variants
+                    seed = round_seeds[calls[name]]
+                    calls[name] += 1
+                    metrics = make(engines[name], seed, outputs)
+                    logger.warning("round %d %s: %s", calls[name], name, metrics)  # progress, on stderr
+                    return metrics
                 return run
 
             runs = interleave({"off": variant("off"), "on": variant("on")}, args.repeats, warmup=False)
