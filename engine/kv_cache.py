@@ -4,6 +4,7 @@ from __future__ import annotations
 import heapq
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -116,13 +117,32 @@ class OutOfPages(RuntimeError):
     grpc_status = "RESOURCE_EXHAUSTED"
 
 
+class EvictablePages(Protocol):
+    """What the allocator asks of a prefix cache (engine/prefix_cache.py): pages it holds stay out of the
+    free list while unreferenced (counted as free: num_evictable) until evict() gives one back."""
+
+    num_evictable: int
+
+    def holds(self, page: int) -> bool: ...
+
+    def released(self, page: int) -> None: ...
+
+    def acquired(self, page: int) -> None: ...
+
+    def evict(self) -> int | None: ...
+
+
 class PageAllocator:
     """Reference-counted page ids 0..num_pages-1. Freed pages are reused lowest-first.
 
     Thread-safe: every change happens under `lock` (reentrant), so a decode worker's event loop can
     reserve pages while the engine thread runs a step. Whoever decides from num_free and then allocates
     (the scheduler, the decode worker's admission) holds `lock` across both. lock: shared with the
-    engine's state pool, so one lock covers every reservation (None: a lock of its own)."""
+    engine's state pool, so one lock covers every reservation (None: a lock of its own).
+
+    With a prefix cache attached (`cache`), a page the cache holds does not return to the free list when its
+    last reference goes: it stays cached, counts as free, and is evicted (least recently used, leaves first)
+    when an allocation needs it; incref brings a cached unreferenced page back into use."""
 
     def __init__(self, num_pages: int, lock: threading.RLock | None = None) -> None:
         if num_pages <= 0:
@@ -131,39 +151,58 @@ class PageAllocator:
         self.lock = lock if lock is not None else threading.RLock()
         self._refs = [0] * num_pages
         self._free = list(range(num_pages))  # a min-heap: the lowest free id is reused first
+        self.cache: EvictablePages | None = None
 
     @property
     def num_free(self) -> int:
+        """Pages an allocation can get now: the free list plus the cache's unreferenced pages."""
+        return len(self._free) + (self.cache.num_evictable if self.cache is not None else 0)
+
+    @property
+    def num_uncached_free(self) -> int:
         return len(self._free)
 
     def allocate(self, count: int) -> list[int]:
         if count < 0:
             raise ValueError("count must be non-negative")
         with self.lock:
-            if count > len(self._free):
-                raise OutOfPages(f"need {count} pages, {len(self._free)} free of {self.num_pages}")
+            if count > self.num_free:
+                raise OutOfPages(f"need {count} pages, {self.num_free} free of {self.num_pages}")
+            while len(self._free) < count:
+                page = self.cache.evict() if self.cache is not None else None
+                if page is None:
+                    raise OutOfPages(f"need {count} pages, {len(self._free)} free of {self.num_pages} "
+                                     "(the cache could evict no more)")
+                heapq.heappush(self._free, page)
             pages = [heapq.heappop(self._free) for _ in range(count)]
             for page in pages:
                 self._refs[page] = 1
         return pages
 
     def incref(self, pages: list[int]) -> None:
+        """One more reference to each page: allocated ones, or cached unreferenced ones (taken back into use)."""
         with self.lock:
             for page in pages:
-                if self._refs[page] <= 0:
+                if self._refs[page] <= 0 and (self.cache is None or not self.cache.holds(page)):
                     raise ValueError(f"page {page} is not allocated")
             for page in pages:
+                if self._refs[page] == 0:
+                    self.cache.acquired(page)
                 self._refs[page] += 1
 
     def free(self, pages: list[int]) -> None:
-        """Drops one reference from each page; a page with none left returns to the pool."""
+        """Drops one reference from each page; a page with none left returns to the pool (or, held by the
+        prefix cache, stays cached and evictable)."""
         with self.lock:
             for page in pages:
                 if not 0 <= page < self.num_pages or self._refs[page] <= 0:
                     raise ValueError(f"page {page} is not allocated")
                 self._refs[page] -= 1
                 if self._refs[page] == 0:
-                    heapq.heappush(self._free, page)
+                    if self.cache is not None and self.cache.holds(page):
+                        self.cache.released(page)
+                    else:
+                        heapq.heappush(self._free, page)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
@@ -176,6 +215,8 @@ class PageTable:
         self.allocator = allocator
         self.page_size = page_size
         self.pages: list[int] = list(pages or [])
+        self.cache_keys: list[bytes] = []  # prefix cache keys of pages[:len(cache_keys)] (engine/prefix_cache.py)
+        self.publishing = True  # False once a page turned out to duplicate another cached one: publish no further
 
     @property
     def capacity(self) -> int:
@@ -196,9 +237,11 @@ class PageTable:
         if keep < len(self.pages):
             extra = self.pages[keep:]
             del self.pages[keep:]
+            del self.cache_keys[keep:]
             self.allocator.free(extra)
 
     def release(self) -> None:
+        self.cache_keys, self.publishing = [], True
         if self.pages:
             pages, self.pages = self.pages, []
             self.allocator.free(pages)

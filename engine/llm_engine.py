@@ -19,7 +19,11 @@ from engine.kv_cache import PageAllocator, PageTable
 from engine.grammar import new_matcher
 from engine.grammar_compiler import GrammarCompiler, compiler_for
 from engine.logits_processing import first_token_scores, grammar_masks, step_scores
+from engine.prompt_logprobs import logit_spans, prompt_token_logprobs
 from engine.model_runner import DTYPES, RunnerConfig, cache_shape_for
+from engine.prefill_jobs import run_prefill_jobs
+from engine.prefix_cache import PrefixCache
+from engine.prefix_reuse import PrefixReuse
 from engine.engine_types import (DEFAULT_MODEL_DIR, EngineConfig, PrefillJob, PrefillResult, PrefixCacheStats,
                                  StepOutput)
 from engine.devices import host_to_device
@@ -27,11 +31,11 @@ from engine.host_fetch import fetch_to_host
 from engine.sampling import exponential_noise, make_generator
 from engine.sampling_params import SamplingParams, speculates
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus, TokenLogprob
+from engine.sequence import KVDestination, Sequence, SeqStatus, TokenLogprob
 from engine.spec_policy import SpecBackoff, record_verify, should_speculate
 from engine.spec_verify import AcceptanceStats, VerifyResult
 from engine.state_pool import split_memory_budget
-from engine.step_plan import (CommitStatePlan, DecodeItem, PrefillItem, ReadStatePlan, TargetPlan, decode_plan,
+from engine.step_plan import (CommitStatePlan, DecodeItem, ExportPlan, PrefillItem, ReadStatePlan, TargetPlan, decode_plan,
                               prefill_plan, with_state_slots)
 from engine.step_results import sample_on_device, sample_tokens, token_logprobs
 from engine.tp_launcher import TPLeader, default_threads
@@ -72,7 +76,11 @@ class LLMEngine:
         use_graphs = config.use_graphs and config.resolved_device == "cuda"
         # With a draft, a verify step keeps the KDA state after each of its <= spec_block_size positions for every
         # running sequence: that scratch is part of the budget too.
-        split = split_memory_budget(config.kv_memory_bytes, probe.bytes_per_page, slot_bytes, config.max_running,
+        # Prefix cache on a model with KDA layers: checkpoint_memory_fraction of the budget holds state checkpoints.
+        checkpoint_bytes = int(config.kv_memory_bytes * config.checkpoint_memory_fraction) \
+            if config.prefix_cache and slot_bytes else 0
+        num_checkpoints = checkpoint_bytes // slot_bytes if slot_bytes else 0
+        split = split_memory_budget(config.kv_memory_bytes - num_checkpoints * slot_bytes, probe.bytes_per_page, slot_bytes, config.max_running,
                                     snapshot_steps=config.spec_block_size if draft_dir else 0,
                                     state_fraction=config.state_memory_fraction)
         num_pages, num_slots = split.num_pages, split.num_slots
@@ -95,6 +103,7 @@ class LLMEngine:
             graph_query_lens=(1, min(config.spec_block_size, self.draft_config.verify_block_size)) if draft_dir else (1,),
             share_weights=config.share_weights,
             num_state_slots=num_slots,
+            num_checkpoint_slots=num_checkpoints,
             snapshot_rows=split.snapshot_rows,
             snapshot_steps=split.snapshot_steps,
         )
@@ -107,8 +116,17 @@ class LLMEngine:
         # Pages and state slots share one lock (pool_lock): reservations may come from another thread.
         self.allocator = PageAllocator(num_pages - 1 if use_graphs else num_pages,
                                        lock=self.state_pool.lock if self.state_pool is not None else None)
+        self.prefix_cache: PrefixCache | None = None
+        self._reuse: PrefixReuse | None = None
+        if config.prefix_cache:
+            salt = f"{config.model_dir}|{config.torch_dtype_name}|{draft_dir}|{config.draft_dtype_name}|{config.page_size}"
+            self.prefix_cache = PrefixCache(self.allocator, config.page_size, salt, num_checkpoints,
+                                            needs_checkpoints=self.state_pool is not None,
+                                            checkpoint_interval=config.state_checkpoint_interval)
+            self._reuse = PrefixReuse(self.prefix_cache, self.leader.execute, config.page_size,
+                                      self.state_pool is not None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
-                                   self.state_pool)
+                                   self.state_pool, self.prefix_cache)
         self.acceptance_stats = AcceptanceStats()
         self.spec_backoff = SpecBackoff(config.spec_min_tokens_per_step)
         self._markov = getattr(self.runner.draft, "markov_head", None)  # DSpark: Markov head used when proposing
@@ -116,10 +134,12 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self.eos_ids = set(self.model_config.eos_token_id)
-        logger.info("engine ready on %s (%s): %d pages (%d B), %d state slots (%d B), verify scratch %d x %d (%d B), "
-                    "draft=%s, tp=%d", self.device, config.torch_dtype_name, num_pages, num_pages * probe.bytes_per_page,
-                    num_slots, num_slots * slot_bytes, split.snapshot_rows, split.snapshot_steps,
-                    split.snapshot_rows * split.snapshot_steps * slot_bytes,
+        logger.info("engine ready on %s (%s): %d pages (%d B), %d state slots (%d B), %d checkpoint slots (%d B), "
+                    "verify scratch %d x %d (%d B), prefix cache %s, draft=%s, tp=%d", self.device,
+                    config.torch_dtype_name, num_pages, num_pages * probe.bytes_per_page, num_slots,
+                    num_slots * slot_bytes, num_checkpoints, num_checkpoints * slot_bytes, split.snapshot_rows,
+                    split.snapshot_steps, split.snapshot_rows * split.snapshot_steps * slot_bytes,
+                    "on" if config.prefix_cache else "off",
                     f"{config.draft_dtype_name}" if draft_dir else "none", config.tp_size)
 
     # --- properties the services read -------------------------------------------------------------
@@ -138,7 +158,7 @@ class LLMEngine:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """A snapshot of the prefix cache's counters (all zero with prefix_cache off)."""
-        return PrefixCacheStats()
+        return self.prefix_cache.snapshot() if self.prefix_cache is not None else PrefixCacheStats()
 
     @functools.cached_property
     def _grammar_thread(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -278,6 +298,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_ids, params, pages=page_ids)
         seq.state_slot = state_slot
         seq.num_cached = len(prompt_ids)
+        seq.looked_up = True  # its prompt came from elsewhere: a recompute after preemption is not a first lookup
         if seq.generator is not None and not params.greedy:
             # The prefill worker drew the first token from the same seed: skip those draws so the
             # rest of the request samples exactly as it would in one engine.
@@ -329,8 +350,12 @@ class LLMEngine:
                         logprobs=seq.new_logprobs,
                         num_prompt_tokens=seq.prompt_len,
                         num_generated=seq.num_generated,
+                        num_cached_tokens=seq.num_cached_tokens,
+                        prompt_logprobs=tuple(seq.prompt_logprobs) if seq.new_tokens else (),
                     )
                 )
+                if seq.new_tokens:
+                    seq.prompt_logprobs = []  # sent with the first token
                 seq.new_tokens, seq.new_logprobs = [], []
             if finished:
                 del self._seqs[seq.request_id]
@@ -339,8 +364,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        seq.page_table.release()
-        self.scheduler.free_state(seq)
+        if self._reuse is not None:
+            self._reuse.before_release(seq)
+        self.scheduler.drop_cache(seq)
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> int:
         """Appends generated tokens up to a stop condition; returns how many were kept."""
@@ -373,22 +399,45 @@ class LLMEngine:
     # --- prefill ----------------------------------------------------------------------------------
     def _run_prefill(self, chunks: tuple[PrefillChunk, ...]) -> None:
         items = [PrefillItem(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages,
-                             c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0) for c in chunks]
+                             c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0,
+                             all_logits=c.seq.params.prompt_logprobs is not None) for c in chunks]
         plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft))
+        if self._reuse is not None:
+            self._reuse.restore([c.seq for c in chunks])
         logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
+        if any(item.all_logits for item in items):  # prompt scoring: every row of those chunks came back
+            spans = logit_spans(items)
+            for chunk, item, (row, count) in zip(chunks, items, spans):
+                if item.all_logits:
+                    seq = chunk.seq
+                    del seq.prompt_logprobs[seq.num_cached:]  # entry i scores prompt token i + 1 (a recompute redoes them)
+                    seq.prompt_logprobs.extend(prompt_token_logprobs(
+                        logits[row : row + count], seq.token_ids[: seq.prompt_len], seq.num_cached,
+                        seq.params.prompt_logprobs))
+            last_rows = [row + count - 1 for (row, count), item in zip(spans, items) if item.needs_logits]
+            logits = logits.index_select(0, host_to_device(last_rows, torch.int64, logits.device))
         sampled = [c.seq for c, item in zip(chunks, items) if item.needs_logits]
         scores = first_token_scores([s.params for s in sampled], [s.token_ids for s in sampled], logits, self.eos_ids,
                                     [s.grammar for s in sampled])
         tokens = sample_tokens([s.params for s in sampled], [s.generator for s in sampled], scores) if sampled else []
+        for chunk in chunks:
+            chunk.seq.num_cached += chunk.num_tokens
+        if self._reuse is not None:
+            self._reuse.after_prefill([c.seq for c in chunks])
+        for chunk in chunks:
+            if chunk.seq.export_to is not None and chunk.seq.remaining_prefill == 0:
+                self._export(chunk.seq)
         row = 0
         for chunk, item in zip(chunks, items):
             seq = chunk.seq
-            seq.num_cached += chunk.num_tokens
             if seq.remaining_prefill == 0:
                 self.scheduler.promote(seq)
                 if item.needs_logits:
                     self._append_tokens(seq, [tokens[row]], self._logprobs_of(seq, logits[row : row + 1], [tokens[row]]))
                     row += 1
+                if seq.export_to is not None and seq.status != SeqStatus.FINISHED:
+                    self.scheduler.remove(seq)
+                    self._finish(seq, "prefill")
 
     def _with_state(self, plan: TargetPlan, seqs: list[Sequence]) -> TargetPlan:
         """Adds each sequence's state slot; slots of sequences starting at token 0 are zeroed first."""
@@ -447,6 +496,7 @@ class LLMEngine:
         """Keeps what verification accepted: KDA state after the last kept position, the tokens (up to a
         stop), acceptance statistics; pages past the kept context go back."""
         logits, offsets, results = verified.logits, verified.offsets, verified.results
+        starts = [seq.num_cached for seq in seqs]
         for i, token in verified.sampled.items():
             seq = seqs[i]
             seq.num_cached += 1
@@ -464,15 +514,41 @@ class LLMEngine:
             self._append_tokens(seq, accepted, lps)
             if seq.status != SeqStatus.FINISHED:
                 seq.page_table.truncate(seq.num_cached + 1)
+        if self._reuse is not None:
+            self._reuse.after_decode([(seq, row, start) for row, (seq, start) in enumerate(zip(seqs, starts))
+                                      if seq.status == SeqStatus.RUNNING], verified.snapshot_state)
 
     # --- prefill service entry point ---------------------------------------------------------------
     def prefill(self, jobs: list[PrefillJob], should_stop=None) -> list[PrefillResult | None]:
-        """Prefills prompts into given pages (another engine's shared pools, or this one's) in chunks and
-        returns each prompt's first token; the engine keeps no state for them (engine/prefill_jobs.py).
-        should_stop(request_id) -> bool is asked between chunks; a prompt it stops gets None."""
-        from engine.prefill_jobs import run_prefill_jobs
-
+        """Prefills prompts for another engine: each runs here as a prefill-only sequence (the prefix cache serves
+        it too), its KV then copied into the pages the job names (engine/prefill_jobs.py); returns each prompt's
+        first token. should_stop(request_id) -> bool is asked between steps; a prompt it stops gets None."""
         return run_prefill_jobs(self, jobs, should_stop)
+
+    def check_prefill_job(self, job: PrefillJob) -> None:
+        """ValueError naming what is wrong with a prefill job."""
+        self.validate_prompt(job.prompt_ids)
+        if len(job.page_ids) * self.config.page_size < len(job.prompt_ids):
+            raise ValueError(f"{len(job.page_ids)} pages cannot hold a prompt of {len(job.prompt_ids)} tokens")
+        if -(-len(job.prompt_ids) // self.config.page_size) > self.allocator.num_pages:
+            raise ValueError(f"a prompt of {len(job.prompt_ids)} tokens needs more pages than this engine's pool "
+                             f"has ({self.allocator.num_pages})")
+        if (self.state_pool is not None) != (job.state_slot is not None):
+            raise ValueError(f"prefill job {job.request_id}: a model with linear attention needs a state slot "
+                             "(and one without, none)")
+
+    def add_prefill_job(self, job: PrefillJob) -> None:
+        self.check_prefill_job(job)
+        seq = self._new_sequence(job.request_id, job.prompt_ids, job.params)
+        seq.export_to = KVDestination(tuple(job.page_ids), job.pool_names, job.state_slot)
+        self.scheduler.add(seq)
+
+    def _export(self, seq: Sequence) -> None:
+        """Copies a finished prefill-only prompt's pages and state into its destination."""
+        dest = seq.export_to
+        count = -(-seq.prompt_len // self.config.page_size)
+        self.leader.execute(ExportPlan(seq.page_table.pages[:count], list(dest.page_ids[:count]), dest.pool_names,
+                                       seq.state_slot, dest.state_slot))
 
     def read_pages(self, page_ids: list[int]):
         """This (leader) rank's copies of pages: (target [layers, n, page_size, D], draft or None)."""

@@ -13,7 +13,9 @@ from engine.forward_batch import copy_forward_batch
 from engine.kv_cache import CacheShape, PagedLatentCache
 from engine.layers.embedding import ParallelLMHead
 from engine.page_pool import PagePool, PagePoolFactory
-from engine.step_plan import AttachPoolsPlan, CommitStatePlan, DraftPlan, ReadStatePlan, TargetPlan, pack_target_plan
+from engine.state_pool import StatePool
+from engine.step_plan import (AttachPoolsPlan, CheckpointStatePlan, CommitStatePlan, DraftPlan, ExportPlan,
+                              ReadStatePlan, SnapshotCheckpointPlan, TargetPlan, pack_target_plan)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class RunnerConfig:
     share_weights: bool = False  # map the node's one shared copy of this rank's weights (engine/weight_store.py)
     page_pools: PagePoolFactory | None = None  # creates (kv_pool "shm") and attaches shared pools
     num_state_slots: int = 0  # per-sequence state slots (models with linear attention)
+    num_checkpoint_slots: int = 0  # prefix cache: KDA state checkpoints kept beside the slots (engine/prefix_cache.py)
     snapshot_rows: int = 0  # speculative verify scratch: sequences x positions, allocated at start (0: none)
     snapshot_steps: int = 0
     draft_dtype: str = ""  # the draft's weights and activations ("": dtype); its cache pages stay in dtype
@@ -150,6 +153,12 @@ class ModelRunner:
             self.cache = PagedLatentCache(self.cache_shape, device=self.device)
         if self.cache.state is not None and config.snapshot_rows:
             self.cache.state.reserve_snapshots(config.snapshot_rows, config.snapshot_steps)
+        self.checkpoints: torch.Tensor | None = None  # uint8 [checkpoint slots, slot stride]: StatePool.raw rows
+        self._checkpoint_view: StatePool | None = None  # conv / recurrent views of them
+        if self.cache.state is not None and config.num_checkpoint_slots:
+            shape = dataclasses.replace(self.cache.state.shape, num_slots=config.num_checkpoint_slots)
+            self.checkpoints = torch.zeros((shape.num_slots, shape.slot_stride), dtype=torch.uint8, device=self.device)
+            self._checkpoint_view = StatePool(shape, raw=self.checkpoints)
         self.graphs = self._capture_graphs() if config.use_graphs else None
         logger.info(
             "rank %d/%d ready on %s: %d pages x %d tokens (%s), %d state slots, draft=%s",
@@ -249,12 +258,47 @@ class ModelRunner:
         if isinstance(plan, CommitStatePlan):
             self.cache.state.commit_snapshots(plan.slots, plan.steps)
             return None
+        if isinstance(plan, CheckpointStatePlan):
+            self.copy_checkpoints(plan)
+            return None
+        if isinstance(plan, SnapshotCheckpointPlan):
+            self.checkpoint_snapshots(plan)
+            return None
+        if isinstance(plan, ExportPlan):
+            self.export(plan)
+            return None
         if isinstance(plan, AttachPoolsPlan):
             self._cache_for(plan.pool_names)
             return None
         if isinstance(plan, ReadStatePlan):  # a collective: every rank's slot row, gathered in rank order
             return self.tp.all_gather(self.cache.state.raw[plan.slot : plan.slot + 1].clone(), dim=0)
         raise TypeError(f"unknown plan {type(plan).__name__}")
+
+    def copy_checkpoints(self, plan: CheckpointStatePlan) -> None:
+        slots = self._cache_for(plan.pool_names).state.raw
+        src, dst = (slots, self.checkpoints) if plan.save else (self.checkpoints, slots)
+        sources, targets = zip(*plan.pairs)
+        dst.index_copy_(0, host_to_device(list(targets), torch.int64, self.device),
+                        src.index_select(0, host_to_device(list(sources), torch.int64, self.device)))
+
+    def export(self, plan: ExportPlan) -> None:
+        dst = self._cache_for(plan.pool_names)
+        src_index = host_to_device(list(plan.src_pages), torch.int64, self.device)
+        dst_index = host_to_device(list(plan.dst_pages), torch.int64, self.device)
+        dst.kv.index_copy_(1, dst_index, self.cache.kv.index_select(1, src_index))
+        if self.cache.draft is not None and dst.draft is not None:
+            dst.draft.index_copy_(1, dst_index, self.cache.draft.index_select(1, src_index))
+        if plan.src_slot is not None:
+            dst.state.raw[plan.dst_slot].copy_(self.cache.state.raw[plan.src_slot])
+        # A collective: when the leader returns, every rank's copy is in place (the prefill worker checksums the
+        # destination pages next, and a follower's copy must not still be running).
+        self.tp.all_reduce(torch.zeros(1, device=self.device))
+
+    def checkpoint_snapshots(self, plan: SnapshotCheckpointPlan) -> None:
+        state, view = self.cache.state, self._checkpoint_view
+        rows, steps, slots = (host_to_device(list(col), torch.int64, self.device) for col in zip(*plan.rows))
+        view.conv.index_copy_(1, slots, state.snapshot_conv[:, rows, steps])
+        view.recurrent.index_copy_(1, slots, state.snapshot_recurrent[:, rows, steps])
 
     @torch.inference_mode()
     def run_target(self, plan: TargetPlan) -> torch.Tensor:

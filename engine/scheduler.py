@@ -12,6 +12,10 @@ Policy (documented in docs/architecture.md):
 - Models with linear attention: a sequence takes a state slot with its first prefill chunk (none free:
   it waits) and gives it back whenever its cache progress is dropped (finish, abort, preemption,
   reclaimed partial prefill); a recomputed sequence starts again from a zeroed slot.
+- Prefix cache (engine/prefix_cache.py): a waiting sequence holding no pages first maps the longest cached
+  run of full pages of its prompt (at least one token is always computed), restoring a KDA state checkpoint
+  for models with linear attention; unreferenced cached pages count as free. KDA models: prefill chunks end
+  on checkpoint positions, so the state there can be kept.
 - Pages and slots may also be reserved from another thread (a decode worker's Reserve): schedule()
   holds the pool lock for its whole decision, so what it counted as free is still free when it allocates.
 """
@@ -22,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.kv_cache import OutOfPages, PageAllocator
+from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence, SeqStatus
 from engine.state_pool import StatePool
 
@@ -56,8 +61,10 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, state_pool: StatePool | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, state_pool: StatePool | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
+        self.prefix_cache = prefix_cache
         self.allocator = allocator
         self.state_pool = state_pool
         self.waiting: deque[Sequence] = deque()
@@ -112,9 +119,13 @@ class Scheduler:
             if budget <= 0:
                 break
             table = seq.page_table
+            if self.prefix_cache is not None and not table.pages and seq.num_cached == 0:
+                self._map_cached_prefix(seq)
             usable = self.allocator.num_free - reserve
             fits = (len(table.pages) + max(0, usable)) * table.page_size - seq.num_cached
             take = min(seq.remaining_prefill, budget, fits)
+            if self.prefix_cache is not None and self.prefix_cache.needs_checkpoints:
+                take = min(take, self.prefix_cache.chunk_end(seq.num_cached, seq.prefill_target) - seq.num_cached)
             if take <= 0:
                 break
             if self.state_pool is not None and seq.state_slot is None:
@@ -125,6 +136,18 @@ class Scheduler:
             chunks.append(PrefillChunk(seq, take))
             budget -= take
         return chunks
+
+    def _map_cached_prefix(self, seq: Sequence) -> None:
+        """Maps the cached pages of the sequence's prefix (all but its last prefill token at most)."""
+        first = not seq.looked_up
+        # prompt scoring needs every prompt position's logits: such a prompt takes no hit (it still publishes)
+        limit = 0 if seq.params.prompt_logprobs is not None else seq.prefill_target - 1
+        hit = self.prefix_cache.match(seq.token_ids, limit, seq.spec_block_size > 0, seq.prompt_len if first else 0)
+        seq.page_table.pages, seq.page_table.cache_keys = hit.pages, hit.keys
+        seq.num_cached = len(hit.pages) * seq.page_table.page_size
+        seq.restore_checkpoint = hit.checkpoint
+        if first:
+            seq.looked_up, seq.num_cached_tokens = True, seq.num_cached
 
     def _schedule_decode(self) -> ScheduledStep:
         preempted: list[Sequence] = []
@@ -167,6 +190,9 @@ class Scheduler:
         seq.page_table.release()
         seq.num_cached = 0
         self.free_state(seq)
+        if seq.restore_checkpoint is not None:
+            self.prefix_cache.unpin(seq.restore_checkpoint)
+            seq.restore_checkpoint = None
 
     def free_state(self, seq: Sequence) -> None:
         if seq.state_slot is not None and self.state_pool is not None:

@@ -28,6 +28,16 @@ class TokenLogprob:
     top_logprobs: list[float]
 
 
+@dataclass(frozen=True)
+class KVDestination:
+    """A prefill-only sequence's destination (engine/prefill_jobs.py): pages (and a state slot) in the pools named
+    (None: this engine's own pool) that its prompt's KV is copied into when its prefill is done."""
+
+    page_ids: tuple[int, ...]
+    pool_names: tuple[str, ...] | None
+    state_slot: int | None
+
+
 @dataclass(eq=False)
 class Sequence:
     """Invariant while running: the cache holds every token but the last (num_cached == len(token_ids) - 1),
@@ -49,6 +59,15 @@ class Sequence:
     state_slot: int | None = None  # the state-pool slot (models with linear attention), held while cached
     spec_state: SpecState = field(default_factory=SpecState)  # speculation back-off (engine/spec_policy.py)
     grammar: Any = None  # structured output: engine.grammar.GrammarMatcher over the tokens generated so far
+    # params.prompt_logprobs set: entry i scores prompt token i + 1 (sent with the first token, then cleared)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prefix cache (engine/prefix_cache.py): prompt tokens its first admission took from the cache; a checkpoint
+    # slot to restore into state_slot before its next prefill chunk; the key of its latest decode checkpoint.
+    num_cached_tokens: int = 0
+    looked_up: bool = False
+    restore_checkpoint: int | None = None
+    decode_checkpoint: bytes | None = None
+    export_to: KVDestination | None = None  # a prefill-only sequence: where its prompt's KV goes, then it ends
 
     @property
     def num_tokens(self) -> int:
@@ -67,5 +86,9 @@ class Sequence:
         """Tokens still to run through prefill (all but the last token are cached once it is done).
 
         Before the first token is sampled the whole prompt must be prefilled."""
-        target = self.prompt_len if self.num_generated == 0 else self.num_tokens - 1
-        return target - self.num_cached
+        return self.prefill_target - self.num_cached
+
+    @property
+    def prefill_target(self) -> int:
+        """The cache length prefill ends at: the prompt, or (recomputing after preemption) all but the last token."""
+        return self.prompt_len if self.num_generated == 0 else self.num_tokens - 1

@@ -128,6 +128,38 @@ class CommitStatePlan:
 
 
 @dataclass(frozen=True)
+class CheckpointStatePlan:
+    """Prefix cache, models with KDA layers: every rank copies whole state slots between its state pool and its
+    checkpoint pool. save: state slot pairs[i][0] -> checkpoint pairs[i][1]; otherwise (restore) checkpoint
+    pairs[i][0] -> state slot pairs[i][1] (in the pools named by pool_names; None: the rank's own)."""
+
+    pairs: list[tuple[int, int]]
+    save: bool
+    pool_names: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotCheckpointPlan:
+    """Prefix cache, right after a speculative verify step's commit: checkpoint rows[i][2] takes the KDA state
+    after verify position rows[i][1] of the step's sequence rows[i][0] (a page boundary inside the kept tokens)."""
+
+    rows: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """A prefill-only sequence is done: every rank copies its own pages src_pages[i] -> dst_pages[i] (target and
+    draft context) and its state slot src_slot -> dst_slot (models with linear attention) into the pools named
+    (None: its own pool)."""
+
+    src_pages: list[int]
+    dst_pages: list[int]
+    pool_names: tuple[str, ...] | None
+    src_slot: int | None = None
+    dst_slot: int | None = None
+
+
+@dataclass(frozen=True)
 class ReadStatePlan:
     """Every rank contributes its copy of one state slot (its KDA heads' share); the leader gets them
     all, rank order: uint8 [tp_size, slot bytes] (a prefill handoff sends row r to decode rank r)."""

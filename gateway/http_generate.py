@@ -157,7 +157,7 @@ class GenerateHandler:
         bodies = [builder.choice("".join(texts[i]), logprobs[i], finishes[i].reason) for i, builder in enumerate(builders)]
         outcome[:] = [finishes[len(builders) - 1].reason, "200"]
         completion = sum(views[i].completion_tokens(f.completion_tokens) for i, f in finishes.items())
-        body = builders[0].responses(bodies, finishes[0].prompt_tokens, completion)
+        body = builders[0].responses(bodies, finishes[0].prompt_tokens, completion, finishes[0].cached_tokens)
         body = self._with_prompt_logprobs(body, parsed, views[0].prompt_ids, scored)
         return json_response(body, 200, builders[0].request_id)
 
@@ -218,7 +218,8 @@ class GenerateHandler:
                 pending.append(await choices.get())
             if usage and not failed:
                 completion = sum(views[i].completion_tokens(event.completion_tokens) for i, event in finishes.items())
-                await response.write(sse(builders[0].usage_chunk(finishes[0].prompt_tokens, completion)))
+                await response.write(sse(builders[0].usage_chunk(finishes[0].prompt_tokens, completion,
+                                                                  finishes[0].cached_tokens)))
             await response.write(DONE_EVENT)
             await response.write_eof()
         except ConnectionResetError:

@@ -53,6 +53,7 @@ class FinishEvent:
     decode_steps: int
     decode_tokens: int
     stop: str = ""
+    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache served
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class RequestRun:
         self._decode_steps = 0
         self._decode_tokens = 0
         self._ttft_ms = 0.0
+        self._cached_tokens = 0  # prompt tokens the prefill worker's prefix cache served
         # where the request is, for cleanup
         self._decode: DecodeWorker | None = None
         self._prefill: PrefillWorker | None = None
@@ -188,6 +190,7 @@ class RequestRun:
         if self._observer is not None:
             self._observer.prefilled(prefilled - reserved)
         first = response.first_token
+        self._cached_tokens = response.num_cached_tokens
         logprobs = [response.first_logprob] if response.HasField("first_logprob") else []
         if self._emit([first], logprobs, list(response.prompt_logprobs)):
             return
@@ -287,7 +290,7 @@ class RequestRun:
                     self._completion_tokens, self._ttft_ms)
         self.events.put_nowait(FinishEvent(
             reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
-            self._decode_tokens, stop))
+            self._decode_tokens, stop, self._cached_tokens))
 
     def _release_observer(self) -> None:
         """Records what was held back (HeldObserver) and reports straight to the observer from now on."""

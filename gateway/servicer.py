@@ -26,7 +26,8 @@ def complete_message(event: FinishEvent) -> gateway_pb2.Complete:
     mean = event.decode_tokens / event.decode_steps if event.decode_steps else 0.0
     return gateway_pb2.Complete(
         finish_reason=FINISH_REASONS.get(event.reason, gateway_pb2.Complete.FINISH_REASON_UNSPECIFIED),
-        usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+        usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                                cached_tokens=event.cached_tokens),
         ttft_ms=event.ttft_ms, stop=event.stop,
         acceptance=gateway_pb2.AcceptanceStats(mean_accepted_tokens=mean, verify_steps=event.decode_steps),
     )

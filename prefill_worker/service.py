@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine_types import PrefillJob, PrefillResult
+from engine.engine_types import PrefillJob, PrefillResult, PrefixCacheStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
@@ -63,7 +63,8 @@ class PrefillOutcome:
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
-    prompt_logprobs: tuple[Any, ...] = ()  # engine TokenLogprobs of prompt tokens 1 .. n-1 (prompt scoring)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # engine TokenLogprobs of prompt tokens 1 .. n-1 (prompt scoring)
+    num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
 
 
 class JobState(enum.Enum):
@@ -115,7 +116,7 @@ class PrefillService:
                  metrics: PrefillMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else PrefillMetrics()
-        self.metrics.track(lambda: self.load)
+        self.metrics.track(lambda: self.load, self._cache_stats)
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._jobs: dict[str, _Job] = {}
@@ -130,6 +131,10 @@ class PrefillService:
         self._grpc: GrpcWriter | None = None
         self._device: DeviceWriter | None = None
         self._device_ids: tuple[str, ...] = ()
+
+    def _cache_stats(self) -> PrefixCacheStats | None:
+        """The engine's prefix cache counters (thread-safe: they are read under the engine's pool lock)."""
+        return getattr(self.engine, "prefix_cache_stats", None)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -293,7 +298,7 @@ class PrefillService:
         result = computed.result
         return PrefillOutcome(result.first_token, result.first_logprobs, result.num_prompt_tokens,
                               (job.started - job.arrival) * 1000, computed.prefill_ms, transfer_ms,
-                              result.prompt_logprobs)
+                              result.prompt_logprobs, result.num_cached_tokens)
 
     async def _export_after_reply(self, job: _Job, computed: _Computed) -> int:
         """The deferred shm record; none (0 bytes) once the lease has ended - released after the reply (a

@@ -40,6 +40,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                                               reply_sent)
         response = worker_pb2.PrefillResponse(
             first_token=outcome.first_token, num_prompt_tokens=outcome.num_prompt_tokens,
+            num_cached_tokens=outcome.num_cached_tokens,
             timing=worker_pb2.PrefillTiming(queue_ms=outcome.queue_ms, prefill_ms=outcome.prefill_ms,
                                             transfer_ms=outcome.transfer_ms),
         )

@@ -110,7 +110,6 @@ def test_the_gateway_process_starts_without_torch():
 # engine.prefill_jobs (branch "prefix": one chunked-prefill implementation) and engine.model_runner <->
 # engine.cuda_graphs (branch "gpu"). Each entry is one circle's exact set of modules; no other circle may exist.
 KNOWN_CIRCLES = [
-    {"engine.llm_engine", "engine.prefill_jobs"},
 ]
 
 

@@ -31,9 +31,11 @@ class TokenLogprobLike(Protocol):
 COMPLETION_TOKENS_DETAILS = {"reasoning_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
             "completion_tokens_details": dict(COMPLETION_TOKENS_DETAILS)}
 
 
@@ -105,17 +107,20 @@ class ResponseBuilder:
         return choice
 
     def response(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str,
-                 prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+                 prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The whole (non-streaming) response."""
-        return self.responses([self.choice(text, logprobs, finish_reason)], prompt_tokens, completion_tokens)
+        return self.responses([self.choice(text, logprobs, finish_reason)], prompt_tokens, completion_tokens,
+                              cached_tokens)
 
     def choice(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str) -> dict[str, Any]:
         """This builder's choice of a whole (non-streaming) response."""
         return self._choice(text, logprobs, finish_reason, False)
 
-    def responses(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def responses(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
+                  cached_tokens: int = 0) -> dict[str, Any]:
         """The whole response with these choices (n > 1: each from its own builder); completion_tokens over all."""
-        return {**self._envelope(False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        return {**self._envelope(False), "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprobLike] = (), finish_reason: str | None = None,
               first: bool = False, include_usage: bool = False) -> dict[str, Any]:
@@ -126,6 +131,6 @@ class ResponseBuilder:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
-        return {**self._envelope(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**self._envelope(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

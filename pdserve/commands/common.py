@@ -41,12 +41,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     parser.add_argument("--cpus", default=None, metavar="LIST",
                         help="pin this worker (engine process and TP followers included) to these CPUs, e.g. 0-3,6; "
                              "torch threads then default to their count (`pdserve up` sets it on a CPU node)")
+    add_prefix_cache_argument(parser)
     parser.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                         help="serve Prometheus GET /metrics here (port 0: any free port; default: none)")
     parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
                         help="load a private copy of the weights instead of mapping the node's shared copy")
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)  # written with the bound address
     add_internal_token_argument(parser)
+
+
+def add_prefix_cache_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="recompute every prompt from its first token (default: reuse cached pages and, for KDA "
+                             "models, state checkpoints across requests)")
 
 
 def add_internal_token_argument(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         draft_model_dir=args.draft_model, dtype=args.dtype, draft_dtype=args.draft_dtype, page_size=args.page_size,
         kv_memory_bytes=args.kv_memory_mb * 2**20, max_batched_tokens=args.max_batched_tokens,
         spec_block_size=args.spec_block_size, spec_min_tokens_per_step=args.spec_min_tokens_per_step,
-        num_threads=args.num_threads, share_weights=args.share_weights,
+        num_threads=args.num_threads, share_weights=args.share_weights, prefix_cache=args.prefix_cache,
         internal_token=read_token_file(args.internal_token_file),
     )
 

@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve-gb", type=float, default=0.0, help="GB kept free on top of it (default 0)")
     parser.add_argument("--throughput", type=float, default=None,
                         help="measured tok/s of the deployment, for tok/s per $ (= tok/s / (GPUs x $/GPU-hour))")
+    parser.add_argument("--checkpoint-memory-fraction", type=float, default=0.125,
+                        help="KDA models: the prefix cache's state checkpoints' share of the KV budget (default 0.125, "
+                             "the engine's)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="plan for workers run with --no-prefix-cache (no state checkpoints)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -91,6 +96,7 @@ def make_plan(args: argparse.Namespace) -> CapacityPlan:
         tp_size=args.gpus if args.tp_size is None else args.tp_size, kv_dtype=args.kv_dtype,
         gpus_per_node=args.gpus_per_node, context_len=args.context_len, reserve_fraction=args.reserve_fraction,
         reserve_gb=args.reserve_gb, throughput=args.throughput, hybrid=model.hybrid,
+        checkpoint_fraction=args.checkpoint_memory_fraction if args.prefix_cache else 0.0,
     )
     return build_plan(request, model.name, model.source, computed.total)
 

@@ -11,7 +11,8 @@ import sys
 import threading
 
 from pdserve.commands.common import (
-    DEFAULT_GATEWAY, DEFAULT_HTTP, DEFAULT_MODEL_DIR, add_device_arguments, device_flags, device_kwargs, fail,
+    DEFAULT_GATEWAY, DEFAULT_HTTP, DEFAULT_MODEL_DIR, add_device_arguments, add_prefix_cache_argument, device_flags,
+    device_kwargs, fail,
 )
 from rpc.logging_setup import configure_logging
 
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "half, torch threads = cores (as separate GPUs would keep them apart; default on)")
     parser.add_argument("--prefill-cpus", default=None, metavar="LIST", help="pin the prefill workers to these CPUs (e.g. 0-3)")
     parser.add_argument("--decode-cpus", default=None, metavar="LIST", help="pin the decode workers to these CPUs")
+    add_prefix_cache_argument(parser)
     parser.add_argument("--internal", choices=("uds", "tcp"), default="uds",
                         help="how the workers listen: Unix sockets in a private 0700 directory (default), or TCP on "
                              "127.0.0.1 with a generated token every internal call must carry")
@@ -106,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         worker_args += ("--num-threads", str(args.num_threads))
     if not args.share_weights:
         worker_args += ("--no-shared-weights",)
+    if not args.prefix_cache:
+        worker_args += ("--no-prefix-cache",)
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
     try:
         prefill_pins, decode_pins = cpu_pinning(args)

@@ -36,6 +36,7 @@ class PlanRequest:
     reserve_gb: float = 0.0
     throughput: float | None = None  # measured tok/s of the whole deployment
     hybrid: HybridAttention | None = None  # KDA + MLA models: MLA layer count and per-request state
+    checkpoint_fraction: float = 0.125  # KDA models: the prefix cache's state checkpoints' share of the KV budget
 
     def __post_init__(self) -> None:
         for name, label in _COUNTS.items():
@@ -54,6 +55,8 @@ class PlanRequest:
             raise ValueError(f"reserve must be >= 0 GB, got {self.reserve_gb}")
         if self.throughput is not None and not self.throughput > 0:
             raise ValueError(f"throughput must be positive tok/s, got {self.throughput}")
+        if not 0 <= self.checkpoint_fraction < 1:
+            raise ValueError(f"checkpoint memory fraction must be in [0, 1), got {self.checkpoint_fraction}")
         kv_bytes(self.kv_dtype)
         self.state_bytes_per_request
 
@@ -125,6 +128,15 @@ def kv_budget(request: PlanRequest, tp_size: int) -> int:
     return request.gpu.memory_bytes - per_gpu - request.reserve_bytes
 
 
+def checkpoint_bytes(request: PlanRequest, tp_size: int) -> int:
+    """Bytes of the prefix cache's KDA state checkpoints on each GPU (whole checkpoints within checkpoint_fraction
+    of the KV budget, as the engine sizes them; 0 for pure-MLA models): what is left holds pages and state slots."""
+    if request.hybrid is None:
+        return 0
+    state = request.hybrid.state_bytes_per_request(tp_size)
+    return int(max(kv_budget(request, tp_size), 0) * request.checkpoint_fraction) // state * state
+
+
 def smallest_tp(request: PlanRequest) -> int | None:
     """The fewest GPUs (a TP size the engine can split the model over) that hold the weights, the
     reserve and one sequence of context_len tokens; None if even TP = heads does not."""
@@ -170,6 +182,6 @@ def node_weight_copies(request: PlanRequest) -> dict[str, object]:
     }
 
 
-__all__ = ["PlanRequest", "bytes_per_sequence", "cost_per_hour", "group_bits", "heads", "kv_budget",
+__all__ = ["PlanRequest", "bytes_per_sequence", "checkpoint_bytes", "cost_per_hour", "group_bits", "heads", "kv_budget",
            "kv_bytes_per_token", "node_weight_copies", "smallest_tp", "tok_s_per_dollar", "valid_tp_sizes",
            "weight_bytes"]

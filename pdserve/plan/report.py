@@ -64,6 +64,9 @@ def _rows(plan: CapacityPlan) -> list[tuple[str, str]]:
         ("KV tokens", f"{kv['tokens_per_gpu']:,} per GPU (= per replica: every TP rank holds the whole latent)"),
         ("state / sequence", f"{kv['state_bytes_per_request']:,} bytes per GPU ({kv['state_bytes_per_request'] / 2**20:.1f} MiB"
                              ", KDA conv + recurrent state)" if kv["state_bytes_per_request"] else "none (no linear-attention layers)"),
+        ("state checkpoints", f"{kv['checkpoints_per_gpu']:,} per GPU ({_gb(kv['checkpoint_bytes_per_gpu'])}: the prefix "
+                              f"cache's, {kv['checkpoint_fraction']:g} of the KV budget; pages and slots get the rest)"
+         if kv["state_bytes_per_request"] else "none (no linear-attention layers)"),
         ("sequences", f"{kv['concurrent_sequences']:,} concurrent at {kv['context_len']:,} tokens of context"),
         ("heads / rank", f"{heads.heads_per_rank} ({heads.heads} / TP{heads.tp_size})" + _padding_note(heads)),
     ]

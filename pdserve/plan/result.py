@@ -34,9 +34,10 @@ def build_plan(request: PlanRequest, model_name: str, source: str, params_comput
     config, gpu = request.model, request.gpu
     total_bytes, per_gpu_bytes = capacity.weight_bytes(request.params, request.quantization, request.tp_size)
     budget = capacity.kv_budget(request, request.tp_size)
+    checkpoints = capacity.checkpoint_bytes(request, request.tp_size)
     per_token = capacity.kv_bytes_per_token(config, request.kv_dtype, request.hybrid)
-    tokens_per_gpu = max(budget, 0) // per_token
-    sequences_per_replica = max(budget, 0) // capacity.bytes_per_sequence(request, request.tp_size)
+    tokens_per_gpu = max(budget - checkpoints, 0) // per_token
+    sequences_per_replica = max(budget - checkpoints, 0) // capacity.bytes_per_sequence(request, request.tp_size)
     min_tp = capacity.smallest_tp(request)
     price_hour = capacity.cost_per_hour(request)
     cost: dict[str, Any] = {
@@ -78,6 +79,9 @@ def build_plan(request: PlanRequest, model_name: str, source: str, params_comput
             "dtype": request.kv_dtype, "bytes_per_token": per_token, "budget_bytes_per_gpu": budget,
             "mla_layers": config.num_hidden_layers if request.hybrid is None else request.hybrid.mla_layers,
             "state_bytes_per_request": request.state_bytes_per_request,
+            "checkpoint_bytes_per_gpu": checkpoints,
+            "checkpoints_per_gpu": checkpoints // request.state_bytes_per_request if checkpoints else 0,
+            "checkpoint_fraction": request.checkpoint_fraction if request.hybrid is not None else 0.0,
             "tokens_per_gpu": tokens_per_gpu, "context_len": request.context_len,
             "sequences_per_replica": sequences_per_replica,
             "concurrent_sequences": sequences_per_replica * request.replicas,

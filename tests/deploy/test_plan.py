@@ -165,7 +165,8 @@ def test_reserve_comes_out_of_the_kv_budget(capsys):
     reserved = plan_json(capsys, "--reserve-gb", "10", "--context-len", "4096")
     assert base["kv"]["budget_bytes_per_gpu"] - reserved["kv"]["budget_bytes_per_gpu"] == 10 * GB
     kv = reserved["kv"]
-    assert kv["sequences_per_replica"] == kv["budget_bytes_per_gpu"] // (kv["bytes_per_token"] * 4096 + kv["state_bytes_per_request"])
+    pages_and_slots = kv["budget_bytes_per_gpu"] - kv["checkpoint_bytes_per_gpu"]  # (K3: the checkpoints' share out)
+    assert kv["sequences_per_replica"] == pages_and_slots // (kv["bytes_per_token"] * 4096 + kv["state_bytes_per_request"])
 
 
 def test_mixed_dtypes_and_group_size(capsys):
@@ -261,3 +262,16 @@ def test_k3_on_one_node_needs_the_shared_weight_copy(capsys):
     assert sharing["per_gpu_per_worker_bytes"] == 2 * sharing["per_gpu_shared_bytes"]
     assert sharing["per_gpu_shared_bytes"] == plan["weights"]["per_gpu_bytes"]
     assert sharing["kv_budget_shared_bytes"] == plan["kv"]["budget_bytes_per_gpu"]
+
+
+def test_kda_state_checkpoints_take_their_share_of_the_kv_budget(capsys):
+    """K3 (KDA layers): the prefix cache's checkpoints take whole states within --checkpoint-memory-fraction of the
+    KV budget, and tokens / sequences are counted in what is left; --no-prefix-cache plans none."""
+    plan = plan_json(capsys, "--checkpoint-memory-fraction", "0.25")["kv"]
+    state, budget = plan["state_bytes_per_request"], plan["budget_bytes_per_gpu"]
+    assert plan["checkpoints_per_gpu"] == int(budget * 0.25) // state > 0
+    assert plan["checkpoint_bytes_per_gpu"] == plan["checkpoints_per_gpu"] * state
+    assert plan["tokens_per_gpu"] == (budget - plan["checkpoint_bytes_per_gpu"]) // plan["bytes_per_token"]
+    off = plan_json(capsys, "--no-prefix-cache")["kv"]
+    assert off["checkpoints_per_gpu"] == off["checkpoint_bytes_per_gpu"] == 0
+    assert off["tokens_per_gpu"] == budget // off["bytes_per_token"] > plan["tokens_per_gpu"]

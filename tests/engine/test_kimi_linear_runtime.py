@@ -62,7 +62,7 @@ def test_preemption_recomputes_state_from_zero(kimi_dirs, caplog):
     slot_bytes = 2 * (2 * 3 * 48 * 4 + 6 * 8 * 8 * 4)  # 2 KDA layers x (conv window + recurrent state), fp32
     with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
         with LLM(model_dir, attention_backend="torch", draft_model="", max_batched_tokens=7, max_running=3,
-                 page_size=4, kv_memory_bytes=8 * slot_bytes) as llm:
+                 page_size=4, kv_memory_bytes=8 * slot_bytes, prefix_cache=False) as llm:  # the cache-off split
             engine = llm.engine
             assert engine.state_pool.num_slots == 4 and engine.allocator.num_pages == 33
             assert llm.generate(prompts, params) == expected

@@ -62,10 +62,10 @@ def test_prefill_into_shared_pool_then_decode_equals_one_engine(model_dir, param
 
 
 def test_k3_prefill_runs_the_kda_state_in_decodes_slot(tmp_path):
-    """Kimi K3 with its DSpark draft: the prefill engine runs each prompt's KDA state straight in the state
-    slot the decode engine reserved in its shared pool (max_batched_tokens 16: several chunks, the state
-    carried between them), the decode engine continues from there with speculation and produces exactly the
-    single-engine greedy tokens; every page and every state slot returns to the pool. (TP=2: two TP groups
+    """Kimi K3 with its DSpark draft: the prefill engine runs each prompt's KDA state in a slot of its own
+    (max_batched_tokens 16: several chunks, the state carried between them) and copies it into the state slot the
+    decode engine reserved in its shared pool; the decode engine continues from there with speculation and
+    produces exactly the single-engine greedy tokens; every page and every state slot returns to the pool. (TP=2: two TP groups
     cannot share one process; tests/services/test_k3_handoff.py runs it across processes.)"""
     from tests.engine.dspark_fixtures import make_k3_with_dspark
 
@@ -82,7 +82,7 @@ def test_k3_prefill_runs_the_kda_state_in_decodes_slot(tmp_path):
             pages, slot = decode.allocate_reservation(len(prompt) + 1)
             jobs.append(PrefillJob(f"r{index}", prompt, params, pages, decode.pool_names, slot))
         results = prefill.prefill(jobs)
-        assert prefill.num_free_state_slots == prefill.num_state_slots  # prefill used decode's slots, not its own
+        assert prefill.num_free_state_slots == prefill.num_state_slots  # its own slots all given back
         for job, result in zip(jobs, results):
             decode.add_prefilled(job.request_id, job.prompt_ids, result.first_token, job.page_ids, params,
                                  job.state_slot)
@@ -92,3 +92,38 @@ def test_k3_prefill_runs_the_kda_state_in_decodes_slot(tmp_path):
                 outputs[out.request_id].extend(out.new_token_ids)
         assert (decode.num_free_pages, decode.num_free_state_slots) == baseline
     assert [outputs[f"r{index}"] for index in range(len(PROMPTS))] == expected
+
+
+@pytest.mark.parametrize("model", ["pdserve-tiny", "pdserve-k3-tiny"])
+def test_prefill_engine_reuses_its_prefix_cache(model):
+    """The embedded models (each with its draft): a second prefill job sharing 150 tokens with the first maps the
+    prefill engine's 9 cached full pages (K3: the first prompt's last page boundary, 144, is checkpointed) and computes only the rest, the decode engine
+    continues from the copied pages (and state) with the single-engine tokens; every decode page and slot comes
+    back, and the prefill engine holds no page but cached ones."""
+    from engine.paths import MODELS_DIR
+
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    common = dict(model_dir=str(MODELS_DIR / model), page_pools=ShmPoolFactory(), kv_memory_bytes=32 * 2**20,
+                  max_batched_tokens=64)
+    shared = [3 + (7 * i) % 2000 for i in range(150)]
+    prompts = [shared + [11, 12, 13, 14, 15], shared + [21, 22]]
+    with LLMEngine(EngineConfig(**common, kv_pool="shm", prefix_cache=False)) as decode, \
+            LLMEngine(EngineConfig(**common)) as prefill:
+        expected = _run_alone(decode, prompts, params)
+        baseline = (decode.num_free_pages, decode.num_free_state_slots)
+        cached = []
+        for index, prompt in enumerate(prompts):
+            pages, slot = decode.allocate_reservation(len(prompt) + 1)
+            job = PrefillJob(f"r{index}", prompt, params, pages, decode.pool_names, slot)
+            [result] = prefill.prefill([job])
+            cached.append(result.num_cached_tokens)
+            decode.add_prefilled(job.request_id, prompt, result.first_token, pages, params, slot)
+            outputs = []
+            while decode.has_work():
+                for out in decode.step():
+                    outputs.extend(out.new_token_ids)
+            assert outputs == expected[index]
+        assert cached == [0, 144]
+        assert (decode.num_free_pages, decode.num_free_state_slots) == baseline
+        assert prefill.num_free_pages == prefill.allocator.num_pages
+        assert prefill.prefix_cache_stats.hit_tokens == cached[1]

@@ -189,7 +189,7 @@ def test_preemption_during_speculation(model_dir, caplog):
     budget = 27 * 78_336 + 73 * 3_200
     with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
         with LLM(model_dir, attention_backend="torch", spec_block_size=8, max_running=3, page_size=4,
-                 kv_memory_bytes=budget, state_memory_fraction=0.92) as llm:
+                 kv_memory_bytes=budget, state_memory_fraction=0.92, prefix_cache=False) as llm:  # cache-off split
             assert llm.engine.allocator.num_pages == 73 and llm.engine.state_pool.num_slots == 3
             engine = llm.engine
             assert llm.generate(prompts, params) == expected

@@ -40,7 +40,7 @@ def test_full_batch_speculation_stays_within_the_budget(model_dir, monkeypatch):
     prompts = [[3 + i, 9, 4 + 2 * i, 7] * (1 + i % 3) for i in range(MAX_RUNNING)]
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True, block_size=8)
     with LLM(model_dir, attention_backend="torch", spec_block_size=8, max_running=MAX_RUNNING,
-             kv_memory_bytes=BUDGET) as llm:
+             kv_memory_bytes=BUDGET, prefix_cache=False) as llm:  # the checkpoint share: test_prefix_cache
         engine = llm.engine
         state = engine.state_pool
         assert state.snapshot_conv is not None and state.snapshot_conv.shape[1:3] == (MAX_RUNNING, 8)

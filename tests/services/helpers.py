@@ -183,3 +183,34 @@ async def decode_once(stub: worker_pb2_grpc.DecodeServiceStub, request: worker_p
         return [token async for chunk in stream.submit(request, timeout) for token in chunk.token_ids]
     finally:
         await stream.close()
+
+
+def up_specs(monkeypatch, argvs: list[list[str]]) -> list:
+    """The ClusterSpec `pdserve up` builds for each argv (nothing is started: Cluster is replaced)."""
+    import argparse
+
+    from pdserve import launcher
+    from pdserve.commands import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    parser.add_argument("--log-level", default="WARNING")  # the top-level parser's
+    specs = []
+
+    class _Stop(Exception):
+        pass
+
+    def capture(spec, *args, **kwargs):
+        specs.append(spec)
+        raise _Stop
+
+    monkeypatch.setattr(launcher, "Cluster", capture)
+    monkeypatch.setattr(up, "configure_logging", lambda *args: None)  # leave pytest's logging alone
+    monkeypatch.setattr(up.signal, "signal", lambda *args: None)  # and its signal handlers
+    for argv in argvs:
+        try:
+            up.run(parser.parse_args(argv))
+        except _Stop:
+            continue
+        raise AssertionError(f"pdserve up {argv} never built its cluster")
+    return specs

@@ -4,6 +4,7 @@ prefilled prompt with its transfer bytes by transport."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -73,3 +74,25 @@ def test_prefill_metrics_count_transfers_by_transport():
     assert samples[("pdserve_kv_transfer_bytes_total", (("transport", "grpc"),))] == 4096
     assert samples[("pdserve_kv_transfer_seconds_count", (("transport", "grpc"),))] == 1
     assert samples[("pdserve_prefill_queue_time_seconds_count", ())] == 1
+
+
+def test_prefill_metrics_read_the_prefix_cache_at_scrape_time():
+    """The prefix cache's counters and gauges come from the engine's PrefixCacheStats when scraped (none before
+    the engine runs)."""
+    from engine.engine_types import PrefixCacheStats
+
+    current: list[PrefixCacheStats | None] = [None]
+    metrics = PrefillMetrics()
+    metrics.track(lambda: SimpleNamespace(queued_requests=0, queued_tokens=0), lambda: current[0])
+    assert not any(name.startswith("pdserve_prefix_cache") for name, _ in _samples(metrics.registry))
+    current[0] = PrefixCacheStats(queried_tokens=3000, hit_tokens=1408, checkpoint_hits=1, cached_pages=180,
+                                  evictable_pages=170, evicted_pages=5, checkpoints=12, checkpoint_slots=64,
+                                  evicted_checkpoints=2)
+    samples = _samples(metrics.registry)
+    assert samples[("pdserve_prefix_cache_queried_tokens_total", ())] == 3000
+    assert samples[("pdserve_prefix_cache_hit_tokens_total", ())] == 1408
+    assert samples[("pdserve_prefix_cache_checkpoint_hits_total", ())] == 1
+    assert samples[("pdserve_prefix_cache_evicted_pages_total", ())] == 5
+    assert samples[("pdserve_prefix_cache_pages", ())] == 180 and samples[("pdserve_prefix_cache_evictable_pages", ())] == 170
+    assert samples[("pdserve_prefix_cache_checkpoints", ())] == 12
+    assert samples[("pdserve_prefix_cache_checkpoint_slots", ())] == 64

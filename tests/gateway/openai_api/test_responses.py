@@ -28,15 +28,16 @@ def _builder(chat: bool, logprobs: int | None = None) -> ResponseBuilder:
 
 
 def test_completion_response_and_usage():
-    """text_completion with the text, finish_reason and usage (total = prompt + completion; the completion details
-    pdserve knows: no reasoning or predicted-output tokens)."""
-    body = _builder(False).response("hello", [], "length", 4, 2)
+    """text_completion with the text, finish_reason and usage (total = prompt + completion; cached prompt tokens;
+    the completion details pdserve knows: no reasoning or predicted-output tokens)."""
+    body = _builder(False).response("hello", [], "length", 4, 2, cached_tokens=3)
     assert body["id"] == "cmpl-rid" and body["object"] == "text_completion" and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == usage(4, 2) == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
-                                            "completion_tokens_details": {"reasoning_tokens": 0,
-                                                                          "accepted_prediction_tokens": 0,
-                                                                          "rejected_prediction_tokens": 0}}
+    assert body["usage"] == usage(4, 2, 3) == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                                               "prompt_tokens_details": {"cached_tokens": 3},
+                                               "completion_tokens_details": {"reasoning_tokens": 0,
+                                                                             "accepted_prediction_tokens": 0,
+                                                                             "rejected_prediction_tokens": 0}}
 
 
 def test_chat_response_and_chunks():
@@ -50,8 +51,9 @@ def test_chat_response_and_chunks():
     assert builder.chunk("x")["choices"][0]["delta"] == {"content": "x"} and "usage" not in builder.chunk("x")
     end = builder.chunk("", finish_reason="stop")
     assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
-    last = builder.usage_chunk(3, 4)
+    last = builder.usage_chunk(3, 4, 2)
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 7
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
 def test_completion_logprobs_offsets_run_over_chunks():
