@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,7 @@ class _Open:
         self.pending: dict[str, DecodeCall] = {}
         self.outbox: asyncio.Queue[tuple[worker_pb2.DecodeStreamRequest, DecodeCall]] = asyncio.Queue()
         self.broken = False
+        self.last_message = time.monotonic()  # the per-step liveness signal (gateway/liveness.py)
         self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
 
@@ -127,6 +129,7 @@ class _Open:
                 if message is grpc.aio.EOF:
                     self.fail(None)
                     return
+                self.last_message = time.monotonic()
                 pending = self.pending
                 for update in message.updates:
                     call = pending.get(update.request_id)
@@ -146,13 +149,14 @@ class _Open:
         if call.sent and not self.broken:
             self.outbox.put_nowait((worker_pb2.DecodeStreamRequest(cancel_request_id=call.request_id), call))
 
-    def fail(self, error: BaseException | None, closing: bool = False) -> None:
+    def fail(self, error: BaseException | None, closing: bool = False, details: str | None = None) -> None:
         """The stream is over: every pending request fails (UNAVAILABLE, unless the worker refused the stream
         itself with another code, or the gateway is closing: CANCELLED); the next request opens a new one."""
         if self.broken:
             return
         self.broken = True
-        code, details = ended_status(f"decode stream to {self.address}", error, closing)
+        code, ended = ended_status(f"decode stream to {self.address}", error, closing)
+        details = details or ended
         if self.pending:
             logger.warning("%s; failing %d running decodes with %s", details, len(self.pending), code.name)
         for call in list(self.pending.values()):
@@ -207,6 +211,24 @@ class DecodeStream:
                                                  timeout_ms=0 if timeout is None else max(1, round(timeout * 1000)))
         stream.outbox.put_nowait((message, call))
         return call
+
+    def silent_for(self, now: float) -> float | None:
+        """Seconds since the open stream's last message (or its opening) while requests are in flight on it;
+        None when nothing runs on it (gateway/liveness.py)."""
+        stream = self._open
+        if stream is None or stream.broken or not stream.pending:
+            return None
+        return now - stream.last_message
+
+    def fail_hung(self, reason: str) -> int:
+        """The worker stopped answering: its open stream fails (every request on it UNAVAILABLE with `reason`;
+        the call is cancelled, so the worker aborts them when it resumes). Returns how many requests failed."""
+        stream = self._open
+        if stream is None or stream.broken:
+            return 0
+        count = len(stream.pending)
+        stream.fail(None, details=reason)
+        return count
 
     async def close(self) -> None:
         """Ends the stream (gateway shutdown): requests still running fail CANCELLED."""

@@ -13,6 +13,7 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.decode_stream import DecodeStream
+from gateway.liveness import DecodeLiveness
 from gateway.prefill_stream import PrefillStream
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
 from gateway.standing_leases import StandingLeases
@@ -74,6 +75,7 @@ class WorkerPool:
         self._prefill_router = PrefillRouter()
         self._decode_router = DecodeRouter()
         self._on_health = on_health
+        self.liveness = DecodeLiveness(config.liveness)
         self._poller: asyncio.Task[None] | None = None
         self.healthy = False
         self.polled = asyncio.Event()  # set after the first polling round
@@ -134,7 +136,9 @@ class WorkerPool:
                 load = await worker.stub.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.state, False, error)
+                self.liveness.probed(worker, answered=False)
                 return
+            self.liveness.probed(worker, answered=True)
             state = worker.state
             state.free_pages = max(0, load.free_pages - load.headroom_pages)
             state.total_pages, state.running, state.page_size = load.total_pages, load.running, load.page_size or 16
