@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.liveness import LivenessConfig
+from gateway.migration import MigrationConfig
 from gateway.transport_choice import TRANSPORT_NAMES as TRANSPORTS
 
 DEFAULT_STANDING_LEASE_TOKENS = 1024  # prompt tokens of a spare reservation per decode worker (0: none)
@@ -53,6 +54,7 @@ class GatewayConfig:
     prefill_stream: bool = True
     decode_stream: bool = True
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # decode hang detection (gateway/liveness.py)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)  # request migration (gateway/migration.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))

@@ -111,6 +111,9 @@ class RequestRun:
         self._detok = IncrementalDetokenizer(tokenizer, job.prompt_ids, job.skip_special_tokens) if tokenizer else None
         self._stops = StopStringMatcher(job.stop)
         self._completion_tokens = 0
+        self._generated: list[int] = []  # every token streamed to the client (a migration prefills them again)
+        self._migrations = 0
+        self._tasks: set[asyncio.Future[Any]] = set()  # background releases of lost decode workers
         self._decode_steps = 0
         self._decode_tokens = 0
         self._ttft_ms = 0.0
@@ -193,6 +196,17 @@ class RequestRun:
         request = worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)
+        while request is not None:
+            try:
+                await self._decode_leg(request, prefilled)
+                return
+            except grpc.aio.AioRpcError as error:  # the decode worker died or hung: migrate (gateway/migration.py)
+                if not self._pool.migrations.allows(error, self._migrations):
+                    raise
+                request = await self._migrate(error)
+
+    async def _decode_leg(self, request: worker_pb2.DecodeRequest, prefilled: float) -> None:
+        """Streams the request's Decode on self._decode until it finishes (or a stop string ends it)."""
         self._decode_call = self._decode.decode(request, timeout=remaining(self._deadline), metadata=self._metadata)
         self._decode_state = DecodeState.STREAMING
         observer, first_chunk = self._observer, True
@@ -208,13 +222,50 @@ class RequestRun:
                 self._decode_state = DecodeState.FINISHED
                 self._finish(chunk.finish_reason or "stop")
                 return
-        raise Unavailable(f"decode stream of {job.request_id} ended without finishing")
+        raise Unavailable(f"decode stream of {self.job.request_id} ended without finishing")
 
-    async def _run_prefill(self, destination: Any, sampling: Any) -> Any:
+    async def _migrate(self, error: grpc.aio.AioRpcError) -> worker_pb2.DecodeRequest | None:
+        """Admits the request again elsewhere: Reserve, Prefill of prompt + the tokens streamed so far (its
+        first token is the stream's next one), and returns the Decode to continue with (None: that token ended
+        the request). The lost worker's reservation is released in the background (it may be hung)."""
+        job, lost = self.job, self._decode
+        assert lost is not None
+        self._migrations += 1
+        self._pool.migrations.record(job.request_id, len(self._generated), lost.state.address)
+        self._pool.mark_unreachable(lost.state, error)
+        self._background(self._pool.release_quietly(lost, self.worker_id, job.request_id))
+        self._decode_state, self._decode_call, self._decode = DecodeState.NONE, None, None
+        self.worker_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
+        token_ids = job.prompt_ids + self._generated
+        left = job.params.max_new_tokens - len(self._generated)
+        self._decode, destination = await self._pool.reserve(self.worker_id, len(token_ids), left, self._deadline,
+                                                             trace_id=job.request_id)
+        self._decode_state = DecodeState.RESERVED
+        self._lease_deadline = destination.lease_deadline_unix_ms / 1000
+        sampling = sampling_to_proto(job.params)
+        sampling.max_new_tokens = left
+        response = await self._run_prefill(destination, sampling, token_ids)
+        first = response.first_token
+        if self._emit([first], [response.first_logprob] if response.HasField("first_logprob") else []):
+            return None
+        if job.ends_on(first) or left == 1:
+            self._finish("stop" if job.ends_on(first) else "length")
+            return None
+        return worker_pb2.DecodeRequest(request_id=self.worker_id, lease_id=destination.lease_id, token_ids=token_ids,
+                                        first_token=first, sampling=sampling, stream_interval=job.stream_interval)
+
+    def _background(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_prefill(self, destination: Any, sampling: Any, token_ids: list[int] | None = None) -> Any:
         """Prefill on the least loaded worker; if that worker becomes unreachable (UNAVAILABLE: it died)
-        the prompt is sent once more, to another reachable prefill worker, into the same destination."""
+        the prompt is sent once more, to another reachable prefill worker, into the same destination.
+        token_ids: what to prefill (default the prompt; a migrated request's prompt + streamed tokens)."""
+        token_ids = self.job.prompt_ids if token_ids is None else token_ids
         try:
-            return await self._prefill_on(self._pool.pick_prefill(), destination, sampling)
+            return await self._prefill_on(self._pool.pick_prefill(), destination, sampling, token_ids)
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
@@ -224,17 +275,17 @@ class RequestRun:
                 raise error from None
             logger.warning("prefill worker lost during prefill of %s (%s); retrying once on %s",
                            self.job.request_id, error.details(), retry.state.address)
-            return await self._prefill_on(retry, destination, sampling)
+            return await self._prefill_on(retry, destination, sampling, token_ids)
 
-    async def _prefill_on(self, worker: PrefillWorker, destination: Any, sampling: Any) -> Any:
+    async def _prefill_on(self, worker: PrefillWorker, destination: Any, sampling: Any, token_ids: list[int]) -> Any:
         self._prefill = worker
-        tokens = len(self.job.prompt_ids)
+        tokens = len(token_ids)
         worker.state.outstanding_tokens += tokens
         worker.state.outstanding_requests += 1
         self._prefill_state = PrefillState.INFLIGHT
         try:
             self._prefill_call = worker.prefill(
-                worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=self.job.prompt_ids,
+                worker_pb2.PrefillRequest(request_id=self.worker_id, token_ids=token_ids,
                                           sampling=sampling, destination=destination),
                 timeout=remaining(self._deadline), metadata=self._metadata)
             response = await self._prefill_call
@@ -253,6 +304,7 @@ class RequestRun:
     def _emit(self, token_ids: list[int], logprobs: list[Any]) -> bool:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
+        self._generated.extend(token_ids)
         if self._observer is not None:
             now = time.perf_counter()
             if self._last_token_at is None:

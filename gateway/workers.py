@@ -14,6 +14,7 @@ import grpc
 from gateway.config import GatewayConfig
 from gateway.decode_stream import DecodeStream
 from gateway.liveness import DecodeLiveness
+from gateway.migration import Migrations
 from gateway.prefill_stream import PrefillStream
 from gateway.router import DecodeRouter, DecodeState, PrefillRouter, PrefillState
 from gateway.standing_leases import StandingLeases
@@ -76,6 +77,7 @@ class WorkerPool:
         self._decode_router = DecodeRouter()
         self._on_health = on_health
         self.liveness = DecodeLiveness(config.liveness)
+        self.migrations = Migrations(config.migration)
         self._poller: asyncio.Task[None] | None = None
         self.healthy = False
         self.polled = asyncio.Event()  # set after the first polling round
@@ -202,6 +204,14 @@ class WorkerPool:
                                      metadata=self._metadata_for(trace_id))
         except grpc.aio.AioRpcError as error:
             logger.warning("could not release the reservation of request %s: %s", request_id, error.code().name)
+
+    async def release_quietly(self, worker: DecodeWorker, request_id: str, trace_id: str) -> None:
+        """Release on a worker that may be dead or hung (a migrated request's old reservation): best effort."""
+        try:
+            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id),
+                                      timeout=self.config.cleanup_timeout_s, metadata=self._metadata_for(trace_id))
+        except grpc.aio.AioRpcError:
+            pass  # dead: its pool is gone; hung: it aborts the request when it sees its stream cancelled
 
     def prefill_placement(self) -> Placement | None:
         """Where the prefill side of a request will be: the placement every reachable prefill worker shares

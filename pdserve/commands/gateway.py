@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-silence", type=float, default=30.0, metavar="SECONDS",
                         help="a decode worker whose DecodeStream sends no engine step for this long while requests "
                              "run on it is hung too (default 30; 0: never)")
+    parser.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                        help="a request whose decode worker dies or hangs mid-stream is admitted again on another one "
+                             "(prefill of prompt + tokens streamed so far), at most N times (default 3; 0: off)")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="largest request (and prompt text) accepted, refused before tokenising (default 4 MiB)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("gateway", 0, args.log_level)
     from gateway.config import GatewayConfig
     from gateway.liveness import LivenessConfig
+    from gateway.migration import MigrationConfig
     from gateway.server import serve
     from rpc.server import run as run_event_loop
 
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
                                admission_timeout_s=args.admission_timeout, standing_lease_tokens=args.standing_lease_tokens,
                                prefill_stream=args.prefill_stream, decode_stream=args.decode_stream,
                                liveness=LivenessConfig(args.hang_probe_failures, args.stream_silence),
+                               migration=MigrationConfig(args.migration_limit),
                                max_request_bytes=args.max_request_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                api_keys=tuple(args.api_key) + (read_key_file(args.api_key_file) if args.api_key_file else ()),
                                internal_token=read_token_file(args.internal_token_file))
