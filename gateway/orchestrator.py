@@ -236,7 +236,7 @@ class RequestRun:
         self._background(self._pool.release_quietly(lost, self.worker_id, job.request_id))
         self._decode_state, self._decode_call, self._decode = DecodeState.NONE, None, None
         self.worker_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
-        token_ids = job.prompt_ids + self._generated
+        token_ids = [*job.prompt_ids, *self._generated]
         left = job.params.max_new_tokens - len(self._generated)
         self._decode, destination = await self._pool.reserve(self.worker_id, len(token_ids), left, self._deadline,
                                                              trace_id=job.request_id)
