@@ -109,6 +109,8 @@ class LoadSnapshot:
     standing_leases: int = 0  # of `leases`: unclaimed standing leases (gateways' spares)
     standing_pages: int = 0  # of `leased_pages`: the pages they hold
     standing_state_slots: int = 0  # the state slots they hold
+    checkpoints: int = 0  # recurrent-state checkpoints the prefix cache holds (0 without one)
+    checkpoint_slots: int = 0  # the prefix cache's checkpoint pool size (0 without one)
 
 
 def snapshot_of(engine: EngineFigures, spec_block_size: int) -> LoadSnapshot:

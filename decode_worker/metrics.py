@@ -32,6 +32,10 @@ class DecodeCollector(Collector):
              load.free_state_slots),
             ("pdserve_state_slots_used", "KDA state slots in use (running requests and leases)",
              load.total_state_slots - load.free_state_slots),
+            ("pdserve_state_checkpoints", "Recurrent-state checkpoints the prefix cache holds (0 without a prefix "
+             "cache)", load.checkpoints),
+            ("pdserve_state_checkpoint_slots", "The prefix cache's checkpoint pool size (0 without a prefix cache)",
+             load.checkpoint_slots),
         )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)

@@ -9,9 +9,15 @@ Policy (documented in docs/architecture.md):
 - Pages run out during decode: the most recently arrived running sequence is preempted (its pages are
   freed, it goes back to the front of the waiting queue and is later recomputed by prefill; its
   generated tokens are kept, so outputs do not change).
-- Models with linear attention: a sequence takes a state slot with its first prefill chunk (none free:
-  it waits) and gives it back whenever its cache progress is dropped (finish, abort, preemption,
-  reclaimed partial prefill); a recomputed sequence starts again from a zeroed slot.
+- Models with linear attention: a sequence takes a state slot with its first prefill chunk, in the same
+  decision as the chunk's pages (no slot free: it waits, taking no page; a sequence holds both or neither),
+  and gives it back whenever its cache progress is dropped (finish, abort, preemption, reclaimed partial
+  prefill); a recomputed sequence starts again from a zeroed slot.
+- No recompute thrash: a sequence that lost its cache (preempted, or its partial prefill reclaimed) is
+  admitted again only when the free pages hold everything it and the running sequences still need to reach
+  their max_new_tokens (or nothing runs). Preemption takes the newest sequence, so once readmitted it is never
+  preempted again: each sequence is recomputed at most once, and a run's steps are bounded (without this,
+  a sequence could be recomputed in full after every decode step of an older one).
 - Prefix cache (engine/prefix_cache.py): a waiting sequence holding no pages first maps the longest cached
   run of full pages of its prompt (at least one token is always computed), restoring a KDA state checkpoint
   for models with linear attention; unreferenced cached pages count as free. KDA models: prefill chunks end
@@ -60,6 +66,12 @@ class ScheduledStep:
         return not self.prefill and not self.decode
 
 
+def _pages_to_finish(seq: Sequence) -> int:
+    """Pages `seq` still lacks to hold max_new_tokens generated tokens and a last speculative block."""
+    final = seq.prompt_len + seq.params.max_new_tokens + max(1, seq.spec_block_size)
+    return seq.page_table.pages_needed(final)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, state_pool: StatePool | None = None,
                  prefix_cache: PrefixCache | None = None) -> None:
@@ -69,6 +81,7 @@ class Scheduler:
         self.state_pool = state_pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._evicted: set[Sequence] = set()  # lost their cache to make room (preempted, reclaimed) and not done
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -83,6 +96,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
+        self._evicted.discard(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -118,6 +132,11 @@ class Scheduler:
         for seq in itertools.islice(self.waiting, 0, slots):
             if budget <= 0:
                 break
+            needs_slot = self.state_pool is not None and seq.state_slot is None
+            if needs_slot and self.state_pool.num_free == 0:
+                break  # no slot: no pages either (a sequence holds both or neither)
+            if seq in self._evicted and self.running and not self._fits_to_the_end(seq, chunks):
+                break
             table = seq.page_table
             if self.prefix_cache is not None and not table.pages and seq.num_cached == 0:
                 self._map_cached_prefix(seq)
@@ -128,11 +147,9 @@ class Scheduler:
                 take = min(take, self.prefix_cache.chunk_end(seq.num_cached, seq.prefill_target) - seq.num_cached)
             if take <= 0:
                 break
-            if self.state_pool is not None and seq.state_slot is None:
-                if self.state_pool.num_free == 0:
-                    break
+            table.ensure(seq.num_cached + take)  # the pages and the slot of a chunk are taken together
+            if needs_slot:
                 seq.state_slot = self.state_pool.alloc()
-            table.ensure(seq.num_cached + take)
             chunks.append(PrefillChunk(seq, take))
             budget -= take
         return chunks
@@ -148,6 +165,13 @@ class Scheduler:
         seq.restore_checkpoint = hit.checkpoint
         if first:
             seq.looked_up, seq.num_cached_tokens = True, seq.num_cached
+
+    def _fits_to_the_end(self, seq: Sequence, chunks: list[PrefillChunk]) -> bool:
+        """Whether the free pages hold what `seq` and every running sequence (and this step's other prefill
+        chunks) still need to reach max_new_tokens: a sequence that lost its cache once is readmitted only then,
+        so the running sequences' growth never preempts it again (no recompute thrash)."""
+        others = [s for s in self.running] + [chunk.seq for chunk in chunks]
+        return sum(_pages_to_finish(s) for s in [seq, *others]) <= self.allocator.num_free
 
     def _schedule_decode(self) -> ScheduledStep:
         preempted: list[Sequence] = []
@@ -176,12 +200,14 @@ class Scheduler:
         for seq in reversed(self.waiting):
             if seq.page_table.pages:
                 self.drop_cache(seq)
+                self._evicted.add(seq)
                 return True
         return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.drop_cache(seq)
+        self._evicted.add(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.liveness import LivenessConfig
+from gateway.migration import MigrationConfig
 from gateway.transport_choice import TRANSPORT_NAMES as TRANSPORTS
 
 DEFAULT_STANDING_LEASE_TOKENS = 1024  # prompt tokens of a spare reservation per decode worker (0: none)
@@ -46,6 +48,8 @@ class GatewayConfig:
     tls_key: str | None = None
     standing_lease_tokens: int = DEFAULT_STANDING_LEASE_TOKENS
     standing_lease_ttl_s: float = 30.0
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)  # decode hang detection (gateway/liveness.py)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)  # request migration (gateway/migration.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))

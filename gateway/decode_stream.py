@@ -157,6 +157,24 @@ class DecodeStream(WorkerStream[worker_pb2.DecodeStreamRequest, worker_pb2.Decod
         stream.outbox.put_nowait((message, call))
         return call
 
+    def silent_for(self, now: float) -> float | None:
+        """Seconds since the open stream's last message (or its opening) while requests are in flight on it;
+        None when nothing runs on it (gateway/liveness.py)."""
+        stream = self._open
+        if stream is None or stream.broken or not stream.pending:
+            return None
+        return now - stream.last_message
+
+    def fail_hung(self, reason: str) -> int:
+        """The worker stopped answering: its open stream fails (every request on it UNAVAILABLE with `reason`;
+        the call is cancelled, so the worker aborts them when it resumes). Returns how many requests failed."""
+        stream = self._open
+        if stream is None or stream.broken:
+            return 0
+        count = len(stream.pending)
+        stream.fail(None, details=reason)
+        return count
+
 
 def _expire(call: DecodeCall) -> None:
     """The local deadline passed: DEADLINE_EXCEEDED."""

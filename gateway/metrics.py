@@ -45,6 +45,8 @@ class GatewayMetrics:
         self.waiting = Gauge("pdserve_requests_waiting", "Requests waiting for admission (decode pages)", registry=r)
         self.spares = Gauge("pdserve_standing_leases_held", "Spare decode reservations held (standing leases, "
                             "one per decode worker with room)", registry=r)
+        self.migrations = Counter("pdserve_request_migrations", "Requests moved to another decode worker after "
+                                  "theirs died or hung mid-stream (gateway/migration.py)", registry=r)
         self.spares_taken = Counter("pdserve_standing_leases_taken", "Requests that took a spare decode "
                                     "reservation instead of a Reserve round trip", registry=r)
 

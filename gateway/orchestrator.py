@@ -13,6 +13,7 @@ import enum
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -120,6 +121,9 @@ class RequestRun:
         self._detok = IncrementalDetokenizer(tokenizer, job.prompt_ids, job.skip_special_tokens) if tokenizer else None
         self._stops = StopStringMatcher(job.stop)
         self._completion_tokens = 0
+        self._generated: list[int] = []  # every token streamed to the client (a migration prefills them again)
+        self._migrations = 0
+        self._tasks: set[asyncio.Future[None]] = set()  # background releases of lost decode workers
         self._decode_steps = 0
         self._decode_tokens = 0
         self._ttft_ms = 0.0
@@ -204,6 +208,18 @@ class RequestRun:
         request = worker_pb2.DecodeRequest(request_id=self.request_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)
+        while request is not None:
+            try:
+                await self._decode_leg(request, prefilled)
+                return
+            except grpc.aio.AioRpcError as error:  # the decode worker died or hung: migrate (gateway/migration.py)
+                if not self._pool.migrations.allows(error, self._migrations):
+                    raise
+                request = await self._migrate(error)
+
+    async def _decode_leg(self, request: worker_pb2.DecodeRequest, prefilled: float) -> None:
+        """Streams the request's Decode on self._decode until it finishes (or a stop string ends it)."""
+        assert self._decode is not None
         self._decode_call = self._decode.stream.submit(request, remaining(self._deadline), trace_id=self.trace_id)
         self._decode_state = DecodeState.STREAMING
         observer, first_chunk = self._observer, True
@@ -221,12 +237,49 @@ class RequestRun:
                 return
         raise Unavailable(f"decode stream of {self.trace_id} ended without finishing")
 
-    async def _run_prefill(self, destination: kv_pb2.KVDestination,
-                           sampling: worker_pb2.WorkerSampling) -> worker_pb2.PrefillResponse:
+    async def _migrate(self, error: grpc.aio.AioRpcError) -> worker_pb2.DecodeRequest | None:
+        """Admits the request again elsewhere: Reserve, Prefill of prompt + the tokens streamed so far (its
+        first token is the stream's next one), and returns the Decode to continue with (None: that token ended
+        the request). The lost worker's reservation is released in the background (it may be hung)."""
+        job, lost = self.job, self._decode
+        assert lost is not None
+        self._migrations += 1
+        self._pool.migrations.record(self.trace_id, len(self._generated), lost.load.address)
+        self._pool.mark_unreachable(lost.load, error)
+        self._background(self._pool.release_quietly(lost, self.request_id, self.trace_id))
+        self._decode_state, self._decode_call, self._decode = DecodeState.NONE, None, None
+        self.request_id = f"{self.trace_id}.{uuid.uuid4().hex[:12]}"
+        token_ids = [*job.prompt_ids, *self._generated]
+        left = job.params.max_new_tokens - len(self._generated)
+        self._decode, destination = await self._pool.reserve(self.request_id, len(token_ids), left, self._deadline,
+                                                             trace_id=self.trace_id)
+        self._decode_state = DecodeState.RESERVED
+        self._lease_deadline = destination.lease_deadline_unix_ms / 1000
+        sampling = sampling_to_proto(job.params)
+        sampling.max_new_tokens = left
+        response = await self._run_prefill(destination, sampling, token_ids)
+        first = response.first_token
+        if self._emit([first], [response.first_logprob] if response.HasField("first_logprob") else []):
+            return None
+        if job.ends_on(first) or left == 1:
+            self._finish("stop" if job.ends_on(first) else "length")
+            return None
+        return worker_pb2.DecodeRequest(request_id=self.request_id, lease_id=destination.lease_id, token_ids=token_ids,
+                                        first_token=first, sampling=sampling, stream_interval=job.stream_interval)
+
+    def _background(self, work: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_prefill(self, destination: kv_pb2.KVDestination, sampling: worker_pb2.WorkerSampling,
+                           token_ids: list[int] | None = None) -> worker_pb2.PrefillResponse:
         """Prefill on the least loaded worker; if that worker becomes unreachable (UNAVAILABLE: it died)
-        the prompt is sent once more, to another reachable prefill worker, into the same destination."""
+        the prompt is sent once more, to another reachable prefill worker, into the same destination.
+        token_ids: what to prefill (default the prompt; a migrated request's prompt + streamed tokens)."""
+        token_ids = self.job.prompt_ids if token_ids is None else token_ids
         try:
-            return await self._prefill_on(self._pool.pick_prefill(), destination, sampling)
+            return await self._prefill_on(self._pool.pick_prefill(), destination, sampling, token_ids)
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
@@ -236,16 +289,16 @@ class RequestRun:
                 raise error from None
             logger.warning("prefill worker lost during prefill of %s (%s); retrying once on %s",
                            self.trace_id, error.details(), retry.load.address)
-            return await self._prefill_on(retry, destination, sampling)
+            return await self._prefill_on(retry, destination, sampling, token_ids)
 
     async def _prefill_on(self, worker: PrefillWorker, destination: kv_pb2.KVDestination,
-                          sampling: worker_pb2.WorkerSampling) -> worker_pb2.PrefillResponse:
+                          sampling: worker_pb2.WorkerSampling, token_ids: list[int]) -> worker_pb2.PrefillResponse:
         self._prefill = worker
         self._prefill_state = PrefillState.INFLIGHT
-        with worker.load.claim(len(self.job.prompt_ids)):
+        with worker.load.claim(len(token_ids)):
             try:
                 self._prefill_call = worker.stream.submit(
-                    worker_pb2.PrefillRequest(request_id=self.request_id, token_ids=self.job.prompt_ids,
+                    worker_pb2.PrefillRequest(request_id=self.request_id, token_ids=token_ids,
                                               sampling=sampling, destination=destination),
                     remaining(self._deadline), trace_id=self.trace_id)
                 response = await self._prefill_call
@@ -262,6 +315,7 @@ class RequestRun:
               prompt_logprobs: list[logprobs_pb2.TokenLogprob] | None = None) -> bool:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
+        self._generated.extend(token_ids)
         if self._observer is not None:
             now = time.perf_counter()
             if self._last_token_at is None:

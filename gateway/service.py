@@ -28,6 +28,7 @@ class GatewayService:
         self.pool = pool
         self._runs: dict[str, RequestRun] = {}
         self.metrics = metrics if metrics is not None else GatewayMetrics()
+        self.pool.migrations.on_migrate = self.metrics.migrations.inc
         self.metrics.track(running=lambda: sum(run.admitted and not run.finished for run in self._runs.values()),
                            waiting=lambda: sum(not (run.admitted or run.finished) for run in self._runs.values()),
                            spares=lambda: len(pool.standing.held()) if pool.standing is not None else 0)

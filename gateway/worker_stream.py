@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
@@ -67,6 +68,7 @@ class OpenStream(Generic[Sent, Received, Pending]):
         self.pending: dict[str, Pending] = {}
         self.outbox: asyncio.Queue[tuple[Sent, Pending]] = asyncio.Queue()
         self.broken = False
+        self.last_message = time.monotonic()  # the per-step liveness signal (gateway/liveness.py)
         self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
 
@@ -96,19 +98,22 @@ class OpenStream(Generic[Sent, Received, Pending]):
                 if message is grpc.aio.EOF:
                     self.fail(None)
                     return
+                self.last_message = time.monotonic()
                 self.deliver(message)
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as error:
             self.fail(error)
 
-    def fail(self, error: BaseException | None, closing: bool = False) -> None:
+    def fail(self, error: BaseException | None, closing: bool = False, details: str | None = None) -> None:
         """The stream is over: every pending request fails (UNAVAILABLE, unless the worker refused the stream
-        itself with another code, or the gateway is closing: CANCELLED); the next request opens a new one."""
+        itself with another code, or the gateway is closing: CANCELLED; `details` replaces the message); the
+        next request opens a new one."""
         if self.broken:
             return
         self.broken = True
-        code, details = ended_status(self.name, error, closing)
+        code, ended = ended_status(self.name, error, closing)
+        details = details or ended
         if self.pending:
             logger.warning("%s; failing %d pending requests with %s", details, len(self.pending), code.name)
         for pending in list(self.pending.values()):

@@ -10,6 +10,8 @@ from collections.abc import Callable
 import grpc
 
 from gateway.config import GatewayConfig
+from gateway.liveness import DecodeLiveness
+from gateway.migration import Migrations
 from gateway.router import DecodeLoad, DecodeRouter, PrefillLoad, PrefillRouter
 from gateway.standing_leases import StandingLeases
 from gateway.transport_choice import Placement, choose_transport
@@ -39,6 +41,8 @@ class WorkerPool:
         self._prefill_router = PrefillRouter()
         self._decode_router = DecodeRouter()
         self._on_health = on_health
+        self.liveness = DecodeLiveness(config.liveness)
+        self.migrations = Migrations(config.migration)
         self._poller: asyncio.Task[None] | None = None
         self.healthy = False
         self.polled = asyncio.Event()  # set after the first polling round
@@ -82,7 +86,9 @@ class WorkerPool:
                 load = await worker.stub.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as error:
                 self._mark(worker.load, False, error)
+                self.liveness.probed(worker, answered=False)
                 return
+            self.liveness.probed(worker, answered=True)
             worker.load.polled(load.free_pages - load.headroom_pages, load.total_pages, load.running, load.page_size,
                                load.free_state_slots if load.total_state_slots else None,
                                Placement(load.placement.node_id, kv_pool=load.placement.kv_pool))
@@ -144,6 +150,14 @@ class WorkerPool:
                                      metadata=self._metadata_for(trace_id))
         except grpc.aio.AioRpcError as error:
             logger.warning("could not release the reservation of request %s: %s", request_id, error.code().name)
+
+    async def release_quietly(self, worker: DecodeWorker, request_id: str, trace_id: str) -> None:
+        """Release on a worker that may be dead or hung (a migrated request's old reservation): best effort."""
+        try:
+            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id),
+                                      timeout=self.config.cleanup_timeout_s, metadata=self._metadata_for(trace_id))
+        except grpc.aio.AioRpcError:
+            pass  # dead: its pool is gone; hung: it aborts the request when it sees its stream cancelled
 
     def prefill_placement(self) -> Placement | None:
         """Where the prefill side of a request will be: the placement every reachable prefill worker shares

@@ -1,6 +1,7 @@
 """Keeping a `pdserve up` deployment alive: a process that dies is started again on its old address,
 after a backoff that doubles with each recent restart, within a restart budget per time window; past
-the budget the supervisor gives up loudly (and `pdserve up` stops everything)."""
+the budget the supervisor gives up loudly (and `pdserve up` stops everything). A worker that hangs past a limit
+is killed first (pdserve/hang_watch.py), so it is restarted the same way."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.hang_watch import HangWatch
 from pdserve.launcher import Child, Cluster
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,9 @@ class Supervisor:
     performs those that are due, and notes when a restarted child is ready again."""
 
     def __init__(self, cluster: Cluster, policy: RestartPolicy = RestartPolicy(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hang_watch: HangWatch | None = None) -> None:
         self.cluster = cluster
+        self.hang_watch = hang_watch  # kills workers hung past a limit (pdserve/hang_watch.py): then restarted
         self.policy = policy
         self._clock = clock
         self._budgets: dict[str, RestartBudget] = {}
@@ -68,6 +71,8 @@ class Supervisor:
         self._coming_back: set[str] = set()
 
     def check(self) -> None:
+        if self.hang_watch is not None:
+            self.hang_watch.check(self.cluster.children)
         now = self._clock()
         for child in self.cluster.children:
             if child.alive:

@@ -51,6 +51,14 @@ class PrefillMetrics:
                                        buckets=TRANSFER_BUCKETS, registry=r)
         self.queued_requests = Gauge("pdserve_prefill_queued_requests", "Prompts waiting for a prefill step", registry=r)
         self.queued_tokens = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting for a prefill step", registry=r)
+        self.state_slots_free = Gauge("pdserve_state_slots_free", "The prefill engine's own KDA state slots free "
+                                      "(0 for pure-MLA models)", registry=r)
+        self.state_slots_used = Gauge("pdserve_state_slots_used", "The prefill engine's own KDA state slots in use",
+                                      registry=r)
+        self.checkpoints = Gauge("pdserve_state_checkpoints", "Recurrent-state checkpoints the prefix cache holds "
+                                 "(0 without a prefix cache)", registry=r)
+        self.checkpoint_slots = Gauge("pdserve_state_checkpoint_slots", "The prefix cache's checkpoint pool size "
+                                      "(0 without a prefix cache)", registry=r)
 
     def track(self, load: Callable[[], QueueFigures],
               cache_stats: Callable[[], PrefixCacheStatsLike | None] | None = None) -> None:
@@ -58,6 +66,10 @@ class PrefillMetrics:
         it runs); both read at scrape time."""
         self.queued_requests.set_function(lambda: load().queued_requests)
         self.queued_tokens.set_function(lambda: load().queued_tokens)
+        self.state_slots_free.set_function(lambda: load().free_state_slots)
+        self.state_slots_used.set_function(lambda: load().total_state_slots - load().free_state_slots)
+        self.checkpoints.set_function(lambda: load().checkpoints)
+        self.checkpoint_slots.set_function(lambda: load().checkpoint_slots)
         if cache_stats is not None:
             self.registry.register(PrefixCacheCollector(cache_stats))
 

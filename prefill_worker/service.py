@@ -109,6 +109,10 @@ class PrefillLoadSnapshot:
     queued_tokens: int
     tp_size: int
     requests_total: int
+    free_state_slots: int = 0  # the prefill engine's own KDA state slots (0 for pure MLA or before start)
+    total_state_slots: int = 0
+    checkpoints: int = 0  # recurrent-state checkpoints the prefix cache holds (0 without one)
+    checkpoint_slots: int = 0  # the prefix cache's checkpoint pool size (0 without one)
 
 
 class PrefillService:
@@ -163,9 +167,13 @@ class PrefillService:
 
     @property
     def load(self) -> PrefillLoadSnapshot:
+        engine = self.engine
+        slots = (getattr(engine, "num_free_state_slots", 0), getattr(engine, "num_state_slots", 0))
+        stats = self._cache_stats()
+        checkpoints = (stats.checkpoints, stats.checkpoint_slots) if stats is not None else (0, 0)
         with self._lock:
             return PrefillLoadSnapshot(len(self._queue), sum(len(job.prompt_ids) for job in self._queue),
-                                       self.config.tp_size, self._accepted)
+                                       self.config.tp_size, self._accepted, *slots, *checkpoints)
 
     # --- requests -----------------------------------------------------------------------------------
     def _check(self, request_id: str, prompt_ids: list[int], params: SamplingParams, destination: Destination) -> None:

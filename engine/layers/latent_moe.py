@@ -8,7 +8,8 @@
   y     = routed_expert_up_proj(RMSNorm(y_lat))  [T, hidden] (norm optional: latent_moe_use_norm)
   out   = y + shared(x)                          shared = SiTU MLP at full width (row-parallel, reduced)
 
-Routed experts are MXFP4 (PackedExperts), sharded whole over ranks as engine/layers/moe.py does: rank r owns
+Routed experts are MXFP4 (PackedExperts) or, from a checkpoint without quantization_config, plain weights
+(DenseExperts, same interface), sharded whole over ranks as engine/layers/moe.py does: rank r owns
 experts [r*E/tp, (r+1)*E/tp). Only selected experts run; each runs one matmul pair over all its tokens. On CPU,
 small steps (a decode or speculative verify step of a small model: moe_torch.use_dense_moe) run every local
 expert densely over the experts' weights decoded once (PackedExperts.dequantized): a few batched ops instead
@@ -25,6 +26,7 @@ from torch import nn
 from engine.config_base import check_positive
 from engine.distributed import TPGroup
 from engine.kernels.moe_torch import moe_dense, routing_matrix, use_dense_moe
+from engine.layers.dense_experts import DenseExperts
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.moe import select_experts
 from engine.layers.mxfp4 import PackedExperts
@@ -48,6 +50,7 @@ class LatentMoEShape:
     situ_beta: float
     situ_linear_beta: float
     rms_norm_eps: float
+    mxfp4_experts: bool = True  # False: unquantised routed experts (DenseExperts, the model's dtype)
 
     def __post_init__(self) -> None:
         check_positive(self, ("hidden_size", "latent_size", "intermediate_size", "num_experts", "top_k"),
@@ -76,7 +79,7 @@ class LatentRouter(nn.Module):
 
 
 def run_packed_experts(
-    experts: PackedExperts, expert_start: int, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    experts: PackedExperts | DenseExperts, expert_start: int, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     beta: float, linear_beta: float,
 ) -> torch.Tensor:
     """u [T, latent], weights/ids [T, k] -> [T, latent] float32: sum over the selected experts this rank owns
@@ -107,7 +110,7 @@ def run_packed_experts(
 
 
 def run_packed_experts_on_device(
-    experts: PackedExperts, expert_start: int, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    experts: PackedExperts | DenseExperts, expert_start: int, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     beta: float, linear_beta: float,
 ) -> torch.Tensor:
     """run_packed_experts on a GPU without a host sync and with fixed shapes (CUDA-graph capturable): every
@@ -137,7 +140,10 @@ class LatentMoE(nn.Module):
         self.routed_expert_down_proj = ReplicatedLinear(shape.hidden_size, shape.latent_size, dtype)
         self.routed_expert_norm = RMSNorm(shape.latent_size, shape.rms_norm_eps, dtype) if shape.use_norm else None
         self.routed_expert_up_proj = ReplicatedLinear(shape.latent_size, shape.hidden_size, dtype)
-        self.experts = PackedExperts(expert_end - self.expert_start, shape.latent_size, shape.intermediate_size)
+        local_experts = expert_end - self.expert_start
+        self.experts: PackedExperts | DenseExperts = (
+            PackedExperts(local_experts, shape.latent_size, shape.intermediate_size) if shape.mxfp4_experts
+            else DenseExperts(local_experts, shape.latent_size, shape.intermediate_size, dtype))
         if shape.shared_intermediate_size:
             self.shared_experts: SiTUMLP | None = SiTUMLP(
                 shape.hidden_size, shape.shared_intermediate_size, tp, dtype, shape.situ_beta, shape.situ_linear_beta,

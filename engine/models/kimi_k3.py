@@ -1,5 +1,6 @@
 """Kimi K3 (model_type "kimi_k3") assembled from engine.layers: KDA and gated NoPE MLA layers, Attention
-Residuals instead of residual adds, a dense SiTU layer 0 and LatentMoE layers with MXFP4 routed experts.
+Residuals instead of residual adds, a dense SiTU layer 0 and LatentMoE layers with MXFP4 routed experts (or unquantised ones: a checkpoint without
+quantization_config).
 
 The paged latent cache holds the MLA layers only (MLA layer i writes its ordinal config.mla_index(i));
 KDA layers keep their per-sequence conv and recurrent state in cache.state at batch.state_slots.
@@ -34,13 +35,15 @@ def latent_moe_shape(c: KimiLinearConfig) -> LatentMoEShape:
     """The LatentMoE geometry of a K3 config."""
     if c.routed_expert_hidden_size is None:
         raise ValueError("kimi_k3 needs routed_expert_hidden_size (the LatentMoE width)")
-    if c.quantization is None or not c.quantization.is_mxfp4:
-        raise ValueError("kimi_k3 routed experts must be MXFP4 (quantization_config format mxfp4-pack-quantized)")
+    if c.quantization is not None and not c.quantization.is_mxfp4:
+        raise ValueError("kimi_k3 routed experts must be MXFP4 (quantization_config format mxfp4-pack-quantized) "
+                         "or unquantised (no quantization_config)")
     return LatentMoEShape(
         hidden_size=c.hidden_size, latent_size=c.routed_expert_hidden_size, intermediate_size=c.moe_intermediate_size,
         num_experts=c.num_experts, top_k=c.num_experts_per_token, shared_intermediate_size=c.shared_intermediate_size,
         use_norm=c.latent_moe_use_norm, renormalize=c.moe_renormalize, routed_scaling_factor=c.routed_scaling_factor,
         situ_beta=c.activation_situ_beta, situ_linear_beta=c.activation_situ_linear_beta, rms_norm_eps=c.rms_norm_eps,
+        mxfp4_experts=c.quantization is not None,
     )
 
 

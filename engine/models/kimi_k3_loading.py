@@ -3,7 +3,8 @@
 Each tensor is checked against the config's expected name / shape / dtype (engine/models/kimi_k3_weights.py),
 then sharded by the module that owns it: column-parallel linears, the embedding and the LM head by rows,
 row-parallel linears by columns, replicated modules whole; KDA layers slice their own tensors
-(KimiDeltaAttention.load_weight); MXFP4 experts are copied packed into the owning rank's PackedExperts.
+(KimiDeltaAttention.load_weight); MXFP4 experts are copied packed into the owning rank's PackedExperts, unquantised ones (no
+quantization_config) into its DenseExperts; an expert tensor of the other format is refused by name.
 Every problem is collected and raised as ONE ValueError naming the on-disk tensors.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.models.kimi_k3_weights import engine_name, expected_k3_tensors
 from engine.weight_check import WeightCheck
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight_(packed|scale)")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight(?:_(packed|scale))?")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
 
 
@@ -78,7 +79,7 @@ def _copy(model: Any, params: dict[str, nn.Parameter], name: str, tensor: torch.
     if expert is not None:
         layer, index, projection, part = expert.groups()
         moe = layers[int(layer)].mlp
-        moe.experts.target(int(index) - moe.expert_start, projection, part).copy_(tensor)
+        moe.experts.target(int(index) - moe.expert_start, projection, part or "weight").copy_(tensor)
         return
     kda = _kda_tensor(model, name)
     if kda is not None:
@@ -86,6 +87,19 @@ def _copy(model: Any, params: dict[str, nn.Parameter], name: str, tensor: torch.
         return
     owner = model.get_submodule(name.rsplit(".", 1)[0])
     params[name].data.copy_(shard_for_module(owner, tensor, model.tp))
+
+
+def _other_expert_format(config: Any, name: str, stored_name: str) -> str | None:
+    """Why a routed-expert tensor of the other format (MXFP4 vs unquantised) than the config's cannot load: a
+    half-quantised checkpoint is refused naming the tensor; None for any other tensor."""
+    match = _EXPERT.fullmatch(name)
+    if match is None or (match.group(4) is not None) == (config.quantization is not None):
+        return None
+    if config.quantization is not None:
+        return (f"{stored_name} is unquantised, but quantization_config says the routed experts are MXFP4 "
+                "(a half-quantised checkpoint: every expert must be MXFP4 weight_packed + weight_scale)")
+    return (f"{stored_name} is MXFP4, but config.json has no quantization_config (a half-quantised checkpoint: "
+            "every expert must be an unquantised .weight, or the config must declare MXFP4)")
 
 
 def load_k3_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -98,6 +112,10 @@ def load_k3_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     for stored_name, tensor in weights:
         name = engine_name(stored_name)
         if name is None:
+            continue
+        mixed = _other_expert_format(model.config, name, stored_name)
+        if mixed is not None:
+            check.misshaped.append(mixed)
             continue
         spec = check.expect(name, stored_name)
         if spec is None:

@@ -2,7 +2,8 @@
 
 On disk (K3_SPEC section 2): language_model.model.* (also spelled language_model.layers.*),
 language_model.lm_head.weight, block_sparse_moe.* for MoE layers, routed experts as compressed-tensors
-MXFP4 experts.N.{w1,w2,w3}.weight_packed / weight_scale (uint8), and a vision tower the text engine
+MXFP4 experts.N.{w1,w2,w3}.weight_packed / weight_scale (uint8) - or, without quantization_config,
+unquantised experts.N.{w1,w2,w3}.weight in any float dtype - and a vision tower the text engine
 ignores. Engine names drop the language_model. prefix and say mlp for block_sparse_moe.
 """
 from __future__ import annotations
@@ -92,5 +93,8 @@ def expected_k3_tensors(
         for expert in range(c.num_experts):
             e = f"{m}experts.{expert}."
             for name, rows, cols in (("w1", inter, latent), ("w3", inter, latent), ("w2", latent, inter)):
-                out.update(_mxfp4(e + name, rows, cols))
+                if c.quantization is not None:
+                    out.update(_mxfp4(e + name, rows, cols))
+                else:
+                    out[e + name + ".weight"] = ((rows, cols), None)
     return out

@@ -27,6 +27,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep one spare decode reservation of N prompt tokens per decode worker (with room for "
                              "two), so that a request whose prompt fits skips the Reserve round trip before prefill; "
                              f"longer prompts Reserve as before (default {DEFAULT_STANDING_LEASE_TOKENS}; 0: off)")
+    parser.add_argument("--hang-probe-failures", type=int, default=2, metavar="N",
+                        help="a decode worker whose load probe (every 0.2 s, 2 s timeout) fails N times in a row is "
+                             "hung: its running requests fail UNAVAILABLE and it is not routed to until it answers "
+                             "(default 2, about 4.5 s; 0: never)")
+    parser.add_argument("--stream-silence", type=float, default=30.0, metavar="SECONDS",
+                        help="a decode worker whose DecodeStream sends no engine step for this long while requests "
+                             "run on it is hung too (default 30; 0: never)")
+    parser.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                        help="a request whose decode worker dies or hangs mid-stream is admitted again on another one "
+                             "(prefill of prompt + tokens streamed so far), at most N times (default 3; 0: off)")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="largest request (and prompt text) accepted, refused before tokenising (default 4 MiB)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
@@ -40,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging("gateway", 0, args.log_level)
     from gateway.config import GatewayConfig
+    from gateway.liveness import LivenessConfig
+    from gateway.migration import MigrationConfig
     from gateway.server import serve
     from rpc.server import run as run_event_loop
 
@@ -49,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         config = GatewayConfig(model_dir=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
                                listen=args.listen, http_listen=args.http_listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
                                admission_timeout_s=args.admission_timeout, standing_lease_tokens=args.standing_lease_tokens,
+                               liveness=LivenessConfig(args.hang_probe_failures, args.stream_silence),
+                               migration=MigrationConfig(args.migration_limit),
                                max_request_bytes=args.max_request_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                api_keys=tuple(args.api_key) + (read_key_file(args.api_key_file) if args.api_key_file else ()),
                                internal_token=read_token_file(args.internal_token_file))

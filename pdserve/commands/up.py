@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts allowed per process within --restart-window before giving up (default 5)")
     parser.add_argument("--restart-window", type=float, default=600.0, help="seconds (default 600)")
+    parser.add_argument("--hang-restart-after", type=float, default=60.0, metavar="SECONDS",
+                        help="kill and restart a worker whose health probe (every 5 s) has not answered SERVING for "
+                             "this long: hung, not dead (default 60; 0: never)")
     add_device_arguments(parser)
     parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
                         help="every worker rank loads a private copy of the weights (default: one copy per node)")
@@ -96,6 +99,7 @@ def cpu_pinning(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, .
 def run(args: argparse.Namespace) -> int:
     configure_logging("up", 0, args.log_level)
     from pdserve.launcher import Cluster, ClusterSpec
+    from pdserve.hang_watch import HangPolicy, HangWatch
     from pdserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
     if args.device != "auto" or args.gpus:  # auto: the workers run on CPU (serving_device); no torch import here
@@ -144,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
         "Ctrl-C stops everything.\n")
     sys.stdout.flush()
     code = 0
-    supervisor = Supervisor(cluster, RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
+    supervisor = Supervisor(cluster, RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
+                            hang_watch=HangWatch(HangPolicy(limit_s=args.hang_restart_after)))
     try:
         while not stop.wait(0.5):
             supervisor.check()  # restarts what died, with backoff, within the restart budget

@@ -24,12 +24,19 @@ def test_k3_state_bytes_per_request_at_tp8() -> None:
 
 
 def test_k3_plan_uses_24_mla_layers_and_counts_state(capsys: pytest.CaptureFixture[str]) -> None:
-    """The K3 preset's KV per token is 24 x 576 x 2 B, and sequences = budget // (context KV + state)."""
+    """The K3 preset's KV per token is 24 x 576 x 2 B, and sequences = (budget - the prefix cache's state
+    checkpoints) // (context KV + state); with --no-prefix-cache the whole budget."""
     plan = plan_json(capsys, "--model", "kimi-k3", "--gpu", "MI355X", "--gpus", "8", "--context-len", "131072")
     kv = plan["kv"]
     assert kv["bytes_per_token"] == 27_648 and kv["mla_layers"] == 24
     assert kv["state_bytes_per_request"] == 56_171_520
     per_sequence = 27_648 * 131_072 + 56_171_520
+    assert kv["checkpoint_bytes_per_gpu"] > 0
+    assert kv["sequences_per_replica"] == (kv["budget_bytes_per_gpu"] - kv["checkpoint_bytes_per_gpu"]) // per_sequence
+    plan = plan_json(capsys, "--model", "kimi-k3", "--gpu", "MI355X", "--gpus", "8", "--context-len", "131072",
+                     "--no-prefix-cache")
+    kv = plan["kv"]
+    assert kv["checkpoint_bytes_per_gpu"] == 0
     assert kv["sequences_per_replica"] == kv["budget_bytes_per_gpu"] // per_sequence
 
 

@@ -6,7 +6,9 @@ compressed-tensors MXFP4 quantization_config. Tensors (float32 here instead of b
 can be compared at 1e-4): language_model.model.* names, block_sparse_moe, routed experts
 experts.N.w1/w2/w3.weight_packed + weight_scale uint8 (MXFP4), A_log stored padded to A_LOG_PADDED
 entries (heads first, zeros after), conv weights [P, 1, 4], language_model.lm_head.weight, and a
-vision_tower tensor the engine must ignore. Written as two safetensors shards with an index.
+vision_tower tensor the engine must ignore. Written as two safetensors shards with an index. With
+experts="bf16" / "fp32" the routed experts are unquantised experts.N.w1/w2/w3.weight and config.json has no
+quantization_config (a dequantised or fine-tuned checkpoint).
 
 Default shapes: hidden 64, 8 layers (MLA at 0-idx 3 and 7), attn_res_block_size 3, 24 KDA / MLA heads
 (TP=2 gives 12 per rank), 8 experts top-2, latent 32, expert intermediate 32 (MXFP4 group 32).
@@ -25,6 +27,7 @@ from engine.layers.mxfp4 import quantize_mxfp4
 from pdserve.plan.kimi_k3_config import KIMI_K3_TEXT_CONFIG
 
 A_LOG_PADDED = 32
+EXPERT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # unquantised routed-expert layouts
 PREFIX = "language_model.model."
 
 # The published K3 decoder config (the planner's preset, pdserve/plan/kimi_k3_config.py) at tiny sizes.
@@ -41,9 +44,14 @@ TEXT_CONFIG: dict[str, Any] = {
 }
 
 
-def k3_config(**text_overrides: Any) -> dict[str, Any]:
-    """The whole config.json (top level + text_config with overrides + vision_config)."""
+def k3_config(experts: str = "mxfp4", **text_overrides: Any) -> dict[str, Any]:
+    """The whole config.json (top level + text_config with overrides + vision_config). experts: "mxfp4"
+    (quantization_config kept), or "bf16" / "fp32": unquantised routed experts, no quantization_config."""
+    if experts not in ("mxfp4", *EXPERT_DTYPES):
+        raise ValueError(f"experts must be mxfp4 or one of {sorted(EXPERT_DTYPES)}")
     text = copy.deepcopy(TEXT_CONFIG)
+    if experts != "mxfp4":
+        text.pop("quantization_config")
     for key, value in text_overrides.items():
         if key == "linear_attn_config":
             text[key] = {**text[key], **value}
@@ -60,8 +68,10 @@ def _is_mla(text: dict[str, Any], layer: int) -> bool:
     return (layer + 1) in text["linear_attn_config"]["full_attn_layers"]
 
 
-def k3_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random tensors for every name a K3 checkpoint with this config holds (plus one vision tensor)."""
+def k3_state_dict(config: dict[str, Any], seed: int = 0, expert_dtype: torch.dtype = torch.float32,
+                  ) -> dict[str, torch.Tensor]:
+    """Random tensors for every name a K3 checkpoint with this config holds (plus one vision tensor); routed
+    experts MXFP4 when the config has a quantization_config, else unquantised in expert_dtype."""
     text = config["text_config"]
     gen = torch.Generator().manual_seed(seed)
 
@@ -139,6 +149,9 @@ def k3_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tens
         sd[m + "shared_experts.down_proj.weight"] = linear(hidden, shared)
         for expert in range(experts):
             for name, shape in (("w1", (inter, latent)), ("w3", (inter, latent)), ("w2", (latent, inter))):
+                if "quantization_config" not in text:
+                    sd[f"{m}experts.{expert}.{name}.weight"] = linear(*shape).to(expert_dtype)
+                    continue
                 packed, scale = quantize_mxfp4(linear(*shape))
                 sd[f"{m}experts.{expert}.{name}.weight_packed"] = packed
                 sd[f"{m}experts.{expert}.{name}.weight_scale"] = scale
@@ -160,10 +173,11 @@ def write_k3_checkpoint(out: Path, config: dict[str, Any], state_dict: dict[str,
     return out
 
 
-def make_k3_checkpoint(root: str | Path, name: str = "k3", seed: int = 0, **text_overrides: Any) -> Path:
-    """Writes (once) a tiny K3 checkpoint under root/name-seed and returns its directory."""
+def make_k3_checkpoint(root: str | Path, name: str = "k3", seed: int = 0, experts: str = "mxfp4",
+                       **text_overrides: Any) -> Path:
+    """Writes (once) a tiny K3 checkpoint under root/name-seed and returns its directory (experts: k3_config)."""
     out = Path(root) / f"{name}-{seed}"
     if (out / "config.json").exists():
         return out
-    config = k3_config(**text_overrides)
-    return write_k3_checkpoint(out, config, k3_state_dict(config, seed))
+    config = k3_config(experts, **text_overrides)
+    return write_k3_checkpoint(out, config, k3_state_dict(config, seed, EXPERT_DTYPES.get(experts, torch.float32)))

@@ -117,6 +117,8 @@ class K3Reference:
 
     def _expert(self, m: str, e: int, name: str) -> torch.Tensor:
         key = (m, e, name)
+        if key not in self.experts and f"{m}experts.{e}.{name}.weight" in self.w:  # unquantised experts
+            self.experts[key] = self.w[f"{m}experts.{e}.{name}.weight"]
         if key not in self.experts:
             self.experts[key] = decode_mxfp4(self.w[f"{m}experts.{e}.{name}.weight_packed"],
                                              self.w[f"{m}experts.{e}.{name}.weight_scale"]).to(self.dtype)

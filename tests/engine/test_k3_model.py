@@ -1,6 +1,7 @@
 """Kimi K3 in the engine against the token-by-token float64 reference (tests/engine/k3_reference.py) on tiny
 checkpoints in K3's on-disk layout: logits within 1e-4 (float32), chunked prefill (1, 7, 64) and decode
-giving the same logits and KDA state, and one clear ValueError for bad checkpoints and configs."""
+giving the same logits and KDA state, unquantised (bf16 / fp32) routed experts beside MXFP4 ones, and one clear
+ValueError for bad checkpoints and configs (a half-quantised one included)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +13,8 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed import TPGroup
 from engine.forward_batch import ForwardMode
 from engine.models.kimi_k3 import KimiK3ForCausalLM, load_model
-from tests.engine.k3_checkpoint import k3_config, k3_state_dict, make_k3_checkpoint, write_k3_checkpoint
+from engine.layers.dense_experts import DenseExperts
+from tests.engine.k3_checkpoint import EXPERT_DTYPES, k3_config, k3_state_dict, make_k3_checkpoint, write_k3_checkpoint
 from tests.engine.k3_reference import K3Reference
 from tests.engine.k3_runner import HybridRunner
 
@@ -59,6 +61,24 @@ def test_engine_matches_reference(k3_dirs: dict[str, Path], variant: str) -> Non
     torch.testing.assert_close(first[12:].double(), expected2[:8], atol=TOL, rtol=0)
     torch.testing.assert_close(step.double(), torch.stack([expected[12], expected2[8]]), atol=TOL, rtol=0)
     torch.testing.assert_close(rest.double(), expected[13:], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("experts", ["bf16", "fp32"])
+def test_unquantised_experts_match_reference(tmp_path: Path, experts: str) -> None:
+    """A checkpoint without quantization_config whose routed experts are plain w1/w2/w3 weights (bf16 or
+    fp32) loads them unquantised and gives the reference logits within 1e-4 through prefill and decode."""
+    config = k3_config(experts)
+    state_dict = k3_state_dict(config, 0, EXPERT_DTYPES[experts])
+    assert not any("weight_packed" in name for name in state_dict)
+    model = _model(_write(tmp_path, config, state_dict))
+    moe = model.model.layers[1].mlp
+    assert isinstance(moe.experts, DenseExperts) and moe.experts.w13.dtype == torch.float32
+    tokens = _tokens(14, 6)
+    expected = K3Reference(config, state_dict).run(tokens)
+    runner = HybridRunner(model)
+    first, _ = runner.step(ForwardMode.EXTEND, [(0, tokens[:12])])
+    steps = [runner.step(ForwardMode.DECODE, [(0, [token])])[0] for token in tokens[12:]]
+    torch.testing.assert_close(torch.cat([first, *steps]).double(), expected, atol=TOL, rtol=0)
 
 
 def _chunked(model: KimiK3ForCausalLM, tokens: list[int], chunk: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -135,6 +155,27 @@ def test_float_packed_weight_is_named(tmp_path: Path) -> None:
     sd[name] = sd[name].float()
     with pytest.raises(ValueError, match=r"experts\.0\.w2\.weight_packed dtype torch.float32"):
         _model(_write(tmp_path, config, sd))
+
+
+def test_half_quantised_checkpoints_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """An unquantised expert in an MXFP4 checkpoint, and an MXFP4 expert in an unquantised one: a ValueError
+    naming the odd tensor and saying what the config declares."""
+    config = k3_config(**MLA_ONLY)
+    sd = k3_state_dict(config, 0)
+    name = "language_model.model.layers.2.block_sparse_moe.experts.5.w1"
+    del sd[name + ".weight_packed"], sd[name + ".weight_scale"]
+    sd[name + ".weight"] = torch.zeros(32, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + r"\.weight is unquantised, but "
+                                         "quantization_config says the routed experts are MXFP4"):
+        _model(_write(tmp_path / "mxfp4", config, sd))
+    plain = k3_config("bf16", **MLA_ONLY)
+    sd = k3_state_dict(plain, 0, torch.bfloat16)
+    packed = k3_state_dict(config, 0)
+    del sd[name + ".weight"]
+    sd[name + ".weight_packed"], sd[name + ".weight_scale"] = packed[name + ".weight_packed"], packed[name + ".weight_scale"]
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + r"\.weight_(packed|scale) is MXFP4, but "
+                                         "config.json has no quantization_config"):
+        _model(_write(tmp_path / "plain", plain, sd))
 
 
 def test_layer_kinds_disagreeing_with_tensors(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from tests.engine.k3_checkpoint import make_k3_checkpoint
 from tests.engine.k3_runner import HybridRunner
 
 TOL = 1e-4
-VARIANTS = {"hybrid": {}, "mla_only": dict(linear_attn_config={"kda_layers": [], "full_attn_layers": list(range(1, 9))})}
+VARIANTS = {"hybrid": {}, "mla_only": dict(linear_attn_config={"kda_layers": [], "full_attn_layers": list(range(1, 9))}),
+            "bf16_experts": dict(experts="bf16")}  # unquantised routed experts, 4 per rank
 
 
 def _scenario(model_dir: Path, tp: TPGroup) -> dict[str, torch.Tensor]:

@@ -128,16 +128,24 @@ class GetPrefillLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPrefillLoadResponse(_message.Message):
-    __slots__ = ("queued_requests", "queued_tokens", "requests_total", "placement")
+    __slots__ = ("queued_requests", "queued_tokens", "requests_total", "placement", "free_state_slots", "total_state_slots", "checkpoints", "checkpoint_slots")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     queued_tokens: int
     requests_total: int
     placement: WorkerPlacement
-    def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ...) -> None: ...
+    free_state_slots: int
+    total_state_slots: int
+    checkpoints: int
+    checkpoint_slots: int
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_slots: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "transport", "standing")
@@ -240,7 +248,7 @@ class GetDecodeLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDecodeLoadResponse(_message.Message):
-    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "headroom_pages", "requests_total", "free_state_slots", "total_state_slots", "placement", "standing_leases", "standing_pages", "standing_state_slots")
+    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "headroom_pages", "requests_total", "free_state_slots", "total_state_slots", "placement", "standing_leases", "standing_pages", "standing_state_slots", "checkpoints", "checkpoint_slots")
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +264,8 @@ class GetDecodeLoadResponse(_message.Message):
     STANDING_LEASES_FIELD_NUMBER: _ClassVar[int]
     STANDING_PAGES_FIELD_NUMBER: _ClassVar[int]
     STANDING_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     free_pages: int
     total_pages: int
     running: int
@@ -271,4 +281,6 @@ class GetDecodeLoadResponse(_message.Message):
     standing_leases: int
     standing_pages: int
     standing_state_slots: int
-    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ..., standing_leases: _Optional[int] = ..., standing_pages: _Optional[int] = ..., standing_state_slots: _Optional[int] = ...) -> None: ...
+    checkpoints: int
+    checkpoint_slots: int
+    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ..., standing_leases: _Optional[int] = ..., standing_pages: _Optional[int] = ..., standing_state_slots: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_slots: _Optional[int] = ...) -> None: ...
