@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 # gateway's incoming call, whose deadline this is) end the request first; the local timer only covers a worker
 # that never answers.
 LOCAL_DEADLINE_GRACE_S = 0.1
+# How long a failed write waits for its call's final status (the call is over by then; this only bounds it).
+WRITE_FAILURE_STATUS_WAIT_S = 5.0
 Metadata = Sequence[tuple[str, str | bytes]]
 Sent = TypeVar("Sent")  # a request message of the stream
 Received = TypeVar("Received")  # a response message of the stream
@@ -89,7 +91,19 @@ class OpenStream(Generic[Sent, Received, Pending]):
         except asyncio.CancelledError:
             raise
         except (grpc.RpcError, asyncio.InvalidStateError) as error:
-            self.fail(error)
+            self.fail(await self._why_writes_failed(error))
+
+    async def _why_writes_failed(self, error: BaseException) -> BaseException:
+        """A write fails (gRPC core: INTERNAL) when the call has already ended, e.g. the worker refused the
+        stream with UNAUTHENTICATED while the first request was being written: the call's own status says why."""
+        try:
+            code = await asyncio.wait_for(self.call.code(), WRITE_FAILURE_STATUS_WAIT_S)
+            details = await self.call.details()
+        except (asyncio.TimeoutError, grpc.RpcError):
+            return error
+        if code is None or code == grpc.StatusCode.OK:
+            return error
+        return rpc_error(code, details or "")
 
     async def _read(self) -> None:
         try:

@@ -161,20 +161,20 @@ async def test_complete_small_kv_is_admitted_on_the_event_loop(service, monkeypa
 async def test_standing_lease_is_narrowed_to_the_prompt_that_claims_it(service):
     """A standing lease granted for 64 tokens (4 pages) is claimed by a 20-token prompt: the KV written into
     the narrowed destination (2 pages, bound to the whole lease) is admitted, the 2 pages past the prompt go
-    back at the claim, the request streams to its end and every page is free again; the lease cannot be
+    back at the claim (checked while the request still runs: it asks for 128 tokens), the request streams to its end and every page is free again; the lease cannot be
     claimed a second time. The load tells the unclaimed spare from an ordinary lease (standing_*)."""
     total, admitted = service.load.free_pages, service.load.requests_total
     destination = await service.reserve("s1", 64, 1, TransportKind.SHM, standing=True)
     assert len(destination.page_ids) == 4 and service.load.leased_pages == 4
     assert (service.load.standing_leases, service.load.standing_pages, service.load.requests_total) == (1, 4, admitted)
     mark_kv_complete(service.engine, destination.narrowed(20, PAGE_SIZE))
-    stream = service.decode("s1", destination.lease_id, [5] * 20, 7, greedy(4))
+    stream = service.decode("s1", destination.lease_id, [5] * 20, 7, greedy(128))
     first = await anext(stream)
     assert (service.load.leases, service.load.standing_leases, service.load.standing_pages) == (0, 0, 0)
     assert service.load.requests_total == admitted + 1  # a spare counts as a request once claimed
     assert service.book.get("s1").lease.page_ids == destination.page_ids[:2]
     tokens = list(first.token_ids) + [t async for update in stream for t in update.token_ids]
-    assert len(tokens) == 3
+    assert len(tokens) == 127
     await _settled(service, total)
     with pytest.raises(NotFound):
         async for _ in service.decode("s1", destination.lease_id, [5] * 20, 7, greedy(4)):
