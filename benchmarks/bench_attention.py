@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from engine.attention.registry import get_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import build_attention_metadata
+from engine.runtime.forward_batch import build_attention_metadata
 
 DIMS = {"dsv3": (192, 128, 512, 64), "tiny": (32, 16, 64, 16)}  # dqk, dv, latent, rope
 REFERENCE_LIMIT_BYTES = 16 * 2**30

@@ -21,7 +21,7 @@ import torch
 from benchmarks.common import (Table, add_common_arguments, goal_line, interleave, load_note, make_prompts,
                                median, paired, print_header, ratio, spread, timed_generate)
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.model_configs.model_config import ModelConfig
 
 
 def decode_flops_per_token(c: ModelConfig, context: float) -> float:

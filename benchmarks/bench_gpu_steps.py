@@ -59,8 +59,8 @@ def _decode_step_times(engine, batch: int, params, steps: int) -> list[float]:
 
 
 def spec_vs_plain(device: str, batch: int, steps: int, repeats: int) -> dict:
-    from engine.engine_types import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.engine_config import EngineConfig
+    from engine.runtime.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=str(DSV3_MODEL_DIR), device=device, use_graphs=device == "cuda",
@@ -84,8 +84,8 @@ def spec_vs_plain(device: str, batch: int, steps: int, repeats: int) -> dict:
 
 def k3_tiny(device: str, batches: list[int], new_tokens: int, repeats: int) -> dict:
     from benchmarks.common import timed_generate
-    from engine.engine_types import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.engine_config import EngineConfig
+    from engine.runtime.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     results: dict = {}
@@ -121,8 +121,8 @@ def host_syncs_per_plain_step(device: str, batch: int, steps: int) -> dict:
     """Synchronising CUDA calls per plain greedy decode step (torch's sync debug mode counts them)."""
     if device != "cuda":
         return {"syncs_per_step": None, "note": "needs a GPU (torch.cuda.set_sync_debug_mode)"}
-    from engine.engine_types import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.engine_config import EngineConfig
+    from engine.runtime.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=str(DSV3_MODEL_DIR), device=device, use_graphs=True,

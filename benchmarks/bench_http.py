@@ -106,7 +106,7 @@ def main() -> None:
         gateway_pid = next(child.process.pid for child in cluster.children if child.role == "gateway")
         fronts = Fronts(address, cluster.http_address, gateway_pid)
         try:
-            from engine.config import ModelConfig
+            from engine.model_configs.model_config import ModelConfig
 
             config = ModelConfig.from_pretrained(args.model)
             prompts, source = make_prompts(args.model, max(request_count(c) for c in args.concurrency),

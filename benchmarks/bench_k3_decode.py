@@ -24,15 +24,15 @@ import torch
 
 from benchmarks.common import goal_line, interleave, machine_description
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ModelConfig
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardBatch, ForwardMode, build_attention_metadata
-from engine.kv_cache import CacheShape, PagedLatentCache
+from engine.model_configs.model_config import ModelConfig
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode, build_attention_metadata
+from engine.cache.kv_cache import CacheShape, PagedLatentCache
 from engine.layers.mxfp4 import PackedExperts
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.kimi_k3 import KimiK3ForCausalLM
-from engine.state_pool import StatePool
+from engine.cache.state_pool import StatePool
 from tests.engine.k3_checkpoint import K3_REAL_TEXT, k3_config
 
 PAGE = 64

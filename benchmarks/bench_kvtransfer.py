@@ -31,7 +31,7 @@ from concurrent import futures
 import grpc
 import torch
 
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.checksum import DEFAULT_ALGORITHM
 from kvtransfer.destination import Destination
 from kvtransfer.grpc_receiver import PushReceiver
@@ -179,7 +179,7 @@ def shm_rows(source: PagedLatentCache, source_pages: list[int], tokens: int, rep
 
 def device_rows(source: PagedLatentCache, source_pages: list[int], tokens: int, repeat: int,
                 device: torch.device) -> list[tuple[str, list[float]]]:
-    from engine.device_ipc import ipc_for
+    from engine.weights.device_ipc import ipc_for
     from kvtransfer.device_pool import DevicePagePool
     from kvtransfer.device_transport import DeviceReceiver, DeviceWriter
 

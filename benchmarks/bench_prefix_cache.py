@@ -26,10 +26,10 @@ from functools import wraps
 from benchmarks.common import (Metrics, add_common_arguments, interleave, load_note, median, paired, print_header,
                                spread)
 from engine import SamplingParams
-from engine.engine_types import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.prefix_reuse import PrefixReuse
-from engine.scheduler import Scheduler
+from engine.engine_config import EngineConfig
+from engine.runtime.llm_engine import LLMEngine
+from engine.cache.prefix_reuse import PrefixReuse
+from engine.runtime.scheduler import Scheduler
 
 VOCAB_LOW, VOCAB_HIGH = 4, 3000
 logger = logging.getLogger("bench_prefix_cache")

@@ -19,7 +19,7 @@ import time
 import torch
 
 from benchmarks.common import interleave, machine_description
-from engine.state_pool import StatePool, StateShape
+from engine.cache.state_pool import StatePool, StateShape
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

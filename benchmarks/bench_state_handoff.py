@@ -21,7 +21,7 @@ import time
 import torch
 
 from benchmarks.common import interleave, machine_description
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.grpc_receiver import PushReceiver
 from kvtransfer.grpc_servicer import serve
 from kvtransfer.grpc_transport import GrpcWriter

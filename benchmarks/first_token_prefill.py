@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.first_token_fixtures import Piece, quiet_info_logging, sync_piece
-from engine.kv_cache import PageAllocator
-from engine.llm_engine import PrefillResult
+from engine.cache.kv_cache import PageAllocator
+from engine.runtime.llm_engine import PrefillResult
 from engine.sampling_params import SamplingParams
 from kvtransfer.destination import Destination
 from kvtransfer.layout import KVLayout

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import REPO_ROOT, Table, interleave, make_prompts, paired, print_header, ratio
-from engine import LLM, SamplingParams, llm_engine
+from engine import LLM, SamplingParams
+from engine.runtime import llm_engine
 from engine.models.dflash import DFlashLayer
 
 MODELS = (REPO_ROOT / "models" / "pdserve-k3-tiny", REPO_ROOT / "models" / "pdserve-tiny")

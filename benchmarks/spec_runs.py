@@ -9,7 +9,7 @@ import time
 from benchmarks.common import ForwardTimer, Metrics, Table, TimedRun, merge_runs, spread, timed_groups, timed_generate
 from benchmarks.prompts import BenchPrompt
 from engine import LLM, SamplingParams
-from engine.spec_policy import SpecBackoff
+from engine.spec.spec_policy import SpecBackoff
 
 
 def acceptance_counts(llm: LLM) -> tuple[int, int]:
@@ -45,7 +45,7 @@ def spec_variant(llm: LLM, prompts: list[list[int]], batch: int, params: Samplin
     """A run (the prompts in groups of `batch`; at batch 1 each prompt's figures too) that also reports the
     acceptance length of its verify steps and the median wall time of its target forwards (decode or verify;
     prefill calls are few) and draft forwards. backoff > 1: the run uses the engine's speculation back-off
-    (engine/spec_policy.py) at that many tokens per verify step, as spec_min_tokens_per_step would set it."""
+    (engine/spec/spec_policy.py) at that many tokens per verify step, as spec_min_tokens_per_step would set it."""
 
     def run() -> Metrics:
         engine, default = llm.engine, llm.engine.spec_backoff

@@ -64,8 +64,8 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, generat
 
 def write_checkpoint(out_dir: Path, shape: dict, dtype: torch.dtype, seed: int) -> int:
     """Writes config.json + model.safetensors; returns the parameter count."""
-    from engine.config import ModelConfig
-    from engine.weights import expected_weight_shapes
+    from engine.model_configs.model_config import ModelConfig
+    from engine.weights.checkpoint import expected_weight_shapes
 
     out_dir.mkdir(parents=True, exist_ok=True)
     config = config_dict(shape)

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.sequence import TokenLogprob
+from engine.runtime.sequence import TokenLogprob
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

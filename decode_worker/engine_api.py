@@ -14,8 +14,9 @@ from decode_worker.admission import headroom
 if TYPE_CHECKING:
     import torch
 
-    from engine.engine_types import EngineConfig, StepOutput
-    from engine.kv_cache import CacheShape
+    from engine.engine_config import EngineConfig
+    from engine.runtime.outputs import StepOutput
+    from engine.cache.kv_cache import CacheShape
     from engine.sampling_params import SamplingParams
 
 

@@ -28,10 +28,11 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_api import DecodeEngine
 from decode_worker.leases import allocate_admitted
 from decode_worker.step_loop import StepLoop
-from engine.engine_types import EngineConfig, StepOutput
-from engine.kv_cache import CacheShape
+from engine.engine_config import EngineConfig
+from engine.runtime.outputs import StepOutput
+from engine.cache.kv_cache import CacheShape
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
+from engine.runtime.sequence import TokenLogprob
 from rpc.engine_thread import EngineThread
 from rpc.logging_setup import configure_logging
 from rpc.processes import die_with_parent, forget_parent_signals
@@ -321,6 +322,6 @@ def engine_process_main(config: DecodeWorkerConfig, commands: Connection, events
 
 
 def build_engine(config: DecodeWorkerConfig) -> DecodeEngine:
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.llm_engine import LLMEngine
 
     return LLMEngine(config.engine_config())

@@ -27,7 +27,7 @@ from decode_worker.engine_view import EngineView
 from decode_worker.pipe_writer import PipeWriter
 from decode_worker.streams import Streams
 from engine.sampling_params import SamplingParams
-from engine.weight_store import remove_stale_segments
+from engine.weights.weight_store import remove_stale_segments
 from kvtransfer.shm_pool import cleanup_stale_segments
 from rpc.processes import child_start_method
 from rpc.status import Unavailable

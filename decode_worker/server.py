@@ -11,7 +11,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_api import EngineFigures
 from decode_worker.servicer import DecodeServicer
 from decode_worker.service import DecodeService
-from engine.device_ipc import ipc_for
+from engine.weights.device_ipc import ipc_for
 from kvtransfer.destination import TransportKind
 from kvtransfer.device_pool import DevicePagePool
 from kvtransfer.device_transport import DeviceReceiver

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 
 from decode_worker.engine_api import DecodeEngine
-from engine.engine_types import StepOutput
+from engine.runtime.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ import itertools
 
 import torch
 
-from engine.llm_engine import DEFAULT_MODEL_DIR, EngineConfig, LLMEngine
+from engine.runtime.llm_engine import DEFAULT_MODEL_DIR, EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 
 

@@ -44,9 +44,9 @@ class SamplingParams:
     (the engine also checks it against its own maximum). presence_penalty / frequency_penalty in [-2, 2]
     (0: off), repetition_penalty > 0 (1: off), logit_bias: (token id, bias in [-100, 100]) pairs (a dict is
     accepted; -100 bans the token), min_tokens: eos and stop_token_ids are banned until this many tokens
-    were generated (engine/penalties.py). prompt_logprobs: score the prompt too (each prompt token after the
+    were generated (engine/sampling/penalties.py). prompt_logprobs: score the prompt too (each prompt token after the
 first, with that many alternatives; None: not asked) from the prefill forward. structured_output: (kind, text),
-the grammar every generated token must follow (engine/grammar.py; kinds GRAMMAR_KINDS; json_object ignores
+the grammar every generated token must follow (engine/sampling/grammar.py; kinds GRAMMAR_KINDS; json_object ignores
 the text). Every invalid field raises ValueError naming the field."""
 
     max_new_tokens: int = 16

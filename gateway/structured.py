@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from engine.grammar_compiler import GrammarCompiler, GrammarError
+from engine.sampling.grammar_compiler import GrammarCompiler, GrammarError
 from gateway.model_info import ModelFacts
 from gateway.tokenizer import TextTokenizer
 from rpc.convert import structured_from_proto

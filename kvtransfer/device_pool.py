@@ -1,5 +1,5 @@
 """DevicePagePool: a decode rank's page pool in device memory, reachable by other processes of the node
-through device IPC (engine/device_ipc.py: CUDA / HIP IPC on a GPU, the memfd stand-in on the CPU).
+through device IPC (engine/weights/device_ipc.py: CUDA / HIP IPC on a GPU, the memfd stand-in on the CPU).
 
 The pages live in one flat device buffer; beside it a control segment in /dev/shm (a SharedPagePool of
 the same layout and page count, named pdserve-kv-dev-*, mapped without populating: its page area stays
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device_ipc import DeviceIpc, handle_device, ipc_for
-from engine.devices import rank_device
-from engine.kv_cache import CacheShape, PagedLatentCache
+from engine.weights.device_ipc import DeviceIpc, handle_device, ipc_for
+from engine.runtime.devices import rank_device
+from engine.cache.kv_cache import CacheShape, PagedLatentCache
 from kvtransfer.errors import SegmentError
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm_pool import SharedPagePool
@@ -104,7 +104,7 @@ class DevicePagePool:
 
 @dataclass(frozen=True)
 class DevicePoolFactory:
-    """engine.page_pool.PagePoolFactory over device pools (picklable): rank r's pool on rank_device(device_type,
+    """engine.cache.page_pool.PagePoolFactory over device pools (picklable): rank r's pool on rank_device(device_type,
     gpus, r); attaches device pools by name and, for any other name, plain shm pools (a prefill engine
     attaches whichever kind the destination names)."""
 

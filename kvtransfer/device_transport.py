@@ -19,7 +19,7 @@ from kvtransfer.layout import KVLayout, SegmentKind
 from kvtransfer.page_spans import page_runs
 from kvtransfer.shm_receiver import ShmReceiver
 from kvtransfer.shm_transport import ShmWriteHandle, ShmWriter
-from engine.device_ipc import ipc_for
+from engine.weights.device_ipc import ipc_for
 
 
 class DeviceWriteHandle(ShmWriteHandle):

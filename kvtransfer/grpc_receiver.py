@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import BadChunk, KVTransferError, LayoutMismatch, TransferAborted, TransferTimeout, UnknownTransfer
 from kvtransfer.grpc_session import PendingPush, PushSession

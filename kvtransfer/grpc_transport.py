@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer import errors
 from kvtransfer.checksum import DEFAULT_ALGORITHM, Algorithm
 from kvtransfer.chunks import MAX_CHUNK_BYTES, ChunkEncoder, encode_chunk

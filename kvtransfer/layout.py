@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config_base import check_positive
-from engine.kv_cache import CacheShape
-from engine.state_pool import SLOT_ALIGN, StateShape
+from engine.model_configs.base import check_positive
+from engine.cache.kv_cache import CacheShape
+from engine.cache.state_pool import SLOT_ALIGN, StateShape
 from kvtransfer.errors import LayoutMismatch
 
 # The dtypes a pool may hold, by their torch name without the "torch." prefix.
@@ -25,7 +25,7 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 HASH_VERSION = "pdserve-kv-layout-v1"
-# The fields KVLayout and engine.kv_cache.CacheShape share, by the same names.
+# The fields KVLayout and engine.cache.kv_cache.CacheShape share, by the same names.
 _GEOMETRY = ("num_layers", "latent_dim", "rope_dim", "page_size", "draft_layers", "draft_dim")
 
 
@@ -52,7 +52,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class StateLayout:
     """One linear-attention state slot on one rank: every KDA layer's conv [conv_width, conv_channels]
-    conv_dtype, then recurrent [state_heads, head_k_dim, head_v_dim] ssm_dtype (engine/state_pool.py's
+    conv_dtype, then recurrent [state_heads, head_k_dim, head_v_dim] ssm_dtype (engine/cache/state_pool.py's
     slot-major row). The field names are kv_pb2.KVLayout's."""
 
     state_layers: int

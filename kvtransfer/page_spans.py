@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.layout import KVLayout, SegmentKind
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import CacheShape, PagedLatentCache
+from engine.cache.kv_cache import CacheShape, PagedLatentCache
 from kvtransfer.completion import SLOT_BYTES, CompletionTable
 from kvtransfer.errors import LayoutMismatch, SegmentError
 from kvtransfer.layout import KVLayout
@@ -182,7 +182,7 @@ def _unlink_owned_at_exit() -> None:
 
 @dataclass(frozen=True)
 class ShmPoolFactory:
-    """engine.page_pool.PagePoolFactory over shared memory: what the workers hand their engine (picklable)."""
+    """engine.cache.page_pool.PagePoolFactory over shared memory: what the workers hand their engine (picklable)."""
 
     def create(self, cache_shape: CacheShape, num_pages: int, rank: int, tag: str) -> SharedPagePool:
         state_slots = cache_shape.state.num_slots if cache_shape.state is not None else 0

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.grpc_receiver import PushReceiver
 from kvtransfer.page_spans import page_runs
 from kvtransfer.transport import TransferResult

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.destination import Destination
 from kvtransfer.errors import BadChunk
 from kvtransfer.layout import KVLayout, SegmentKind

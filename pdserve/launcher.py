@@ -255,7 +255,7 @@ class Cluster:
         from kvtransfer.shm_pool import cleanup_stale_segments
 
         cleanup_stale_segments()
-        from engine.weight_store import remove_stale_segments
+        from engine.weights.weight_store import remove_stale_segments
 
         remove_stale_segments()
         for path in self._run_dir.glob("*"):

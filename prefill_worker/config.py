@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.engine_types import EngineConfig
-from engine.devices import serving_device
-from engine.role_config import EmbedsEngineConfig, worker_engine_config
+from engine.engine_config import EngineConfig
+from engine.runtime.devices import serving_device
+from engine.runtime.role_config import EmbedsEngineConfig, worker_engine_config
 from kvtransfer.device_pool import DevicePoolFactory
 from prefill_worker.batch_policy import DEFAULT_BATCH_TARGET_MS
 

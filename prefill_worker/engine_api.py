@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from engine.engine_types import EngineConfig, PrefillJob, PrefillResult
-    from engine.kv_cache import CacheShape
+    from engine.engine_config import EngineConfig
+    from engine.runtime.outputs import PrefillJob, PrefillResult
+    from engine.cache.kv_cache import CacheShape
 
 PageCopies = tuple["torch.Tensor", "torch.Tensor | None"]  # (target [layers, n, page_size, D], draft or None)
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.device_ipc import IpcUnavailable, ipc_for
-from engine.devices import rank_device
+from engine.weights.device_ipc import IpcUnavailable, ipc_for
+from engine.runtime.devices import rank_device
 from kvtransfer.destination import Destination
 from kvtransfer.errors import LayoutMismatch
 from kvtransfer.layout import SegmentKind
@@ -79,7 +79,7 @@ def writes_in_place(pool_device_ids: Sequence[str], rank_device_ids: Sequence[st
 
 
 def rank_device_ids(device: str, gpus: Sequence[int], tp_size: int) -> tuple[str, ...]:
-    """The device id (engine.device_ipc naming) of each prefill rank: equal to a pool's id means in place."""
+    """The device id (engine.weights.device_ipc naming) of each prefill rank: equal to a pool's id means in place."""
     ipc = ipc_for(device)
     try:
         return tuple(ipc.device_id(rank_device(device, gpus or tuple(range(tp_size)), rank)) for rank in range(tp_size))

@@ -21,7 +21,7 @@ class QueueFigures(Protocol):
 
 
 class PrefixCacheStatsLike(Protocol):
-    """The prefix cache's counters and gauges (engine.engine_types.PrefixCacheStats)."""
+    """The prefix cache's counters and gauges (engine.runtime.outputs.PrefixCacheStats)."""
 
     queried_tokens: int
     hit_tokens: int
@@ -82,7 +82,7 @@ class PrefillMetrics:
 
 
 class PrefixCacheCollector(Collector):
-    """The prefill engine's prefix cache (engine/prefix_cache.py), read at scrape time: prompt tokens looked up
+    """The prefill engine's prefix cache (engine/cache/prefix_cache.py), read at scrape time: prompt tokens looked up
     and served (pages; KDA checkpoint hits apart), occupancy and evictions."""
 
     def __init__(self, stats: Callable[[], PrefixCacheStatsLike | None]) -> None:

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine_types import PrefillJob, PrefillResult, PrefixCacheStats
+from engine.runtime.outputs import PrefillJob, PrefillResult, PrefixCacheStats
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
+from engine.runtime.sequence import TokenLogprob
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.device_transport import DeviceWriter
@@ -459,6 +459,6 @@ def _resolve(future: asyncio.Future[PrefillOutcome], value: PrefillOutcome | Bas
 
 
 def _build_engine(config: PrefillWorkerConfig) -> PrefillEngine:
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.llm_engine import LLMEngine
 
     return LLMEngine(config.engine_config())

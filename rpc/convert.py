@@ -41,7 +41,7 @@ class Sampling(Protocol):
 
 
 class Logprob(Protocol):
-    """An engine.sequence.TokenLogprob."""
+    """An engine.runtime.sequence.TokenLogprob."""
 
     token_id: int
     logprob: float
@@ -50,7 +50,7 @@ class Logprob(Protocol):
 
 
 class _RoleConfig(Protocol):
-    engine: object  # an engine.engine_types.EngineConfig
+    engine: object  # an engine.engine_config.EngineConfig
 
 
 class _LoadService(Protocol):
@@ -146,7 +146,7 @@ def load_method(message_cls: type[M], *placement: str) -> Callable[..., Awaitabl
 
 
 def logprob_to_proto(logprob: Logprob) -> logprobs_pb2.TokenLogprob:
-    """logprob: engine.sequence.TokenLogprob (token_id, logprob, top_ids, top_logprobs)."""
+    """logprob: engine.runtime.sequence.TokenLogprob (token_id, logprob, top_ids, top_logprobs)."""
     return logprobs_pb2.TokenLogprob(
         token_id=logprob.token_id, logprob=logprob.logprob,
         top=[logprobs_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(logprob.top_ids, logprob.top_logprobs)],

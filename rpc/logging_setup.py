@@ -45,7 +45,7 @@ def configure_logging(role: str, rank: int = 0, level: str | int = "INFO") -> No
     """Replaces the root handlers with one stderr handler whose lines read `... <role>[<rank>] logger: msg`.
 
     role and rank also go to the environment, so processes spawned from here inherit the role (TP followers
-    format their own lines: engine/tp_launcher.py)."""
+    format their own lines: engine/runtime/tp_launcher.py)."""
     os.environ[ROLE_ENV] = role
     os.environ[RANK_ENV] = str(rank)
     if isinstance(level, str):

@@ -104,7 +104,7 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, grpc.aio.AioRpcError):  # an internal call failed: pass its status through
         return error.code(), error.details() or error.code().name
     named = _named_status(error)
-    if named is not None:  # e.g. kvtransfer's errors, engine.kv_cache.OutOfPages
+    if named is not None:  # e.g. kvtransfer's errors, engine.cache.kv_cache.OutOfPages
         return named, str(error)
     if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "deadline exceeded"

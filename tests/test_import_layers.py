@@ -106,9 +106,9 @@ def test_the_gateway_process_starts_without_torch():
     assert "torch" not in result.stdout, result.stdout
 
 
-# File-level circles the lead removes when the branches that fix them merge (issue 32): engine.llm_engine <->
-# engine.prefill_jobs (branch "prefix": one chunked-prefill implementation) and engine.model_runner <->
-# engine.cuda_graphs (branch "gpu"). Each entry is one circle's exact set of modules; no other circle may exist.
+# File-level circles the lead removes when the branches that fix them merge (issue 32): engine.runtime.llm_engine <->
+# engine.runtime.prefill_jobs (branch "prefix": one chunked-prefill implementation) and engine.runtime.model_runner <->
+# engine.runtime.cuda_graphs (branch "gpu"). Each entry is one circle's exact set of modules; no other circle may exist.
 KNOWN_CIRCLES = [
 ]
 

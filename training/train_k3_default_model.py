@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engine.config import RopeConfig
+from engine.model_configs.model_config import RopeConfig
 from engine.models.dflash import DFlashConfig
 from engine.models.dspark import save_dspark
 from engine.models.dspark_config import DSparkConfig

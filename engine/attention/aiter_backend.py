@@ -20,8 +20,8 @@ import torch
 from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.attention.aiter_indices import DecodeIndices, decode_indices
 from engine.attention.head_table import FLASH_ATTN_VARLEN, MLA_DECODE, check_aiter_dtype, mla_decode_page_size_supported
-from engine.devices import host_to_device
-from engine.forward_batch import AttentionMetadata
+from engine.runtime.devices import host_to_device
+from engine.runtime.forward_batch import AttentionMetadata
 
 
 def load_aiter() -> tuple[ModuleType, ModuleType]:

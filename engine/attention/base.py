@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward_batch import AttentionMetadata
+from engine.runtime.forward_batch import AttentionMetadata
 
 
 @dataclass(frozen=True)

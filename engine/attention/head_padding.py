@@ -12,7 +12,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from engine.attention.base import AttentionBackend, VarlenSpans
-from engine.forward_batch import AttentionMetadata
+from engine.runtime.forward_batch import AttentionMetadata
 
 HeadSupport = Union[Sequence[int], Callable[[int], bool]]
 

@@ -9,10 +9,10 @@ import itertools
 
 import torch
 
-from engine.devices import host_to_device
+from engine.runtime.devices import host_to_device
 from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.attention.torch_decode import DecodeGroup, build_decode_layout, decode_attention
-from engine.forward_batch import AttentionMetadata
+from engine.runtime.forward_batch import AttentionMetadata
 
 
 # Queries are processed in row blocks so the float32 score matrix [H, rows, Lk] stays under ~256 MiB.

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.devices import host_to_device
-from engine.forward_batch import AttentionMetadata
+from engine.runtime.devices import host_to_device
+from engine.runtime.forward_batch import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.attention.triton_kernels import Tiles
 from engine.attention.triton_kernels import decode as decode_kernels
 from engine.attention.triton_kernels import prefill as prefill_kernels
-from engine.forward_batch import AttentionMetadata
+from engine.runtime.forward_batch import AttentionMetadata
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -7,7 +7,7 @@ core (1 thread, hot caches), [8, 192] x [192, 4096]: 187 us through F.linear, 74
 [192, 2048]: 94 vs 46 us; [8, 192] x [192, 512]: 23 vs 18 us. One row (plain decode) gains nothing (a GEMV is
 bound by reading the weight) and a narrow weight loses (oneDNN's fixed cost per call, ~10 us), so only row
 counts in ROWS and weights of at least MIN_OUT outputs take this path; everything else is F.linear. The
-packed copy is this process's own (weights shared through engine/weight_store.py are not packed in
+packed copy is this process's own (weights shared through engine/weights/weight_store.py are not packed in
 place), so the packed copies of a process are capped (PDSERVE_CPU_PACKED_LINEAR_MB, default 256 MiB: the
 embedded models need ~16 MiB; a weight that would pass the cap stays on F.linear); a copy is rebuilt when
 its weight tensor is rebound or modified. Results agree with F.linear to

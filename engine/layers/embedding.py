@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import TPGroup
+from engine.runtime.distributed import TPGroup
 from engine.kernels.cpu_linear import linear
 
 

@@ -4,7 +4,7 @@ storage, and loads each FP8 weight with its weight_scale_inv straight into them 
 
 kv_b_proj stays in the model dtype (dequantised here on load): MLA's absorbed decode splits its weight
 into per-head matrices after loading. Embeddings, norms and the router are never FP8 in DeepSeek-V3
-checkpoints. On CPU the engine does not use this (weights are dequantised on load by engine.weights).
+checkpoints. On CPU the engine does not use this (weights are dequantised on load by engine.weights.checkpoint).
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import logging
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.distributed import TPGroup
+from engine.model_configs.model_config import ModelConfig
+from engine.runtime.distributed import TPGroup
 from engine.kernels.fp8_quant import dequantize_fp8_block
 from engine.layers.fp8_linear import Fp8Linear
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from engine.sharding import shard_weight
+from engine.weights.sharding import shard_weight
 
 logger = logging.getLogger(__name__)
 

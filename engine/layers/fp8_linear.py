@@ -3,7 +3,7 @@
 Each holds weight [out, in] float8_e4m3fn and weight_scale_inv [ceil(out/bn), ceil(in/bk)] float32 and
 computes y = x @ dequant(weight).T inside the GEMM (engine.kernels.fp8_gemm): torch._scaled_mm where it
 fits (FP8 activations, block multiples, and a one-time numerical check against the reference on this
-device), else the Triton kernel. On CPU the engine keeps dequantising on load (engine.weights) and never
+device), else the Triton kernel. On CPU the engine keeps dequantising on load (engine.weights.checkpoint) and never
 builds these; their CPU forward is the torch reference (tests). Tensor-parallel forms mirror
 engine.layers.linear: column-parallel splits output rows, row-parallel splits input columns and shows its
 all_reduce; a shard must start on a quantisation-block boundary so it owns whole scale blocks.
@@ -16,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from engine.distributed import TPGroup
+from engine.runtime.distributed import TPGroup
 from engine.kernels.fp8_quant import fp8_gemm_reference, quantize_per_token_group
 
 logger = logging.getLogger(__name__)

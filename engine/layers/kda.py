@@ -4,7 +4,7 @@ x -> q|k|v projections -> depthwise causal conv (width W, state = last W-1 input
 L2 norm of q and k (q scaled by K^-1/2) -> delta-rule recurrence with per-channel decay g and
 beta = sigmoid(b_proj(x)) -> per-head RMSNorm(o_norm) * sigmoid(output gate) -> o_proj (all-reduced).
 
-State (engine/state_pool.py): cache.state.conv[kda_index] [slots, W-1, 3*P_local] (q|k|v blocks) and
+State (engine/cache/state_pool.py): cache.state.conv[kda_index] [slots, W-1, 3*P_local] (q|k|v blocks) and
 cache.state.recurrent[kda_index] [slots, H_local, K, V], at batch.state_slots. EXTEND runs the chunked
 form and DECODE the recurrent form, each over all sequences of one length at once (kda_ragged); both continue from the slot.
 On CUDA with fla importable (and agreeing with the reference), prefill uses fla's chunk_kda instead.
@@ -15,14 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.kda_fla import fla_chunked_kda
 from engine.layers.kda_ops import kda_gate, kda_recurrent, l2_normalize
 from engine.layers.kda_ragged import conv_group, kda_chunked_group, kda_recurrent_group, length_groups, token_rows
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.model_configs.kimi_linear import KimiLinearConfig
-from engine.sharding import shard_weight
+from engine.weights.sharding import shard_weight
 
 CHUNK_SIZE = 16  # the torch prefill chunk: K3's safe gate (g >= -5) keeps every chunk factored (kda_ops)
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config_base import check_positive
-from engine.distributed import TPGroup
+from engine.model_configs.base import check_positive
+from engine.runtime.distributed import TPGroup
 from engine.kernels.moe_torch import moe_dense, routing_matrix, use_dense_moe
 from engine.layers.dense_experts import DenseExperts
 from engine.layers.linear import ReplicatedLinear

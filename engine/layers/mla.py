@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, VarlenSpans
-from engine.config_base import MLAShape
-from engine.distributed import TPGroup
-from engine.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
-from engine.kv_cache import PagedLatentCache
+from engine.model_configs.base import MLAShape
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
+from engine.cache.kv_cache import PagedLatentCache
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding

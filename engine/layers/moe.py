@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.distributed import TPGroup
+from engine.model_configs.model_config import ModelConfig
+from engine.runtime.distributed import TPGroup
 from engine.kernels.fp8_quant import dequantize_fp8_block
 from engine.kernels.moe_paths import fused_moe_available, moe_function
 from engine.kernels.moe_torch import use_dense_moe

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from engine.config import RopeConfig
+from engine.model_configs.model_config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:

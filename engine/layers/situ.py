@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.distributed import TPGroup
+from engine.runtime.distributed import TPGroup
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.config import check_tp_split
-from engine.config_base import (
+from engine.model_configs.model_config import check_tp_split
+from engine.model_configs.base import (
     MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, MLAShape, alias, check_expert_groups, check_int_fields, check_positive,
     length_of,
 )
@@ -22,7 +22,7 @@ from engine.model_configs.quantization import QuantizationConfig
 if TYPE_CHECKING:
     import torch
 
-    from engine.state_pool import StateShape
+    from engine.cache.state_pool import StateShape
 
 MODEL_TYPES = ("kimi_linear", "kimi_k3")
 HIDDEN_ACTS = ("silu", "situ")
@@ -135,7 +135,7 @@ class KimiLinearConfig(MLAShape):
         """This rank's state-pool geometry: heads and q|k|v conv channels divided by tp_size."""
         import torch  # here, not at module level: the gateway reads this config without torch
 
-        from engine.state_pool import StateShape
+        from engine.cache.state_pool import StateShape
 
         heads = self.linear_attn.num_heads // tp_size
         dim = self.linear_attn.head_dim

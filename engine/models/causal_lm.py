@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.distributed import TPGroup
+from engine.runtime.distributed import TPGroup
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.norm import RMSNorm
-from engine.weights import iter_checkpoint
+from engine.weights.checkpoint import iter_checkpoint
 
 
 M = TypeVar("M", bound=nn.Module)

@@ -10,19 +10,19 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.config import ModelConfig
-from engine.distributed import TPGroup
+from engine.model_configs.model_config import ModelConfig
+from engine.runtime.distributed import TPGroup
 from engine.models.causal_lm import CausalLM, DecoderStack, build_and_load, materialize
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import PagedLatentCache
+from engine.runtime.forward_batch import ForwardBatch
+from engine.cache.kv_cache import PagedLatentCache
 from engine.layers.mla import MLAAttention
 from engine.layers.mlp import DenseMLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
-from engine.sharding import owned_elsewhere, shard_weight
-from engine.weight_check import WeightCheck
+from engine.weights.sharding import owned_elsewhere, shard_weight
+from engine.weights.weight_check import WeightCheck
 from engine.layers.fp8_conversion import Fp8Loader
-from engine.weights import (
+from engine.weights.checkpoint import (
     checkpoint_block_size,
     expected_weight_shapes,
     is_mtp_weight,
@@ -175,7 +175,7 @@ def build_empty(model_dir: str | Path, config: ModelConfig, tp: TPGroup, attenti
                 dtype: torch.dtype, device: torch.device | str = "cpu") -> DeepseekV3ForCausalLM:
     """The rank's model without weights, in the form load_model gives on `device` (FP8 layers converted where
     load_model keeps them FP8, i.e. on a GPU), on the meta device: an importer binds every tensor from the
-    owner's export (engine/device_weights.py), whose names then match."""
+    owner's export (engine/weights/device_weights.py), whose names then match."""
     fp8_names = stored_fp8_names(model_dir) if torch.device(device).type == "cuda" else set()
     if fp8_names:
         return _build_fp8_on_meta(model_dir, config, tp, attention, dtype, fp8_names)[0]

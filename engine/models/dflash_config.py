@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from engine.config_base import check_positive
+from engine.model_configs.base import check_positive
 
 
 @dataclass(frozen=True)

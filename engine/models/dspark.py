@@ -60,7 +60,7 @@ def _rename(name: str, rules) -> str:
 
 
 class DSparkDraft(DFlashDraft):
-    """The DSpark network; the target's embedding and LM head are applied outside (engine/model_runner.py)."""
+    """The DSpark network; the target's embedding and LM head are applied outside (engine/runtime/model_runner.py)."""
 
     shifted_block = True  # slot k predicts position L+k+1
 

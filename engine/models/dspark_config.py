@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import RopeConfig
-from engine.config_base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, MLAShape, check_int_fields
+from engine.model_configs.model_config import RopeConfig
+from engine.model_configs.base import MLA_OPTIONAL_POSITIVE, MLA_POSITIVE, MLAShape, check_int_fields
 from engine.models.dflash import DFlashConfig
 from engine.models.dspark_markov import MARKOV_KINDS
 

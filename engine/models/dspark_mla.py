@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.config import RopeConfig, yarn_get_mscale
+from engine.model_configs.model_config import RopeConfig, yarn_get_mscale
 from engine.models.dflash import RMSNorm, apply_rope
 from engine.models.dspark_config import MlaDraftShape
 

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.distributed import TPGroup
+from engine.runtime.distributed import TPGroup
 from engine.models.causal_lm import CausalLM, DecoderStack, checkpoint_loader
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import PagedLatentCache
+from engine.runtime.forward_batch import ForwardBatch
+from engine.cache.kv_cache import PagedLatentCache
 from engine.layers.attn_res import ResidualStream, is_block_start
 from engine.layers.latent_moe import LatentMoE, LatentMoEShape
 from engine.layers.linear import ReplicatedLinear

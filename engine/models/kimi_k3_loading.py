@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.distributed import TPGroup
+from engine.runtime.distributed import TPGroup
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.models.kimi_k3_weights import engine_name, expected_k3_tensors
-from engine.weight_check import WeightCheck
+from engine.weights.weight_check import WeightCheck
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight(?:_(packed|scale))?")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.distributed import TPGroup
+from engine.runtime.distributed import TPGroup
 from engine.models.causal_lm import CausalLM, DecoderStack, checkpoint_loader
 from engine.layers.kda import KimiDeltaAttention
 from engine.layers.mla import MLAAttention
@@ -24,9 +24,9 @@ from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM
-from engine.sharding import owned_elsewhere, shard_weight
-from engine.weight_check import WeightCheck
-from engine.weights import expected_weight_shapes
+from engine.weights.sharding import owned_elsewhere, shard_weight
+from engine.weights.weight_check import WeightCheck
+from engine.weights.checkpoint import expected_weight_shapes
 
 logger = logging.getLogger(__name__)
 

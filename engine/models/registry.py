@@ -27,7 +27,7 @@ class ModelEntry(NamedTuple):
 
 _KIMI_CONFIG = ("engine.model_configs.kimi_linear", "KimiLinearConfig")
 MODELS: dict[str, ModelEntry] = {
-    "deepseek_v3": ModelEntry("engine.models.deepseek_v3", "DeepseekV3ForCausalLM", "engine.config", "ModelConfig"),
+    "deepseek_v3": ModelEntry("engine.models.deepseek_v3", "DeepseekV3ForCausalLM", "engine.model_configs.model_config", "ModelConfig"),
     "kimi_linear": ModelEntry("engine.models.kimi_linear", "KimiLinearForCausalLM", *_KIMI_CONFIG),
     "kimi_k3": ModelEntry("engine.models.kimi_k3", "KimiK3ForCausalLM", *_KIMI_CONFIG),
 }

@@ -72,7 +72,7 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
 
 def device_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """--device / --gpus / --no-graphs as worker config keywords (ValueError for a bad --gpus)."""
-    from engine.devices import parse_gpu_list
+    from engine.runtime.devices import parse_gpu_list
 
     gpus = parse_gpu_list(args.gpus) if args.gpus else None
     return dict(device=args.device, gpus=gpus, use_graphs=not args.no_graphs)

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_device(args: argparse.Namespace) -> None:
     """--device / --gpus errors before any process starts (e.g. cuda without a GPU, more ranks than GPUs, a
     transport a GPU decode pool cannot serve)."""
-    from engine.devices import check_gpus, gpu_count, resolve_device
+    from engine.runtime.devices import check_gpus, gpu_count, resolve_device
 
     options = device_kwargs(args)
     if args.device == "cuda" and resolve_device(args.device) == "cuda":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.config import ModelConfig
+from engine.model_configs.model_config import ModelConfig
 from pdserve.plan.dtypes import UNQUANTISED_BITS, Quantization, kv_bytes
 from pdserve.plan.gpus import GB, GpuSpec
 from pdserve.plan.heads import HeadPlan, plan_heads

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import ModelConfig
+from engine.model_configs.model_config import ModelConfig
 from pdserve.plan.dtypes import Quantization, weight_format
 from pdserve.plan.hybrid import HybridAttention
 from pdserve.plan.presets import PRESETS
@@ -18,7 +18,7 @@ class ModelSource:
 
     name: str
     source: str
-    config: Any  # engine.config.ModelConfig, or KimiLinearConfig for Kimi K3
+    config: Any  # engine.model_configs.model_config.ModelConfig, or KimiLinearConfig for Kimi K3
     quantization: Quantization
     hybrid: HybridAttention | None = None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from engine.config import ModelConfig
+from engine.model_configs.model_config import ModelConfig
 
 # Groups every TP rank holds in full (MLA's down-projections, the router, the norms, LatentMoE's latent
 # projections); the rest is split.
@@ -53,7 +53,7 @@ _ATTENTION_REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa")
 
 
 def weight_group(name: str) -> str:
-    """The ParamBreakdown group of one checkpoint tensor (an HF name of engine.weights.expected_weight_shapes)."""
+    """The ParamBreakdown group of one checkpoint tensor (an HF name of engine.weights.checkpoint.expected_weight_shapes)."""
     if name == "model.embed_tokens.weight":
         return "embedding"
     if name == "lm_head.weight":
@@ -112,7 +112,7 @@ _COUNTED: dict[str, ParamBreakdown] = {}  # repr(config) -> its count: walking K
 
 def count_parameters(config) -> ParamBreakdown:
     """Counts the weights the engine loads for `config`, by group: a DeepSeek-V3 ModelConfig through
-    engine.weights.expected_weight_shapes (transformers' DeepseekV3ForCausalLM layout, no MTP layer), Kimi K3
+    engine.weights.checkpoint.expected_weight_shapes (transformers' DeepseekV3ForCausalLM layout, no MTP layer), Kimi K3
     through engine.models.kimi_k3_weights.expected_k3_tensors (MXFP4 experts: two weights per packed byte).
     Remembered per config (the configs are frozen dataclasses, so their repr names every field)."""
     key = repr(config)
@@ -124,7 +124,7 @@ def count_parameters(config) -> ParamBreakdown:
 def _count(config) -> ParamBreakdown:
     groups = dict.fromkeys((item.name for item in fields(ParamBreakdown)), 0)
     if isinstance(config, ModelConfig):
-        from engine.weights import expected_weight_shapes  # torch: only when counting
+        from engine.weights.checkpoint import expected_weight_shapes  # torch: only when counting
 
         for name, shape in expected_weight_shapes(config).items():
             groups[weight_group(name)] += math.prod(shape)

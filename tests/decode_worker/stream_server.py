@@ -11,7 +11,7 @@ import grpc
 
 from decode_worker.servicer import DecodeServicer
 from decode_worker.streams import Sink, Streams
-from engine.engine_types import StepOutput
+from engine.runtime.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from rpc.convert import sampling_to_proto
 from rpc.interceptors import server_interceptors

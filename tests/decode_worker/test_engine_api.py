@@ -14,7 +14,7 @@ import pytest
 from decode_worker.engine_api import DecodeEngine, EngineFigures, EnginePort
 from decode_worker.engine_view import EngineView
 from decode_worker.process_port import ProcessPort
-from engine.llm_engine import LLMEngine
+from engine.runtime.llm_engine import LLMEngine
 from tests.decode_worker.thread_port import ThreadPort
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from decode_worker.engine_api import DecodeEngine
 from decode_worker.engine_process import (Add, Command, EngineHost, ErrorKind, Free, Outputs, Ready, Reply, Reserve,
                                           StepFailed, Stop, WireError)
-from engine.engine_types import StepOutput
+from engine.runtime.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 
 PAGES = 8

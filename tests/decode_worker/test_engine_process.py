@@ -16,7 +16,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from decode_worker.streams import EngineFailed
-from engine import weight_store
+from engine.weights import weight_store
 from kvtransfer.destination import TransportKind
 from rpc.status import Unavailable
 from tests.decode_worker.thread_port import thread_port
@@ -157,7 +157,7 @@ async def test_engine_process_death_fails_streams_and_is_reported(service_model)
 
 
 def _weight_segments_of(pid: int) -> list[Path]:
-    """The weight segments (engine/weight_store.py) whose header names `pid` as their owner."""
+    """The weight segments (engine/weights/weight_store.py) whose header names `pid` as their owner."""
     owned = []
     for path in Path(weight_store.SHM_DIR).glob(weight_store.PREFIX + "*"):
         try:

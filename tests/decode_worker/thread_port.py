@@ -14,7 +14,7 @@ from decode_worker.engine_process import build_engine
 from decode_worker.leases import allocate_admitted
 from decode_worker.step_loop import StepLoop
 from decode_worker.streams import Streams
-from engine.engine_types import StepOutput
+from engine.runtime.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from rpc.engine_thread import EngineThread
 

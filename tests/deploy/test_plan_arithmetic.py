@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.config import ModelConfig
+from engine.model_configs.model_config import ModelConfig
 from pdserve.plan.capacity import PlanRequest, kv_bytes_per_token, smallest_tp, tok_s_per_dollar, weight_bytes
 from pdserve.plan.dtypes import Quantization, WeightFormat, weight_format
 from pdserve.plan.gpus import lookup_gpu
@@ -41,7 +41,7 @@ def test_parameter_groups_follow_the_layer_shapes():
 def test_groups_partition_the_engines_weights():
     """Every tensor the engine expects falls in exactly one group, so the groups sum to all its weights; a
     tensor the planner does not know is an error, not a silent zero."""
-    from engine.weights import expected_weight_shapes
+    from engine.weights.checkpoint import expected_weight_shapes
 
     config = ModelConfig.from_hf_dict(SMALL)
     shapes = expected_weight_shapes(config)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import RopeConfig
+from engine.model_configs.model_config import RopeConfig
 from engine.models.dflash import DFlashConfig
 from engine.models.dspark import DSparkDraft, save_dspark
 from engine.models.dspark_config import DSparkConfig, MlaDraftShape

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode, build_attention_metadata
-from engine.kv_cache import CacheShape, PageAllocator, PagedLatentCache, PageTable
-from engine.state_pool import StatePool
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode, build_attention_metadata
+from engine.cache.kv_cache import CacheShape, PageAllocator, PagedLatentCache, PageTable
+from engine.cache.state_pool import StatePool
 
 
 class HybridRunner:

@@ -72,8 +72,8 @@ class StatefulRunner:
     step(mode, [(seq, tokens), ...]) -> (float32 logits [num_new_tokens, vocab], ModelOutput)."""
 
     def __init__(self, model: Any, config: Any, num_pages: int = 64, page_size: int = 16, num_slots: int = 8) -> None:
-        from engine.kv_cache import CacheShape, PageAllocator, PagedLatentCache
-        from engine.state_pool import StatePool
+        from engine.cache.kv_cache import CacheShape, PageAllocator, PagedLatentCache
+        from engine.cache.state_pool import StatePool
 
         shape = CacheShape(config.num_cache_layers, num_pages, page_size, config.kv_lora_rank,
                            config.qk_rope_head_dim, model.dtype)
@@ -88,8 +88,8 @@ class StatefulRunner:
         self.slots: dict[int, int] = {}
 
     def step(self, mode: Any, chunks: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, Any]:
-        from engine.forward_batch import ForwardBatch, build_attention_metadata
-        from engine.kv_cache import PageTable
+        from engine.runtime.forward_batch import ForwardBatch, build_attention_metadata
+        from engine.cache.kv_cache import PageTable
 
         q_lens, kv_lens, pages, ids, positions, slots = [], [], [], [], [], []
         for seq, tokens in chunks:

@@ -17,7 +17,7 @@ from engine.attention.aiter_backend import AiterAttentionBackend, load_aiter
 from engine.attention.base import VarlenSpans
 from engine.attention.head_padding import HeadPaddedBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import build_attention_metadata
+from engine.runtime.forward_batch import build_attention_metadata
 
 REFERENCE = TorchAttentionBackend()
 LATENT, ROPE, PAGE = 32, 16, 16

@@ -23,7 +23,7 @@ from engine.attention.base import VarlenSpans  # noqa: E402
 from engine.attention.head_padding import HeadPaddedBackend  # noqa: E402
 from engine.attention.registry import get_attention_backend  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from engine.forward_batch import build_attention_metadata  # noqa: E402
+from engine.runtime.forward_batch import build_attention_metadata  # noqa: E402
 
 REFERENCE = TorchAttentionBackend()
 

@@ -1,5 +1,5 @@
-"""The persistent device block table of captured steps (engine/block_table.py) and the graph runner's host
-side (engine/cuda_graphs.py): after every update the device table holds exactly the rows' page lists, only
+"""The persistent device block table of captured steps (engine/runtime/block_table.py) and the graph runner's host
+side (engine/runtime/cuda_graphs.py): after every update the device table holds exactly the rows' page lists, only
 changed entries travel, a padded step unpacks to the same metadata as the eager packing, and which graph
 buckets exist is agreed across tensor-parallel ranks."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from engine.block_table import DeviceBlockTable
-from engine.cuda_graphs import agree_across_ranks, pad_step
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardMode, unpack_forward_batch
-from engine.graph_buckets import pad_target_plan
-from engine.step_plan import DecodeItem, decode_plan, pack_target_plan
+from engine.runtime.block_table import DeviceBlockTable
+from engine.runtime.cuda_graphs import agree_across_ranks, pad_step
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardMode, unpack_forward_batch
+from engine.runtime.graph_buckets import pad_target_plan
+from engine.runtime.step_plan import DecodeItem, decode_plan, pack_target_plan
 
 
 def _assert_holds(table: DeviceBlockTable, page_tables: list[list[int]]) -> None:

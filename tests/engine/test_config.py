@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from engine.config import ModelConfig, RopeConfig
+from engine.model_configs.model_config import ModelConfig, RopeConfig
 from tests.engine.tiny_models import DEEPSEEK_V3_CONFIG
 
 DEEPSEEK_V3 = DEEPSEEK_V3_CONFIG

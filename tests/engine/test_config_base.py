@@ -1,4 +1,4 @@
-"""engine.config_base's property helpers: alias (one value under a second name) and length_of (a count read
+"""engine.model_configs.base's property helpers: alias (one value under a second name) and length_of (a count read
 from the collection it counts)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.config_base import alias, length_of
+from engine.model_configs.base import alias, length_of
 
 
 class _Holder:

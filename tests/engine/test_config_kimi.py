@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.model_configs.model_config import ModelConfig
 from engine.model_configs.kimi_linear import KimiLinearConfig
 from engine.models import registry
 
@@ -147,7 +147,7 @@ def test_registry_picks_config_class_and_rejects_unknown(tmp_path):
 def test_registry_builds_the_model_class(tmp_path):
     """build_model returns the registered class for the checkpoint's model_type (no weights loaded)."""
     from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.distributed import TPGroup
+    from engine.runtime.distributed import TPGroup
     from engine.models.kimi_linear import KimiLinearForCausalLM
     from tests.engine.kimi_linear_models import make_kimi_checkpoint
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from engine.device_ipc import CudaIpc, IpcUnavailable, MemfdIpc, handle_device, ipc_for
+from engine.weights.device_ipc import CudaIpc, IpcUnavailable, MemfdIpc, handle_device, ipc_for
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU guard")

@@ -1,4 +1,4 @@
-"""Device weight sharing (engine/device_weights.py) on the CPU: MemfdIpc stands in for CUDA / HIP IPC with the
+"""Device weight sharing (engine/weights/device_weights.py) on the CPU: MemfdIpc stands in for CUDA / HIP IPC with the
 same contract (the memory lives in the exporting process and dies with it), injected where CudaIpc runs on a GPU."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine import device_weights
-from engine.device_ipc import IpcUnavailable, MemfdIpc, ipc_for
-from engine.device_weights import live_users, load_device_shared
-from engine.weight_store import SHM_DIR, WeightKey, _unlink
+from engine.weights import device_weights
+from engine.weights.device_ipc import IpcUnavailable, MemfdIpc, ipc_for
+from engine.weights.device_weights import live_users, load_device_shared
+from engine.weights.weight_store import SHM_DIR, WeightKey, _unlink
 
 CPU = torch.device("cpu")
 

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from engine.devices import (
+from engine.runtime.devices import (
     check_gpus, default_dtype_name, host_to_device, parse_gpu_list, rank_device, resolve_device, serving_device,
 )
-from engine.tp_launcher import activation_backend
+from engine.runtime.tp_launcher import activation_backend
 
 
 def test_resolve_device():
@@ -101,8 +101,8 @@ def test_model_runner_steps_bind_their_gpu_on_the_stepping_thread(monkeypatch):
     device, which a new thread has at 0 (`--gpus 4-7` would have launched rank 1's kernels on GPU 0)."""
     import threading
 
-    from engine.model_runner import ModelRunner
-    from engine.step_plan import AttachPoolsPlan
+    from engine.runtime.model_runner import ModelRunner
+    from engine.runtime.step_plan import AttachPoolsPlan
 
     fake = _FakeCudaDevices()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -121,7 +121,7 @@ def test_model_runner_steps_bind_their_gpu_on_the_stepping_thread(monkeypatch):
 
 def test_bind_thread_to_is_a_no_op_on_cpu_and_without_a_gpu(monkeypatch):
     """CPU devices, and cuda without a visible GPU (FakeTensorMode runs), never call set_device."""
-    from engine.devices import bind_thread_to
+    from engine.runtime.devices import bind_thread_to
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail("set_device called"))
     bind_thread_to(torch.device("cpu"))

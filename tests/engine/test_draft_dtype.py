@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.prompts import held_out_prompts
 from engine import LLM, SamplingParams
-from engine.engine_types import EngineConfig
+from engine.engine_config import EngineConfig
 from engine.paths import MODELS_DIR
 
 MODELS = ("pdserve-tiny", "pdserve-k3-tiny")  # a DFlash draft and a DSpark draft (with its Markov head)

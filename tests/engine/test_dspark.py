@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import spec_decode
+from engine.spec import spec_decode
 from engine.models.dflash import DFlashDraft, load_draft
 from engine.models.draft_registry import load_any_draft, read_any_draft_config
 from engine.models.dspark import DSparkDraft, load_dspark

@@ -3,9 +3,9 @@ speculative verify steps (with the draft), graph replays and Kimi K3 decode on f
 mixing CPU and CUDA tensors raises; every op whose output shape depends on device values (nonzero, boolean
 masks, bincount, unique: FakeTensorMode has no shape environment here, so it raises
 DynamicOutputShapeException) fails the step; every device-to-host synchronisation outside
-engine.host_fetch.fetch_to_host (the sampler's single door: .item(), .tolist(), .cpu(), .numpy(), bool(),
+engine.runtime.host_fetch.fetch_to_host (the sampler's single door: .item(), .tolist(), .cpu(), .numpy(), bool(),
 .to("cpu")) fails the test, and so does every blocking upload from pageable host memory
-(torch.tensor(list, device="cuda"), cpu_tensor.to("cuda")) outside engine/devices.py's pinned helpers.
+(torch.tensor(list, device="cuda"), cpu_tensor.to("cuda")) outside engine/runtime/devices.py's pinned helpers.
 
 A CPU-only torch build has no CUDA device guard, which indexing and copies take even for fake
 tensors (torch._C._ensureCUDADeviceGuardSet does not help in 2.13): fake_cuda_guard.cpp registers a
@@ -25,10 +25,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from engine import devices, engine_types, llm_engine, spec_decode, step_results
-from engine.engine_types import EngineConfig
+from engine.runtime import devices, llm_engine, step_results
+from engine import engine_config
+from engine.spec import spec_decode
+from engine.engine_config import EngineConfig
 from engine.paths import DSV3_MODEL_DIR as DEFAULT_MODEL_DIR  # the DeepSeek-V3 model + DFlash draft
-from engine.llm_engine import LLMEngine
+from engine.runtime.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
@@ -39,7 +41,7 @@ class HostSyncError(AssertionError):
 
 
 def _called_from_devices() -> bool:
-    """Whether the guarded call comes from engine/devices.py (its pinned, non-blocking upload helpers, which
+    """Whether the guarded call comes from engine/runtime/devices.py (its pinned, non-blocking upload helpers, which
     fall back to a plain tensor under FakeTensorMode on a CPU-only machine)."""
     frame = sys._getframe(2)
     return frame.f_code.co_filename.endswith(os.path.join("engine", "devices.py"))
@@ -70,7 +72,7 @@ def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch, forbid_uploads: bool = Tr
             raise HostSyncError(f"Tensor.to({target!r}) on a {self.device} tensor outside the sampler")
         if forbid_uploads and self.device.type == "cpu" and target is not None \
                 and torch.device(target).type == "cuda" and not _called_from_devices():
-            raise HostSyncError(f"Tensor.to({target!r}) of a pageable CPU tensor (use engine.devices.host_to_device)")
+            raise HostSyncError(f"Tensor.to({target!r}) of a pageable CPU tensor (use engine.runtime.devices.host_to_device)")
         return original_to(self, *args, **kwargs)
 
     def fake_fetch(tensor: torch.Tensor) -> list:
@@ -89,7 +91,7 @@ def forbid_host_syncs(monkeypatch: pytest.MonkeyPatch, forbid_uploads: bool = Tr
         if device is not None and torch.device(device).type == "cuda" and not isinstance(data, torch.Tensor) \
                 and not _called_from_devices():
             raise HostSyncError(f"torch.tensor(<{type(data).__name__}>, device={device!r}): a blocking upload "
-                                "from pageable memory (use engine.devices.host_to_device)")
+                                "from pageable memory (use engine.runtime.devices.host_to_device)")
         return original_tensor(data, *args, **kwargs)
 
     for name in SYNC_METHODS:
@@ -110,9 +112,9 @@ def _fake_cuda_like(tensor: torch.Tensor) -> torch.Tensor:
 def _preload_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
     """safetensors cannot map files under FakeTensorMode: read the embedded model and its draft first
     and hand the loaders fake "cuda" tensors of the same shapes (the values do not matter to FakeTensorMode)."""
-    from engine.config import ModelConfig
+    from engine.model_configs.model_config import ModelConfig
     from engine.models import deepseek_v3, dflash
-    from engine.weights import iter_checkpoint
+    from engine.weights.checkpoint import iter_checkpoint
 
     config = ModelConfig.from_pretrained(DEFAULT_MODEL_DIR)
     target = list(iter_checkpoint(DEFAULT_MODEL_DIR, config.num_hidden_layers))
@@ -158,7 +160,7 @@ def cuda_guard_for_fake_tensors() -> None:
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, cuda_guard_for_fake_tensors):
     """One pretend GPU for device resolution; tensors on it are FakeTensorMode tensors."""
     monkeypatch.setattr(devices, "gpu_count", lambda: 1)
-    monkeypatch.setattr(engine_types, "gpu_count", lambda: 1)
+    monkeypatch.setattr(engine_config, "gpu_count", lambda: 1)
     _preload_checkpoints(monkeypatch)
     with FakeTensorMode(allow_non_fake_inputs=True):
         yield
@@ -203,7 +205,7 @@ def test_engine_steps_on_fake_cuda_stay_on_device(fake_gpu, monkeypatch):
 def test_sampling_batch_on_fake_cuda_has_no_sync(fake_gpu, monkeypatch):
     """The sampler's maths (temperature, top-k, top-p, min-p, exponential race) runs on the device and
     returns device ids: the only host copy is the caller's."""
-    from engine.sampling import SamplingBatch
+    from engine.sampling.ops import SamplingBatch
 
     params = [SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05), SamplingParams()]
     with forbid_host_syncs(monkeypatch) as fetches:
@@ -301,7 +303,7 @@ def test_graph_replay_step_on_fake_cuda_has_one_host_sync(fake_gpu, monkeypatch)
     """With captured graphs, a decode step's host side (padding, the block-table deltas, the packed input
     upload, the replay) adds no host sync, no blocking upload and no dynamic-shape op: one fetch per step,
     and the replay is used (not the eager path)."""
-    from engine.cuda_graphs import CudaGraphRunner
+    from engine.runtime.cuda_graphs import CudaGraphRunner
 
     engine = LLMEngine(EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", attention_backend="torch",
                                     use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
@@ -331,7 +333,7 @@ def _preload_k3(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.layers import kda
     from engine.models import causal_lm
     from engine.paths import K3_MODEL_DIR
-    from engine.weights import iter_checkpoint
+    from engine.weights.checkpoint import iter_checkpoint
 
     tensors = list(iter_checkpoint(K3_MODEL_DIR, None))
 
@@ -353,7 +355,7 @@ def fake_k3_engine(monkeypatch, cuda_guard_for_fake_tensors):
     from engine.paths import K3_MODEL_DIR
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 1)
-    monkeypatch.setattr(engine_types, "gpu_count", lambda: 1)
+    monkeypatch.setattr(engine_config, "gpu_count", lambda: 1)
     _preload_k3(monkeypatch)
     with FakeTensorMode(allow_non_fake_inputs=True):
         engine = LLMEngine(EngineConfig(model_dir=str(K3_MODEL_DIR), device="cuda", attention_backend="torch",
@@ -427,7 +429,7 @@ def test_aiter_decode_on_fake_cuda_is_graph_safe(fake_gpu, monkeypatch, paged):
     import types
 
     from engine.attention.aiter_backend import AiterAttentionBackend
-    from engine.forward_batch import build_attention_metadata
+    from engine.runtime.forward_batch import build_attention_metadata
 
     shapes = []
 
@@ -459,7 +461,7 @@ def test_aiter_decode_on_fake_cuda_is_graph_safe(fake_gpu, monkeypatch, paged):
 def test_k3_graph_replay_step_on_fake_cuda(fake_k3_engine, monkeypatch):
     """Kimi K3's plain decode steps replay captured graphs (state slots read from the packed buffer, padding
     rows on a scratch slot) with one fetch per step and no host sync, blocking upload or dynamic-shape op."""
-    from engine.cuda_graphs import CudaGraphRunner
+    from engine.runtime.cuda_graphs import CudaGraphRunner
 
     engine = fake_k3_engine
     _fake_graph_runtime(monkeypatch)

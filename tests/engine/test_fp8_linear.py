@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.distributed import TPGroup
+from engine.runtime.distributed import TPGroup
 from engine.kernels.fp8_quant import dequantize_fp8_block, quantize_fp8_block
 from engine.layers.fp8_linear import Fp8Linear, shard_block_scale
-from engine.weights import iter_checkpoint
+from engine.weights.checkpoint import iter_checkpoint
 
 BLOCK = (16, 16)
 OUT, IN = 64, 96
@@ -86,7 +86,7 @@ def _fp8_checkpoint(tiny_checkpoint, tmp_path: Path) -> Path:
     """The tiny "yarn" checkpoint with its 2-D linear weights stored FP8 (block scales), as DeepSeek-V3 ships."""
     import shutil
 
-    from engine.config import ModelConfig
+    from engine.model_configs.model_config import ModelConfig
 
     source = tiny_checkpoint("yarn")
     config = ModelConfig.from_pretrained(source)
@@ -113,8 +113,8 @@ def test_fp8_checkpoint_kept_fp8_runs_like_the_dequantised_model(tiny_checkpoint
     as e4m3 + block scales (kv_b_proj dequantised: MLA absorbs it), and gives the logits of the same
     checkpoint dequantised on load (the CPU path)."""
     from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.config import ModelConfig
-    from engine.forward_batch import ForwardMode
+    from engine.model_configs.model_config import ModelConfig
+    from engine.runtime.forward_batch import ForwardMode
     from engine.layers.linear import ColumnParallelLinear
     from engine.models.deepseek_v3 import load_model
     from tests.engine.tiny_models import PagedRunner
@@ -166,10 +166,10 @@ def test_device_importer_builds_the_fp8_form_the_exporter_shares(tiny_checkpoint
     device) has exactly the tensor names, shapes and dtypes of the FP8 model the exporter loaded, so binding
     the exporter's manifest succeeds instead of falling back to a private copy."""
     from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.config import ModelConfig
+    from engine.model_configs.model_config import ModelConfig
     from engine.models.deepseek_v3 import load_model
     from engine.models.registry import build_model
-    from engine.weight_store import _named_tensors
+    from engine.weights.weight_store import _named_tensors
 
     checkpoint = _fp8_checkpoint(tiny_checkpoint, tmp_path)
     config = ModelConfig.from_pretrained(checkpoint)

@@ -177,8 +177,8 @@ def test_layer_paths_agree_and_gpu_without_compiled_triton_stays_sync_free():
     """RoutedExperts gives the same output on every forced path (with an expert-parallel shard), picks
     dense/grouped on CPU by the bound, and on "cuda" without compiled Triton (here: the interpreter) the
     dense path, the torch path with no device-to-host sync."""
-    from engine.config import ModelConfig
-    from engine.distributed import TPGroup
+    from engine.model_configs.model_config import ModelConfig
+    from engine.runtime.distributed import TPGroup
     from engine.layers.moe import RoutedExperts
     from tests.engine.tiny_models import tiny_config_kwargs
 

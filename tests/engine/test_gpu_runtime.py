@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import llm_engine
+from engine.runtime import llm_engine
 from engine.llm import LLM
 from engine.paths import DSV3_MODEL_DIR
 from engine.sampling_params import SamplingParams

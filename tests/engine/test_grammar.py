@@ -1,4 +1,4 @@
-"""Structured outputs in the engine (engine/grammar.py, engine/logits_processing.py) with the embedded model and
+"""Structured outputs in the engine (engine/sampling/grammar.py, engine/sampling/logits_processing.py) with the embedded model and
 its tokenizer: a draft block's masks equal the masks of consuming the drafts one at a time (and leave the matcher
 where it was); greedy and sampled outputs follow the grammar, the first token included; greedy output is
 token-identical with speculation on and off; grammars that do not compile raise GrammarError naming the problem."""
@@ -11,8 +11,8 @@ import re
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.grammar import new_matcher, unpack_bitmasks
-from engine.grammar_compiler import GrammarError, compiler_for
+from engine.sampling.grammar import new_matcher, unpack_bitmasks
+from engine.sampling.grammar_compiler import GrammarError, compiler_for
 from engine.paths import DEFAULT_MODEL_DIR
 from gateway.tokenizer import TextTokenizer
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.forward_batch import ForwardMode
-from engine.graph_buckets import bucket_for, graph_buckets, pad_target_plan, uniform_query_len
-from engine.step_plan import TargetPlan, pack_target_plan
+from engine.runtime.forward_batch import ForwardMode
+from engine.runtime.graph_buckets import bucket_for, graph_buckets, pad_target_plan, uniform_query_len
+from engine.runtime.step_plan import TargetPlan, pack_target_plan
 
 
 def _decode_plan(q_len: int, kv_lens: list[int], tables: list[list[int]]) -> TargetPlan:

@@ -8,7 +8,7 @@ import torch
 from engine.attention.base import AttentionBackend, VarlenSpans
 from engine.attention.head_padding import HeadPaddedBackend, next_supported_head_count, pad_heads
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import AttentionMetadata, build_attention_metadata
+from engine.runtime.forward_batch import AttentionMetadata, build_attention_metadata
 
 REFERENCE = TorchAttentionBackend()
 SCALE = 0.17

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardMode
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardMode
 from engine.models.kimi_k3 import KimiK3ForCausalLM, load_model
 from engine.layers.dense_experts import DenseExperts
 from tests.engine.k3_checkpoint import EXPERT_DTYPES, k3_config, k3_state_dict, make_k3_checkpoint, write_k3_checkpoint

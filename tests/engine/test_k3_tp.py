@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardMode
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardMode
 from engine.models.kimi_k3 import load_model
 from tests.engine.k3_checkpoint import make_k3_checkpoint
 from tests.engine.k3_runner import HybridRunner

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardBatch, ForwardMode, build_attention_metadata
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode, build_attention_metadata
 from engine.layers.kda import KimiDeltaAttention
 from engine.model_configs.kimi_linear import KimiLinearConfig
-from engine.state_pool import StatePool
+from engine.cache.state_pool import StatePool
 from tests.engine.k3_checkpoint import k3_config
 
 HIDDEN, HEADS, HEAD_DIM, SLOTS = 64, 4, 16, 12

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardMode
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardMode
 from engine.models.kimi_linear import load_model
 from tests.engine.kimi_linear_models import KIMI_VARIANTS, StatefulRunner, hf_logits, make_kimi_checkpoint
 

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 from engine import LLM, SamplingParams
 from engine.attention.head_padding import HeadPaddedBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardMode
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardMode
 from engine.models.kimi_linear import load_model
 from tests.engine.kimi_linear_models import KIMI_VARIANTS, StatefulRunner, make_kimi_checkpoint
 
@@ -60,7 +60,7 @@ def test_preemption_recomputes_state_from_zero(kimi_dirs, caplog):
     with LLM(model_dir, attention_backend="torch", draft_model="") as llm:
         expected = llm.generate(prompts, params)
     slot_bytes = 2 * (2 * 3 * 48 * 4 + 6 * 8 * 8 * 4)  # 2 KDA layers x (conv window + recurrent state), fp32
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.runtime.llm_engine"):
         with LLM(model_dir, attention_backend="torch", draft_model="", max_batched_tokens=7, max_running=3,
                  page_size=4, kv_memory_bytes=8 * slot_bytes, prefix_cache=False) as llm:  # the cache-off split
             engine = llm.engine

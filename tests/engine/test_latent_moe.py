@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.distributed import TPGroup
+from engine.runtime.distributed import TPGroup
 from engine.layers.latent_moe import LatentMoE, LatentMoEShape
 from engine.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from engine.layers.situ import situ_glu

@@ -10,9 +10,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 
 from engine.attention.base import VarlenSpans
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ModelConfig, RopeConfig
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardMode
+from engine.model_configs.model_config import ModelConfig, RopeConfig
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardMode
 from engine.layers.moe import select_experts
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.deepseek_v3 import load_model

@@ -1,4 +1,4 @@
-"""Penalties, logit_bias and min_tokens (engine/penalties.py) against a per-row Python reference of the
+"""Penalties, logit_bias and min_tokens (engine/sampling/penalties.py) against a per-row Python reference of the
 formulas (vLLM / OpenAI semantics), and in the engine: a banned token never appears, min_tokens holds eos
 back, penalties change greedy output as the formula says, and speculative decoding leaves greedy output
 with penalties token-identical."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.penalties import RowContext, adjust_logits
+from engine.sampling.penalties import RowContext, adjust_logits
 
 EOS = (1,)
 

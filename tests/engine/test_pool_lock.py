@@ -8,11 +8,11 @@ import threading
 
 import torch
 
-from engine.kv_cache import OutOfPages, PageAllocator, PageTable
+from engine.cache.kv_cache import OutOfPages, PageAllocator, PageTable
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus
-from engine.state_pool import OutOfStateSlots, StatePool, StateShape
+from engine.runtime.scheduler import Scheduler, SchedulerConfig
+from engine.runtime.sequence import Sequence, SeqStatus
+from engine.cache.state_pool import OutOfStateSlots, StatePool, StateShape
 
 PAGE_SIZE = 4
 

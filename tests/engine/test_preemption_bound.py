@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.scheduler import ScheduledStep
+from engine.runtime.scheduler import ScheduledStep
 from tests.engine.dspark_fixtures import make_k3_with_dspark
 
 SLOT_BYTES, PAGE_BYTES = 78_336, 3_200  # this K3's state slot (6 KDA layers, fp32) and a page of 4 tokens

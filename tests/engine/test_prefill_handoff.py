@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.llm_engine import EngineConfig, LLMEngine, PrefillJob
+from engine.runtime.llm_engine import EngineConfig, LLMEngine, PrefillJob
 from kvtransfer.shm_pool import ShmPoolFactory
 from tests.engine.spec_fixtures import add_random_draft, make_tiny_checkpoint
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.engine_types import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.runtime.llm_engine import LLMEngine
 from engine.paths import MODELS_DIR
 
 TINY = str(MODELS_DIR / "pdserve-tiny")
@@ -149,7 +149,7 @@ def test_k3_checkpoint_pool_stays_within_its_share(caplog):
     """The checkpoint pool takes at most checkpoint_memory_fraction of kv_memory_bytes, pages + slots + verify
     scratch + checkpoints stay within kv_memory_bytes, and the start-up line gives pages, slots and checkpoints."""
     budget = 48 * 2**20
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.runtime.llm_engine"):
         engine = LLMEngine(EngineConfig(model_dir=K3, kv_memory_bytes=budget, checkpoint_memory_fraction=0.25))
     with engine:
         runner, state = engine.runner, engine.state_pool

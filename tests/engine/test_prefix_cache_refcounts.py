@@ -12,14 +12,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from engine.kv_cache import PageAllocator, PageTable
-from engine.prefix_cache import PrefixCache
-from engine.prefix_reuse import PrefixReuse
+from engine.cache.kv_cache import PageAllocator, PageTable
+from engine.cache.prefix_cache import PrefixCache
+from engine.cache.prefix_reuse import PrefixReuse
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus
-from engine.state_pool import StatePool, StateShape
-from engine.step_plan import CheckpointStatePlan
+from engine.runtime.scheduler import Scheduler, SchedulerConfig
+from engine.runtime.sequence import Sequence, SeqStatus
+from engine.cache.state_pool import StatePool, StateShape
+from engine.runtime.step_plan import CheckpointStatePlan
 
 PAGE = 4
 

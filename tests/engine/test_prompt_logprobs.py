@@ -1,4 +1,4 @@
-"""Prompt scoring in the prefill entry point (engine/prompt_logprobs.py): the logprob of every prompt token
+"""Prompt scoring in the prefill entry point (engine/sampling/prompt_logprobs.py): the logprob of every prompt token
 after the first, and its top alternatives, equal log_softmax of the engine's own full logits (llm.logits),
 whatever the chunking (max_batched_tokens splits prompts across forwards, several prompts per forward, a
 scoring prompt beside one that does not score); the first token is sampled as without scoring."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.llm_engine import EngineConfig, LLMEngine, PrefillJob
+from engine.runtime.llm_engine import EngineConfig, LLMEngine, PrefillJob
 
 PROMPTS = [[5, 6, 7, 8] * 3, list(range(10, 47)), [9], [3, 4]]
 

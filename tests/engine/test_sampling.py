@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling import (
+from engine.sampling.ops import (
     SamplingBatch,
     logits_to_probs,
     make_generator,

@@ -1,13 +1,13 @@
-"""The Scheduler's policy on its own (engine/scheduler.py; no model): prefill first within the token budget;
+"""The Scheduler's policy on its own (engine/runtime/scheduler.py; no model): prefill first within the token budget;
 when a decode step runs out of pages, the newest partly prefilled waiting sequence gives its pages back first,
 then the most recently arrived running sequence is preempted (back to the front of the waiting queue, its
 cache dropped, its tokens kept); the oldest running sequence always keeps running."""
 from __future__ import annotations
 
-from engine.kv_cache import PageAllocator, PageTable
+from engine.cache.kv_cache import PageAllocator, PageTable
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus
+from engine.runtime.scheduler import Scheduler, SchedulerConfig
+from engine.runtime.sequence import Sequence, SeqStatus
 
 PAGE_SIZE = 4
 

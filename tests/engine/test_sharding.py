@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.distributed import TPGroup
-from engine.sharding import ShardKind, find_rule, owned_elsewhere, shard_weight
-from engine.weights import expected_weight_shapes
+from engine.model_configs.model_config import ModelConfig
+from engine.runtime.distributed import TPGroup
+from engine.weights.sharding import ShardKind, find_rule, owned_elsewhere, shard_weight
+from engine.weights.checkpoint import expected_weight_shapes
 from tests.engine.tiny_models import DEEPSEEK_V3_CONFIG as DEEPSEEK_V3
 
 CONFIG = ModelConfig.from_hf_dict(DEEPSEEK_V3)

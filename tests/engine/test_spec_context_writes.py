@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.engine_types import PrefillJob
+from engine.runtime.outputs import PrefillJob
 from engine.sampling_params import speculates
 from tests.engine.spec_fixtures import add_random_draft, make_tiny_checkpoint
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import spec_decode
+from engine.spec import spec_decode
 from tests.engine.spec_fixtures import add_random_draft, make_small_vocab_checkpoint, make_tiny_checkpoint
 from tests.engine.chi_square import chi_square_pvalue
 
@@ -169,7 +169,7 @@ def test_sampled_spec_decoding_with_penalties_matches_the_penalised_distribution
 def test_greedy_verdict_is_the_longest_matching_prefix_then_the_target_token():
     """Host-side greedy verification: drafts are kept up to the first disagreement with the target's argmax,
     then the argmax at that row is emitted (all kept: the bonus row's argmax)."""
-    from engine.spec_decode import greedy_verdict
+    from engine.spec.spec_decode import greedy_verdict
 
     assert greedy_verdict([5, 6, 7], [5, 6, 9, 1]) == ([5, 6, 9], 2)
     assert greedy_verdict([5, 6, 7], [4, 6, 7, 1]) == ([4], 0)

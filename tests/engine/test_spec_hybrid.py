@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import spec_decode
-from engine.model_runner import ModelRunner
-from engine.state_pool import StatePool
+from engine.spec import spec_decode
+from engine.runtime.model_runner import ModelRunner
+from engine.cache.state_pool import StatePool
 from tests.engine.dspark_fixtures import make_k3_with_dspark
 
 PROMPTS = [[5 + i % 7, 6 + i, 7, 8 + (3 * i) % 11] * (1 + i % 4) for i in range(6)]
@@ -189,7 +189,7 @@ def test_preemption_during_speculation(model_dir, caplog):
     # under load, which did not recur here with or without the scheduler's readmission rule: ~10 s either way; the
     # recompute thrash that rule removes is tests/engine/test_preemption_bound.py's.)
     budget = 28 * 78_336 + 73 * 3_200
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.runtime.llm_engine"):
         with LLM(model_dir, attention_backend="torch", spec_block_size=8, max_running=3, page_size=4,
                  kv_memory_bytes=budget, state_memory_fraction=0.95, prefix_cache=False) as llm:  # cache-off split
             assert llm.engine.allocator.num_pages == 73 and llm.engine.state_pool.num_slots == 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.state_pool import StatePool
+from engine.cache.state_pool import StatePool
 from tests.engine.dspark_fixtures import make_k3_with_dspark
 
 MAX_RUNNING = 8

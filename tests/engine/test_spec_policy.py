@@ -1,11 +1,11 @@
-"""Speculation back-off (engine/spec_policy.py): the policy's arithmetic, and an engine that backs off
+"""Speculation back-off (engine/spec/spec_policy.py): the policy's arithmetic, and an engine that backs off
 (fewer verify steps, plain steps in between) still emits exactly the plain greedy tokens."""
 from __future__ import annotations
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.spec_policy import SpecBackoff, SpecState, record_verify, should_speculate
+from engine.spec.spec_policy import SpecBackoff, SpecState, record_verify, should_speculate
 from tests.engine.dspark_fixtures import make_k3_with_dspark
 from tests.engine.spec_fixtures import add_random_draft, make_tiny_checkpoint
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import spec_decode
-from engine.kv_cache import PageAllocator, PageTable
+from engine.spec import spec_decode
+from engine.cache.kv_cache import PageAllocator, PageTable
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.runtime.sequence import Sequence
 
 BLOCK, VOCAB = 5, 11
 

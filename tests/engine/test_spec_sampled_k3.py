@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import spec_decode
+from engine.spec import spec_decode
 from tests.engine.chi_square import chi_square_pvalue
 from tests.engine.dspark_fixtures import make_small_vocab_k3_with_dspark
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from engine import LLM, SamplingParams
-from engine import spec_decode
+from engine.spec import spec_decode
 from tests.engine.dspark_fixtures import make_k3_with_dspark
 from tests.engine.test_spec_hybrid import oracle_propose
 

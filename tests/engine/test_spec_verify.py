@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.sampling import sample
-from engine.spec_verify import AcceptanceStats, VerifyResult, verify_greedy, verify_sampled
+from engine.sampling.ops import sample
+from engine.spec.spec_verify import AcceptanceStats, VerifyResult, verify_greedy, verify_sampled
 from tests.engine.chi_square import chi_square_pvalue
 
 VOCAB = 8

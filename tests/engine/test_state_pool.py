@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.state_pool import OutOfStateSlots, StatePool, StateShape
+from engine.cache.state_pool import OutOfStateSlots, StatePool, StateShape
 
 
 def _shape(**overrides) -> StateShape:
@@ -74,7 +74,7 @@ def test_slot_round_trip():
 
 def test_split_memory_budget():
     """Slots = max_running + 1 within half the budget, pages take the rest; no slots without linear attention."""
-    from engine.state_pool import split_memory_budget
+    from engine.cache.state_pool import split_memory_budget
 
     assert split_memory_budget(10_000, 100, 0, 4) == (100, 0, 0, 0)
     assert split_memory_budget(10_000, 100, 1000, 4) == (50, 5, 0, 0)
@@ -89,7 +89,7 @@ def test_split_memory_budget():
 def test_split_memory_budget_counts_verify_scratch(budget, max_running, steps, fraction):
     """With speculation, pages + slots + the scratch for every running sequence (rows x steps slots' worth)
     never exceed the budget, state stays within its fraction, and every running sequence gets a scratch row."""
-    from engine.state_pool import split_memory_budget
+    from engine.cache.state_pool import split_memory_budget
 
     page, slot = 100, 1000
     split = split_memory_budget(budget, page, slot, max_running, snapshot_steps=steps, state_fraction=fraction)
@@ -105,7 +105,7 @@ def test_split_memory_budget_exact_figures():
     """4 running, 3 verify positions, slot 1000 B in half of 100 kB: 5 slots + 4 x 3 scratch = 17 kB of state,
     the pages get the other 83 kB; with 8 positions in half of 20 kB only one slot + its scratch fit; a budget
     too small for one slot and its scratch is refused."""
-    from engine.state_pool import split_memory_budget
+    from engine.cache.state_pool import split_memory_budget
 
     assert split_memory_budget(100_000, 100, 1000, 4, snapshot_steps=3) == (830, 5, 4, 3)
     assert split_memory_budget(20_000, 100, 1000, 4, snapshot_steps=8) == (110, 1, 1, 8)  # 1 + 8 slots in 10 kB
@@ -118,10 +118,10 @@ def test_split_memory_budget_exact_figures():
 def test_scheduler_waits_for_a_free_slot_and_frees_on_preemption():
     """A waiting sequence gets no prefill chunk while every slot is taken; dropping a sequence's cache
     (preemption) returns its slot, and the next sequence then takes it."""
-    from engine.kv_cache import PageAllocator, PageTable
+    from engine.cache.kv_cache import PageAllocator, PageTable
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler, SchedulerConfig
-    from engine.sequence import Sequence
+    from engine.runtime.scheduler import Scheduler, SchedulerConfig
+    from engine.runtime.sequence import Sequence
 
     pool = StatePool(_shape(num_slots=1))
     allocator = PageAllocator(16)

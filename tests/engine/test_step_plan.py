@@ -2,8 +2,8 @@
 step feeds, at which positions, into which pages, and which logits rows come back."""
 from __future__ import annotations
 
-from engine.forward_batch import ForwardMode
-from engine.step_plan import DecodeItem, PrefillItem, decode_plan, prefill_plan, with_state_slots
+from engine.runtime.forward_batch import ForwardMode
+from engine.runtime.step_plan import DecodeItem, PrefillItem, decode_plan, prefill_plan, with_state_slots
 
 
 def test_prefill_plan_feeds_each_chunk_after_its_cached_tokens():

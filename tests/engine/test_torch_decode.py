@@ -8,7 +8,7 @@ import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.torch_decode import build_decode_layout, decode_attention, split_groups
-from engine.forward_batch import build_attention_metadata
+from engine.runtime.forward_batch import build_attention_metadata
 
 PAGE, LATENT, ROPE, HEADS = 4, 12, 4, 3
 

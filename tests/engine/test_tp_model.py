@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardMode
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardMode
 from engine.models.deepseek_v3 import load_model
 from tests.engine.tiny_models import VARIANTS, PagedRunner
 

@@ -42,17 +42,17 @@ EXPECT_FAILURE = """
 import threading
 BASE_THREADS = threading.active_count()
 from engine import LLM
-from engine.tp_launcher import TPStartError
+from engine.runtime.tp_launcher import TPStartError
 try:
     LLM(tp_size=2, attention_backend="torch", draft_model="")
 except TPStartError as error:
     print("ERROR", error)
 """
 # A follower interpreter that dies before it joins the group.
-DYING_CHILD = "import engine.tp_start\nengine.tp_start.ENTRY_CODE = 'import sys; sys.exit(3)'\n"
+DYING_CHILD = "import engine.runtime.tp_start\nengine.runtime.tp_start.ENTRY_CODE = 'import sys; sys.exit(3)'\n"
 # A forked follower whose load raises (the leader loads fine).
 FAILING_LOAD = """
-import engine.tp_launcher as launcher
+import engine.runtime.tp_launcher as launcher
 from rpc.processes import child_start_method
 assert child_start_method("cpu") == "fork", "this case needs a one-thread leader"
 class Failing(launcher.ModelRunner):

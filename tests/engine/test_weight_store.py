@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import weight_store
-from engine.weight_store import PREFIX, SHM_DIR, WeightKey, load_shared, remove_stale_segments
+from engine.weights import weight_store
+from engine.weights.weight_store import PREFIX, SHM_DIR, WeightKey, load_shared, remove_stale_segments
 
 
 class Tiny(nn.Module):

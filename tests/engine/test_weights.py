@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ModelConfig
-from engine.distributed import TPGroup
-from engine.forward_batch import ForwardMode
+from engine.model_configs.model_config import ModelConfig
+from engine.runtime.distributed import TPGroup
+from engine.runtime.forward_batch import ForwardMode
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM, load_model
-from engine.sharding import owned_elsewhere
-from engine.weights import dequantize_fp8_block, expected_weight_shapes, iter_checkpoint, quantize_fp8_block
+from engine.weights.sharding import owned_elsewhere
+from engine.weights.checkpoint import dequantize_fp8_block, expected_weight_shapes, iter_checkpoint, quantize_fp8_block
 from tests.engine.tiny_models import PagedRunner
 
 VARIANT = "yarn"

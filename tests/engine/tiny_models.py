@@ -106,7 +106,7 @@ class PagedRunner:
     returns the float32 logits [num_new_tokens, vocab] of every new token plus the ModelOutput."""
 
     def __init__(self, model: Any, config: Any, num_pages: int = 64, page_size: int = 16) -> None:
-        from engine.kv_cache import CacheShape, PageAllocator, PagedLatentCache
+        from engine.cache.kv_cache import CacheShape, PageAllocator, PagedLatentCache
 
         shape = CacheShape(config.num_hidden_layers, num_pages, page_size, config.kv_lora_rank,
                            config.qk_rope_head_dim, model.dtype)
@@ -119,8 +119,8 @@ class PagedRunner:
         self.lengths: dict[int, int] = {}
 
     def step(self, mode: Any, chunks: list[tuple[int, list[int]]], capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, Any]:
-        from engine.forward_batch import ForwardBatch, build_attention_metadata
-        from engine.kv_cache import PageTable
+        from engine.runtime.forward_batch import ForwardBatch, build_attention_metadata
+        from engine.cache.kv_cache import PageTable
 
         q_lens, kv_lens, pages, ids, positions = [], [], [], [], []
         for seq, tokens in chunks:

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.grpc_receiver import PushReceiver
 from kvtransfer.grpc_servicer import serve
 from kvtransfer.layout import KVLayout

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import PageAllocator
+from engine.cache.kv_cache import PageAllocator
 from kvtransfer.errors import ChecksumMismatch, UnknownTransfer
 from kvtransfer.leases import LeaseTable
 from kvtransfer.shm_pool import SharedPagePool

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from engine.kv_cache import PageAllocator
+from engine.cache.kv_cache import PageAllocator
 from kvtransfer.chunks import WireChunk
 from kvtransfer.errors import ChecksumMismatch
 from kvtransfer.grpc_transport import GrpcWriter

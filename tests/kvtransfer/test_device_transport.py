@@ -15,7 +15,7 @@ from kvtransfer.errors import BadChunk, IncompleteTransfer, LayoutMismatch, Tran
 from kvtransfer.layout import KVLayout, SegmentKind
 from kvtransfer.leases import LeaseTable
 from kvtransfer.shm_pool import SHM_DIR
-from engine.device_ipc import MemfdIpc
+from engine.weights.device_ipc import MemfdIpc
 from tests.kvtransfer.conftest import SMALL_WITH_DRAFT, random_cache
 
 CPU = torch.device("cpu")
@@ -161,7 +161,7 @@ def test_grpc_push_into_a_device_pool_goes_through_the_host_mirror():
     from kvtransfer.grpc_servicer import serve
     from kvtransfer.grpc_transport import GrpcWriter
     from kvtransfer.staged_receiver import StagedPushReceiver
-    from engine.kv_cache import PagedLatentCache
+    from engine.cache.kv_cache import PagedLatentCache
 
     device_cache = PagedLatentCache(SMALL_WITH_DRAFT.to_cache_shape(8))
     device_cache.buffer.view(torch.uint8).fill_(0x11)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from engine.kv_cache import PageAllocator
+from engine.cache.kv_cache import PageAllocator
 from kvtransfer.chunks import ChunkEncoder, WireChunk
 from kvtransfer.destination import Destination
 from kvtransfer.errors import (

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from engine.kv_cache import CacheShape
+from engine.cache.kv_cache import CacheShape
 from kvtransfer.errors import LayoutMismatch
 from kvtransfer.layout import KVLayout, SegmentKind, check_layout
 

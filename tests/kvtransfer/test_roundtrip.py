@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.destination import Destination
 from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import DTYPES, KVLayout, SegmentKind

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from engine.kv_cache import PageAllocator
+from engine.cache.kv_cache import PageAllocator
 from kvtransfer.completion import CompletionRecord, SlotState, key_of
 from kvtransfer.errors import (
     BadChunk, ChecksumMismatch, IncompleteTransfer, LeaseExpired, OutOfSlots, TransferAborted, TransferTimeout,

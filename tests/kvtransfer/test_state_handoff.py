@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from engine.kv_cache import PagedLatentCache
+from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.chunks import ChunkEncoder, WireChunk
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import BadChunk, ChecksumMismatch, IncompleteTransfer, LayoutMismatch

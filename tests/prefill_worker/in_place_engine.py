@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.engine_types import PrefillJob, PrefillResult
+from engine.runtime.outputs import PrefillJob, PrefillResult
 from kvtransfer.layout import KVLayout
 from prefill_worker.engine_api import PageCopies, PrefillEngine
 

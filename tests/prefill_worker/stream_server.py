@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
-from engine.engine_types import PrefillJob
-from engine.kv_cache import PageAllocator
+from engine.runtime.outputs import PrefillJob
+from engine.cache.kv_cache import PageAllocator
 from engine.sampling_params import SamplingParams
-from engine.llm_engine import PrefillResult
+from engine.runtime.llm_engine import PrefillResult
 from kvtransfer.layout import KVLayout
 from kvtransfer.leases import LeaseTable
 from kvtransfer.shm_pool import SharedPagePool

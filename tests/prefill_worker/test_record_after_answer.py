@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from engine.engine_types import PrefillJob, PrefillResult
-from engine.kv_cache import PageAllocator
+from engine.runtime.outputs import PrefillJob, PrefillResult
+from engine.cache.kv_cache import PageAllocator
 from kvtransfer.layout import KVLayout
 from kvtransfer.leases import LeaseTable
 from kvtransfer.shm_pool import SharedPagePool

@@ -33,7 +33,7 @@ def test_status_for(error, code):
 
 def test_out_of_pages_is_resource_exhausted():
     """The engine's OutOfPages (matched lazily, without importing torch in the gateway) is RESOURCE_EXHAUSTED."""
-    from engine.kv_cache import OutOfPages
+    from engine.cache.kv_cache import OutOfPages
 
     assert status_for(OutOfPages("need 3"))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from engine.forward_batch import ForwardMode
-from engine.step_plan import TargetPlan
+from engine.runtime.forward_batch import ForwardMode
+from engine.runtime.step_plan import TargetPlan
 from kvtransfer.destination import Destination
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.llm_engine import PrefillResult
+from engine.runtime.llm_engine import PrefillResult
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.layout import KVLayout
 from rpc.status import AlreadyExists

@@ -99,7 +99,7 @@ def _run(model: Path, log_dir: Path, share: bool, kill_owner: bool = False) -> d
 
 
 def _owns_a_segment(pid: int, segments: set[str]) -> bool:
-    from engine.weight_store import SHM_DIR, _read_header
+    from engine.weights.weight_store import SHM_DIR, _read_header
 
     for name in segments:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)

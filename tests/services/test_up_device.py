@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import devices
+from engine.runtime import devices
 from pdserve.commands import up
 from pdserve.launcher import kv_pool_flags
 from tests.services.helpers import up_args

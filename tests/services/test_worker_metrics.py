@@ -85,7 +85,7 @@ def test_prefill_metrics_count_transfers_by_transport():
 def test_prefill_metrics_read_the_prefix_cache_at_scrape_time():
     """The prefix cache's counters and gauges come from the engine's PrefixCacheStats when scraped (none before
     the engine runs)."""
-    from engine.engine_types import PrefixCacheStats
+    from engine.runtime.outputs import PrefixCacheStats
 
     current: list[PrefixCacheStats | None] = [None]
     metrics = PrefillMetrics()

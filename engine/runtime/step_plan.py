@@ -1,0 +1,179 @@
+"""Step plans: what the leader broadcasts to every tensor-parallel rank before each forward.
+
+Plain picklable dataclasses of Python lists, so a follower rebuilds exactly the leader's batch."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine.runtime.forward_batch import ForwardMode, StepLayout, pack_step_inputs
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    """One target-model forward. Sequence i feeds q_lens[i] tokens ending its context of kv_lens[i].
+
+    logit_rows: token rows (indices into input_ids) whose logits the leader needs.
+    pool_names: per-rank shared-memory pools to use as the cache (None: the rank's own cache).
+    write_draft_context: also store the draft model's context entries for every token.
+    state_slots: the state-pool slot of each sequence (models with linear attention; None otherwise).
+    reset_slots: slots every rank zeroes before the forward (sequences starting from token 0).
+    snapshot_state: a speculative verify step: KDA state per position goes to the scratch, slots are
+        kept until a CommitStatePlan names how many positions each sequence keeps.
+    """
+
+    mode: ForwardMode
+    input_ids: list[int]
+    positions: list[int]
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_tables: list[list[int]]
+    logit_rows: list[int]
+    pool_names: tuple[str, ...] | None = None
+    write_draft_context: bool = False
+    state_slots: list[int] | None = None
+    reset_slots: tuple[int, ...] = ()
+    snapshot_state: bool = False
+
+
+class PrefillItem(NamedTuple):
+    """One sequence's share of a prefill forward: token_ids[num_cached : num_cached + num_tokens] into pages."""
+
+    token_ids: list[int]
+    num_cached: int
+    num_tokens: int
+    pages: list[int]
+    needs_logits: bool  # the chunk ends the prompt: its last row's logits choose the first token
+    all_logits: bool = False  # every row's logits (prompt scoring: engine/sampling/prompt_logprobs.py)
+
+
+class DecodeItem(NamedTuple):
+    """One sequence in a decode / verify forward: `tokens` (last token + drafts) after num_cached tokens."""
+
+    tokens: list[int]
+    num_cached: int
+    pages: list[int]
+
+
+def prefill_plan(items: list[PrefillItem], pool_names: tuple[str, ...] | None = None,
+                 write_draft_context: bool = False) -> TargetPlan:
+    """An EXTEND plan over chunks of several prompts; logit_rows: every row of an all_logits item, else the last
+    row of each item needing logits."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    for item in items:
+        end = item.num_cached + item.num_tokens
+        input_ids.extend(item.token_ids[item.num_cached : end])
+        positions.extend(range(item.num_cached, end))
+        if item.all_logits:
+            rows.extend(range(len(input_ids) - item.num_tokens, len(input_ids)))
+        elif item.needs_logits:
+            rows.append(len(input_ids) - 1)
+    return TargetPlan(
+        mode=ForwardMode.EXTEND, input_ids=input_ids, positions=positions, q_lens=[item.num_tokens for item in items],
+        kv_lens=[item.num_cached + item.num_tokens for item in items], page_tables=[list(item.pages) for item in items],
+        logit_rows=rows, pool_names=pool_names, write_draft_context=write_draft_context,
+    )
+
+
+def decode_plan(items: list[DecodeItem], write_draft_context: bool = False, snapshot_state: bool = False) -> TargetPlan:
+    """A DECODE plan (speculative verify when items carry drafts): logits for every fed token."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    for item in items:
+        input_ids.extend(item.tokens)
+        positions.extend(range(item.num_cached, item.num_cached + len(item.tokens)))
+    return TargetPlan(
+        mode=ForwardMode.DECODE, input_ids=input_ids, positions=positions, q_lens=[len(item.tokens) for item in items],
+        kv_lens=[item.num_cached + len(item.tokens) for item in items], page_tables=[list(item.pages) for item in items],
+        logit_rows=list(range(len(input_ids))), write_draft_context=write_draft_context, snapshot_state=snapshot_state,
+    )
+
+
+def with_state_slots(plan: TargetPlan, slots: list[int], fresh: tuple[int, ...]) -> TargetPlan:
+    """The plan with each sequence's state-pool slot; `fresh` slots (sequences starting at token 0) are
+    zeroed by every rank before the forward."""
+    return dataclasses.replace(plan, state_slots=list(slots), reset_slots=tuple(fresh))
+
+
+def pack_target_plan(plan: TargetPlan, page_size: int, max_pages: int | None = None,
+                     include_table: bool = True) -> tuple[list[int], StepLayout]:
+    """The plan's tokens, attention metadata and logit rows as one flat list of ints and its layout
+    (forward_batch.pack_step_inputs): what one host-to-device copy moves."""
+    return pack_step_inputs(plan.input_ids, plan.positions, plan.q_lens, plan.kv_lens, plan.page_tables, page_size,
+                            plan.logit_rows, max_pages, include_table)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """One draft forward: block [last token, MASK x (block_size - 1)] per sequence, starting at
+    position context_lens[i] (the context covers positions 0 .. context_lens[i] - 1)."""
+
+    block_size: int
+    last_tokens: list[int]
+    context_lens: list[int]
+    page_tables: list[list[int]]
+    with_hidden: bool = False  # also return the draft's hidden states (a gated / rnn DSpark Markov head reads them)
+
+
+@dataclass(frozen=True)
+class CommitStatePlan:
+    """After a verify step: slot slots[i] takes the KDA state after verify position steps[i] of the
+    step's sequence i (steps[i] = tokens kept - 1; -1 leaves the slot as it was)."""
+
+    slots: list[int]
+    steps: list[int]
+
+
+@dataclass(frozen=True)
+class CheckpointStatePlan:
+    """Prefix cache, models with KDA layers: every rank copies whole state slots between its state pool and its
+    checkpoint pool. save: state slot pairs[i][0] -> checkpoint pairs[i][1]; otherwise (restore) checkpoint
+    pairs[i][0] -> state slot pairs[i][1] (in the pools named by pool_names; None: the rank's own)."""
+
+    pairs: list[tuple[int, int]]
+    save: bool
+    pool_names: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotCheckpointPlan:
+    """Prefix cache, right after a speculative verify step's commit: checkpoint rows[i][2] takes the KDA state
+    after verify position rows[i][1] of the step's sequence rows[i][0] (a page boundary inside the kept tokens)."""
+
+    rows: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """A prefill-only sequence is done: every rank copies its own pages src_pages[i] -> dst_pages[i] (target and
+    draft context) and its state slot src_slot -> dst_slot (models with linear attention) into the pools named
+    (None: its own pool)."""
+
+    src_pages: list[int]
+    dst_pages: list[int]
+    pool_names: tuple[str, ...] | None
+    src_slot: int | None = None
+    dst_slot: int | None = None
+
+
+@dataclass(frozen=True)
+class ReadStatePlan:
+    """Every rank contributes its copy of one state slot (its KDA heads' share); the leader gets them
+    all, rank order: uint8 [tp_size, slot bytes] (a prefill handoff sends row r to decode rank r)."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class AttachPoolsPlan:
+    """Every rank maps its shared-memory pool (rank r takes pool_names[r])."""
+
+    pool_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ShutdownPlan:
+    """Followers leave their loop."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposal, verification (greedy and rejection sampling) and the back-off policy."""
