@@ -44,7 +44,7 @@ def _called_from_devices() -> bool:
     """Whether the guarded call comes from engine/runtime/devices.py (its pinned, non-blocking upload helpers, which
     fall back to a plain tensor under FakeTensorMode on a CPU-only machine)."""
     frame = sys._getframe(2)
-    return frame.f_code.co_filename.endswith(os.path.join("engine", "devices.py"))
+    return frame.f_code.co_filename.endswith(os.path.join("engine", "runtime", "devices.py"))
 
 
 @contextlib.contextmanager

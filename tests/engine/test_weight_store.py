@@ -75,7 +75,7 @@ def test_second_loader_maps_the_first_ones_bytes(key):
 def test_a_segment_whose_loader_died_is_reclaimed(key):
     """A segment left LOADING by a dead process is removed and loaded again by the next worker."""
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        from engine import weight_store
+        from engine.weights import weight_store
         fd = weight_store._claim({key.segment_name!r})
         print(fd is not None)
     """)], capture_output=True, text=True, check=True)
@@ -97,7 +97,7 @@ def test_stale_segments_are_removed_and_live_ones_kept(key):
     assert not prefix.startswith(PREFIX)
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os
-        from engine import weight_store
+        from engine.weights import weight_store
         fd = weight_store._claim("{prefix}stale")
         weight_store._write_header(fd, weight_store.READY)
     """)], capture_output=True, text=True)
