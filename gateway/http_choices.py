@@ -4,10 +4,10 @@ and KV pages; n > 1 does not share the prompt's pages yet), read by the HTTP han
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from gateway.orchestrator import ErrorEvent, FinishEvent, RequestRun, TokensEvent
 from gateway.service import GatewayService
+from rpc.v1 import gateway_pb2
 
 
 class Choices:
@@ -21,7 +21,7 @@ class Choices:
                        for index, run in enumerate(runs)] if len(runs) > 1 else []
 
     @classmethod
-    async def submit(cls, service: GatewayService, requests: list[Any], arrival: float) -> Choices:
+    async def submit(cls, service: GatewayService, requests: list[gateway_pb2.GenerateRequest], arrival: float) -> Choices:
         """Submits every choice's request; if one is refused, the ones already started are cancelled."""
         runs: list[RequestRun] = []
         try:

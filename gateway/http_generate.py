@@ -10,7 +10,6 @@ import logging
 import time
 import uuid
 from functools import lru_cache
-from typing import Any
 
 from aiohttp import web
 
@@ -19,20 +18,22 @@ from gateway.openai_api.chat_template import ChatTemplate
 from gateway.openai_api.convert import chat_prompt_ids, choice_requests
 from gateway.openai_api.echo import ChoiceView, prompt_logprobs_field
 from gateway.openai_api.errors import OpenAIError, from_status
+from gateway.openai_api.json_types import JsonObject
 from gateway.openai_api.params import OpenAIRequest, parse_request
-from gateway.openai_api.responses import DONE_EVENT, ResponseBuilder, sse
+from gateway.openai_api.responses import DONE_EVENT, ResponseBuilder, TokenLogprobLike, sse
 from gateway.orchestrator import ErrorEvent, FinishEvent, RequestRun, TokensEvent
 from gateway.service import GatewayService
 from gateway.requests import MAX_REQUEST_ID_LENGTH
 from rpc.logging_setup import REQUEST_ID_KEY, bind_request_id
 from rpc.status import status_for
+from rpc.v1 import logprobs_pb2
 
 logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = REQUEST_ID_KEY
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
-def json_response(body: dict[str, Any], status: int = 200, request_id: str = "") -> web.Response:
+def json_response(body: JsonObject, status: int = 200, request_id: str = "") -> web.Response:
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     return web.Response(body=json.dumps(body, ensure_ascii=False).encode(), status=status,
                         content_type="application/json", headers=headers)
@@ -102,8 +103,8 @@ class GenerateHandler:
                 tokenizer.decode(list(prompt_ids), skip_special_tokens=False) if tokenizer else "")
         return ChoiceView(echo_text, prompt_ids, parsed.logprobs is not None, keep_completion=parsed.max_tokens != 0)
 
-    def _with_prompt_logprobs(self, body: dict[str, Any], parsed: OpenAIRequest, prompt_ids: tuple[int, ...],
-                              prompt_logprobs: list[Any] | None) -> dict[str, Any]:
+    def _with_prompt_logprobs(self, body: JsonObject, parsed: OpenAIRequest, prompt_ids: tuple[int, ...],
+                              prompt_logprobs: list[logprobs_pb2.TokenLogprob] | None) -> JsonObject:
         """vLLM's prompt_logprobs: on each choice (completions) or on the response (chat), when asked."""
         if parsed.prompt_logprobs is None or prompt_logprobs is None:
             return body
@@ -138,9 +139,9 @@ class GenerateHandler:
     async def _collect(self, choices: Choices, builders: list[ResponseBuilder], views: list[ChoiceView],
                        parsed: OpenAIRequest, outcome: list[str]) -> web.Response:
         texts: list[list[str]] = [[] for _ in builders]
-        logprobs: list[list[Any]] = [[] for _ in builders]
+        logprobs: list[list[TokenLogprobLike]] = [[] for _ in builders]
         finishes: dict[int, FinishEvent] = {}
-        scored: list[Any] | None = None
+        scored: list[logprobs_pb2.TokenLogprob] | None = None
         while len(finishes) < len(builders):
             index, event = await choices.get()
             if isinstance(event, TokensEvent):

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.openai_api.errors import OpenAIError, bad_param
+from gateway.openai_api.json_types import JsonObject, JsonValue
 from gateway.openai_api.params import ChatMessage
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -32,7 +32,7 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-def _token_text(value: Any) -> str:
+def _token_text(value: JsonValue) -> str:
     """tokenizer_config.json writes special tokens as a string or as {"content": str, ...}."""
     if isinstance(value, dict):
         value = value.get("content", "")
@@ -58,7 +58,7 @@ class ChatTemplate:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate:
         path = Path(model_dir)
-        config: dict[str, Any] = {}
+        config: JsonObject = {}
         if (path / "tokenizer_config.json").is_file():
             config = json.loads((path / "tokenizer_config.json").read_text())
         tokens = {"bos_token": _token_text(config.get("bos_token")), "eos_token": _token_text(config.get("eos_token"))}

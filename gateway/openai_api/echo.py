@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from gateway.openai_api.json_types import JsonObject
+from gateway.openai_api.responses import TokenLogprobLike
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class ChoiceView:
     keep_completion: bool = True
     _started: bool = field(default=False, init=False)
 
-    def take(self, text: str, logprobs: Sequence[Any], prompt_logprobs: Sequence[Any]) -> tuple[str, list[Any]]:
+    def take(self, text: str, logprobs: Sequence[TokenLogprobLike],
+             prompt_logprobs: Sequence[TokenLogprobLike]) -> tuple[str, list[TokenLogprobLike]]:
         """One token event's (text, logprobs) as the choice shows them."""
         first, self._started = not self._started, True
         shown_text = text if self.keep_completion else ""
@@ -45,12 +47,12 @@ class ChoiceView:
         return generated if self.keep_completion else 0
 
 
-def prompt_logprobs_field(prompt_ids: Sequence[int], prompt_logprobs: Sequence[Any], count: int,
-                          token_text: Callable[[int], str]) -> list[dict[str, dict[str, Any]] | None]:
+def prompt_logprobs_field(prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprobLike], count: int,
+                          token_text: Callable[[int], str]) -> list[dict[str, JsonObject] | None]:
     """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id (a string): {logprob,
     rank, decoded_token}} holding the prompt token and its `count` most likely alternatives (rank: 1-based
     place among them; the prompt token's rank is null when it is not among them)."""
-    entries: list[dict[str, dict[str, Any]] | None] = [None]
+    entries: list[dict[str, JsonObject] | None] = [None]
     for item in prompt_logprobs:
         alternatives = list(item.top)[:count]
         entry = {str(top.token_id): {"logprob": top.logprob, "rank": rank, "decoded_token": token_text(top.token_id)}

@@ -4,9 +4,10 @@ gRPC status (what GatewayService raises) to an HTTP status and an OpenAI error t
 Body: {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}."""
 from __future__ import annotations
 
-from typing import Any
 
 import grpc
+
+from gateway.openai_api.json_types import JsonObject
 
 # gRPC status -> (HTTP status, OpenAI error type)
 _HTTP_FOR_GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -44,7 +45,7 @@ class OpenAIError(Exception):
         self.error_type = error_type
         self.code = code
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JsonObject:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from gateway.openai_api.errors import bad_param
+from gateway.openai_api.json_types import JsonObject, JsonValue
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_TOP_LOGPROBS = 20
@@ -86,7 +86,7 @@ class OpenAIRequest:
         return "top_logprobs" if self.chat else "logprobs"
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float, integer: bool = False) -> Any:
+def _number(body: JsonObject, name: str, low: float, high: float, integer: bool = False) -> int | float | None:
     value = body.get(name)
     if value is None:
         return None
@@ -98,7 +98,7 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, integer: b
     return value if integer else float(value)
 
 
-def _flag(body: dict[str, Any], name: str, default: bool | None) -> bool:
+def _flag(body: JsonObject, name: str, default: bool | None) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -107,14 +107,14 @@ def _flag(body: dict[str, Any], name: str, default: bool | None) -> bool:
     return value
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
+def _refuse_unsupported(body: JsonObject) -> None:
     for name, unused in _UNSUPPORTED.items():
         value = body.get(name)
         if not any(value == allowed and isinstance(value, bool) == isinstance(allowed, bool) for allowed in unused):
             raise bad_param(name, f"is not supported by this server (got {value!r})")
 
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+def _stop(body: JsonObject) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
         return ()
@@ -124,13 +124,13 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _token_ids(value: list[Any]) -> tuple[int, ...] | None:
+def _token_ids(value: list[JsonValue]) -> tuple[int, ...] | None:
     if value and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
         return tuple(value)
     return None
 
 
-def _prompt(body: dict[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
+def _prompt(body: JsonObject) -> tuple[str | None, tuple[int, ...] | None]:
     value = body.get("prompt")
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one prompt
@@ -147,7 +147,7 @@ def _prompt(body: dict[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
     raise bad_param("prompt", "must be a non-empty string or a non-empty list of token ids")
 
 
-def _content(index: int, message: dict[str, Any]) -> str:
+def _content(index: int, message: JsonObject) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
@@ -163,7 +163,7 @@ def _content(index: int, message: dict[str, Any]) -> str:
     raise bad_param(f"messages[{index}].content", "must be a string or a list of text parts")
 
 
-def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
+def _messages(body: JsonObject) -> tuple[ChatMessage, ...]:
     value = body.get("messages")
     if not isinstance(value, list) or not value:
         raise bad_param("messages", "must be a non-empty list of {role, content} objects")
@@ -178,7 +178,7 @@ def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
     return tuple(messages)
 
 
-def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+def _logprobs(body: JsonObject, chat: bool) -> int | None:
     if not chat:  # completions: logprobs is the number of alternatives (0..20)
         return _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
     wanted = _flag(body, "logprobs", False)
@@ -188,7 +188,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
+def _max_tokens(body: JsonObject, chat: bool) -> int | None:
     """max_tokens 0 is allowed for prompt scoring only (completions with echo)."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     scoring = not chat and body.get("echo") is True
@@ -198,7 +198,7 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     return value
 
 
-def _choices(body: dict[str, Any]) -> int:
+def _choices(body: JsonObject) -> int:
     """n (1..MAX_CHOICES); best_of, when given, must equal n (the server returns every choice it makes)."""
     n = _number(body, "n", 1, MAX_CHOICES, integer=True) or 1
     best_of = _number(body, "best_of", 1, MAX_CHOICES, integer=True)
@@ -207,7 +207,7 @@ def _choices(body: dict[str, Any]) -> int:
     return n
 
 
-def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+def _logit_bias(body: JsonObject) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} (keys are strings of token ids), biases in [-100, 100]."""
     value = body.get("logit_bias")
     if value is None:
@@ -228,7 +228,7 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
+def _stop_token_ids(body: JsonObject) -> tuple[int, ...]:
     value = body.get("stop_token_ids")
     if value is None:
         return ()
@@ -237,7 +237,7 @@ def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+def _stream_options(body: JsonObject, stream: bool) -> bool:
     options = body.get("stream_options")
     if options is None:
         return False
@@ -251,7 +251,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return value
 
 
-def parse_request(body: Any, chat: bool) -> OpenAIRequest:
+def parse_request(body: JsonValue, chat: bool) -> OpenAIRequest:
     """Validates a /v1/chat/completions (chat) or /v1/completions body."""
     if not isinstance(body, dict):
         raise bad_param("body", "must be a JSON object")
@@ -285,7 +285,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     )
 
 
-def _structured(body: dict[str, Any]) -> dict[str, Any]:
+def _structured(body: JsonObject) -> JsonObject:
     """OpenAI's response_format (text | json_object | json_schema) or vLLM's structured_outputs (exactly one of
     json, regex, choice, grammar, json_object) -> OpenAIRequest's structured_output fields. The grammar itself is
     compiled (and refused when it does not) by the gateway."""
@@ -313,7 +313,7 @@ def _structured(body: dict[str, Any]) -> dict[str, Any]:
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
 
 
-def _vllm_structured(value: Any) -> tuple[str, str]:
+def _vllm_structured(value: JsonValue) -> tuple[str, str]:
     given = {key: item for key, item in value.items() if item is not None and item is not False} \
         if isinstance(value, dict) else {}
     if len(given) != 1 or next(iter(given)) not in _VLLM_KINDS:
@@ -335,14 +335,14 @@ def _vllm_structured(value: Any) -> tuple[str, str]:
     raise bad_param(f"structured_outputs.{key}", f"has the wrong type ({type(item).__name__})")
 
 
-def _echo(body: dict[str, Any], chat: bool) -> bool:
+def _echo(body: JsonObject, chat: bool) -> bool:
     echo = _flag(body, "echo", False)
     if echo and chat:
         raise bad_param("echo", "is only supported on /v1/completions")
     return echo
 
 
-def _positive(body: dict[str, Any], name: str) -> float | None:
+def _positive(body: JsonObject, name: str) -> float | None:
     value = _number(body, name, 0.0, 100.0)
     if value is not None and value <= 0:
         raise bad_param(name, f"must be in (0, 100], got {value!r}")

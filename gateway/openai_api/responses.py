@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
+
+from gateway.openai_api.json_types import JsonObject
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -31,7 +33,7 @@ class TokenLogprobLike(Protocol):
 COMPLETION_TOKENS_DETAILS = {"reasoning_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> JsonObject:
     """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -39,7 +41,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "completion_tokens_details": dict(COMPLETION_TOKENS_DETAILS)}
 
 
-def sse(payload: dict[str, Any]) -> bytes:
+def sse(payload: JsonObject) -> bytes:
     """One server-sent event carrying a JSON object."""
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
@@ -62,16 +64,16 @@ class ResponseBuilder:
     def id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
 
-    def _envelope(self, stream: bool) -> dict[str, Any]:
+    def _envelope(self, stream: bool) -> JsonObject:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     # --- logprobs -------------------------------------------------------------------------------------
-    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+    def _chat_entry(self, token_id: int, logprob: float) -> JsonObject:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    def logprobs_block(self, logprobs: Sequence[TokenLogprobLike]) -> dict[str, Any] | None:
+    def logprobs_block(self, logprobs: Sequence[TokenLogprobLike]) -> JsonObject | None:
         """The choice's logprobs for these tokens (None when not asked for). Completions' text_offset
         counts the characters of the token texts since the start of the output."""
         if self.logprobs is None:
@@ -94,8 +96,8 @@ class ResponseBuilder:
 
     # --- bodies ---------------------------------------------------------------------------------------
     def _choice(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str | None,
-                stream: bool, first: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": self.index}
+                stream: bool, first: bool = False) -> JsonObject:
+        choice: JsonObject = {"index": self.index}
         if self.chat and stream:
             choice["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         elif self.chat:
@@ -107,23 +109,23 @@ class ResponseBuilder:
         return choice
 
     def response(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str,
-                 prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+                 prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> JsonObject:
         """The whole (non-streaming) response."""
         return self.responses([self.choice(text, logprobs, finish_reason)], prompt_tokens, completion_tokens,
                               cached_tokens)
 
-    def choice(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str) -> dict[str, Any]:
+    def choice(self, text: str, logprobs: Sequence[TokenLogprobLike], finish_reason: str) -> JsonObject:
         """This builder's choice of a whole (non-streaming) response."""
         return self._choice(text, logprobs, finish_reason, False)
 
-    def responses(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
-                  cached_tokens: int = 0) -> dict[str, Any]:
+    def responses(self, choices: list[JsonObject], prompt_tokens: int, completion_tokens: int,
+                  cached_tokens: int = 0) -> JsonObject:
         """The whole response with these choices (n > 1: each from its own builder); completion_tokens over all."""
         return {**self._envelope(False), "choices": choices,
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprobLike] = (), finish_reason: str | None = None,
-              first: bool = False, include_usage: bool = False) -> dict[str, Any]:
+              first: bool = False, include_usage: bool = False) -> JsonObject:
         """One streaming chunk (first: the chat chunk that carries the assistant role); with include_usage
         every chunk has "usage": null, as OpenAI sends it."""
         body = {**self._envelope(True), "choices": [self._choice(text, logprobs, finish_reason, True, first)]}
@@ -131,6 +133,6 @@ class ResponseBuilder:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> JsonObject:
         """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
         return {**self._envelope(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
