@@ -91,6 +91,9 @@ class DevicePagePool:
         cache = PagedLatentCache(layout.to_cache_shape(control.num_pages), buffer.view(-1))
         return cls(control, cache, handle_device(handle), False)
 
+    def owner_alive(self) -> bool:
+        return self.control.owner_alive()
+
     def close(self) -> None:
         """Drops this object's views (the owner's device buffer is freed with its last reference)."""
         self.cache = None

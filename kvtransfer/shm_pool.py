@@ -140,6 +140,10 @@ class SharedPagePool:
     def record_address(self, slot: int) -> int:
         return self.base_address + HEADER_BYTES + slot * SLOT_BYTES
 
+    def owner_alive(self) -> bool:
+        """Whether the process that created this pool still runs (the same pid and start time)."""
+        return self.header.owner_alive()
+
     # --- teardown -----------------------------------------------------------------------------------
     def close(self) -> None:
         """Drops this object's references to the mapping. The segment is unmapped when the last tensor or

@@ -151,6 +151,8 @@ class ShmWriter(KVWriter):
     def pool(self, name: str) -> SharedPagePool:
         with self._lock:
             if name not in self._pools:
+                for gone in [old for old, pool in self._pools.items() if not pool.owner_alive()]:
+                    self._pools.pop(gone).close()  # a dead decode worker's pool: unmapped, its memory freed
                 self._pools[name] = self._attach(name)
             return self._pools[name]
 

@@ -14,6 +14,11 @@ class PagePool(Protocol):
     name: str
     cache: PagedLatentCache
 
+    def owner_alive(self) -> bool:
+        """False once the process that created the pool is gone (an attached pool of a dead worker: close it,
+        or its memory stays mapped here)."""
+        ...
+
     def close(self) -> None: ...
 
 

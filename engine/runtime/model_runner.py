@@ -240,8 +240,16 @@ class ModelRunner:
         if name not in self._attached:
             if self.config.page_pools is None:
                 raise ValueError(f"cannot attach page pool {name!r}: this engine was given no page_pools factory")
+            self._close_orphaned_pools()
             self._attached[name] = self.config.page_pools.attach(name, self.cache_shape)
         return self._attached[name].cache
+
+    def _close_orphaned_pools(self) -> None:
+        """Closes the attached pools of processes that are gone (a decode worker that died and came back with new
+        pools): otherwise their mappings, and so their memory, would stay with this process for good."""
+        for name in [name for name, pool in self._attached.items() if not pool.owner_alive()]:
+            logger.info("closing KV pool %s: its owner is gone", name)
+            self._attached.pop(name).close()
 
     def detach(self, pool_names: tuple[str, ...]) -> None:
         pool = self._attached.pop(pool_names[self.tp.rank], None)
