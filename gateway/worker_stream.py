@@ -42,14 +42,17 @@ def code_of(value: int) -> grpc.StatusCode:
 
 def ended_status(name: str, error: BaseException | None, closing: bool) -> tuple[grpc.StatusCode, str]:
     """(code, details) for the requests pending on a stream (`name`: e.g. "prefill stream to host:port") that
-    is over: UNAVAILABLE, unless the worker refused the stream itself with another code, or the gateway is
-    closing (CANCELLED)."""
+    is over: UNAVAILABLE (so the request may be migrated or retried), unless the worker refused the stream
+    itself with another code, or the gateway is closing (CANCELLED)."""
     if closing:
         return grpc.StatusCode.CANCELLED, "the gateway is shutting down"
     if not isinstance(error, grpc.aio.AioRpcError):
         return grpc.StatusCode.UNAVAILABLE, f"{name} ended"
     details = f"{name} broke: {error.code().name} {error.details()}"
-    if error.code() in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+    # A worker ends a stream itself only to refuse it (e.g. UNAUTHENTICATED); these codes mean the stream broke
+    # under it (INTERNAL: gRPC core's "Internal error from Core" when a write meets a peer that died).
+    if error.code() in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                        grpc.StatusCode.INTERNAL):
         return grpc.StatusCode.UNAVAILABLE, details
     return error.code(), details
 
