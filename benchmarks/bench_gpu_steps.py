@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import goal_line, ratio
+from benchmarks.common import goal_line
 from engine.paths import DSV3_MODEL_DIR, K3_MODEL_DIR
 
 logger = logging.getLogger("bench_gpu_steps")

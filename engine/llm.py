@@ -5,7 +5,8 @@ import itertools
 
 import torch
 
-from engine.runtime.llm_engine import DEFAULT_MODEL_DIR, EngineConfig, LLMEngine
+from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.runtime.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 

@@ -21,7 +21,7 @@ from gateway.openai_api.errors import OpenAIError, from_status
 from gateway.openai_api.json_types import JsonObject
 from gateway.openai_api.params import OpenAIRequest, parse_request
 from gateway.openai_api.responses import DONE_EVENT, ResponseBuilder, TokenLogprobLike, sse
-from gateway.orchestrator import ErrorEvent, FinishEvent, RequestRun, TokensEvent
+from gateway.orchestrator import ErrorEvent, FinishEvent, TokensEvent
 from gateway.service import GatewayService
 from gateway.requests import MAX_REQUEST_ID_LENGTH
 from rpc.logging_setup import REQUEST_ID_KEY, bind_request_id

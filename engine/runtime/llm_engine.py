@@ -24,7 +24,7 @@ from engine.runtime.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.runtime.prefill_jobs import run_prefill_jobs
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.prefix_reuse import PrefixReuse
-from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.engine_config import EngineConfig
 from engine.runtime.outputs import PrefillJob, PrefillResult, PrefixCacheStats, StepOutput
 from engine.runtime.devices import host_to_device
 from engine.runtime.host_fetch import fetch_to_host

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.cache.kv_cache import PageAllocator, PageTable

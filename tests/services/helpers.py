@@ -5,7 +5,8 @@ import argparse
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -41,6 +42,9 @@ def token_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB_LIMIT) for _ in range(length)] for length in lengths]
 
 
+T = TypeVar("T")
+
+
 async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     """Polls predicate until it holds; raises AssertionError naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -48,6 +52,18 @@ async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+async def until_value(predicate: Callable[[], Awaitable[T]], what: str, timeout: float = 120.0) -> T:
+    """Awaits predicate() every 0.1 s until it returns something truthy, and returns that; raises AssertionError
+    naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
 
 
 def greedy(max_tokens: int, speculative: bool | None = None) -> SamplingParams:

@@ -21,7 +21,7 @@ import pytest
 from gateway.client import build_request, generate
 from pdserve.launcher import Cluster
 from tests.services.conftest import launch, worker_address
-from tests.services.helpers import (at_rest, decode_load, gateway_stub, idle_free_pages, scrape, token_prompts,
+from tests.services.helpers import (until_value, at_rest, decode_load, gateway_stub, idle_free_pages, scrape, token_prompts,
                                     wait_for_free_pages)
 
 pytestmark = pytest.mark.slow
@@ -35,16 +35,6 @@ def three_decoders(service_model: Path, tmp_path_factory: pytest.TempPathFactory
     cluster = launch(service_model, tmp_path_factory.mktemp("hang_logs"), num_prefill=1, num_decode=3)
     yield cluster
     cluster.stop()
-
-
-async def _until(predicate, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 async def _tokens(stub, prompt: list[int]) -> list[int]:
@@ -71,7 +61,7 @@ async def _disturbed(cluster: Cluster, candidates: tuple[str, ...], disturb,
             role = max(held, key=held.__getitem__)
             return (role, held[role]) if held[role] else None
 
-        victim, held = await _until(busiest, "streams on a decode worker")
+        victim, held = await until_value(busiest, "streams on a decode worker")
         disturb(next(child for child in cluster.children if child.role == victim).process.pid)
         at = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), timeout=280)

@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from pdserve.supervisor import RestartPolicy, Supervisor
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from rpc.v1 import gateway_pb2
 from tests.services.conftest import launch, worker_address
-from tests.services.helpers import at_rest, decode_load, gateway_stub, idle_free_pages, token_prompts, wait_for_free_pages
+from tests.services.helpers import until_value, at_rest, decode_load, gateway_stub, idle_free_pages, token_prompts, wait_for_free_pages
 from tests.services.processes import alive, existing_segments, group_members, mapped_kv_segments
 
 pytestmark = pytest.mark.slow
@@ -48,16 +47,6 @@ def supervised(service_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def _child(cluster: Cluster, role: str):
     return next(child for child in cluster.children if child.role == role)
-
-
-async def _until(predicate, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 async def _stream(stub, prompt: list[int], max_tokens: int) -> str:
@@ -88,7 +77,7 @@ async def test_decode_worker_killed_restarted_and_routed_to_again(supervised):
         async def both_busy() -> bool:
             return all([(await decode_load(address)).running > 0 for address in (victim, survivor)])
 
-        await _until(both_busy, "streams on both decode workers")
+        await until_value(both_busy, "streams on both decode workers")
         os.killpg(old, signal.SIGKILL)
         endings = await asyncio.gather(*streams)
         assert endings == ["FINISH_REASON_LENGTH"] * len(endings), endings  # decode-0's streams migrated
@@ -103,13 +92,13 @@ async def test_decode_worker_killed_restarted_and_routed_to_again(supervised):
             except grpc.aio.AioRpcError:
                 return False
 
-        await _until(back, "decode-0 to be restarted")
+        await until_value(back, "decode-0 to be restarted")
 
         async def routed_again() -> bool:
             await generate(stub, build_request([5, 6, 7], max_tokens=2, temperature=0.0, ignore_eos=True), timeout=120)
             return (await decode_load(victim)).requests_total > 0
 
-        await _until(routed_again, "the gateway to route to the restarted decode-0")
+        await until_value(routed_again, "the gateway to route to the restarted decode-0")
     assert _child(supervised, "decode-0").process.pid != old
     for address, baseline in baselines.items():
         load = await wait_for_free_pages(address, baseline, timeout=60)
@@ -142,7 +131,7 @@ async def test_prefill_worker_killed_mid_prompt_is_retried_elsewhere(supervised)
                 grown = [i for i in range(2) if now[i] > before[i]]
                 return grown[0] + 1 if grown else None  # 1-based, so that index 0 is truthy
 
-            running_on = await _until(started, "the prompt to reach a prefill worker") - 1
+            running_on = await until_value(started, "the prompt to reach a prefill worker") - 1
             os.killpg(_child(supervised, f"prefill-{running_on}").process.pid, signal.SIGKILL)
             result = await run
             assert result.complete is not None, result.error
