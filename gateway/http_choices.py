@@ -1,6 +1,10 @@
-"""The runs behind one OpenAI request with n choices: each choice is its own GatewayService run (its own prefill
-and KV pages; n > 1 does not share the prompt's pages yet), read by the HTTP handler as one sequence of
-(choice index, event)."""
+"""The runs behind one OpenAI request with n choices: each choice is its own GatewayService run, read by the HTTP
+handler as one sequence of (choice index, event).
+
+The prompt is computed once: choices 1..n-1 start when choice 0's first token is out (or it ended), so their
+prefill finds the prompt's full pages in the prefill worker's prefix cache (and, where the decode worker
+reuses what it holds, in the decode worker's) and computes only the last partial page. The cost: their first
+token comes one short prefill after choice 0's."""
 from __future__ import annotations
 
 import asyncio
@@ -22,11 +26,12 @@ class Choices:
 
     @classmethod
     async def submit(cls, service: GatewayService, requests: list[gateway_pb2.GenerateRequest], arrival: float) -> Choices:
-        """Submits every choice's request; if one is refused, the ones already started are cancelled."""
+        """Submits every choice's request (all validated now; 1..n-1 gated on choice 0's first token); if one is
+        refused, the ones already started are cancelled."""
         runs: list[RequestRun] = []
         try:
             for message in requests:
-                runs.append(await service.submit(message, False, arrival, None))
+                runs.append(await service.submit(message, False, arrival, None, runs[0].first_out if runs else None))
         except BaseException:
             for run in runs:
                 run.cancel()

@@ -99,8 +99,12 @@ class RequestRun:
 
     def __init__(self, job: GenerateJob, pool: WorkerPool, tokenizer: TextTokenizer | None,
                  arrival: float, deadline: float | None, cleanup_timeout_s: float,
-                 observer: RunObserver | None = None) -> None:
+                 observer: RunObserver | None = None, after: asyncio.Event | None = None) -> None:
         self.job = job
+        # after: the run starts once this is set (choices 1..n-1 of an n > 1 request wait for choice 0's first
+        # token, so they find its prompt in the prefix caches instead of computing it beside it)
+        self._after = after
+        self.first_out = asyncio.Event()  # set at this run's first token or its end, whichever comes first
         # Two ids, each with one name from here to the workers: trace_id is the client's request id (the
         # x-request-id every service's log lines carry: `trace_id` on the worker streams); request_id is the
         # id the workers know this run by (`request_id` in every worker message), unique per run so that a
@@ -154,6 +158,8 @@ class RequestRun:
     async def _produce(self) -> None:
         bind_request_id(self.trace_id)  # this task's log lines name the request
         try:
+            if self._after is not None and not self._after.is_set():
+                await asyncio.wait_for(self._after.wait(), remaining(self._deadline))
             await self._run()
         except asyncio.CancelledError:
             self._finish("abort")
@@ -165,6 +171,7 @@ class RequestRun:
             self._observe_end()
             self.events.put_nowait(ErrorEvent(status))
         finally:
+            self.first_out.set()
             try:
                 await asyncio.wait_for(self._cleanup(), self._cleanup_budget())
             except (asyncio.TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError) as error:
@@ -316,6 +323,7 @@ class RequestRun:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
         self._generated.extend(token_ids)
+        self.first_out.set()
         if self._observer is not None:
             now = time.perf_counter()
             if self._last_token_at is None:
@@ -340,8 +348,8 @@ class RequestRun:
                 self.events.put_nowait(TokensEvent([], text))
         self.finished = True
         self._observe_end()
-        logger.info("finished (%s): %d prompt + %d generated tokens, TTFT %.1f ms", reason, len(self.job.prompt_ids),
-                    self._completion_tokens, self._ttft_ms)
+        logger.info("finished (%s): %d prompt (%d cached) + %d generated tokens, TTFT %.1f ms", reason,
+                    len(self.job.prompt_ids), self._cached_tokens, self._completion_tokens, self._ttft_ms)
         self.events.put_nowait(FinishEvent(
             reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
             self._decode_tokens, stop, self._cached_tokens))

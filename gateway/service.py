@@ -34,9 +34,10 @@ class GatewayService:
                            spares=lambda: len(pool.standing.held()) if pool.standing is not None else 0)
 
     async def submit(self, request: gateway_pb2.GenerateRequest, both_inputs: bool, arrival: float,
-                     deadline: float | None) -> RequestRun:
+                     deadline: float | None, after: asyncio.Event | None = None) -> RequestRun:
         """Validates (InvalidArgument naming the field; long texts are tokenised off the event loop) and
-        starts the request. A request_id is free again once its run has queued its final event."""
+        starts the request (once `after` is set, when given). A request_id is free again once its run has queued
+        its final event."""
         checked = check_input(request, self.facts, self.tokenizer, both_inputs, self.config.max_request_bytes)
         self._check_free(request.request_id)
         prompt_ids = checked if not isinstance(checked, str) else (  # text: tokenised off the loop when long
@@ -44,7 +45,8 @@ class GatewayService:
         job = parse_generate_request(request, self.facts, self.tokenizer, self.config.default_max_tokens, both_inputs,
                                      prompt_ids)
         self._check_free(job.request_id)
-        run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s, self.metrics)
+        run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s, self.metrics,
+                         after)
         self._runs[job.request_id] = run
         run.start()
         assert run.task is not None

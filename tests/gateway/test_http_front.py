@@ -26,6 +26,7 @@ from rpc.status import ResourceExhausted, Unavailable, status_of
 class FakeRun:
     events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
+    first_out: asyncio.Event = field(default_factory=asyncio.Event)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -45,10 +46,13 @@ class FakeService:
         self.tokenizer = FakeTokenizer()
         self.metrics = GatewayMetrics()
         self.submitted: list[Any] = []
+        self.gates: list[asyncio.Event | None] = []  # the `after` each submit got (n > 1: choice 0's first_out)
         self.runs: list[FakeRun | Exception] = []
 
-    async def submit(self, message: Any, both_inputs: bool, arrival: float, deadline: float | None) -> FakeRun:
+    async def submit(self, message: Any, both_inputs: bool, arrival: float, deadline: float | None,
+                     after: asyncio.Event | None = None) -> FakeRun:
         self.submitted.append(message)
+        self.gates.append(after)
         run = self.runs.pop(0)
         if isinstance(run, Exception):
             raise run
@@ -214,3 +218,5 @@ async def test_n_choices_stream_and_collect(front):
     assert texts == {0: "ab", 1: "c"} and sorted(finished) == [0, 1]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
     assert [m.request_id for m in service.submitted][1::2] == [m.request_id + ".1" for m in service.submitted][::2]
+    # choice 1 is gated on choice 0's first token (the prompt is computed once); choice 0 starts at once
+    assert service.gates[0] is None and service.gates[1] is not None

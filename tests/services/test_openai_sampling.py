@@ -26,6 +26,20 @@ def test_greedy_n3_returns_three_identical_choices(cluster, client, model):
         assert all(f"request=greedy-n3{suffix} " in text for suffix in ("", ".1", ".2")), name
 
 
+def test_n3_computes_the_prompt_once(cluster, client, model):
+    """n=3 on a 40-token prompt (two full pages of 16): choices 1 and 2 start after choice 0's first token, so the
+    prefill worker's prefix cache serves their first 32 prompt tokens (the gateway's finish lines say so); choice 0
+    computed it all. Negative control: choice 0's own line reports 0 cached tokens."""
+    prompt = [(7 * i + 3) % 50 + 5 for i in range(40)]
+    response = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True}, extra_headers={"x-request-id": "shared-n3"})
+    assert len({choice.text for choice in response.choices}) == 1
+    lines = [line for line in (cluster.log_dir / "gateway.log").read_text().splitlines() if "finished (" in line]
+    for suffix, cached in (("", 0), (".1", 32), (".2", 32)):
+        mine = [line for line in lines if f"request=shared-n3{suffix} " in line]
+        assert len(mine) == 1 and f"40 prompt ({cached} cached)" in mine[0], (suffix, mine)
+
+
 def test_sampled_n3_streams_three_choices(client, model):
     """n=3 sampled with a seed, streamed: chunks of all three indexes, each choice ends with its own finish
     chunk; the concatenated texts equal the non-streamed response with the same seed (choice i runs seed + i)."""
