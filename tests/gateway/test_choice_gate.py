@@ -52,6 +52,17 @@ async def _spin(times: int = 50) -> None:
         await asyncio.sleep(0)
 
 
+async def _gated_pair() -> tuple[_HeldPrefill, RequestRun, RequestRun]:
+    """Choice 0 and choice 1 gated on it, both started, with choice 0's prefill held."""
+    workers = _HeldPrefill([])
+    first = _run(workers, "c0", None)
+    second = _run(workers, "c1", first.first_out)
+    first.start()
+    second.start()
+    await _spin()
+    return workers, first, second
+
+
 async def _finish(run: RequestRun) -> FinishEvent:
     assert run.task is not None
     await asyncio.wait_for(run.task, 30)
@@ -62,12 +73,7 @@ async def _finish(run: RequestRun) -> FinishEvent:
 
 async def test_a_gated_choice_waits_for_the_first_token_of_choice_0():
     """While choice 0's prefill is held, choice 1 reserves nothing; once the first token is out it runs to the end."""
-    workers = _HeldPrefill([])
-    first = _run(workers, "c0", None)
-    second = _run(workers, "c1", first.first_out)
-    first.start()
-    second.start()
-    await _spin()
+    workers, first, second = await _gated_pair()
     assert [r.split(".")[0] for r in workers.reserved] == ["c0"] and len(workers.prefill_requests) == 1
     workers.release.set()
     assert (await _finish(first)).reason == "length" and (await _finish(second)).reason == "length"
@@ -89,12 +95,7 @@ async def test_an_ungated_choice_starts_at_once():
 
 async def test_a_failed_choice_0_still_releases_the_others():
     """Choice 0 cancelled before its first token: the gate opens, choice 1 runs (and ends by itself)."""
-    workers = _HeldPrefill([])
-    first = _run(workers, "c0", None)
-    second = _run(workers, "c1", first.first_out)
-    first.start()
-    second.start()
-    await _spin()
+    _, first, second = await _gated_pair()
     first.cancel()
     assert (await _finish(first)).reason == "abort"
     assert (await _finish(second)).reason == "length"
