@@ -2,7 +2,8 @@
 with hang watch) under mixed traffic for --minutes (default 10); every --every-s (120 s) one decode worker is
 disturbed, alternating SIGKILL and SIGSTOP (SIGCONT --stop-s later). Prints failed requests that were not past
 their own deadline (the goal: 0) and each decode worker's pages / leases / slots, each process's fds and RSS at
-the start and the end (the goal: flat).
+the start, after a warm-up of traffic (the baseline) and at the end (the goal: flat from the baseline), RSS split
+into anonymous memory and the shared-memory KV pools it has touched.
 
   .venv/bin/python benchmarks/soak_failover.py [--minutes 10] [--model models/pdserve-tiny]
 """
@@ -46,9 +47,14 @@ async def _report(cluster: Cluster, label: str) -> None:
             tree = [psutil.Process(child.process.pid), *psutil.Process(child.process.pid).children(recursive=True)]
             fds = sum(p.num_fds() for p in tree)
             rss = sum(p.memory_info().rss for p in tree) / 2**20
+            kinds = _rss_kinds(tree)
+            shm_fds = sum(_shm_fds(p.pid) for p in tree)
         except psutil.NoSuchProcess:
-            fds, rss = -1, -1.0
-        line = f"{child.role:10s} fds {fds:4d} rss {rss:8.1f} MiB"
+            fds, rss, kinds, shm_fds = -1, -1.0, {}, -1
+        # RSS counts the shared-memory KV pools a process has touched (RssShmem: the prefill worker writes every
+        # decode worker's pool in place, so it grows as traffic touches more pages); RssAnon is its own memory
+        line = (f"{child.role:10s} fds {fds:4d} (shm {shm_fds:2d}) rss {rss:8.1f} MiB = anon {kinds.get('RssAnon', 0):7.1f}"
+                f" + file {kinds.get('RssFile', 0):6.1f} + shmem {kinds.get('RssShmem', 0):7.1f}")
         if child.role.startswith("decode"):
             load = await _load(child.address)
             if load is not None:
@@ -56,6 +62,28 @@ async def _report(cluster: Cluster, label: str) -> None:
                          f" state_slots {load.free_state_slots}/{load.total_state_slots}")
         lines.append(line)
     print("\n".join(lines), flush=True)  # noqa: T201 - a benchmark's report
+
+
+def _rss_kinds(tree: list[psutil.Process]) -> dict[str, float]:
+    """RssAnon / RssFile / RssShmem of the processes, in MiB (/proc/PID/status)."""
+    totals: dict[str, float] = {}
+    for process in tree:
+        for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in ("RssAnon", "RssFile", "RssShmem"):
+                totals[name] = totals.get(name, 0.0) + int(value.split()[0]) / 1024
+    return totals
+
+
+def _shm_fds(pid: int) -> int:
+    """The process's open file descriptors on /dev/shm (KV pool segments)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += os.readlink(fd).startswith("/dev/shm/")
+        except OSError:
+            continue
+    return count
 
 
 async def _traffic(cluster: Cluster, stop: asyncio.Event, counts: dict[str, int]) -> None:
@@ -95,6 +123,8 @@ async def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--every-s", type=float, default=120.0)
     parser.add_argument("--stop-s", type=float, default=20.0)
+    parser.add_argument("--warmup-s", type=float, default=60.0,
+                        help="traffic before the baseline report (first requests allocate the workers' buffers)")
     parser.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "pdserve-tiny"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -116,6 +146,8 @@ async def main() -> None:
         await _report(cluster, "start")
         stop, counts = asyncio.Event(), {}
         traffic = asyncio.create_task(_traffic(cluster, stop, counts))
+        await asyncio.sleep(args.warmup_s)
+        await _report(cluster, f"after {args.warmup_s:.0f} s of traffic (the baseline)")
         end, kill = time.monotonic() + args.minutes * 60, True
         while time.monotonic() + args.every_s < end:
             await asyncio.sleep(args.every_s)
