@@ -1,13 +1,15 @@
 """Supervision (issue 15, item 6) on real processes: 2 prefill + 2 decode workers under the `pdserve up`
 supervisor. SIGKILL of a decode worker: its streams migrate to the other (gateway/migration.py) and complete; it
 is restarted and routed to again, and nothing leaks. SIGKILL of the prefill worker running a prompt sends
-that prompt once more to the other prefill worker."""
+that prompt once more to the other prefill worker. A decode worker SIGSTOPped past the hang limit is killed by the
+supervisor's hang watch and restarted like a dead one."""
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import grpc
 import pytest
 
 from gateway.client import build_request, generate
+from pdserve.hang_watch import HangPolicy, HangWatch
 from pdserve.launcher import Cluster
 from pdserve.supervisor import RestartPolicy, Supervisor
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -24,13 +27,18 @@ from tests.services.helpers import until_value, at_rest, decode_load, gateway_st
 from tests.services.processes import alive, existing_segments, group_members, mapped_kv_segments
 
 pytestmark = pytest.mark.slow
+HANG_LIMIT_S = 20.0
 
 
 @pytest.fixture(scope="module")
 def supervised(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     cluster = launch(service_model, tmp_path_factory.mktemp("supervision_logs"), num_prefill=2, num_decode=2,
                      prefill_args=("--max-batched-tokens", "32"))
-    supervisor = Supervisor(cluster, RestartPolicy(max_restarts=3, backoff_initial_s=0.5))
+    # the hang limit is far above any health-probe delay a loaded 2-core machine shows (the gateway itself stops
+    # routing to a silent decode worker after ~4.5 s), so only the SIGSTOPped worker is taken for hung
+    supervisor = Supervisor(cluster, RestartPolicy(max_restarts=3, backoff_initial_s=0.5),
+                            hang_watch=HangWatch(HangPolicy(limit_s=HANG_LIMIT_S, probe_interval_s=1.0,
+                                                            probe_timeout_s=3.0)))
     stop = threading.Event()
 
     def loop() -> None:
@@ -141,3 +149,47 @@ async def test_prefill_worker_killed_mid_prompt_is_retried_elsewhere(supervised)
     finally:
         for channel in channels:
             await channel.close()
+
+
+async def test_hung_decode_worker_is_killed_and_restarted_by_the_supervisor(supervised):
+    """decode-1 SIGSTOPped and left stopped: the hang watch kills its process group once the limit passes without
+    a SERVING health answer, the supervisor restarts it on its address, the gateway routes to it again, and the
+    stopped processes are gone with their shared-memory pool; meanwhile requests keep succeeding on decode-0."""
+    victim = worker_address(supervised, "decode-1")
+    baseline = await idle_free_pages(victim)
+    old = _child(supervised, "decode-1").process.pid
+    old_pids = group_members(old) | {old}
+    old_segments = mapped_kv_segments(old_pids)
+    os.killpg(old, signal.SIGSTOP)
+    try:
+        async with gateway_stub(supervised.gateway_address) as stub:
+            async def restarted() -> bool:
+                child = _child(supervised, "decode-1")
+                if child.process.pid == old:
+                    return False
+                try:
+                    return (await decode_load(victim)).total_pages > 0
+                except grpc.aio.AioRpcError:
+                    return False
+
+            deadline = time.monotonic() + HANG_LIMIT_S + 180
+            while not await restarted():  # requests during the hang are served elsewhere (or migrate)
+                result = await generate(stub, build_request([5, 6, 7, 8], max_tokens=3, temperature=0.0,
+                                                            ignore_eos=True), timeout=120)
+                assert result.complete is not None, result.error
+                assert time.monotonic() < deadline, "decode-1 was not restarted"
+                await asyncio.sleep(0.2)
+
+            async def routed_again() -> bool:
+                await generate(stub, build_request([5, 6, 7], max_tokens=2, temperature=0.0, ignore_eos=True),
+                               timeout=120)
+                return (await decode_load(victim)).requests_total > 0
+
+            await until_value(routed_again, "the gateway to route to the restarted decode-1")
+    finally:
+        if alive({old}):
+            os.killpg(old, signal.SIGCONT)
+    load = await wait_for_free_pages(victim, baseline, timeout=60)
+    assert at_rest(load, baseline), load
+    assert not alive(old_pids)
+    assert old_segments and not existing_segments(old_segments)
