@@ -4,7 +4,6 @@ under the limit is tokenised in a pool process while other requests go on."""
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 
 import grpc
@@ -27,39 +26,36 @@ async def _timed_small(stub) -> float:
     return time.perf_counter() - started
 
 
-async def test_16mb_prompt_is_refused_at_once_and_delays_nobody(cluster):
-    """A 16 MB text prompt is refused by the transport (RESOURCE_EXHAUSTED, over the 4 MiB request limit:
-    never parsed or tokenised) and a small request sent right after it is not held up behind it. The stall
-    this guards against was ~16 s; on a shared 2-core CI machine a refusal alone took 1.1 s once (beside the
-    whole suite), so the bounds sit between the two: the small request within max(5 s, 3x a small request's
-    median measured just before), the refusal within max(5 s, 8x the client's own cost of building and
-    serialising the 16 MB request)."""
+async def test_16mb_prompt_is_refused_by_the_transport_and_delays_nobody(cluster):
+    """A 16 MB text prompt is refused by the transport (RESOURCE_EXHAUSTED, over the 4 MiB request limit), in gRPC's
+    core before the servicer sees it: never parsed or tokenised, so no request is counted for it; a small request
+    sent right after it completes. (No wall-clock bound: the stall this guards against - the message parsed and
+    tokenised on the event loop, ~16 s - shows as a counted request, and the long-text test below checks order.)"""
     async with gateway_stub(cluster.gateway_address) as stub:
-        alone = statistics.median([await _timed_small(stub) for _ in range(3)])
-
-        started = time.perf_counter()
+        await _timed_small(stub)
+        before = _requests_counted(cluster)
         huge_request = build_request("a" * 16 * 2**20, max_tokens=4)
-        huge_request.SerializeToString()
-        client_cost = time.perf_counter() - started
-
         huge_sent = asyncio.Event()
 
-        async def huge() -> float:
-            started = time.perf_counter()
+        async def huge() -> None:
             huge_sent.set()  # (then, without yielding, its call goes out)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await generate(stub, huge_request, timeout=60)
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, caught.value
             assert "larger than max" in caught.value.details(), caught.value.details()
-            return time.perf_counter() - started
 
-        async def small_after_huge() -> float:
+        async def small_after_huge() -> None:
             await huge_sent.wait()  # the huge request goes out first
-            return await _timed_small(stub)
+            await _timed_small(stub)
 
-        refused_in, small_in = await asyncio.gather(huge(), small_after_huge())
-    assert small_in < max(5.0, 3 * alone), (small_in, alone)
-    assert refused_in < max(5.0, 8 * client_cost), (refused_in, client_cost)
+        await asyncio.gather(huge(), small_after_huge())
+    assert _requests_counted(cluster) == before + 1  # the small one only
+
+
+def _requests_counted(cluster) -> int:
+    """Requests the gateway's servicer took in, from its log: one "finished" or failure line each."""
+    text = (cluster.log_dir / "gateway.log").read_text()
+    return text.count("finished (")
 
 
 async def test_long_text_is_tokenised_off_the_event_loop(cluster):
