@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.runtime.devices import host_to_device
+
 SLOT_ALIGN = 64  # bytes: each slot's conv and recurrent parts start at a multiple of this
 
 
@@ -204,8 +206,8 @@ class StatePool:
             return
         if self.snapshot_conv is None or self.snapshot_recurrent is None:
             raise RuntimeError("commit_snapshots without a verify step's snapshots")
-        device = self.conv.device
-        index, slot_index, step_index = (torch.tensor(col, dtype=torch.int64, device=device) for col in zip(*rows))
+        packed = host_to_device([value for col in zip(*rows) for value in col], torch.int64, self.conv.device)
+        index, slot_index, step_index = packed.view(3, len(rows)).unbind(0)  # one pinned upload, no blocking copy
         self.conv.index_copy_(1, slot_index, self.snapshot_conv[:, index, step_index])
         self.recurrent.index_copy_(1, slot_index, self.snapshot_recurrent[:, index, step_index])
 

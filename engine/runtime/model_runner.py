@@ -180,8 +180,10 @@ class ModelRunner:
             logger.warning("attention backend %s reads host-side lengths: decode runs eagerly", self.attention.name)
             return None
         max_pages = min(self.config.num_pages - 1, -(-self.model_config.max_position_embeddings // self.config.page_size))
-        graphs = CudaGraphRunner(self, self.config.graph_max_batch, self.config.graph_query_lens, max_pages,
-                                 self.graph_state_slot)
+        max_batch = self.config.graph_max_batch
+        if self.graph_state_slot is not None:  # no step has more sequences than the engine has state slots
+            max_batch = max(1, min(max_batch, self.config.num_state_slots))
+        graphs = CudaGraphRunner(self, max_batch, self.config.graph_query_lens, max_pages, self.graph_state_slot)
         graphs.capture(write_draft=self.draft is not None)
         return graphs
 

@@ -480,3 +480,43 @@ def test_k3_graph_replay_step_on_fake_cuda(fake_k3_engine, monkeypatch):
         engine.step()
         engine.step()
     assert _FakeCudaGraph.replays == before + 2 and fetches == [(2,), (2,)], fetches
+
+
+@pytest.mark.slow  # the K3 tiny model under FakeTensorMode, graphs captured: ~5 s of CPU
+def test_k3_verify_graph_replay_on_fake_cuda(fake_k3_engine, monkeypatch):
+    """Kimi K3's speculative verify steps replay captured graphs too (state slots from the packed buffer, the state
+    after every position into the snapshot scratch fixed at start-up), and the commit that follows keeps the
+    accepted positions: no host sync, blocking upload or dynamic-shape op, and the replay is used. Without a fixed
+    scratch no verify graph is captured (none could replay)."""
+    from engine.runtime.cuda_graphs import CudaGraphRunner
+    from engine.runtime.step_plan import CommitStatePlan, DecodeItem, decode_plan, with_state_slots
+
+    from torch._subclasses import fake_tensor
+
+    engine = fake_k3_engine
+    _fake_graph_runtime(monkeypatch)
+    # FakeTensorMode keeps one-element tensors built from host values as real constants, which a CPU-only torch
+    # cannot place on "cuda" (the torch backend's verify layout uploads the lengths of a batch of one)
+    monkeypatch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)
+    runner = engine.runner
+    scratch = runner.config.num_state_slots - 1  # not handed out to the two requests below
+    runner.graphs = CudaGraphRunner(runner, 2, (1, 3), max_pages=8, scratch_state_slot=scratch)
+    runner.graphs.capture(write_draft=False)
+    assert set(runner.graphs.steps) == {(1, 1), (2, 1)}  # no snapshot scratch fixed yet: no verify graph
+    runner.cache.state.reserve_snapshots(2, 3)  # what an engine with a draft allocates at start-up
+    runner.graphs = CudaGraphRunner(runner, 2, (1, 3), max_pages=8, scratch_state_slot=scratch)
+    runner.graphs.capture(write_draft=False)
+    assert set(runner.graphs.steps) == {(1, 1), (2, 1), (1, 3), (2, 3)}
+    for i in range(2):
+        engine.add_request(f"kv{i}", [3 + i, 6, 2], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    with forbid_host_syncs(monkeypatch, forbid_uploads=False):  # prefill is not under test here
+        _decode_until_prefilled(engine, ["kv0", "kv1"])
+    seqs = list(engine.scheduler.running)
+    plan = decode_plan([DecodeItem([seq.last_token, 5, 7], seq.num_cached, seq.page_table.pages) for seq in seqs],
+                       snapshot_state=True)
+    plan = with_state_slots(plan, [seq.state_slot for seq in seqs], ())
+    before = _FakeCudaGraph.replays
+    with forbid_host_syncs(monkeypatch):
+        logits = engine.leader.execute(plan)
+        engine.leader.execute(CommitStatePlan([seq.state_slot for seq in seqs], [2, 0]))
+    assert _FakeCudaGraph.replays == before + 1 and logits.shape[0] == 6 and logits.device.type == "cuda"
