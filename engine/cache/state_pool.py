@@ -128,6 +128,7 @@ class StatePool:
             s.num_slots, s.num_kda_layers, s.num_heads, s.head_k_dim, s.head_v_dim).transpose(0, 1)
         self._free = list(range(s.num_slots))
         self._owned: set[int] = set()
+        self._withheld: set[int] = set()
         self.lock = threading.RLock()
         self.snapshot_conv: torch.Tensor | None = None
         self.snapshot_recurrent: torch.Tensor | None = None
@@ -151,7 +152,18 @@ class StatePool:
 
     @property
     def num_slots(self) -> int:
-        return self.shape.num_slots
+        """Slots that can be handed out (withheld ones not counted)."""
+        return self.shape.num_slots - len(self._withheld)
+
+    def withhold(self, slot: int) -> None:
+        """Takes a free slot out of circulation for good (a captured graph's padding rows use it as scratch):
+        alloc never hands it out and num_slots no longer counts it."""
+        with self.lock:
+            if slot not in self._free:
+                raise ValueError(f"state slot {slot} is not free")
+            self._free.remove(slot)
+            heapq.heapify(self._free)
+            self._withheld.add(slot)
 
     def alloc(self) -> int:
         """A free slot, zeroed (the state of an empty sequence). Raises OutOfStateSlots when none is free."""

@@ -520,3 +520,48 @@ def test_k3_verify_graph_replay_on_fake_cuda(fake_k3_engine, monkeypatch):
         logits = engine.leader.execute(plan)
         engine.leader.execute(CommitStatePlan([seq.state_slot for seq in seqs], [2, 0]))
     assert _FakeCudaGraph.replays == before + 1 and logits.shape[0] == 6 and logits.device.type == "cuda"
+
+
+@pytest.mark.slow  # the K3 tiny model under FakeTensorMode: ~3 s of CPU
+def test_k3_graph_scratch_slot_is_never_handed_out(monkeypatch, cuda_guard_for_fake_tensors):
+    """With graphs on a GPU, K3's state pool has one slot more than the engine's: the scratch slot padding rows
+    read and write. The engine never hands it out (it was the last free slot before: a sequence holding it would
+    have its state overwritten by every padded replay) and does not count it."""
+    from engine.cache.state_pool import OutOfStateSlots
+    from engine.paths import K3_MODEL_DIR
+
+    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.setattr(engine_config, "gpu_count", lambda: 1)
+    _preload_k3(monkeypatch)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        engine = LLMEngine(EngineConfig(model_dir=str(K3_MODEL_DIR), device="cuda", attention_backend="torch",
+                                        use_graphs=True, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
+        try:
+            scratch = engine.runner.graph_state_slot
+            pool = engine.state_pool
+            assert scratch is not None and pool.shape.num_slots == scratch + 1
+            assert engine.num_state_slots == scratch == engine.runner.config.num_state_slots
+            handed = []
+            with pytest.raises(OutOfStateSlots):
+                while True:
+                    handed.append(pool.alloc())
+            assert sorted(handed) == list(range(scratch))
+        finally:
+            engine.close()
+
+
+def test_stateful_graphs_need_a_gpu_and_a_cache_of_the_engines_own():
+    """Which runners capture graphs holding state: on a GPU, with a local cache or the engine's own device pool
+    (a decode worker's), not on the CPU, not for a model without linear attention or without graphs."""
+    from engine.runtime.model_runner import RunnerConfig, graph_state_slot
+
+    def config(**options) -> RunnerConfig:
+        base = dict(model_dir="m", draft_dir=None, dtype="bfloat16", attention_backend="triton", page_size=16,
+                    num_pages=8, kv_pool="local", device="cuda", use_graphs=True, num_state_slots=5)
+        return RunnerConfig(**{**base, **options})
+
+    assert graph_state_slot(config(), True, "cuda") == 5
+    assert graph_state_slot(config(kv_pool="device", page_pools=object()), True, "cuda") == 5
+    assert graph_state_slot(config(), False, "cuda") is None
+    assert graph_state_slot(config(use_graphs=False), True, "cuda") is None
+    assert graph_state_slot(config(device="cpu"), True, "cpu") is None
