@@ -349,9 +349,10 @@ def _preload_k3(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.empty(v.shape, dtype=torch.float32, device=v.device), state))
 
 
-@pytest.fixture()
-def fake_k3_engine(monkeypatch, cuda_guard_for_fake_tensors):
-    """The Kimi K3 tiny engine on one pretend GPU (no draft, eager), under FakeTensorMode."""
+@contextlib.contextmanager
+def _fake_k3(monkeypatch: pytest.MonkeyPatch, use_graphs: bool):
+    """The Kimi K3 tiny engine on one pretend GPU (no draft), under FakeTensorMode. use_graphs: the runner
+    reserves the graphs' scratch state slot (no graph is captured: torch.cuda is not available)."""
     from engine.paths import K3_MODEL_DIR
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 1)
@@ -359,11 +360,18 @@ def fake_k3_engine(monkeypatch, cuda_guard_for_fake_tensors):
     _preload_k3(monkeypatch)
     with FakeTensorMode(allow_non_fake_inputs=True):
         engine = LLMEngine(EngineConfig(model_dir=str(K3_MODEL_DIR), device="cuda", attention_backend="torch",
-                                        use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
+                                        use_graphs=use_graphs, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
         try:
             yield engine
         finally:
             engine.close()
+
+
+@pytest.fixture()
+def fake_k3_engine(monkeypatch, cuda_guard_for_fake_tensors):
+    """The Kimi K3 tiny engine on one pretend GPU (no draft, eager), under FakeTensorMode."""
+    with _fake_k3(monkeypatch, use_graphs=False) as engine:
+        yield engine
 
 
 @pytest.mark.slow  # the K3 tiny model under FakeTensorMode: ~3 s of CPU
@@ -528,26 +536,17 @@ def test_k3_graph_scratch_slot_is_never_handed_out(monkeypatch, cuda_guard_for_f
     read and write. The engine never hands it out (it was the last free slot before: a sequence holding it would
     have its state overwritten by every padded replay) and does not count it."""
     from engine.cache.state_pool import OutOfStateSlots
-    from engine.paths import K3_MODEL_DIR
 
-    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
-    monkeypatch.setattr(engine_config, "gpu_count", lambda: 1)
-    _preload_k3(monkeypatch)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        engine = LLMEngine(EngineConfig(model_dir=str(K3_MODEL_DIR), device="cuda", attention_backend="torch",
-                                        use_graphs=True, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
-        try:
-            scratch = engine.runner.graph_state_slot
-            pool = engine.state_pool
-            assert scratch is not None and pool.shape.num_slots == scratch + 1
-            assert engine.num_state_slots == scratch == engine.runner.config.num_state_slots
-            handed = []
-            with pytest.raises(OutOfStateSlots):
-                while True:
-                    handed.append(pool.alloc())
-            assert sorted(handed) == list(range(scratch))
-        finally:
-            engine.close()
+    with _fake_k3(monkeypatch, use_graphs=True) as engine:
+        scratch = engine.runner.graph_state_slot
+        pool = engine.state_pool
+        assert scratch is not None and pool.shape.num_slots == scratch + 1
+        assert engine.num_state_slots == scratch == engine.runner.config.num_state_slots
+        handed = []
+        with pytest.raises(OutOfStateSlots):
+            while True:
+                handed.append(pool.alloc())
+        assert sorted(handed) == list(range(scratch))
 
 
 def test_stateful_graphs_need_a_gpu_and_a_cache_of_the_engines_own():
