@@ -16,8 +16,8 @@ import statistics
 import time
 
 from benchmarks.bench_k3_batch import cpu_flags
-from engine.runtime.page_table_sync import PageTableReceiver, PageTableSender, decode_plan, encode_plan
-from engine.runtime.step_plan import DecodeItem, decode_plan as build_decode_plan
+from engine.runtime.page_table_sync import PageTableReceiver, PageTableSender, from_wire, to_wire
+from engine.runtime.step_plan import DecodeItem, decode_plan
 
 
 def _steps(batch: int, pages: int, steps: int, crossing: int):
@@ -30,7 +30,7 @@ def _steps(batch: int, pages: int, steps: int, crossing: int):
             tables[row % batch].append(next_page)
             next_page += 1
         items = [DecodeItem([7], len(pages_) * 16, pages_) for pages_ in tables]
-        yield build_decode_plan(items, keys=keys)
+        yield decode_plan(items, keys=keys)
 
 
 def _whole(plans) -> tuple[float, int]:
@@ -45,9 +45,9 @@ def _whole(plans) -> tuple[float, int]:
 def _deltas(plans, sender: PageTableSender, receiver: PageTableReceiver) -> tuple[float, int]:
     started, size = time.perf_counter(), 0
     for plan in plans:
-        wire = pickle.dumps(encode_plan(sender, plan))
+        wire = pickle.dumps(to_wire(sender, plan))
         size += len(wire)
-        decode_plan(receiver, pickle.loads(wire))
+        from_wire(receiver, pickle.loads(wire))
     return time.perf_counter() - started, size
 
 

@@ -226,7 +226,7 @@ class DeltaPlan:
     delta: TableDelta
 
 
-def encode_plan(sender: PageTableSender, plan):
+def to_wire(sender: PageTableSender, plan):
     """plan as it travels to the followers: a DeltaPlan when it has page tables and sequence keys, else itself."""
     keys = getattr(plan, "seq_keys", None)
     if keys is None:
@@ -235,7 +235,7 @@ def encode_plan(sender: PageTableSender, plan):
     return DeltaPlan(dataclasses.replace(plan, page_tables=[], seq_keys=None), delta)
 
 
-def decode_plan(receiver: PageTableReceiver, wire):
+def from_wire(receiver: PageTableReceiver, wire):
     """The plan a follower runs (raises PageTableDesync instead of rebuilding a wrong one)."""
     if not isinstance(wire, DeltaPlan):
         return wire

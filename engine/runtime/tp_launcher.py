@@ -21,8 +21,7 @@ import torch.distributed as dist
 from engine.runtime.devices import rank_device
 from engine.runtime.distributed import TPGroup
 from engine.runtime.model_runner import ModelRunner, RunnerConfig
-from engine.runtime.page_table_sync import (PageTableDesync, PageTableReceiver, PageTableSender, decode_plan,
-                                            encode_plan)
+from engine.runtime.page_table_sync import PageTableDesync, PageTableReceiver, PageTableSender, from_wire, to_wire
 from engine.runtime.step_plan import ShutdownPlan
 from engine.runtime.tp_start import TPStartError, start_followers, stop_followers, wait_for_keys
 from rpc.processes import child_start_method, die_with_parent, forget_parent_signals
@@ -101,7 +100,7 @@ def _follower_main(rank: int, size: int, port: int | Connection, config: RunnerC
             if isinstance(plan, ShutdownPlan):
                 break
             try:
-                plan = decode_plan(tables, plan)
+                plan = from_wire(tables, plan)
             except PageTableDesync as error:
                 logger.error("rank %d leaves the TP group: %s", rank, error)
                 raise
@@ -183,7 +182,7 @@ class TPLeader:
 
     def execute(self, plan):
         if self.tp_size > 1:
-            wire = encode_plan(self.tables, plan)
+            wire = to_wire(self.tables, plan)
             try:
                 dist.broadcast_object_list([wire], src=0, group=self.plan_group)
             except BaseException:

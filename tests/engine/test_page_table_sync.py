@@ -6,6 +6,7 @@ plain decode step at a long context pickles a small fraction of the whole tables
 delta is refused (PageTableDesync) rather than rebuilt into a wrong table, and a reset brings a follower back."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import random
@@ -14,8 +15,8 @@ import pytest
 
 from engine.runtime.forward_batch import ForwardMode
 from engine.runtime.page_table_sync import (DeltaPlan, PageTableDesync, PageTableReceiver, PageTableSender, TableDelta,
-                                            decode_plan, encode_plan)
-from engine.runtime.step_plan import DecodeItem, DraftPlan, TargetPlan, decode_plan as build_decode_plan
+                                            from_wire, to_wire)
+from engine.runtime.step_plan import DecodeItem, DraftPlan, TargetPlan, decode_plan
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _long_context_decode(batch: int, pages: int) -> tuple[list[str], list[list[i
 
 def _plan(keys: list[str], tables: list[list[int]], num_cached: int) -> TargetPlan:
     items = [DecodeItem([7], num_cached, pages) for pages in tables]
-    return build_decode_plan(items, keys=keys)
+    return decode_plan(items, keys=keys)
 
 
 def test_a_plain_decode_step_at_a_long_context_pickles_a_small_fraction():
@@ -85,16 +86,16 @@ def test_a_plain_decode_step_at_a_long_context_pickles_a_small_fraction():
     keys, tables = _long_context_decode(batch, pages)
     sender, receiver = PageTableSender(), PageTableReceiver()
     first = _plan(keys, tables, pages * page_size - 1)
-    assert decode_plan(receiver, pickle.loads(pickle.dumps(encode_plan(sender, first)))) == first.__class__(
-        **{**first.__dict__, "seq_keys": None})
+    assert from_wire(receiver, pickle.loads(pickle.dumps(to_wire(sender, first)))) == dataclasses.replace(
+        first, seq_keys=None)
     next_page = batch * pages
     for row in (3, 17, 40, 63):
         tables[row].append(next_page)
         next_page += 1
     step = _plan(keys, tables, pages * page_size)
     whole = len(pickle.dumps(step))
-    wire = pickle.dumps(encode_plan(sender, step))
-    rebuilt = decode_plan(receiver, pickle.loads(wire))
+    wire = pickle.dumps(to_wire(sender, step))
+    rebuilt = from_wire(receiver, pickle.loads(wire))
     assert rebuilt.page_tables == step.page_tables and rebuilt.input_ids == step.input_ids
     ratio = whole / len(wire)
     logger.info("plain decode step, batch %d x %d pages: whole plan %d B, delta plan %d B (%.0fx fewer)",
@@ -108,9 +109,9 @@ def test_a_plain_decode_step_at_a_long_context_pickles_a_small_fraction():
 def test_plans_without_sequence_keys_travel_whole():
     sender = PageTableSender()
     plan = TargetPlan(ForwardMode.EXTEND, [1, 2], [0, 1], [2], [2], [[5]], [1])
-    assert encode_plan(sender, plan) is plan and decode_plan(PageTableReceiver(), plan) is plan
+    assert to_wire(sender, plan) is plan and from_wire(PageTableReceiver(), plan) is plan
     draft = DraftPlan(4, [3], [9], [[1, 2]], seq_keys=("a",))
-    wire = encode_plan(sender, draft)
+    wire = to_wire(sender, draft)
     assert isinstance(wire, DeltaPlan) and wire.plan.page_tables == [] and wire.plan.seq_keys is None
 
 

@@ -91,7 +91,7 @@ def test_tp2_with_page_deltas_equals_tp1(model):
 def test_a_corrupted_delta_fails_the_step_loudly(monkeypatch):
     """Negative control: the leader's checksum of one plan's tables is made wrong on its way out; the follower
     refuses the plan (PageTableDesync) and leaves, so the leader's step raises instead of returning tokens."""
-    original = tp_launcher.encode_plan
+    original = tp_launcher.to_wire
     calls = []
 
     def corrupting(sender, plan):
@@ -101,7 +101,7 @@ def test_a_corrupted_delta_fails_the_step_loudly(monkeypatch):
             wire = dataclasses.replace(wire, delta=dataclasses.replace(wire.delta, checksum=wire.delta.checksum + 1))
         return wire
 
-    monkeypatch.setattr(tp_launcher, "encode_plan", corrupting)
+    monkeypatch.setattr(tp_launcher, "to_wire", corrupting)
     engine = LLMEngine(dataclasses.replace(_config(2), prefix_cache=False, draft_model_dir=""))
     try:
         engine.add_request("x", _prompt(1, 12), GREEDY)
