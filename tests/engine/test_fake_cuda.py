@@ -511,20 +511,22 @@ def test_k3_verify_graph_replay_on_fake_cuda(fake_k3_engine, monkeypatch):
     runner.graphs = CudaGraphRunner(runner, 2, (1, 3), max_pages=8, scratch_state_slot=scratch)
     runner.graphs.capture(write_draft=False)
     assert set(runner.graphs.steps) == {(1, 1), (2, 1)}  # no snapshot scratch fixed yet: no verify graph
-    runner.cache.state.reserve_snapshots(2, 3)  # what an engine with a draft allocates at start-up
-    runner.graphs = CudaGraphRunner(runner, 2, (1, 3), max_pages=8, scratch_state_slot=scratch)
-    runner.graphs.capture(write_draft=False)
-    assert set(runner.graphs.steps) == {(1, 1), (2, 1), (1, 3), (2, 3)}
+    runner.graphs = None
     for i in range(2):
         engine.add_request(f"kv{i}", [3 + i, 6, 2], SamplingParams(max_new_tokens=8, ignore_eos=True))
     with forbid_host_syncs(monkeypatch, forbid_uploads=False):  # prefill is not under test here
         _decode_until_prefilled(engine, ["kv0", "kv1"])
+    runner.cache.state.reserve_snapshots(2, 3)  # what an engine with a draft allocates at start-up
+    graphs = CudaGraphRunner(runner, 2, (1, 3), max_pages=8, scratch_state_slot=scratch)
     seqs = list(engine.scheduler.running)
     plan = decode_plan([DecodeItem([seq.last_token, 5, 7], seq.num_cached, seq.page_table.pages) for seq in seqs],
                        snapshot_state=True)
     plan = with_state_slots(plan, [seq.state_slot for seq in seqs], ())
     before = _FakeCudaGraph.replays
-    with forbid_host_syncs(monkeypatch):
+    with forbid_host_syncs(monkeypatch):  # the capture too: a GPU refuses a sync in the middle of one
+        graphs.capture(write_draft=False)
+        assert set(graphs.steps) == {(1, 1), (2, 1), (1, 3), (2, 3)}
+        runner.graphs = graphs
         logits = engine.leader.execute(plan)
         engine.leader.execute(CommitStatePlan([seq.state_slot for seq in seqs], [2, 0]))
     assert _FakeCudaGraph.replays == before + 1 and logits.shape[0] == 6 and logits.device.type == "cuda"
