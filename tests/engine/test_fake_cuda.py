@@ -310,12 +310,12 @@ def test_graph_replay_step_on_fake_cuda_has_one_host_sync(fake_gpu, monkeypatch)
     try:
         _fake_graph_runtime(monkeypatch)
         runner = engine.runner
-        runner.graphs = CudaGraphRunner(runner, 4, (1,), max_pages=8)
-        runner.graphs.capture(write_draft=False)
-        assert set(runner.graphs.steps) == {(1, 1), (2, 1), (4, 1)}
         for i in range(3):
             engine.add_request(f"g{i}", [4 + i, 1, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))
-        with forbid_host_syncs(monkeypatch) as fetches:
+        with forbid_host_syncs(monkeypatch) as fetches:  # the capture too: a GPU refuses a sync in one
+            runner.graphs = CudaGraphRunner(runner, 4, (1,), max_pages=8)
+            runner.graphs.capture(write_draft=False)
+            assert set(runner.graphs.steps) == {(1, 1), (2, 1), (4, 1)}
             _decode_until_prefilled(engine, ["g0", "g1", "g2"])
             fetches.clear()
             before = _FakeCudaGraph.replays
@@ -475,16 +475,16 @@ def test_k3_graph_replay_step_on_fake_cuda(fake_k3_engine, monkeypatch):
     _fake_graph_runtime(monkeypatch)
     runner = engine.runner
     scratch = runner.config.num_state_slots - 1  # not handed out to the two requests below
-    runner.graphs = CudaGraphRunner(runner, 2, (1,), max_pages=8, scratch_state_slot=scratch)
-    runner.graphs.capture(write_draft=False)
-    assert set(runner.graphs.steps) == {(1, 1), (2, 1)}
     for i in range(2):
         engine.add_request(f"kg{i}", [3 + i, 6, 2], SamplingParams(max_new_tokens=8, ignore_eos=True))
     with forbid_host_syncs(monkeypatch, forbid_uploads=False):  # prefill is not under test here
         _decode_until_prefilled(engine, ["kg0", "kg1"])
     assert scratch not in {seq.state_slot for seq in engine.scheduler.running}
     before = _FakeCudaGraph.replays
-    with forbid_host_syncs(monkeypatch) as fetches:
+    with forbid_host_syncs(monkeypatch) as fetches:  # the capture too: a GPU refuses a sync in the middle of one
+        runner.graphs = CudaGraphRunner(runner, 2, (1,), max_pages=8, scratch_state_slot=scratch)
+        runner.graphs.capture(write_draft=False)
+        assert set(runner.graphs.steps) == {(1, 1), (2, 1)}
         engine.step()
         engine.step()
     assert _FakeCudaGraph.replays == before + 2 and fetches == [(2,), (2,)], fetches
