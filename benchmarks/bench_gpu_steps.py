@@ -4,7 +4,7 @@
                   decode step, same batch (goal on a GPU: spec step <= 1.3x a plain step; a CPU cannot
                   judge it: an 8-row verify is compute-bound there)
   K3 tiny         decode tok/s of the embedded Kimi K3 model with CUDA graphs asked for and without, and
-                  how many of its decode steps replayed a graph
+                  how many of its decode and verify steps replayed a graph
   host syncs      synchronising CUDA calls per plain greedy decode step (torch.cuda.set_sync_debug_mode
                   warnings: .item(), .tolist(), .cpu(), nonzero, blocking copies); goal <= 1 (the step's
                   one fetch of sampled ids). CPU: not measurable, reported as such.

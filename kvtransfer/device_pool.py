@@ -56,17 +56,21 @@ class DevicePagePool:
 
     @classmethod
     def create(cls, layout: KVLayout, num_pages: int, rank: int, tag: str, device: torch.device,
-               ipc: DeviceIpc) -> DevicePagePool:
-        buffer = torch.zeros(layout.pool_bytes(num_pages) // layout.element_size, dtype=layout.torch_dtype, device=device)
+               ipc: DeviceIpc, num_state_slots: int = 0) -> DevicePagePool:
+        """num_state_slots: linear-attention state slots after the pages (a layout with state needs them)."""
+        buffer = torch.zeros(layout.pool_bytes(num_pages, num_state_slots) // layout.element_size,
+                             dtype=layout.torch_dtype, device=device)
         buffer, handle = ipc.share(buffer)
-        control = SharedPagePool.create(layout, num_pages, rank, tag, prefix=DEVICE_PREFIX, populate=False)
+        control = SharedPagePool.create(layout, num_pages, rank, tag, prefix=DEVICE_PREFIX, populate=False,
+                                        num_state_slots=num_state_slots)
         assert control.data_view is not None
         if _LENGTH.size + len(handle) > len(control.data_view):
             control.close()
             control.unlink()
             raise SegmentError(f"the IPC handle ({len(handle)} B) does not fit the control segment's page area")
         control.data_view[: _LENGTH.size + len(handle)] = _LENGTH.pack(len(handle)) + handle
-        pool = cls(control, PagedLatentCache(layout.to_cache_shape(num_pages), buffer), ipc.device_id(device), True)
+        pool = cls(control, PagedLatentCache(layout.to_cache_shape(num_pages, num_state_slots), buffer),
+                   ipc.device_id(device), True)
         _LOCAL[pool.name] = pool
         logger.info("device KV pool %s on %s: rank %d, %d pages, %.1f MiB", pool.name, device, rank, num_pages,
                     buffer.numel() * buffer.element_size() / 2**20)
@@ -88,7 +92,7 @@ class DevicePagePool:
         except BaseException:
             control.close()
             raise
-        cache = PagedLatentCache(layout.to_cache_shape(control.num_pages), buffer.view(-1))
+        cache = PagedLatentCache(layout.to_cache_shape(control.num_pages, control.num_state_slots), buffer.view(-1))
         return cls(control, cache, handle_device(handle), False)
 
     def owner_alive(self) -> bool:
@@ -120,7 +124,9 @@ class DevicePoolFactory:
 
     def create(self, cache_shape: CacheShape, num_pages: int, rank: int, tag: str) -> DevicePagePool:
         device = self._device(rank)
-        return DevicePagePool.create(KVLayout.from_cache_shape(cache_shape), num_pages, rank, tag, device, ipc_for(device))
+        slots = cache_shape.state.num_slots if cache_shape.state is not None else 0
+        return DevicePagePool.create(KVLayout.from_cache_shape(cache_shape), num_pages, rank, tag, device, ipc_for(device),
+                                     slots)
 
     def attach(self, name: str, cache_shape: CacheShape):
         layout = KVLayout.from_cache_shape(cache_shape)

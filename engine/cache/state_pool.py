@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.runtime.devices import host_to_device
+
 SLOT_ALIGN = 64  # bytes: each slot's conv and recurrent parts start at a multiple of this
 
 
@@ -126,6 +128,7 @@ class StatePool:
             s.num_slots, s.num_kda_layers, s.num_heads, s.head_k_dim, s.head_v_dim).transpose(0, 1)
         self._free = list(range(s.num_slots))
         self._owned: set[int] = set()
+        self._withheld: set[int] = set()
         self.lock = threading.RLock()
         self.snapshot_conv: torch.Tensor | None = None
         self.snapshot_recurrent: torch.Tensor | None = None
@@ -149,7 +152,18 @@ class StatePool:
 
     @property
     def num_slots(self) -> int:
-        return self.shape.num_slots
+        """Slots that can be handed out (withheld ones not counted)."""
+        return self.shape.num_slots - len(self._withheld)
+
+    def withhold(self, slot: int) -> None:
+        """Takes a free slot out of circulation for good (a captured graph's padding rows use it as scratch):
+        alloc never hands it out and num_slots no longer counts it."""
+        with self.lock:
+            if slot not in self._free:
+                raise ValueError(f"state slot {slot} is not free")
+            self._free.remove(slot)
+            heapq.heapify(self._free)
+            self._withheld.add(slot)
 
     def alloc(self) -> int:
         """A free slot, zeroed (the state of an empty sequence). Raises OutOfStateSlots when none is free."""
@@ -204,8 +218,8 @@ class StatePool:
             return
         if self.snapshot_conv is None or self.snapshot_recurrent is None:
             raise RuntimeError("commit_snapshots without a verify step's snapshots")
-        device = self.conv.device
-        index, slot_index, step_index = (torch.tensor(col, dtype=torch.int64, device=device) for col in zip(*rows))
+        packed = host_to_device([value for col in zip(*rows) for value in col], torch.int64, self.conv.device)
+        index, slot_index, step_index = packed.view(3, len(rows)).unbind(0)  # one pinned upload, no blocking copy
         self.conv.index_copy_(1, slot_index, self.snapshot_conv[:, index, step_index])
         self.recurrent.index_copy_(1, slot_index, self.snapshot_recurrent[:, index, step_index])
 

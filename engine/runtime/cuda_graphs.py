@@ -10,9 +10,13 @@ when the attention backend cannot be captured (it reads host-side lengths) or `-
 draft's proposal runs eagerly (its context length changes every step). The bucket and padding logic is
 engine/runtime/graph_buckets.py.
 
-Models with linear-attention state (K3, Kimi Linear) capture plain decode steps too: every sequence's state
-slot travels in the packed buffer and padding rows use one scratch slot the engine never hands out (the
-runner allocates it in a local cache); speculative verifies of such models (state snapshots) run eagerly.
+Models with linear-attention state (K3, Kimi Linear) capture plain decode steps and speculative verify steps
+too: every sequence's state slot travels in the packed buffer and padding rows use one scratch slot the engine
+never hands out (the runner allocates it in a local cache). A verify step of such a model leaves the slots alone
+and writes the state after every position into the state pool's snapshot scratch, rows 0 .. bucket-1: its
+graphs are captured only when that scratch is allocated at start-up (fixed: it never moves) and holds the
+bucket; otherwise no verify graph is captured (no memory is spent on graphs that would never replay) and
+verifies run eagerly. Buckets never exceed the sequences that can hold a state slot.
 
 Tensor parallelism: every rank must replay the same graphs (each holds collectives), so which buckets
 were captured is agreed across ranks after capture: a bucket that failed on any rank runs eagerly on all.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -55,6 +59,7 @@ class CapturedStep(NamedTuple):
     packed: torch.Tensor  # the static input buffer the graph reads
     layout: StepLayout
     logits: torch.Tensor  # the static output the graph writes: [bucket * q_len, vocab]
+    run: Callable[[], torch.Tensor]  # the captured step as a function: what a replay does, run eagerly
 
 
 class PaddedStep(NamedTuple):
@@ -116,7 +121,8 @@ class CudaGraphRunner:
         device = self.runner.device
         free_before = torch.cuda.mem_get_info(device)[0]
         started = time.perf_counter()
-        keys = [(bucket, q_len) for q_len in self.query_lens for bucket in sorted(self.buckets, reverse=True)]
+        keys = [(bucket, q_len) for q_len in self.query_lens for bucket in sorted(self.buckets, reverse=True)
+                if self._replayable(bucket, q_len)]
         for bucket, q_len in keys:
             try:
                 self.steps[(bucket, q_len)] = self._capture_one(bucket, q_len, write_draft)
@@ -136,8 +142,28 @@ class CudaGraphRunner:
                     len(self.steps), list(self.buckets), list(self.query_lens), time.perf_counter() - started,
                     used / 2**20)
 
+    def _snapshots(self, q_len: int) -> bool:
+        """Whether steps of q_len tokens per sequence are speculative verifies keeping per-position state (a model
+        with linear-attention state verifies drafts that way; its plain decode steps have one token)."""
+        return self.scratch_state_slot is not None and q_len > 1
+
+    def _replayable(self, bucket: int, q_len: int) -> bool:
+        """Whether a graph of this key could ever replay. A stateful verify graph writes snapshot rows
+        0 .. bucket-1 at q_len positions: only a scratch fixed at start-up and at least that large qualifies."""
+        if not self._snapshots(q_len):
+            return True
+        state = self.runner.cache.state
+        conv = state.snapshot_conv if state is not None else None
+        fits = state is not None and state.fixed_snapshots and conv is not None and conv.shape[1] >= bucket \
+            and conv.shape[2] >= q_len
+        if not fits:
+            logger.info("no verify graph for batch %d x %d tokens: the state pool's snapshot scratch is not fixed "
+                        "or too small (verifies of that size run eagerly)", bucket, q_len)
+        return fits
+
     def _capture_one(self, bucket: int, q_len: int, write_draft: bool) -> CapturedStep:
         runner = self.runner
+        snapshot = self._snapshots(q_len)
         one = TargetPlan(ForwardMode.DECODE, [0] * q_len, list(range(q_len)), [q_len], [q_len],
                          [[self.scratch_page] * -(-q_len // self.page_size)], list(range(q_len)), None, write_draft,
                          state_slots=[self.scratch_state_slot] if self.scratch_state_slot is not None else None)
@@ -155,7 +181,7 @@ class CudaGraphRunner:
         def step() -> torch.Tensor:
             batch, extra = unpack_forward_batch(ForwardMode.DECODE, packed, layout, table)
             if self.scratch_state_slot is not None:  # every row's state slot, from the packed buffer
-                batch = replace(batch, state_slots=extra[num_rows:])
+                batch = replace(batch, state_slots=extra[num_rows:], snapshot_state=snapshot)
             return runner.forward_target(batch, extra[:num_rows], runner.cache, write_draft)
 
         stream = torch.cuda.Stream(runner.device)
@@ -168,7 +194,7 @@ class CudaGraphRunner:
             logits = step()
         if self.pool is None:
             self.pool = graph.pool()
-        return CapturedStep(graph, packed, layout, logits)
+        return CapturedStep(graph, packed, layout, logits, step)
 
     def run_target(self, plan: TargetPlan) -> torch.Tensor | None:
         """Replays the graph fitting `plan` -> logits [len(plan.logit_rows), vocab], or None (run eagerly)."""
@@ -180,9 +206,9 @@ class CudaGraphRunner:
         if captured is None or (plan.write_draft_context and not self.write_draft) or \
                 any(len(p) > self.max_pages for p in plan.page_tables):
             return None
-        # State: plain decode only (a speculative verify's snapshots and a slot reset run eagerly).
-        if (plan.state_slots is not None) != (self.scratch_state_slot is not None) or plan.snapshot_state \
-                or plan.reset_slots:
+        # State: a graph keeps per-position snapshots exactly when the plan asks for them; a slot reset runs eagerly.
+        if (plan.state_slots is not None) != (self.scratch_state_slot is not None) \
+                or plan.snapshot_state != self._snapshots(q_len) or plan.reset_slots:
             return None
         padded = pad_step(plan, bucket, self.scratch_page, self.page_size, self.max_pages, self.scratch_state_slot)
         self.block_table.update(padded.page_tables)  # only the entries that changed

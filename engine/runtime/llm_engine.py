@@ -401,7 +401,8 @@ class LLMEngine:
         items = [PrefillItem(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages,
                              c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0,
                              all_logits=c.seq.params.prompt_logprobs is not None) for c in chunks]
-        plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft))
+        plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft),
+                            keys=[c.seq.request_id for c in chunks])
         if self._reuse is not None:
             self._reuse.restore([c.seq for c in chunks])
         logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
@@ -468,7 +469,8 @@ class LLMEngine:
         items = [DecodeItem([seq.last_token] + drafts.get(seq.request_id, ([], None))[0], seq.num_cached,
                             seq.page_table.pages) for seq in seqs]
         plan = decode_plan(items, write_draft_context=speculates([seq.params for seq in seqs], self.has_draft),
-                           snapshot_state=bool(drafts) and self.state_pool is not None)
+                           snapshot_state=bool(drafts) and self.state_pool is not None,
+                           keys=[seq.request_id for seq in seqs])
         offsets = list(itertools.accumulate([0] + plan.q_lens))
         tokens = {rid: proposal[0] for rid, proposal in drafts.items()}
         # structured outputs: the step's grammar masks are computed on a helper thread while the forward runs

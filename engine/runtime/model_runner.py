@@ -74,6 +74,14 @@ class RunnerConfig:
         return self.draft_dtype or self.dtype
 
 
+def graph_state_slot(config: RunnerConfig, has_linear_attention: bool, device_type: str) -> int | None:
+    """The state slot captured graphs pad with (models with linear-attention state, graphs on a GPU, a cache this
+    engine allocates: its own or its device pool), one past the engine's slots; None when no graph holds state."""
+    stateful = (config.use_graphs and device_type == "cuda" and config.kv_pool in ("local", "device")
+                and config.num_state_slots > 0 and has_linear_attention)
+    return config.num_state_slots if stateful else None
+
+
 def cache_shape_for(model_config, draft_config, num_pages: int, page_size: int, dtype: torch.dtype,
                     tp_size: int = 1, num_state_slots: int = 0) -> CacheShape:
     """One rank's cache geometry; models with linear attention add num_state_slots state slots (sharded
@@ -136,10 +144,10 @@ class ModelRunner:
                 self._draft_head = self._cast_lm_head(draft_dtype)
         self.capture_layers: tuple[int, ...] = tuple(self.draft.config.target_layer_ids) if self.draft else ()
         # Captured steps of a model with linear-attention state pad with sequences that need a state slot of
-        # their own: one more than the engine hands out, in a cache no other process maps (kv_pool "local").
-        stateful_graphs = (config.use_graphs and self.device.type == "cuda" and config.kv_pool == "local"
-                           and config.num_state_slots > 0 and model_config.has_linear_attention)
-        self.graph_state_slot: int | None = config.num_state_slots if stateful_graphs else None
+        # their own: one more than the engine hands out (withheld from the free list below). In a shared pool
+        # (kv_pool "device": a decode worker's) other processes write only slots the engine handed out.
+        self.graph_state_slot = graph_state_slot(config, model_config.has_linear_attention, self.device.type)
+        stateful_graphs = self.graph_state_slot is not None
         self.cache_shape = cache_shape_for(
             self.model_config, self.draft.config if self.draft else None, config.num_pages, config.page_size, dtype,
             tp.size, config.num_state_slots + (1 if stateful_graphs else 0),
@@ -151,6 +159,8 @@ class ModelRunner:
             self.cache = self.pool.cache
         else:
             self.cache = PagedLatentCache(self.cache_shape, device=self.device)
+        if self.graph_state_slot is not None:
+            self.cache.state.withhold(self.graph_state_slot)
         if self.cache.state is not None and config.snapshot_rows:
             self.cache.state.reserve_snapshots(config.snapshot_rows, config.snapshot_steps)
         self.checkpoints: torch.Tensor | None = None  # uint8 [checkpoint slots, slot stride]: StatePool.raw rows
@@ -173,15 +183,17 @@ class ModelRunner:
             logger.info("CUDA graphs need a GPU; running eagerly on %s", self.device)
             return None
         if self.cache.state is not None and self.graph_state_slot is None:
-            logger.warning("CUDA graphs of a model with linear-attention state need a local cache (kv_pool %r): "
-                           "decode runs eagerly", self.config.kv_pool)
+            logger.warning("CUDA graphs of a model with linear-attention state need a cache of this engine's own "
+                           "(kv_pool 'local' or 'device', got %r): decode runs eagerly", self.config.kv_pool)
             return None
         if not self.attention.graph_safe:
             logger.warning("attention backend %s reads host-side lengths: decode runs eagerly", self.attention.name)
             return None
         max_pages = min(self.config.num_pages - 1, -(-self.model_config.max_position_embeddings // self.config.page_size))
-        graphs = CudaGraphRunner(self, self.config.graph_max_batch, self.config.graph_query_lens, max_pages,
-                                 self.graph_state_slot)
+        max_batch = self.config.graph_max_batch
+        if self.graph_state_slot is not None:  # no step has more sequences than the engine has state slots
+            max_batch = max(1, min(max_batch, self.config.num_state_slots))
+        graphs = CudaGraphRunner(self, max_batch, self.config.graph_query_lens, max_pages, self.graph_state_slot)
         graphs.capture(write_draft=self.draft is not None)
         return graphs
 

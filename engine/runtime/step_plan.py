@@ -21,6 +21,8 @@ class TargetPlan:
     reset_slots: slots every rank zeroes before the forward (sequences starting from token 0).
     snapshot_state: a speculative verify step: KDA state per position goes to the scratch, slots are
         kept until a CommitStatePlan names how many positions each sequence keeps.
+    seq_keys: which sequence each row is (its request id), so that tensor-parallel followers receive page-table
+        deltas instead of whole tables (engine/runtime/page_table_sync.py); None: the tables travel whole.
     """
 
     mode: ForwardMode
@@ -35,6 +37,7 @@ class TargetPlan:
     state_slots: list[int] | None = None
     reset_slots: tuple[int, ...] = ()
     snapshot_state: bool = False
+    seq_keys: tuple[str, ...] | None = None
 
 
 class PrefillItem(NamedTuple):
@@ -56,10 +59,19 @@ class DecodeItem(NamedTuple):
     pages: list[int]
 
 
+def _keys(keys, items) -> tuple[str, ...] | None:
+    if keys is None:
+        return None
+    keys = tuple(keys)
+    if len(keys) != len(items):
+        raise ValueError(f"{len(keys)} sequence keys for {len(items)} items")
+    return keys
+
+
 def prefill_plan(items: list[PrefillItem], pool_names: tuple[str, ...] | None = None,
-                 write_draft_context: bool = False) -> TargetPlan:
+                 write_draft_context: bool = False, keys: list[str] | None = None) -> TargetPlan:
     """An EXTEND plan over chunks of several prompts; logit_rows: every row of an all_logits item, else the last
-    row of each item needing logits."""
+    row of each item needing logits. keys: each item's sequence (TargetPlan.seq_keys)."""
     input_ids: list[int] = []
     positions: list[int] = []
     rows: list[int] = []
@@ -74,12 +86,14 @@ def prefill_plan(items: list[PrefillItem], pool_names: tuple[str, ...] | None = 
     return TargetPlan(
         mode=ForwardMode.EXTEND, input_ids=input_ids, positions=positions, q_lens=[item.num_tokens for item in items],
         kv_lens=[item.num_cached + item.num_tokens for item in items], page_tables=[list(item.pages) for item in items],
-        logit_rows=rows, pool_names=pool_names, write_draft_context=write_draft_context,
+        logit_rows=rows, pool_names=pool_names, write_draft_context=write_draft_context, seq_keys=_keys(keys, items),
     )
 
 
-def decode_plan(items: list[DecodeItem], write_draft_context: bool = False, snapshot_state: bool = False) -> TargetPlan:
-    """A DECODE plan (speculative verify when items carry drafts): logits for every fed token."""
+def decode_plan(items: list[DecodeItem], write_draft_context: bool = False, snapshot_state: bool = False,
+                keys: list[str] | None = None) -> TargetPlan:
+    """A DECODE plan (speculative verify when items carry drafts): logits for every fed token. keys: each item's
+    sequence (TargetPlan.seq_keys)."""
     input_ids: list[int] = []
     positions: list[int] = []
     for item in items:
@@ -89,6 +103,7 @@ def decode_plan(items: list[DecodeItem], write_draft_context: bool = False, snap
         mode=ForwardMode.DECODE, input_ids=input_ids, positions=positions, q_lens=[len(item.tokens) for item in items],
         kv_lens=[item.num_cached + len(item.tokens) for item in items], page_tables=[list(item.pages) for item in items],
         logit_rows=list(range(len(input_ids))), write_draft_context=write_draft_context, snapshot_state=snapshot_state,
+        seq_keys=_keys(keys, items),
     )
 
 
@@ -116,6 +131,7 @@ class DraftPlan:
     context_lens: list[int]
     page_tables: list[list[int]]
     with_hidden: bool = False  # also return the draft's hidden states (a gated / rnn DSpark Markov head reads them)
+    seq_keys: tuple[str, ...] | None = None  # each row's sequence, as TargetPlan.seq_keys
 
 
 @dataclass(frozen=True)

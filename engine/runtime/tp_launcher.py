@@ -3,7 +3,9 @@ every step plan the leader broadcasts (engine/runtime/tp_start.py: forked on the
 one thread, else a fresh interpreter that never re-imports the caller's __main__; a rank that fails to start
 raises TPStartError in the leader). Ranks meet on a TCPStore the leader serves. Activations travel on the
 default group (gloo on CPU, NCCL / RCCL on GPUs); step plans always travel on a CPU gloo group, so
-broadcasting one never touches or synchronises a device."""
+broadcasting one never touches or synchronises a device. A plan's page tables travel as deltas to each
+follower's mirror of them (engine/runtime/page_table_sync.py); a follower whose mirror does not match the
+leader's raises PageTableDesync and leaves the group rather than run a step on a wrong table."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from engine.runtime.devices import rank_device
 from engine.runtime.distributed import TPGroup
 from engine.runtime.model_runner import ModelRunner, RunnerConfig
+from engine.runtime.page_table_sync import PageTableDesync, PageTableReceiver, PageTableSender, from_wire, to_wire
 from engine.runtime.step_plan import ShutdownPlan
 from engine.runtime.tp_start import TPStartError, start_followers, stop_followers, wait_for_keys
 from rpc.processes import child_start_method, die_with_parent, forget_parent_signals
@@ -88,6 +91,7 @@ def _follower_main(rank: int, size: int, port: int | Connection, config: RunnerC
         raise
     store.set(_ready_key(rank), "1")
     dist.all_gather_object([None] * size, runner.pool_name, group=plan_group)
+    tables = PageTableReceiver()
     try:
         while True:
             box = [None]
@@ -95,6 +99,11 @@ def _follower_main(rank: int, size: int, port: int | Connection, config: RunnerC
             plan = box[0]
             if isinstance(plan, ShutdownPlan):
                 break
+            try:
+                plan = from_wire(tables, plan)
+            except PageTableDesync as error:
+                logger.error("rank %d leaves the TP group: %s", rank, error)
+                raise
             runner.execute(plan)
     finally:
         runner.close()
@@ -109,6 +118,7 @@ class TPLeader:
         self.tp_size = tp_size
         self.followers: list = []
         self.plan_group = None
+        self.tables = PageTableSender()  # what each follower's page-table mirror holds
         self.runner = None
         self._store = None
         try:
@@ -172,13 +182,20 @@ class TPLeader:
 
     def execute(self, plan):
         if self.tp_size > 1:
-            dist.broadcast_object_list([plan], src=0, group=self.plan_group)
+            wire = to_wire(self.tables, plan)
+            try:
+                dist.broadcast_object_list([wire], src=0, group=self.plan_group)
+            except BaseException:
+                self.tables.invalidate()  # it may have reached some followers only: the next plan resyncs
+                raise
         return self.runner.execute(plan)
 
     def close(self) -> None:
         if self.tp_size > 1 and dist.is_initialized():
             try:
                 dist.broadcast_object_list([ShutdownPlan()], src=0, group=self.plan_group)
+            except RuntimeError as error:  # a follower already left (it failed a step): stop the others anyway
+                logger.warning("TP shutdown: %s", str(error).splitlines()[0])
             finally:
                 stop_followers(self.followers, timeout=30)
                 dist.destroy_process_group()

@@ -53,6 +53,7 @@ def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposal
         context_lens=[s.num_cached for s in group],
         page_tables=[list(s.page_table.pages) for s in group],
         with_hidden=bool(markov is not None and markov.needs_hidden),
+        seq_keys=tuple(s.request_id for s in group),
     )
     out = execute(plan)
     logits, hidden = out if isinstance(out, tuple) else (out, None)

@@ -291,6 +291,29 @@ def test_split_counts_are_bucketed():
     assert chosen <= set(decode.SPLIT_BUCKETS) and len(chosen) > 1 and max(chosen) == max(decode.SPLIT_BUCKETS)
 
 
+def test_prefill_grid_gives_every_head_its_own_programs(monkeypatch):
+    """Issue 35 item 11: a 2,048-token chunk at TP8 (16 heads of DeepSeek-V3's 128 per rank) must fill an H200's
+    132 SMs. The launch grid is sequences x query blocks x heads (one head per program): 1 x 32 x 16 = 512
+    programs; the grid (sequences, query blocks, heads / 16) it replaced was 32."""
+    from engine.attention.triton_kernels import prefill
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **constexprs: None
+
+    monkeypatch.setattr(prefill, "flash_prefill_kernel", Recorder())
+    tokens, heads = 2048, 16
+    q = torch.empty(tokens, heads, 192)
+    v = torch.empty(tokens, heads, 128)
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    prefill.flash_prefill(q, q, v, cu, cu, tokens, 0.1, block_m=64)
+    (grid,) = grids
+    assert grid == (1, 32, 16) and grid[0] * grid[1] * grid[2] >= 132
+
+
 def test_registry_auto_on_cpu_is_torch_and_unpadded():
     """auto on CPU is the torch reference, which runs 12 heads natively (no wrapper)."""
     backend = get_attention_backend("auto", num_heads=12, device="cpu")

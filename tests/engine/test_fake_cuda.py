@@ -310,12 +310,12 @@ def test_graph_replay_step_on_fake_cuda_has_one_host_sync(fake_gpu, monkeypatch)
     try:
         _fake_graph_runtime(monkeypatch)
         runner = engine.runner
-        runner.graphs = CudaGraphRunner(runner, 4, (1,), max_pages=8)
-        runner.graphs.capture(write_draft=False)
-        assert set(runner.graphs.steps) == {(1, 1), (2, 1), (4, 1)}
         for i in range(3):
             engine.add_request(f"g{i}", [4 + i, 1, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))
-        with forbid_host_syncs(monkeypatch) as fetches:
+        with forbid_host_syncs(monkeypatch) as fetches:  # the capture too: a GPU refuses a sync in one
+            runner.graphs = CudaGraphRunner(runner, 4, (1,), max_pages=8)
+            runner.graphs.capture(write_draft=False)
+            assert set(runner.graphs.steps) == {(1, 1), (2, 1), (4, 1)}
             _decode_until_prefilled(engine, ["g0", "g1", "g2"])
             fetches.clear()
             before = _FakeCudaGraph.replays
@@ -349,9 +349,10 @@ def _preload_k3(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.empty(v.shape, dtype=torch.float32, device=v.device), state))
 
 
-@pytest.fixture()
-def fake_k3_engine(monkeypatch, cuda_guard_for_fake_tensors):
-    """The Kimi K3 tiny engine on one pretend GPU (no draft, eager), under FakeTensorMode."""
+@contextlib.contextmanager
+def _fake_k3(monkeypatch: pytest.MonkeyPatch, use_graphs: bool):
+    """The Kimi K3 tiny engine on one pretend GPU (no draft), under FakeTensorMode. use_graphs: the runner
+    reserves the graphs' scratch state slot (no graph is captured: torch.cuda is not available)."""
     from engine.paths import K3_MODEL_DIR
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 1)
@@ -359,11 +360,18 @@ def fake_k3_engine(monkeypatch, cuda_guard_for_fake_tensors):
     _preload_k3(monkeypatch)
     with FakeTensorMode(allow_non_fake_inputs=True):
         engine = LLMEngine(EngineConfig(model_dir=str(K3_MODEL_DIR), device="cuda", attention_backend="torch",
-                                        use_graphs=False, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
+                                        use_graphs=use_graphs, kv_memory_bytes=8 * 2**20, draft_model_dir=""))
         try:
             yield engine
         finally:
             engine.close()
+
+
+@pytest.fixture()
+def fake_k3_engine(monkeypatch, cuda_guard_for_fake_tensors):
+    """The Kimi K3 tiny engine on one pretend GPU (no draft, eager), under FakeTensorMode."""
+    with _fake_k3(monkeypatch, use_graphs=False) as engine:
+        yield engine
 
 
 @pytest.mark.slow  # the K3 tiny model under FakeTensorMode: ~3 s of CPU
@@ -467,16 +475,94 @@ def test_k3_graph_replay_step_on_fake_cuda(fake_k3_engine, monkeypatch):
     _fake_graph_runtime(monkeypatch)
     runner = engine.runner
     scratch = runner.config.num_state_slots - 1  # not handed out to the two requests below
-    runner.graphs = CudaGraphRunner(runner, 2, (1,), max_pages=8, scratch_state_slot=scratch)
-    runner.graphs.capture(write_draft=False)
-    assert set(runner.graphs.steps) == {(1, 1), (2, 1)}
     for i in range(2):
         engine.add_request(f"kg{i}", [3 + i, 6, 2], SamplingParams(max_new_tokens=8, ignore_eos=True))
     with forbid_host_syncs(monkeypatch, forbid_uploads=False):  # prefill is not under test here
         _decode_until_prefilled(engine, ["kg0", "kg1"])
     assert scratch not in {seq.state_slot for seq in engine.scheduler.running}
     before = _FakeCudaGraph.replays
-    with forbid_host_syncs(monkeypatch) as fetches:
+    with forbid_host_syncs(monkeypatch) as fetches:  # the capture too: a GPU refuses a sync in the middle of one
+        runner.graphs = CudaGraphRunner(runner, 2, (1,), max_pages=8, scratch_state_slot=scratch)
+        runner.graphs.capture(write_draft=False)
+        assert set(runner.graphs.steps) == {(1, 1), (2, 1)}
         engine.step()
         engine.step()
     assert _FakeCudaGraph.replays == before + 2 and fetches == [(2,), (2,)], fetches
+
+
+@pytest.mark.slow  # the K3 tiny model under FakeTensorMode, graphs captured: ~5 s of CPU
+def test_k3_verify_graph_replay_on_fake_cuda(fake_k3_engine, monkeypatch):
+    """Kimi K3's speculative verify steps replay captured graphs too (state slots from the packed buffer, the state
+    after every position into the snapshot scratch fixed at start-up), and the commit that follows keeps the
+    accepted positions: no host sync, blocking upload or dynamic-shape op, and the replay is used. Without a fixed
+    scratch no verify graph is captured (none could replay)."""
+    from engine.runtime.cuda_graphs import CudaGraphRunner
+    from engine.runtime.step_plan import CommitStatePlan, DecodeItem, decode_plan, with_state_slots
+
+    from torch._subclasses import fake_tensor
+
+    engine = fake_k3_engine
+    _fake_graph_runtime(monkeypatch)
+    # FakeTensorMode keeps one-element tensors built from host values as real constants, which a CPU-only torch
+    # cannot place on "cuda" (the torch backend's verify layout uploads the lengths of a batch of one)
+    monkeypatch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)
+    runner = engine.runner
+    scratch = runner.config.num_state_slots - 1  # not handed out to the two requests below
+    runner.graphs = CudaGraphRunner(runner, 2, (1, 3), max_pages=8, scratch_state_slot=scratch)
+    runner.graphs.capture(write_draft=False)
+    assert set(runner.graphs.steps) == {(1, 1), (2, 1)}  # no snapshot scratch fixed yet: no verify graph
+    runner.graphs = None
+    for i in range(2):
+        engine.add_request(f"kv{i}", [3 + i, 6, 2], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    with forbid_host_syncs(monkeypatch, forbid_uploads=False):  # prefill is not under test here
+        _decode_until_prefilled(engine, ["kv0", "kv1"])
+    runner.cache.state.reserve_snapshots(2, 3)  # what an engine with a draft allocates at start-up
+    graphs = CudaGraphRunner(runner, 2, (1, 3), max_pages=8, scratch_state_slot=scratch)
+    seqs = list(engine.scheduler.running)
+    plan = decode_plan([DecodeItem([seq.last_token, 5, 7], seq.num_cached, seq.page_table.pages) for seq in seqs],
+                       snapshot_state=True)
+    plan = with_state_slots(plan, [seq.state_slot for seq in seqs], ())
+    before = _FakeCudaGraph.replays
+    with forbid_host_syncs(monkeypatch):  # the capture too: a GPU refuses a sync in the middle of one
+        graphs.capture(write_draft=False)
+        assert set(graphs.steps) == {(1, 1), (2, 1), (1, 3), (2, 3)}
+        runner.graphs = graphs
+        logits = engine.leader.execute(plan)
+        engine.leader.execute(CommitStatePlan([seq.state_slot for seq in seqs], [2, 0]))
+    assert _FakeCudaGraph.replays == before + 1 and logits.shape[0] == 6 and logits.device.type == "cuda"
+
+
+@pytest.mark.slow  # the K3 tiny model under FakeTensorMode: ~3 s of CPU
+def test_k3_graph_scratch_slot_is_never_handed_out(monkeypatch, cuda_guard_for_fake_tensors):
+    """With graphs on a GPU, K3's state pool has one slot more than the engine's: the scratch slot padding rows
+    read and write. The engine never hands it out (it was the last free slot before: a sequence holding it would
+    have its state overwritten by every padded replay) and does not count it."""
+    from engine.cache.state_pool import OutOfStateSlots
+
+    with _fake_k3(monkeypatch, use_graphs=True) as engine:
+        scratch = engine.runner.graph_state_slot
+        pool = engine.state_pool
+        assert scratch is not None and pool.shape.num_slots == scratch + 1
+        assert engine.num_state_slots == scratch == engine.runner.config.num_state_slots
+        handed = []
+        with pytest.raises(OutOfStateSlots):
+            while True:
+                handed.append(pool.alloc())
+        assert sorted(handed) == list(range(scratch))
+
+
+def test_stateful_graphs_need_a_gpu_and_a_cache_of_the_engines_own():
+    """Which runners capture graphs holding state: on a GPU, with a local cache or the engine's own device pool
+    (a decode worker's), not on the CPU, not for a model without linear attention or without graphs."""
+    from engine.runtime.model_runner import RunnerConfig, graph_state_slot
+
+    def config(**options) -> RunnerConfig:
+        base = dict(model_dir="m", draft_dir=None, dtype="bfloat16", attention_backend="triton", page_size=16,
+                    num_pages=8, kv_pool="local", device="cuda", use_graphs=True, num_state_slots=5)
+        return RunnerConfig(**{**base, **options})
+
+    assert graph_state_slot(config(), True, "cuda") == 5
+    assert graph_state_slot(config(kv_pool="device", page_pools=object()), True, "cuda") == 5
+    assert graph_state_slot(config(), False, "cuda") is None
+    assert graph_state_slot(config(use_graphs=False), True, "cuda") is None
+    assert graph_state_slot(config(device="cpu"), True, "cpu") is None

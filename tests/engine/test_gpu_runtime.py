@@ -1,5 +1,5 @@
 """The engine on a real GPU (marked `gpu`: skipped without one; scripts/gpu_check.sh runs them): CUDA graphs
-change no output, seeded sampling does not depend on the batch, and a decode step reads device memory
+change no output (DeepSeek-V3 and K3 tiny, plain and speculative), seeded sampling does not depend on the batch, and a decode step reads device memory
 once."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from engine.runtime import llm_engine
 from engine.llm import LLM
-from engine.paths import DSV3_MODEL_DIR
+from engine.paths import DSV3_MODEL_DIR, K3_MODEL_DIR
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -16,12 +16,16 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 17, 300, 42, 7], [9, 8, 7, 6, 5, 4, 3, 2], [100, 200, 300]]
 
 
-def _generate(use_graphs: bool, draft: str | None, params: SamplingParams) -> list[list[int]]:
+def _generate(use_graphs: bool, draft: str | None, params: SamplingParams, model_dir=DSV3_MODEL_DIR,
+              ) -> list[list[int]]:
     # float32: the captured decode kernel splits its key range for the longest context, eager for the
     # current one; in bf16 that different summation order could flip a near-tie argmax.
-    with LLM(str(DSV3_MODEL_DIR), device="cuda", dtype="float32", use_graphs=use_graphs, draft_model=draft, max_running=8) as llm:
+    with LLM(str(model_dir), device="cuda", dtype="float32", use_graphs=use_graphs, draft_model=draft, max_running=8) as llm:
         assert llm.engine.device.type == "cuda"
-        assert (llm.engine.runner.graphs is not None) == (use_graphs and llm.engine.runner.attention.graph_safe)
+        graphs = llm.engine.runner.graphs
+        assert (graphs is not None) == (use_graphs and llm.engine.runner.attention.graph_safe)
+        if graphs is not None and draft is None:  # speculative: verify steps are captured too (K3's with snapshots)
+            assert any(q_len > 1 for _, q_len in graphs.steps), sorted(graphs.steps)
         return llm.generate(PROMPTS, params)
 
 
@@ -30,6 +34,14 @@ def test_graphs_do_not_change_greedy_outputs(draft):
     """Greedy decode (and speculative verify) with CUDA graphs == eager, token for token."""
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     assert _generate(True, draft, params) == _generate(False, draft, params)
+
+
+@pytest.mark.parametrize("draft", ["", None], ids=["plain", "speculative"])
+def test_k3_graphs_do_not_change_greedy_outputs(draft):
+    """Kimi K3 tiny (KDA state slots; with its DSpark draft, verify graphs keeping per-position state in the
+    snapshot scratch) with CUDA graphs == eager, token for token."""
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    assert _generate(True, draft, params, K3_MODEL_DIR) == _generate(False, draft, params, K3_MODEL_DIR)
 
 
 def test_seeded_request_is_reproducible_whatever_the_batch():

@@ -182,3 +182,28 @@ def test_grpc_push_into_a_device_pool_goes_through_the_host_mirror():
         writer.close()
     finally:
         server.stop(0).wait()
+
+
+def test_device_pools_hold_linear_attention_state_slots():
+    """A model with linear-attention state (K3) keeps its state slots after the pages of its KV pool; on a GPU the
+    decode worker's pool is a device pool, so DevicePoolFactory must create it with those slots (it refused every
+    layout with state before: num_state_slots=0) and a prefill engine attaching it sees the same slots."""
+    import dataclasses
+
+    from kvtransfer.layout import StateLayout
+
+    state = StateLayout(state_layers=2, conv_width=3, conv_channels=3 * 2 * 4, state_heads=2, head_k_dim=4,
+                        head_v_dim=4, conv_dtype="float32", ssm_dtype="float32")
+    layout = dataclasses.replace(SMALL_WITH_DRAFT, state=state)
+    shape = layout.to_cache_shape(4, num_slots=3)
+    factory = DevicePoolFactory("cpu")
+    created = factory.create(shape, 4, 0, "test")
+    try:
+        assert created.cache.state.num_slots == 3
+        attached = factory.attach(created.name, shape)
+        attached.cache.state.raw[2] = 7
+        assert created.cache.state.raw[2].eq(7).all() and created.cache.state.raw[1].eq(0).all()
+        attached.close()
+    finally:
+        created.close()
+        created.unlink()
