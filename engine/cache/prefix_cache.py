@@ -186,10 +186,12 @@ class PrefixCache:
                 heapq.heappush(self._leaves, (parent.last_used, parent.page))
 
     # --- lookups ----------------------------------------------------------------------------------------------
-    def match(self, token_ids: list[int], max_tokens: int, need_draft: bool, count_query: int) -> PrefixHit:
+    def match(self, token_ids: list[int], max_tokens: int, need_draft: bool, count_query: int,
+              branch: bool = False) -> PrefixHit:
         """Maps the longest cached run of full pages of token_ids[:max_tokens] (for KDA models: up to the last
-        page with a checkpoint, the rest of the run as the branch) and takes a reference on each page;
-        count_query: prompt tokens to count as queried in the statistics."""
+        page with a checkpoint; with `branch`, the rest of the run is the hit's branch, referenced too - the caller
+        frees those references or swaps the pages in) and takes a reference on each page; count_query: prompt
+        tokens to count as queried in the statistics."""
         size = self.page_size
         with self.allocator.lock:
             nodes: list[CachedPage] = []
@@ -201,23 +203,25 @@ class PrefixCache:
                     break
                 nodes.append(node)
                 key = node.key
-            checkpoint, branch = None, []
+            checkpoint, after = None, []
             if self.needs_checkpoints:
                 while nodes and nodes[-1].checkpoint is None:
-                    branch.insert(0, nodes.pop())
+                    after.insert(0, nodes.pop())
+                if not branch:
+                    after = []
                 if nodes:
                     checkpoint = nodes[-1].checkpoint
                     self.checkpoints.touch(checkpoint)
                     self.checkpoints.pin(checkpoint)
                     self.stats.checkpoint_hits += 1
             pages = [node.page for node in nodes]
-            branch_pages = tuple(node.page for node in branch)
+            branch_pages = tuple(node.page for node in after)
             self.allocator.incref(pages + list(branch_pages))
             if count_query:  # a first lookup (a recomputed sequence's later ones are not counted)
                 self.stats.queried_tokens += count_query
                 self.stats.hit_tokens += len(pages) * size
             return PrefixHit(pages, [node.key for node in nodes], checkpoint, branch_pages,
-                             tuple(node.key for node in branch))
+                             tuple(node.key for node in after))
 
     def unpin(self, checkpoint: int) -> None:
         with self.allocator.lock:

@@ -162,7 +162,8 @@ class Scheduler:
         first = not seq.looked_up
         # prompt scoring needs every prompt position's logits: such a prompt takes no hit (it still publishes)
         limit = 0 if seq.params.prompt_logprobs is not None else seq.prefill_target - 1
-        hit = self.prefix_cache.match(seq.token_ids, limit, seq.spec_block_size > 0, seq.prompt_len if first else 0)
+        hit = self.prefix_cache.match(seq.token_ids, limit, seq.spec_block_size > 0, seq.prompt_len if first else 0,
+                                      branch=True)
         seq.page_table.pages, seq.page_table.cache_keys = hit.pages, hit.keys
         seq.num_cached = len(hit.pages) * seq.page_table.page_size
         seq.restore_checkpoint = hit.checkpoint
