@@ -7,9 +7,10 @@ of suffix_len * range_ratio..suffix_len tokens. Achievable: the prefix's length 
 first of its prefix (the first computes it), 0 for the first.
 
 multi-turn (the turns are built while the run goes, bench/conversations.py): conversation c's turn t sends the
-whole history - every earlier user message and the model's actual answers - plus a new user message of
-message_len * range_ratio..message_len tokens. Achievable: the history's length (every token of it was sent
-or generated before); 0 for the first turn."""
+whole history - its system prompt (system_len random tokens of its own; none by default), every earlier user
+message and the model's actual answers - plus a new user message of message_len * range_ratio..message_len
+tokens. Achievable: the history's length (every token of it was sent or generated before); 0 for the first turn
+(its system prompt is new)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,11 +40,13 @@ class SharedPrefixShape:
 
 @dataclass(frozen=True)
 class ConversationShape:
-    """conversations interleaved, each of `turns` turns; think_time_s between a turn's answer and the next turn."""
+    """conversations interleaved, each of `turns` turns; think_time_s between a turn's answer and the next turn;
+    system_len: tokens of each conversation's system prompt (its first turn's start)."""
 
     conversations: int = 8
     turns: int = 4
     think_time_s: float = 0.1
+    system_len: int = 0
 
     def __post_init__(self) -> None:
         if self.conversations <= 0:
@@ -52,6 +55,8 @@ class ConversationShape:
             raise ValueError(f"--turns must be positive, got {self.turns}")
         if not 0.0 <= self.think_time_s < float("inf"):
             raise ValueError(f"--think-time must be >= 0 seconds, got {self.think_time_s}")
+        if self.system_len < 0:
+            raise ValueError(f"--system-prompt-len must be >= 0, got {self.system_len}")
 
     @property
     def num_requests(self) -> int:
@@ -91,10 +96,16 @@ class ConversationScript:
         self.shape = shape
         self.messages = [tuple(int(token) for token in rng.choice(allowed, size=int(length))) for length in message_lens]
         self.output_lens = [int(length) for length in output_lens]
+        self.systems = [tuple(int(token) for token in rng.choice(allowed, size=shape.system_len))
+                        for _ in range(shape.conversations)]
 
     def turn(self, conversation: int, turn: int, history: tuple[int, ...], ignore_eos: bool) -> BenchRequest:
-        """Turn `turn` (from 1) of `conversation`: the history (earlier prompts' new messages and the answers,
-        in order) plus this turn's new message; achievable: the history's length."""
+        """Turn `turn` (from 1) of `conversation`: the history (the system prompt, earlier turns' new messages and
+        the answers, in order; the first turn's is the system prompt) plus this turn's new message; achievable: the
+        history's length after the first turn."""
         index = conversation * self.shape.turns + turn - 1
+        if turn == 1:
+            history = self.systems[conversation]
         return BenchRequest(output_len=self.output_lens[index], ignore_eos=ignore_eos,
-                            token_ids=history + self.messages[index], achievable_cached=len(history), turn=turn)
+                            token_ids=history + self.messages[index],
+                            achievable_cached=len(history) if turn > 1 else 0, turn=turn)

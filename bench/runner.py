@@ -61,7 +61,7 @@ def _longest_prompt(config: BenchConfig) -> int:
         return config.shared_prefix.prefix_len + config.shared_prefix.suffix_len
     if config.workload == "multi-turn":  # every turn's message, and every answer but the last
         turns = config.conversation.turns
-        return turns * config.input_len + (turns - 1) * config.output_len
+        return config.conversation.system_len + turns * config.input_len + (turns - 1) * config.output_len
     return config.input_len
 
 
@@ -117,7 +117,8 @@ def _workload_settings(config: BenchConfig) -> dict[str, Any]:
                 "prefix_len": shape.prefix_len, "suffix_len": shape.suffix_len}
     if config.workload == "multi-turn":
         shape = config.conversation
-        return {"conversations": shape.conversations, "turns": shape.turns, "think_time_s": shape.think_time_s}
+        return {"conversations": shape.conversations, "turns": shape.turns, "think_time_s": shape.think_time_s,
+                "system_prompt_len": shape.system_len}
     return {}
 
 

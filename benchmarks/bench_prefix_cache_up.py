@@ -4,8 +4,9 @@ the gateway's gRPC API, interleaved rounds with fresh prompts each round (the sa
 
 - shared-prefix: --num-prefixes prefixes of 1-4K tokens, --requests requests round robin, suffixes of 16-32
   tokens, one request at a time; TTFT p50 over all requests (the first of each prefix is cold in both).
-- multi-turn: --conversations conversations x --turns turns, each turn resending the history (the model's real
-  answers) plus a 64-256-token message, at most 2 requests in flight; TTFT p50 of turns >= 2.
+- multi-turn: --conversations conversations x --turns turns, each turn resending the history (a
+  --system-prompt-len system prompt, the earlier messages and the model's real answers of 32 tokens) plus a
+  64-256-token message, at most 2 requests in flight; TTFT p50 of turns >= 2.
 
 Hit rate: the cached tokens the gateway reported (usage) over the workload's achievable ones.
 
@@ -77,7 +78,8 @@ def measure(address: str, workload: str, seed: int, args: argparse.Namespace) ->
     else:
         config = BenchConfig(gateway=address, workload=workload, input_len=256, output_len=32, range_ratio=0.25,
                              seed=seed, concurrencies=(2,), warmup_requests=0, progress=False,
-                             conversation=ConversationShape(args.conversations, args.turns, 0.05))
+                             conversation=ConversationShape(args.conversations, args.turns, 0.05,
+                                                            args.system_prompt_len))
     [result] = asyncio.run(run_benchmark(config, SamplingOptions(temperature=0.0, timeout_s=600), stdout=io.StringIO()))
     if result["failed"]:
         raise RuntimeError(f"{result['failed']} requests failed against {address}")
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-prompt-len", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     print_header("prefix cache through `pdserve up`: on vs --no-prefix-cache", args)

@@ -90,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--conversations", int, chat.conversations, "multi-turn: conversations, all interleaved"),
         ("--turns", int, chat.turns, "multi-turn: turns per conversation"),
         ("--think-time", float, chat.think_time_s, "multi-turn: seconds between an answer and the next turn"),
+        ("--system-prompt-len", int, chat.system_len, "multi-turn: tokens of each conversation's system prompt"),
     ):
         prefix.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
     load = parser.add_argument_group("load")
@@ -133,7 +134,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, SamplingOpt
         plot=args.plot, connect_timeout_s=args.connect_timeout, progress=not args.no_progress,
         workload=args.workload,
         shared_prefix=SharedPrefixShape(args.num_prefixes, args.prefix_min_len, args.prefix_len, args.suffix_len),
-        conversation=ConversationShape(args.conversations, args.turns, args.think_time),
+        conversation=ConversationShape(args.conversations, args.turns, args.think_time, args.system_prompt_len),
     )
     grpc_only = (args.speculative, args.block_size, args.stream_interval)
     if args.backend == "openai" and any(value is not None for value in grpc_only):

@@ -54,6 +54,11 @@ def test_conversation_script_turns():
     assert turn.token_ids[:3] == history and turn.token_ids[3:] == script.messages[1 * 3 + 1]
     assert turn.achievable_cached == 3 and turn.turn == 2 and 10 <= len(turn.token_ids) - 3 <= 20
     assert script.turn(0, 1, (), ignore_eos=True).achievable_cached == 0
+    with_system = ConversationScript(ConversationShape(conversations=2, turns=3, think_time_s=0, system_len=30), 20, 6,
+                                     ALLOWED, range_ratio=0.5, seed=1)
+    first = with_system.turn(1, 1, (), ignore_eos=True)
+    assert first.token_ids == with_system.systems[1] + with_system.messages[3] and first.achievable_cached == 0
+    assert len(with_system.systems[1]) == 30 and with_system.systems[0] != with_system.systems[1]
     with pytest.raises(ValueError, match="--turns"):
         ConversationShape(turns=0)
 
@@ -138,6 +143,7 @@ def test_summary_prints_the_cache_rows(tmp_path, capsys):
     (["--workload", "shared-prefix", "--prefix-min-len", "0"], "--prefix-min-len"),
     (["--workload", "multi-turn", "--think-time", "-1"], "--think-time"),
     (["--workload", "multi-turn", "--conversations", "0"], "--conversations"),
+    (["--workload", "multi-turn", "--system-prompt-len", "-5"], "--system-prompt-len"),
 ])
 def test_bad_workload_options_are_one_line_errors(extra, message, capsys):
     """Bad prefix-workload options exit 2 with one line naming the option, before connecting anywhere."""
