@@ -4,7 +4,7 @@ KDA state checkpoints; before a prefill forward it restores the checkpoints the 
 Checkpoint positions (models with KDA layers; all on page boundaries, each tied to the key of the page ending there):
 - prefill: every checkpoint_interval tokens, the last page boundary of the prompt and the end of a hit's branch
   (the scheduler ends prefill chunks there, engine/runtime/scheduler.py); at a branch's end the sequence first
-  swaps the pages it recomputed for the cached ones (join_branch), so it publishes on from the cached run;
+  swaps the pages it recomputed for the cached ones (_join_branch), so it publishes on from the cached run;
 - decode: every page boundary a sequence's cache reaches or passes, from the slot when the step ends on it, or
   from the verify scratch (the state after each verify position) when a speculative step passes it; each sequence keeps only its latest decode checkpoint, so a finished request
   leaves the one nearest its end (what the next turn of a chat resumes from)."""

@@ -139,7 +139,7 @@ class Scheduler:
             if seq in self._evicted and self.running and not self._fits_to_the_end(seq, chunks):
                 break
             table = seq.page_table
-            if self.prefix_cache is not None and not table.pages and seq.num_cached == 0:
+            if self.prefix_cache is not None and not table.pages and seq.num_cached == 0 and not seq.branch_pages:
                 self._map_cached_prefix(seq)
             usable = self.allocator.num_free - reserve
             fits = (len(table.pages) + max(0, usable)) * table.page_size - seq.num_cached

@@ -276,3 +276,29 @@ def test_an_aborted_branch_gives_its_pages_back():
     assert seq.branch_pages and seq.num_cached < seq.branch_end
     engine.abort("b")
     engine.assert_idle()
+
+
+def test_a_branch_from_the_start_is_looked_up_once():
+    """A hit whose matched pages have no checkpoint at all maps no page (the whole run is its branch); when no
+    page is free for its first chunk it waits, and the next schedule keeps that branch instead of looking up
+    (and referencing) it again: after it runs and finishes, nothing stays referenced."""
+    engine = MiniEngine(40, kda=True, max_batched=64, num_checkpoints=8)
+    engine.add("a", list(range(10, 32)), 1)  # 22 tokens: 5 full pages cached
+    while engine.seqs:
+        engine.step()
+    assert engine.cache.snapshot().cached_pages == 5
+    for slot_node in list(engine.cache.checkpoints._lru.values()):
+        engine.cache.drop_checkpoint(slot_node.key)
+    assert engine.cache.snapshot().checkpoints == 0
+    held = engine.allocator.allocate(engine.allocator.num_uncached_free)  # only the cached pages stay free
+    engine.add("b", list(range(10, 32)) + [99, 98, 97, 96, 95, 94], 1)
+    engine.scheduler.schedule()
+    seq = engine.seqs["b"]
+    assert seq.num_cached == 0 and len(seq.branch_pages) == 5 and not seq.page_table.pages
+    branch = seq.branch_pages
+    engine.scheduler.schedule()  # still no free page for its chunk: it waits, keeping its branch
+    assert seq.branch_pages == branch and all(engine.allocator.refcount(page) == 1 for page in branch)
+    engine.allocator.free(held)
+    while engine.seqs:
+        engine.step()
+    engine.assert_idle()
