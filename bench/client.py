@@ -59,7 +59,7 @@ class GatewayClient:
         return ModelSummary(info.model, info.vocab_size, info.max_context, frozenset(info.eos_token_ids))
 
     async def send(self, request: BenchRequest) -> RequestRecord:
-        record = RequestRecord(prompt_tokens=request.prompt_tokens, expected_output_tokens=request.output_len)
+        record = RequestRecord.of(request)
         chunk_times: list[float] = []
         chunk_tokens: list[int] = []
         start = time.perf_counter()
@@ -71,6 +71,7 @@ class GatewayClient:
                 if kind == "chunk":
                     chunk_times.append(now)
                     chunk_tokens.append(len(response.chunk.token_ids))
+                    record.output_token_ids.extend(response.chunk.token_ids)
                 elif kind == "complete":
                     _fill_complete(record, response.complete, now)
                 elif kind == "error":
@@ -92,6 +93,7 @@ def _fill_complete(record: RequestRecord, complete: gateway_pb2.Complete, now: f
         record.error = "aborted by the server"
     if complete.usage.prompt_tokens > 0:
         record.prompt_tokens = complete.usage.prompt_tokens
+    record.cached_tokens = complete.usage.cached_tokens
     if complete.HasField("acceptance") and complete.acceptance.verify_steps > 0:
         record.accept_length = complete.acceptance.mean_accepted_tokens
 

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.prefix_workloads import WORKLOADS, ConversationShape, SharedPrefixShape
 from bench.slo import SLO
 
 BACKENDS = ("pdserve", "openai")
@@ -52,7 +53,10 @@ def parse_sweep(text: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class BenchConfig:
     """concurrencies: one run per entry; None = unbounded concurrency (arrivals only limited by
-    request_rate). ignore_eos None = on for random prompts, off for a dataset."""
+    request_rate). ignore_eos None = on for random prompts, off for a dataset. workload: random (input_len
+    prompts, or the dataset), shared-prefix (shared_prefix's shape, num_prompts requests) or multi-turn
+    (conversation's shape; input_len is each new user message's length; request_rate does not apply: each
+    conversation sends its next turn after its answer and the think time)."""
 
     gateway: str
     backend: str = "pdserve"  # pdserve: the gRPC API at gateway; openai: the HTTP API at base_url
@@ -75,6 +79,9 @@ class BenchConfig:
     plot: Path | None = None
     connect_timeout_s: float = 10.0
     progress: bool = True
+    workload: str = "random"
+    shared_prefix: SharedPrefixShape = field(default_factory=SharedPrefixShape)
+    conversation: ConversationShape = field(default_factory=ConversationShape)
 
     def __post_init__(self) -> None:
         checks = (
@@ -99,6 +106,11 @@ class BenchConfig:
              f"--connect-timeout must be positive, got {self.connect_timeout_s}"),
             (self.dataset is None or Path(self.dataset).is_file(), f"--dataset {self.dataset}: no such file"),
             (self.plot is None or Path(self.plot).suffix.lower() == ".png", f"--plot {self.plot}: must end in .png"),
+            (self.workload in WORKLOADS, f"--workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}"),
+            (self.workload == "random" or self.dataset is None, f"--workload {self.workload} builds its own prompts: "
+             "drop --dataset"),
+            (self.workload != "multi-turn" or self.backend == "pdserve", "--workload multi-turn needs --backend "
+             "pdserve (each turn resends the model's answer as token ids; the OpenAI API streams text)"),
         )
         for ok, message in checks:
             if not ok:
@@ -106,7 +118,12 @@ class BenchConfig:
 
     @property
     def dataset_name(self) -> str:
-        return "random" if self.dataset is None else "jsonl"
+        return ("random" if self.workload == "random" else self.workload) if self.dataset is None else "jsonl"
+
+    @property
+    def num_requests(self) -> int:
+        """Measured requests per run."""
+        return self.conversation.num_requests if self.workload == "multi-turn" else self.num_prompts
 
     @property
     def effective_ignore_eos(self) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 from bench.record import RequestRecord
 from bench.slo import SLO
 
-LATENCY_NAMES = ("ttft", "tpot", "itl", "e2e_latency")
+LATENCY_NAMES = ("ttft", "tpot", "itl", "e2e_latency", "ttft_later_turns")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,12 @@ class Distribution:
 
 @dataclass(frozen=True)
 class BenchMetrics:
-    """One run's results. Throughputs are per second of `duration` (first send -> last completion)."""
+    """One run's results. Throughputs are per second of `duration` (first send -> last completion).
+
+    Prefix cache (successful requests): total_cached_tokens (the server's usage reports), mean_cached_tokens per
+    request, total_achievable_cached_tokens (what the workload could at best take from a cache:
+    bench/prefix_workloads.py), cache_hit_rate = cached / achievable (None when nothing was achievable);
+    ttft_later_turns_ms: TTFT of conversation turns >= 2 (empty outside the multi-turn workload)."""
 
     completed: int
     failed: int
@@ -53,6 +58,11 @@ class BenchMetrics:
     accept_length: float | None
     output_throughput_per_gpu: float
     output_throughput_per_dollar: float | None
+    total_cached_tokens: int = 0
+    mean_cached_tokens: float | None = None
+    total_achievable_cached_tokens: int = 0
+    cache_hit_rate: float | None = None
+    ttft_later_turns_ms: Distribution = Distribution(None, None, None, None, None)
 
     def to_json_dict(self) -> dict[str, float | int | None]:
         """Flat dict: latency distributions become mean_ttft_ms, median_ttft_ms, p90_ttft_ms, ..."""
@@ -98,6 +108,8 @@ def compute_metrics(
         good = [record for record in done if slo.met_by(record)]
         goodput = len(good) / duration_s
         output_goodput = sum(record.output_tokens for record in good) / duration_s
+    cached = sum(record.cached_tokens for record in done)
+    achievable = sum(record.achievable_cached_tokens for record in done)
     return BenchMetrics(
         completed=len(done),
         failed=len(records) - len(done),
@@ -117,4 +129,10 @@ def compute_metrics(
         accept_length=float(np.mean(accept)) if accept else None,
         output_throughput_per_gpu=output_throughput / gpus,
         output_throughput_per_dollar=per_dollar(output_throughput, gpus, gpu_price_per_hour),
+        total_cached_tokens=cached,
+        mean_cached_tokens=cached / len(done) if done else None,
+        total_achievable_cached_tokens=achievable,
+        cache_hit_rate=cached / achievable if achievable else None,
+        ttft_later_turns_ms=Distribution.of([record.ttft_s * 1000 for record in done
+                                             if record.turn >= 2 and record.output_tokens > 0]),
     )

@@ -60,7 +60,7 @@ class OpenAIClient:
                             frozenset(card.get("eos_token_ids", ())))
 
     async def send(self, request: BenchRequest) -> RequestRecord:
-        record = RequestRecord(prompt_tokens=request.prompt_tokens, expected_output_tokens=request.output_len)
+        record = RequestRecord.of(request)
         chunk_times: list[float] = []
         start = time.perf_counter()
         timeout = aiohttp.ClientTimeout(total=self.options.timeout_s)
@@ -101,3 +101,4 @@ class OpenAIClient:
         if usage:
             record.output_tokens = int(usage.get("completion_tokens", 0))
             record.prompt_tokens = int(usage.get("prompt_tokens", 0)) or record.prompt_tokens
+            record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bench.workload import BenchRequest
+
 
 @dataclass
 class RequestRecord:
@@ -16,6 +18,9 @@ class RequestRecord:
     prompt_tokens: the server's count when it reported one, else the client's.
     output_tokens: tokens actually streamed back.
     accept_length: the server's mean accepted tokens per verify step (None when not reported).
+    cached_tokens: of the prompt, tokens the server's prefix cache served (its usage report; 0 when none).
+    achievable_cached_tokens / turn: the request's (BenchRequest.achievable_cached / turn).
+    output_token_ids: the streamed tokens (gRPC; empty over HTTP, which streams text): a conversation's answer.
     error: empty when the request completed.
     """
 
@@ -27,8 +32,18 @@ class RequestRecord:
     e2e_s: float = 0.0
     start_s: float = 0.0
     accept_length: float | None = None
+    cached_tokens: int = 0
+    achievable_cached_tokens: int = 0
+    turn: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     error: str = ""
+
+    @classmethod
+    def of(cls, request: BenchRequest) -> RequestRecord:
+        """The record of a request about to be sent (the client's counts until the server reports its own)."""
+        return cls(prompt_tokens=request.prompt_tokens, expected_output_tokens=request.output_len,
+                   achievable_cached_tokens=request.achievable_cached, turn=request.turn)
 
     @property
     def success(self) -> bool:

@@ -48,6 +48,24 @@ def _title(text: str, fill: str) -> str:
     return f"{text:{fill}^{WIDTH}}" if text else fill * WIDTH
 
 
+def prefix_cache_rows(result: dict[str, Any]) -> list[str]:
+    """Cached tokens and the hit rate against the workload's achievable one; TTFT p50 / p90 of conversation turns
+    >= 2 beside all requests'."""
+    rate = result.get("cache_hit_rate")
+    lines = [_title("Prefix Cache", "-")]
+    lines += [_row(name, value) for name, value in (
+        ("Cached prompt tokens", result.get("total_cached_tokens")),
+        ("Achievable cached tokens", result.get("total_achievable_cached_tokens")),
+        ("Mean cached tokens per request", result.get("mean_cached_tokens")),
+        ("Hit rate (cached / achievable, %)", None if rate is None else 100.0 * rate),
+    )]
+    if result.get("median_ttft_later_turns_ms") is not None:
+        for stat, label in (("median", "P50"), ("p90", "P90")):
+            lines.append(_row(f"{label} TTFT turns >= 2 / all (ms)",
+                              f"{result[f'{stat}_ttft_later_turns_ms']:.2f} / {result[f'{stat}_ttft_ms']:.2f}"))
+    return lines
+
+
 def format_summary(result: dict[str, Any]) -> str:
     """The block sglang's bench_serving prints, plus our goodput / acceptance / cost rows."""
     lines = [_title(" Serving Benchmark Result ", "=")]
@@ -78,5 +96,7 @@ def format_summary(result: dict[str, Any]) -> str:
         lines.append(_title(title, "-"))
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             lines.append(_row(f"{label} {short} (ms)", result.get(f"{stat}_{key}_ms")))
+    if result.get("workload", "random") != "random" or result.get("total_cached_tokens"):
+        lines += prefix_cache_rows(result)
     lines.append(_title("", "="))
     return "\n".join(lines)

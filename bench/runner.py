@@ -5,7 +5,7 @@ import datetime
 import logging
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TextIO
 
@@ -14,13 +14,16 @@ import grpc
 
 from bench.client import GatewayClient, ModelSummary, SamplingOptions
 from bench.config import BenchConfig
-from bench.load import LoadPlan, run_load
+from bench.conversations import run_conversations
+from bench.load import LoadPlan, LoadResult, run_load
 from bench.metrics import compute_metrics
 from bench.openai_client import OpenAIClient
 from bench.plot import plot_sweep
+from bench.prefix_workloads import ConversationScript, shared_prefix_requests
 from bench.progress import ProgressBar
+from bench.record import RequestRecord
 from bench.report import append_jsonl, format_summary
-from bench.workload import BenchRequest, WorkloadError, dataset_requests, random_requests
+from bench.workload import BenchRequest, WorkloadError, dataset_requests, random_requests, usable_tokens
 
 logger = logging.getLogger("bench")
 
@@ -30,20 +33,51 @@ class BenchError(RuntimeError):
 
 
 def build_workload(config: BenchConfig, info: ModelSummary) -> list[BenchRequest]:
+    """The requests of a run (random, dataset, shared-prefix); a multi-turn run's warm-up prompts (random, of
+    the new messages' length: its turns are built while it runs, build_script)."""
     if config.dataset is not None:
         return dataset_requests(config.dataset, config.num_prompts, config.output_len, config.effective_ignore_eos)
     if info.vocab_size <= 0:
         raise WorkloadError("the server did not report its vocabulary size (needed for random token prompts); use --dataset")
-    if info.max_context and config.input_len + config.output_len > info.max_context:
+    longest = _longest_prompt(config)
+    if info.max_context and longest + config.output_len > info.max_context:
         raise WorkloadError(
-            f"--input-len {config.input_len} + --output-len {config.output_len} exceeds the model's "
-            f"context of {info.max_context} tokens"
+            f"the workload's longest prompt ({longest} tokens) + --output-len {config.output_len} exceeds the "
+            f"model's context of {info.max_context} tokens"
         )
+    if config.workload == "shared-prefix":
+        return shared_prefix_requests(
+            config.num_prompts, config.shared_prefix, config.output_len, usable_tokens(info.vocab_size, info.eos_token_ids),
+            config.range_ratio, config.seed, config.effective_ignore_eos)
     return random_requests(
         config.num_prompts, config.input_len, config.output_len, info.vocab_size,
         special_ids=info.eos_token_ids, range_ratio=config.range_ratio, seed=config.seed,
         ignore_eos=config.effective_ignore_eos,
     )
+
+
+def _longest_prompt(config: BenchConfig) -> int:
+    if config.workload == "shared-prefix":
+        return config.shared_prefix.prefix_len + config.shared_prefix.suffix_len
+    if config.workload == "multi-turn":  # every turn's message, and every answer but the last
+        turns = config.conversation.turns
+        return config.conversation.system_len + turns * config.input_len + (turns - 1) * config.output_len
+    return config.input_len
+
+
+def build_script(config: BenchConfig, info: ModelSummary) -> ConversationScript:
+    return ConversationScript(config.conversation, config.input_len, config.output_len,
+                              usable_tokens(info.vocab_size, info.eos_token_ids), config.range_ratio, config.seed)
+
+
+async def measure(config: BenchConfig, client: GatewayClient | OpenAIClient, requests: list[BenchRequest],
+                  script: ConversationScript | None, concurrency: int | None,
+                  on_done: Callable[[RequestRecord], None] | None) -> LoadResult:
+    """One measured run: the multi-turn script's conversations, or the request list on the load plan."""
+    if script is not None:
+        return await run_conversations(script, client.send, concurrency, config.effective_ignore_eos, on_done)
+    plan = LoadPlan(concurrency, config.request_rate, config.burstiness, config.seed)
+    return await run_load(requests, client.send, plan, on_done)
 
 
 def run_settings(config: BenchConfig, sampling: SamplingOptions, info: ModelSummary) -> dict[str, Any]:
@@ -71,7 +105,21 @@ def run_settings(config: BenchConfig, sampling: SamplingOptions, info: ModelSumm
         "gpus": config.gpus,
         "gpu_price": config.gpu_price,
         "slo": config.slo.bounds if config.slo else None,
+        "workload": config.workload,
+        **_workload_settings(config),
     }
+
+
+def _workload_settings(config: BenchConfig) -> dict[str, Any]:
+    if config.workload == "shared-prefix":
+        shape = config.shared_prefix
+        return {"num_prefixes": shape.num_prefixes, "prefix_min_len": shape.prefix_min_len,
+                "prefix_len": shape.prefix_len, "suffix_len": shape.suffix_len}
+    if config.workload == "multi-turn":
+        shape = config.conversation
+        return {"conversations": shape.conversations, "turns": shape.turns, "think_time_s": shape.think_time_s,
+                "system_prompt_len": shape.system_len}
+    return {}
 
 
 @asynccontextmanager
@@ -103,15 +151,19 @@ async def run_benchmark(config: BenchConfig, sampling: SamplingOptions, stdout: 
     async with open_client(config, sampling) as (client, address):
         info = await client.model_info(address, config.connect_timeout_s)
         requests = build_workload(config, info)
+        script = build_script(config, info) if config.workload == "multi-turn" else None
         settings = run_settings(config, sampling, info)
-        await warm_up(client, requests, config.warmup_requests, config.concurrencies[0])
+        # a prefix workload warms up on unrelated random prompts, so that its first requests stay misses
+        warm = requests if config.workload == "random" else random_requests(
+            max(1, config.warmup_requests), min(config.input_len, 256), config.output_len, info.vocab_size,
+            info.eos_token_ids, seed=config.seed + 1, ignore_eos=config.effective_ignore_eos)
+        await warm_up(client, warm, config.warmup_requests, config.concurrencies[0])
         results = []
         for concurrency in config.concurrencies:
             label = f"concurrency {concurrency or 'unbounded'}"
-            progress = ProgressBar(len(requests), label=label) if config.progress else None
-            plan = LoadPlan(concurrency, config.request_rate, config.burstiness, config.seed)
+            progress = ProgressBar(config.num_requests if script else len(requests), label=label) if config.progress else None
             on_done = (lambda record: progress.update(failed=not record.success)) if progress else None
-            outcome = await run_load(requests, client.send, plan, on_done)
+            outcome = await measure(config, client, requests, script, concurrency, on_done)
             if progress:
                 progress.close()
             for error, count in Counter(r.error for r in outcome.records if not r.success).most_common(3):

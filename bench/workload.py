@@ -15,12 +15,17 @@ class WorkloadError(ValueError):
 @dataclass(frozen=True)
 class BenchRequest:
     """One prompt to send: token ids (random workload) or text (dataset), and how many tokens to ask for.
-    prompt_tokens is the client's count (len(token_ids)); 0 for text, which the server counts."""
+    prompt_tokens is the client's count (len(token_ids)); 0 for text, which the server counts.
+    achievable_cached: of the prompt, tokens a prefix cache could serve (the shared prefix of a prefix already
+    sent, a conversation's resent history; bench/prefix_workloads.py); turn: a conversation's turn, from 1
+    (0: not a conversation)."""
 
     output_len: int
     ignore_eos: bool
     token_ids: tuple[int, ...] = ()
     text: str = ""
+    achievable_cached: int = 0
+    turn: int = 0
 
     def __post_init__(self) -> None:
         if bool(self.token_ids) == bool(self.text):
@@ -43,6 +48,14 @@ def sample_lengths(rng: np.random.Generator, length: int, range_ratio: float, co
     return rng.integers(low, length + 1, size=count)
 
 
+def usable_tokens(vocab_size: int, special_ids: frozenset[int]) -> np.ndarray:
+    """The vocabulary minus special ids (random prompts draw from these)."""
+    allowed = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), np.fromiter(special_ids, dtype=np.int64))
+    if allowed.size == 0:
+        raise WorkloadError(f"no usable token ids: vocab size {vocab_size}, {len(special_ids)} special ids")
+    return allowed
+
+
 def random_requests(
     count: int,
     input_len: int,
@@ -54,9 +67,7 @@ def random_requests(
     ignore_eos: bool = True,
 ) -> list[BenchRequest]:
     """Random prompts over the vocabulary minus special ids; the same seed gives the same list."""
-    allowed = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), np.fromiter(special_ids, dtype=np.int64))
-    if allowed.size == 0:
-        raise WorkloadError(f"no usable token ids: vocab size {vocab_size}, {len(special_ids)} special ids")
+    allowed = usable_tokens(vocab_size, special_ids)
     rng = np.random.default_rng(seed)
     input_lens = sample_lengths(rng, input_len, range_ratio, count)
     output_lens = sample_lengths(rng, output_len, range_ratio, count)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.engine_config import EngineConfig
-    from engine.runtime.outputs import StepOutput
+    from engine.runtime.outputs import PrefixCacheStats, StepOutput
     from engine.cache.kv_cache import CacheShape
     from engine.sampling_params import SamplingParams
 
@@ -57,6 +57,7 @@ class EngineFigures(Protocol):
     num_waiting: int
     num_preemptions: int
     acceptance_stats: Acceptance
+    prefix_cache_stats: PrefixCacheStats  # all zero without a prefix cache
 
 
 @runtime_checkable
@@ -112,14 +113,20 @@ class LoadSnapshot:
     standing_state_slots: int = 0  # the state slots they hold
     checkpoints: int = 0  # recurrent-state checkpoints the prefix cache holds (0 without one)
     checkpoint_slots: int = 0  # the prefix cache's checkpoint pool size (0 without one)
+    cached_pages: int = 0  # pages the prefix cache holds, in use or not (0 without one)
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache since start
+    prefix_hit_tokens: int = 0  # of those, served from cached pages
 
 
 def snapshot_of(engine: EngineFigures, spec_block_size: int) -> LoadSnapshot:
     """The engine's figures now (an LLMEngine, or a process port's EngineView)."""
     running, page_size = engine.num_running, engine.config.page_size
+    cache = engine.prefix_cache_stats
     return LoadSnapshot(
         free_pages=engine.num_free_pages, total_pages=engine.allocator.num_pages, running=running,
         waiting=engine.num_waiting, page_size=page_size, tp_size=engine.config.tp_size,
         headroom_pages=headroom(running, spec_block_size, page_size),
         free_state_slots=engine.num_free_state_slots, total_state_slots=engine.num_state_slots,
+        checkpoints=cache.checkpoints, checkpoint_slots=cache.checkpoint_slots, cached_pages=cache.cached_pages,
+        prefix_queried_tokens=cache.queried_tokens, prefix_hit_tokens=cache.hit_tokens,
     )

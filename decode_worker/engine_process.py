@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import NamedTuple, Union
 
@@ -29,7 +29,7 @@ from decode_worker.engine_api import DecodeEngine
 from decode_worker.leases import allocate_admitted
 from decode_worker.step_loop import StepLoop
 from engine.engine_config import EngineConfig
-from engine.runtime.outputs import StepOutput
+from engine.runtime.outputs import PrefixCacheStats, StepOutput
 from engine.cache.kv_cache import CacheShape
 from engine.sampling_params import SamplingParams
 from engine.runtime.sequence import TokenLogprob
@@ -119,6 +119,7 @@ class Load:
     verify_steps: int
     draft_tokens: int
     accepted_drafts: int
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)  # all zero without a prefix cache
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,8 @@ Event = Union[Ready, StartFailed, Outputs, Reply, StepFailed]
 def load_of(engine: DecodeEngine) -> Load:
     stats = engine.acceptance_stats
     return Load(engine.num_free_pages, engine.num_free_state_slots, engine.num_running, engine.num_waiting,
-                engine.num_preemptions, stats.num_verify_steps, stats.num_drafts, stats.num_accepted_drafts)
+                engine.num_preemptions, stats.num_verify_steps, stats.num_drafts, stats.num_accepted_drafts,
+                engine.prefix_cache_stats)
 
 
 class EngineHost:

@@ -37,3 +37,4 @@ class EngineView:
         self.num_free_pages, self.num_free_state_slots = load.free_pages, load.free_state_slots
         self.num_running, self.num_waiting, self.num_preemptions = load.running, load.waiting, load.preemptions
         self.acceptance_stats = _Acceptance(load.verify_steps, load.draft_tokens, load.accepted_drafts)
+        self.prefix_cache_stats = load.prefix_cache

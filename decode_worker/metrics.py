@@ -36,6 +36,7 @@ class DecodeCollector(Collector):
              "cache)", load.checkpoints),
             ("pdserve_state_checkpoint_slots", "The prefix cache's checkpoint pool size (0 without a prefix cache)",
              load.checkpoint_slots),
+            ("pdserve_prefix_cache_pages", "Pages the prefix cache holds (in use or not)", load.cached_pages),
         )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)
@@ -51,6 +52,10 @@ class DecodeCollector(Collector):
             ("pdserve_decode_engine_steps", "Engine steps that produced tokens", self._service.port.engine_steps),
             ("pdserve_decode_engine_step_tokens", "Tokens those steps produced (per step: the batch's tokens)",
              self._service.port.engine_step_tokens),
+            ("pdserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+             load.prefix_queried_tokens),
+            ("pdserve_prefix_cache_hit_tokens", "Of those, served from cached pages (not computed)",
+             load.prefix_hit_tokens),
         ]
         if stats is not None:
             counters += [

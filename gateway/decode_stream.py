@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 
 import grpc
@@ -140,6 +141,8 @@ class DecodeStream(WorkerStream[worker_pb2.DecodeStreamRequest, worker_pb2.Decod
         if request_id in stream.pending:
             call.fail(rpc_error(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already decoding"))
             return call
+        if not stream.pending:  # the silence clock (silent_for) starts when an idle stream gets work
+            stream.last_message = time.monotonic()
         stream.pending[request_id] = call
         timer = None if timeout is None else asyncio.get_running_loop().call_later(
             timeout + LOCAL_DEADLINE_GRACE_S, _expire, call)

@@ -18,7 +18,13 @@ KDA state: a hit on a model with linear-attention layers is usable only up to th
 holds a state checkpoint (the state of every KDA layer after that page's last token), kept in a pool of its own
 (CheckpointSlots; the device buffers live on each rank: engine/runtime/model_runner.py). Checkpoints are evicted least
 recently used under that pool's size; a node whose checkpoint went keeps its page (a "tombstone" for the state,
-still the prefix of longer checkpointed hits). A checkpoint a waiting sequence will restore is pinned."""
+still the prefix of longer checkpointed hits). A checkpoint a waiting sequence will restore is pinned.
+
+Branch points (KDA models): when the matched run of pages goes past its last checkpoint, the lookup also hands out
+the pages after it (the "branch": referenced, not mapped). The sequence recomputes those positions into pages of its
+own, its chunk ends exactly at the branch's end, and there (engine/cache/prefix_reuse.py) it swaps its duplicate
+pages for the cached ones and saves a checkpoint on the branch's last node: the first request that shares a prefix
+with an earlier one recomputes back to a checkpoint once, every later one sharing it hits it whole."""
 from __future__ import annotations
 
 import hashlib
@@ -47,11 +53,15 @@ class CachedPage:
 
 class PrefixHit(NamedTuple):
     """What a lookup mapped: pages (one reference each now held by the caller), their keys, and for KDA models
-    the checkpoint slot (pinned) holding the state at the end of the last page."""
+    the checkpoint slot (pinned) holding the state at the end of the last page, and the branch: the matched
+    pages after that checkpoint (referenced too, to be swapped in once the sequence has recomputed their state)
+    and their keys."""
 
     pages: list[int]
     keys: list[bytes]
     checkpoint: int | None
+    branch_pages: tuple[int, ...] = ()
+    branch_keys: tuple[bytes, ...] = ()
 
 
 class CheckpointSlots:
@@ -176,10 +186,12 @@ class PrefixCache:
                 heapq.heappush(self._leaves, (parent.last_used, parent.page))
 
     # --- lookups ----------------------------------------------------------------------------------------------
-    def match(self, token_ids: list[int], max_tokens: int, need_draft: bool, count_query: int) -> PrefixHit:
+    def match(self, token_ids: list[int], max_tokens: int, need_draft: bool, count_query: int,
+              branch: bool = False) -> PrefixHit:
         """Maps the longest cached run of full pages of token_ids[:max_tokens] (for KDA models: up to the last
-        page with a checkpoint) and takes a reference on each page; count_query: prompt tokens to count as
-        queried in the statistics."""
+        page with a checkpoint; with `branch`, the rest of the run is the hit's branch, referenced too - the caller
+        frees those references or swaps the pages in) and takes a reference on each page; count_query: prompt
+        tokens to count as queried in the statistics."""
         size = self.page_size
         with self.allocator.lock:
             nodes: list[CachedPage] = []
@@ -191,21 +203,25 @@ class PrefixCache:
                     break
                 nodes.append(node)
                 key = node.key
-            checkpoint = None
+            checkpoint, after = None, []
             if self.needs_checkpoints:
                 while nodes and nodes[-1].checkpoint is None:
-                    nodes.pop()
+                    after.insert(0, nodes.pop())
+                if not branch:
+                    after = []
                 if nodes:
                     checkpoint = nodes[-1].checkpoint
                     self.checkpoints.touch(checkpoint)
                     self.checkpoints.pin(checkpoint)
                     self.stats.checkpoint_hits += 1
             pages = [node.page for node in nodes]
-            self.allocator.incref(pages)
+            branch_pages = tuple(node.page for node in after)
+            self.allocator.incref(pages + list(branch_pages))
             if count_query:  # a first lookup (a recomputed sequence's later ones are not counted)
                 self.stats.queried_tokens += count_query
                 self.stats.hit_tokens += len(pages) * size
-            return PrefixHit(pages, [node.key for node in nodes], checkpoint)
+            return PrefixHit(pages, [node.key for node in nodes], checkpoint, branch_pages,
+                             tuple(node.key for node in after))
 
     def unpin(self, checkpoint: int) -> None:
         with self.allocator.lock:

@@ -2,8 +2,9 @@
 KDA state checkpoints; before a prefill forward it restores the checkpoints the scheduler's lookups hit.
 
 Checkpoint positions (models with KDA layers; all on page boundaries, each tied to the key of the page ending there):
-- prefill: every checkpoint_interval tokens and the last page boundary of the prompt (the scheduler ends prefill
-  chunks there, engine/runtime/scheduler.py);
+- prefill: every checkpoint_interval tokens, the last page boundary of the prompt and the end of a hit's branch
+  (the scheduler ends prefill chunks there, engine/runtime/scheduler.py); at a branch's end the sequence first
+  swaps the pages it recomputed for the cached ones (_join_branch), so it publishes on from the cached run;
 - decode: every page boundary a sequence's cache reaches or passes, from the slot when the step ends on it, or
   from the verify scratch (the state after each verify position) when a speculative step passes it; each sequence keeps only its latest decode checkpoint, so a finished request
   leaves the one nearest its end (what the next turn of a chat resumes from)."""
@@ -38,8 +39,9 @@ class PrefixReuse:
         position."""
         saves = []
         for seq in seqs:
+            at_branch = self._join_branch(seq)
             self._publish(seq)
-            if self.has_state and self.cache.is_checkpoint_position(seq.num_cached, seq.prefill_target):
+            if self.has_state and (at_branch or self.cache.is_checkpoint_position(seq.num_cached, seq.prefill_target)):
                 slot = self._checkpoint_slot(seq)
                 if slot is not None:
                     saves.append((seq.state_slot, slot))
@@ -76,7 +78,26 @@ class PrefixReuse:
         """A finishing or aborted sequence: its full pages stay cached."""
         self._publish(seq)
 
+    def _join_branch(self, seq: Sequence) -> bool:
+        """A sequence whose prefill reached its branch's end: its recomputed pages there duplicate the branch's
+        cached ones; the page table takes the cached pages (their references move from the branch to the table)
+        and keys, and the duplicates are freed. True when it did (the state here is then checkpointed)."""
+        if not seq.branch_pages or seq.num_cached != seq.branch_end:
+            return False
+        table = seq.page_table
+        start = len(table.cache_keys)
+        stop = start + len(seq.branch_pages)
+        with self.cache.allocator.lock:
+            duplicates = table.pages[start:stop]
+            table.pages[start:stop] = seq.branch_pages
+            table.cache_keys.extend(seq.branch_keys)
+            seq.branch_pages, seq.branch_keys = (), ()
+            self.cache.allocator.free(duplicates)
+        return True
+
     def _publish(self, seq: Sequence) -> None:
+        if seq.branch_pages:
+            return  # its pages up to the branch's end duplicate cached ones: nothing to publish before the swap
         self.cache.publish(seq.page_table, seq.token_ids, seq.num_cached, seq.spec_block_size > 0)
 
     def _checkpoint_slot(self, seq: Sequence) -> int | None:

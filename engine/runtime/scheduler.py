@@ -21,7 +21,8 @@ Policy (documented in docs/architecture.md):
 - Prefix cache (engine/cache/prefix_cache.py): a waiting sequence holding no pages first maps the longest cached
   run of full pages of its prompt (at least one token is always computed), restoring a KDA state checkpoint
   for models with linear attention; unreferenced cached pages count as free. KDA models: prefill chunks end
-  on checkpoint positions, so the state there can be kept.
+  on checkpoint positions, so the state there can be kept, and at the end of a hit's branch (the matched
+  pages past its checkpoint, recomputed once and checkpointed there: a branch point).
 - Pages and slots may also be reserved from another thread (a decode worker's Reserve): schedule()
   holds the pool lock for its whole decision, so what it counted as free is still free when it allocates.
 """
@@ -138,13 +139,15 @@ class Scheduler:
             if seq in self._evicted and self.running and not self._fits_to_the_end(seq, chunks):
                 break
             table = seq.page_table
-            if self.prefix_cache is not None and not table.pages and seq.num_cached == 0:
+            if self.prefix_cache is not None and not table.pages and seq.num_cached == 0 and not seq.branch_pages:
                 self._map_cached_prefix(seq)
             usable = self.allocator.num_free - reserve
             fits = (len(table.pages) + max(0, usable)) * table.page_size - seq.num_cached
             take = min(seq.remaining_prefill, budget, fits)
             if self.prefix_cache is not None and self.prefix_cache.needs_checkpoints:
                 take = min(take, self.prefix_cache.chunk_end(seq.num_cached, seq.prefill_target) - seq.num_cached)
+                if seq.branch_pages:
+                    take = min(take, seq.branch_end - seq.num_cached)
             if take <= 0:
                 break
             table.ensure(seq.num_cached + take)  # the pages and the slot of a chunk are taken together
@@ -159,10 +162,12 @@ class Scheduler:
         first = not seq.looked_up
         # prompt scoring needs every prompt position's logits: such a prompt takes no hit (it still publishes)
         limit = 0 if seq.params.prompt_logprobs is not None else seq.prefill_target - 1
-        hit = self.prefix_cache.match(seq.token_ids, limit, seq.spec_block_size > 0, seq.prompt_len if first else 0)
+        hit = self.prefix_cache.match(seq.token_ids, limit, seq.spec_block_size > 0, seq.prompt_len if first else 0,
+                                      branch=True)
         seq.page_table.pages, seq.page_table.cache_keys = hit.pages, hit.keys
         seq.num_cached = len(hit.pages) * seq.page_table.page_size
         seq.restore_checkpoint = hit.checkpoint
+        seq.branch_pages, seq.branch_keys = hit.branch_pages, hit.branch_keys
         if first:
             seq.looked_up, seq.num_cached_tokens = True, seq.num_cached
 
@@ -214,6 +219,9 @@ class Scheduler:
     def drop_cache(self, seq: Sequence) -> None:
         """Frees the pages and the state slot of a sequence; it is recomputed from token 0 if it runs again."""
         seq.page_table.release()
+        if seq.branch_pages:
+            self.allocator.free(list(seq.branch_pages))
+            seq.branch_pages, seq.branch_keys = (), ()
         seq.num_cached = 0
         self.free_state(seq)
         if seq.restore_checkpoint is not None:

@@ -62,10 +62,14 @@ class Sequence:
     # params.prompt_logprobs set: entry i scores prompt token i + 1 (sent with the first token, then cleared)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Prefix cache (engine/cache/prefix_cache.py): prompt tokens its first admission took from the cache; a checkpoint
-    # slot to restore into state_slot before its next prefill chunk; the key of its latest decode checkpoint.
+    # slot to restore into state_slot before its next prefill chunk; the key of its latest decode checkpoint;
+    # the branch (KDA models): cached pages and keys past the restored checkpoint, referenced, swapped into the
+    # page table when prefill reaches branch_end (engine/cache/prefix_reuse.py).
     num_cached_tokens: int = 0
     looked_up: bool = False
     restore_checkpoint: int | None = None
+    branch_pages: tuple[int, ...] = ()
+    branch_keys: tuple[bytes, ...] = ()
     decode_checkpoint: bytes | None = None
     export_to: KVDestination | None = None  # a prefill-only sequence: where its prompt's KV goes, then it ends
 
@@ -80,6 +84,13 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def branch_end(self) -> int:
+        """Where the pending branch ends (0: none): its chunk ends there and the checkpoint is saved there."""
+        if not self.branch_pages:
+            return 0
+        return (len(self.page_table.cache_keys) + len(self.branch_pages)) * self.page_table.page_size
 
     @property
     def remaining_prefill(self) -> int:

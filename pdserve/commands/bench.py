@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from bench.config import BenchConfig, SamplingOptions, parse_sweep
+from bench.prefix_workloads import WORKLOADS, ConversationShape, SharedPrefixShape
 from bench.slo import SLO
 from bench.workload import WorkloadError
 from pdserve.commands.common import DEFAULT_GATEWAY
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the gateway")
     target.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds")
     work = parser.add_argument_group("workload")
+    work.add_argument("--workload", choices=WORKLOADS, default="random",
+                      help="random: --input-len prompts (or --dataset); shared-prefix: --num-prefixes prefixes of "
+                           "--prefix-min-len..--prefix-len tokens + --suffix-len suffixes; multi-turn: --conversations "
+                           "chats of --turns turns, each resending the history + a new --input-len message")
     work.add_argument("--dataset", type=Path, default=None,
                       help='JSONL prompt file, one {"prompt": text, "output_len": n} per line (default: random)')
     work.add_argument("--num-prompts", type=int, default=1000, help="requests per run (default 1000)")
@@ -75,6 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                       help="generate exactly --output-len tokens (default: on for random, off for --dataset)")
     work.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default 0)")
+    prefix = parser.add_argument_group("shared-prefix and multi-turn workloads")
+    shared, chat = SharedPrefixShape(), ConversationShape()
+    for flag, kind, default, text in (
+        ("--num-prefixes", int, shared.num_prefixes, "shared-prefix: prefixes, taken round robin"),
+        ("--prefix-len", int, shared.prefix_len, "shared-prefix: longest prefix in tokens"),
+        ("--prefix-min-len", int, shared.prefix_min_len, "shared-prefix: shortest prefix in tokens"),
+        ("--suffix-len", int, shared.suffix_len, "shared-prefix: suffix length (lengths as --range-ratio)"),
+        ("--conversations", int, chat.conversations, "multi-turn: conversations, all interleaved"),
+        ("--turns", int, chat.turns, "multi-turn: turns per conversation"),
+        ("--think-time", float, chat.think_time_s, "multi-turn: seconds between an answer and the next turn"),
+        ("--system-prompt-len", int, chat.system_len, "multi-turn: tokens of each conversation's system prompt"),
+    ):
+        prefix.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
     load = parser.add_argument_group("load")
     fixed = load.add_mutually_exclusive_group()
     fixed.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
@@ -114,6 +132,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, SamplingOpt
         request_rate=args.request_rate, burstiness=args.burstiness, warmup_requests=args.warmup_requests,
         slo=args.slo, gpus=args.gpus, gpu_price=args.gpu_price, output_file=args.output_file,
         plot=args.plot, connect_timeout_s=args.connect_timeout, progress=not args.no_progress,
+        workload=args.workload,
+        shared_prefix=SharedPrefixShape(args.num_prefixes, args.prefix_min_len, args.prefix_len, args.suffix_len),
+        conversation=ConversationShape(args.conversations, args.turns, args.think_time, args.system_prompt_len),
     )
     grpc_only = (args.speculative, args.block_size, args.stream_interval)
     if args.backend == "openai" and any(value is not None for value in grpc_only):

@@ -77,3 +77,22 @@ def test_no_speculative_run_reports_unit_acceptance(live_gateway, tmp_path):
     result = json.loads(out.read_text())
     assert (result["completed"], result["total_output_tokens"]) == (4, 32)
     assert result["speculative"] is False and result["accept_length"] == pytest.approx(1.0)
+
+
+def test_prefix_workloads_against_the_live_cache(live_gateway, tmp_path):
+    """The prefix workloads against the live deployment (its prefill worker's prefix cache on): shared-prefix
+    requests after the first of their prefix are served their prefix's whole pages (hit rate >= 80% of the
+    achievable: 96-128-token prefixes in 16-token pages), and the later turns of a chat take cached tokens (the
+    previous prompt's pages: the prefill worker never saw the answers), never more than achievable."""
+    out = tmp_path / "prefix.jsonl"
+    common = ["bench", "--gateway", live_gateway, "--no-progress", "--output-file", str(out), "--request-timeout",
+              "300", "--output-len", "8", "--warmup-requests", "0", "--max-concurrency", "1"]
+    assert main([*common, "--workload", "shared-prefix", "--num-prompts", "6", "--num-prefixes", "2",
+                 "--prefix-min-len", "96", "--prefix-len", "128", "--suffix-len", "8"]) == 0
+    assert main([*common, "--workload", "multi-turn", "--conversations", "2", "--turns", "3", "--input-len", "40",
+                 "--think-time", "0"]) == 0
+    shared, chat = (json.loads(line) for line in out.read_text().splitlines())
+    assert shared["completed"] == 6 and shared["total_achievable_cached_tokens"] >= 4 * 96
+    assert 0.8 <= shared["cache_hit_rate"] <= 1.0
+    assert chat["completed"] == 6 and chat["total_cached_tokens"] > 0
+    assert 0.0 < chat["cache_hit_rate"] <= 1.0 and chat["median_ttft_later_turns_ms"] > 0

@@ -13,7 +13,7 @@ from typing import Any
 from decode_worker.engine_api import DecodeEngine
 from decode_worker.engine_process import (Add, Command, EngineHost, ErrorKind, Free, Outputs, Ready, Reply, Reserve,
                                           StepFailed, Stop, WireError)
-from engine.runtime.outputs import StepOutput
+from engine.runtime.outputs import PrefixCacheStats, StepOutput
 from engine.sampling_params import SamplingParams
 
 PAGES = 8
@@ -29,6 +29,7 @@ class FakeEngine:
         self.cache_shape, self.pool_names, self.device = None, ("pool-0",), "cpu"
         self.pool_lock = threading.RLock()
         self.acceptance_stats = SimpleNamespace(num_verify_steps=0, num_drafts=0, num_accepted_drafts=0)
+        self.prefix_cache_stats = PrefixCacheStats()
         self.num_state_slots = self.num_free_state_slots = self.num_waiting = self.num_preemptions = 0
         self.free: list[int] = list(range(PAGES))
         self.running: dict[str, list[Any]] = {}  # request id -> [pages, tokens left, next token]

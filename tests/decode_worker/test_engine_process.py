@@ -13,11 +13,20 @@ import psutil
 import pytest
 
 from decode_worker.config import DecodeWorkerConfig
+from decode_worker.engine_api import snapshot_of
+from decode_worker.engine_process import EngineFacts, load_of
+from decode_worker.engine_view import EngineView
 from decode_worker.server import _Receivers
 from decode_worker.service import DecodeService
 from decode_worker.streams import EngineFailed
+from engine.engine_config import EngineConfig
+from engine.paths import MODELS_DIR
+from engine.runtime.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from engine.weights import weight_store
 from kvtransfer.destination import TransportKind
+from rpc.convert import load_to_proto
+from rpc.internal.v1 import worker_pb2
 from rpc.status import Unavailable
 from tests.decode_worker.thread_port import thread_port
 from tests.services.decode_hooks import mark_kv_complete
@@ -190,3 +199,57 @@ async def test_engine_construction_error_surfaces_at_start(service_model, tmp_pa
         await service.start()
     pid = service._port.pid
     assert pid is not None and (not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+async def test_prefix_cache_figures_through_the_engine_process(tmp_path, cache):
+    """A K3 model through the engine process: once a request has decoded past a page boundary, the load (and the
+    GetDecodeLoad answer built from it) shows the decode engine's prefix cache - pages cached, checkpoints held
+    (the decode checkpoint at the last page boundary), the checkpoint pool's size; with --no-prefix-cache every
+    one of those reads 0."""
+    model = make_k3_service_model(tmp_path)
+    service, receivers = await _started(_config(model, kv_memory_bytes=2 * 2**20, max_running=3, prefix_cache=cache))
+    try:
+        destination = await service.reserve("k", len(PROMPT), 12, TransportKind.SHM)
+        mark_kv_complete(service.engine, destination)
+        tokens = [token async for update in service.decode("k", destination.lease_id, PROMPT, 7, greedy(12))
+                  for token in update.token_ids]
+        assert len(tokens) == 11  # 40 prompt + 12 tokens: the cache passes the page boundary at 48
+        if cache:
+            await eventually(lambda: service.load.cached_pages >= 3 and service.load.checkpoints >= 1,
+                             "the cache's figures forwarded")
+        load = service.load
+        message = load_to_proto(worker_pb2.GetDecodeLoadResponse, load)
+        figures = (message.cached_pages, message.checkpoints, message.checkpoint_slots)
+        assert figures == (load.cached_pages, load.checkpoints, load.checkpoint_slots)
+        assert all(figure > 0 for figure in figures) if cache else figures == (0, 0, 0)
+        assert message.prefix_queried_tokens == message.prefix_hit_tokens == 0  # no lookup on the decode side yet
+    finally:
+        await _stopped(service, receivers)
+
+
+def test_a_hit_travels_from_the_engine_to_the_load_answer():
+    """The engine process's Load message carries its engine's prefix-cache figures and the worker's EngineView /
+    LoadSnapshot / GetDecodeLoad read them unchanged: after a K3 hit (pdserve-k3-tiny, two prompts sharing 64
+    tokens) hit and queried tokens, pages, checkpoints and slots are all non-zero; without a cache all zero."""
+    prompt = [5 + i % 200 for i in range(70)]
+    for cache in (True, False):
+        config = EngineConfig(model_dir=str(MODELS_DIR / "pdserve-k3-tiny"), page_size=PAGE_SIZE,
+                              kv_memory_bytes=24 * 2**20, prefix_cache=cache, state_checkpoint_interval=32)
+        with LLMEngine(config) as engine:
+            for rid, tokens in (("a", prompt + [9]), ("b", prompt + [11, 12])):
+                engine.add_request(rid, tokens, SamplingParams(max_new_tokens=2, temperature=0.0))
+                while engine.has_work():
+                    engine.step()
+            stats = engine.prefix_cache_stats
+            view = EngineView(EngineFacts(engine.config, engine.cache_shape, (), engine.device, 4096,
+                                          engine.allocator.num_pages, engine.num_state_slots, load_of(engine)))
+            message = load_to_proto(worker_pb2.GetDecodeLoadResponse, snapshot_of(view, 0))
+        figures = (message.prefix_hit_tokens, message.prefix_queried_tokens, message.cached_pages,
+                   message.checkpoints, message.checkpoint_slots)
+        assert figures == (stats.hit_tokens, stats.queried_tokens, stats.cached_pages, stats.checkpoints,
+                           stats.checkpoint_slots)
+        if cache:
+            assert message.prefix_hit_tokens == 64 and all(figure > 0 for figure in figures)
+        else:
+            assert figures == (0, 0, 0, 0, 0)

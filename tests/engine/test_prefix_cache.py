@@ -95,9 +95,10 @@ def test_tp2_hits_are_exact(model):
 
 def test_k3_hits_end_on_checkpoints_and_are_exact():
     """pdserve-k3-tiny, checkpoints every 32 tokens: B shares 80 tokens with A (5 full pages match, the hit ends
-    on the checkpoint at 64, between the 64 and 96 ones); with that checkpoint dropped C (same prompt as B) falls
-    back to 32; after every cached page is evicted (and with it every checkpoint) D hits nothing; E changes token
-    10 (negative control: nothing before the first checkpoint is usable)."""
+    on the checkpoint at 64, between the 64 and 96 ones; B recomputes 64..80 and checkpoints there, a branch
+    point); with the 80 and 64 checkpoints dropped C (same prompt as B) falls back to 32; after every cached page
+    is evicted (and with it every checkpoint) D hits nothing; E changes token 10 (negative control: nothing
+    before the first checkpoint is usable)."""
     off, on = _engines(K3, state_checkpoint_interval=32)
     with off, on:
         base = _prompt(2, 80)
@@ -109,6 +110,7 @@ def test_k3_hits_end_on_checkpoints_and_are_exact():
         cache = on.prefix_cache
         key64 = cache.chain(cache.chain(cache.chain(cache.chain(cache.root, base[:16]), base[16:32]), base[32:48]),
                             base[48:64])
+        cache.drop_checkpoint(cache.chain(key64, base[64:80]))
         cache.drop_checkpoint(key64)
         _assert_same(got := _run(on, "c", b), _run(off, "c", b))
         assert got[2] == 32
@@ -124,6 +126,33 @@ def test_k3_hits_end_on_checkpoints_and_are_exact():
         e[10] += 1
         _assert_same(got := _run(on, "e", e), _run(off, "e", e))
         assert got[2] == 0
+        assert on.num_free_pages == on.allocator.num_pages
+        assert on.num_free_state_slots == on.num_state_slots
+
+
+@pytest.mark.parametrize("options", [{}, {"max_batched_tokens": 24}], ids=["whole", "chunked"])
+def test_k3_branch_point_hits_are_exact(options):
+    """pdserve-k3-tiny, checkpoints every 64 tokens: A (130 tokens) leaves checkpoints at 64 and 128; B shares
+    100 tokens (6 full pages, the last checkpoint at 64): it restores 64, its chunk ends at the matched run's end
+    (96, a branch point, not 112, its prompt's last page boundary; also with 24-token chunks) and checkpoints
+    there; C shares the same 100 tokens and hits
+    all 96 from the branch-point checkpoint; E changes token 70 (inside the branch's first page: negative
+    control, only the 64 before it hit). Every output equals the cache-off engine's (tokens, top-5 logprobs
+    within 1e-4)."""
+    off, on = _engines(K3, state_checkpoint_interval=64, **options)
+    with off, on:
+        base = _prompt(8, 100)
+        e = list(base)
+        e[70] += 1
+        requests = (("a", base + _prompt(9, 30), 0), ("b", base + _prompt(10, 20), 64),
+                    ("c", base + [31, 32, 33], 96), ("e", e + [31, 32, 33], 64))
+        checkpoints = []
+        for rid, prompt, cached in requests:
+            got = _run(on, rid, prompt)
+            _assert_same(got, _run(off, rid, prompt))
+            assert got[2] == cached, rid
+            checkpoints.append(on.prefix_cache_stats.checkpoints)
+        assert checkpoints[1] > checkpoints[0]  # B saved the branch point's checkpoint
         assert on.num_free_pages == on.allocator.num_pages
         assert on.num_free_state_slots == on.num_state_slots
 

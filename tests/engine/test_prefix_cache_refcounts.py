@@ -217,3 +217,88 @@ def test_a_request_needing_the_whole_pool_runs_by_evicting_the_cache():
         engine.step()
     assert engine.generated["big"] == 3 and engine.cache.snapshot().evicted_pages >= 8
     engine.assert_idle()
+
+
+def test_kda_branch_point_recomputes_once_and_checkpoints_the_matched_end():
+    """KDA: a hit whose matched pages go past its last checkpoint (a branch) restores the checkpoint, ends its
+    first chunk exactly at the matched run's end, swaps its recomputed duplicate pages there for the cached ones
+    (freed; the table holds the cached pages) and saves a checkpoint there, so the next request sharing the
+    prefix hits all of it; a changed token inside the branch's page gets only the pages before it."""
+    engine = MiniEngine(40, kda=True, max_batched=64, num_checkpoints=8)
+    engine.add("a", list(range(10, 41)), 1)  # 31 tokens: chunks end at 8, 16, 24, 28; checkpoints there
+    while engine.seqs:
+        engine.step()
+    cache = engine.cache
+    assert cache.snapshot().checkpoints == 4
+    shared = list(range(10, 32))  # 22 tokens: 5 full pages match, the last checkpoint at 16 -> branch page 16..20
+    engine.add("b", shared + [99, 98, 97, 96, 95, 94], 1)  # 28 tokens: without the branch the chunk would end at 24
+    step = engine.scheduler.schedule()
+    seq = engine.seqs["b"]
+    assert seq.num_cached_tokens == 16 and len(seq.branch_pages) == 1 and seq.branch_end == 20
+    branch_page = seq.branch_pages[0]
+    assert engine.allocator.refcount(branch_page) == 1  # referenced by the lookup, not yet in the table
+    assert [chunk.num_tokens for chunk in step.prefill] == [4]  # the chunk ends at the branch's end
+    duplicate = seq.page_table.pages[4]
+    engine.reuse.restore([seq])
+    seq.num_cached += 4
+    saves_before = sum(len(plan.pairs) for plan in engine.plans if plan.save)
+    engine.reuse.after_prefill([seq])
+    assert seq.page_table.pages[4] == branch_page and not seq.branch_pages
+    assert len(seq.page_table.cache_keys) == 5 and engine.allocator.refcount(duplicate) == 0
+    assert sum(len(plan.pairs) for plan in engine.plans if plan.save) == saves_before + 1
+    assert cache.snapshot().checkpoints == 5
+    cache.check_consistency()
+    while engine.seqs:
+        engine.step()
+    engine.add("c", shared + [98, 97], 1)
+    engine.scheduler.schedule()
+    assert engine.seqs["c"].num_cached_tokens == 20 and not engine.seqs["c"].branch_pages
+    engine.abort("c")
+    changed = list(shared)
+    changed[18] = 3  # inside page 4 (16..20): only the first 4 pages are usable, no branch
+    engine.add("d", changed + [98], 1)
+    engine.scheduler.schedule()
+    assert engine.seqs["d"].num_cached_tokens == 16 and not engine.seqs["d"].branch_pages
+    engine.abort("d")
+    engine.assert_idle()
+
+
+def test_an_aborted_branch_gives_its_pages_back():
+    """A sequence aborted (or preempted) before its prefill reaches the branch's end drops the branch's
+    references: nothing stays referenced after it goes."""
+    engine = MiniEngine(40, kda=True, max_batched=2, num_checkpoints=8)  # 2-token chunks: the branch is still pending after one step
+    engine.add("a", list(range(10, 41)), 1)
+    while engine.seqs:
+        engine.step()
+    engine.add("b", list(range(10, 32)) + [99], 1)
+    engine.step()
+    seq = engine.seqs["b"]
+    assert seq.branch_pages and seq.num_cached < seq.branch_end
+    engine.abort("b")
+    engine.assert_idle()
+
+
+def test_a_branch_from_the_start_is_looked_up_once():
+    """A hit whose matched pages have no checkpoint at all maps no page (the whole run is its branch); when no
+    page is free for its first chunk it waits, and the next schedule keeps that branch instead of looking up
+    (and referencing) it again: after it runs and finishes, nothing stays referenced."""
+    engine = MiniEngine(40, kda=True, max_batched=64, num_checkpoints=8)
+    engine.add("a", list(range(10, 32)), 1)  # 22 tokens: 5 full pages cached
+    while engine.seqs:
+        engine.step()
+    assert engine.cache.snapshot().cached_pages == 5
+    for slot_node in list(engine.cache.checkpoints._lru.values()):
+        engine.cache.drop_checkpoint(slot_node.key)
+    assert engine.cache.snapshot().checkpoints == 0
+    held = engine.allocator.allocate(engine.allocator.num_uncached_free)  # only the cached pages stay free
+    engine.add("b", list(range(10, 32)) + [99, 98, 97, 96, 95, 94], 1)
+    engine.scheduler.schedule()
+    seq = engine.seqs["b"]
+    assert seq.num_cached == 0 and len(seq.branch_pages) == 5 and not seq.page_table.pages
+    branch = seq.branch_pages
+    engine.scheduler.schedule()  # still no free page for its chunk: it waits, keeping its branch
+    assert seq.branch_pages == branch and all(engine.allocator.refcount(page) == 1 for page in branch)
+    engine.allocator.free(held)
+    while engine.seqs:
+        engine.step()
+    engine.assert_idle()

@@ -6,6 +6,9 @@ idle or talking stream never. No timing: silence is set on the stream's clock, n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import grpc
@@ -81,6 +84,34 @@ async def test_a_silent_stream_with_requests_in_flight_is_failed_an_idle_one_nev
         finally:
             await stream.close()
             await channel.close()
+
+
+@contextlib.asynccontextmanager
+async def _stream_to(worker) -> AsyncIterator[DecodeStream]:
+    channel = grpc.aio.insecure_channel(worker.address)
+    stream = DecodeStream(worker_pb2_grpc.DecodeServiceStub(channel), token_metadata(TOKEN), worker.address)
+    try:
+        yield stream
+    finally:
+        await stream.close()
+        await channel.close()
+
+
+async def test_a_request_after_a_long_idle_spell_is_not_taken_for_a_hang():
+    """The silence clock starts when an idle stream is given a request: a stream that sat idle for longer than
+    stream_silence_s (a quiet deployment) does not fail the next request the moment it is sent."""
+    async with serving() as worker, _stream_to(worker) as stream:
+        view = SimpleNamespace(load=SimpleNamespace(address=worker.address), stream=stream)
+        liveness = DecodeLiveness(LivenessConfig(hang_probe_failures=0, stream_silence_s=50.0))
+        first = await _running(worker, stream, ["a"])
+        worker.service.step(["a"], 11, finished=("a",))
+        await eventually(lambda: not stream._open.pending, "the first request to finish")
+        assert first["a"].ended and stream.silent_for(0.0) is None  # idle: no silence counted
+        stream._open.last_message -= 100.0  # then 100 s without a message, idle
+        second = stream.submit(decode_request("b"), 60)
+        await eventually(lambda: worker.service.open() == {"b"}, "b to stream")  # no step from the worker yet
+        liveness.probed(view, answered=True)
+        assert not second.ended and liveness.hangs == 0 and stream.silent_for(time.monotonic()) < 50.0
 
 
 def test_liveness_settings_are_checked():

@@ -56,7 +56,7 @@ def test_decode_collector_reads_the_service():
     come straight from the engine and the lease sweeper."""
     load = LoadSnapshot(free_pages=90, total_pages=128, running=3, waiting=1, leases=2, leased_pages=4, requests_total=7,
                         free_state_slots=5, total_state_slots=9, standing_leases=1, standing_pages=3, checkpoints=2,
-                        checkpoint_slots=6)
+                        checkpoint_slots=6, cached_pages=11, prefix_queried_tokens=300, prefix_hit_tokens=128)
     samples = _samples(decode_registry(_DecodeService(load)))
     assert samples[("pdserve_kv_pages_free", ())] == 90 and samples[("pdserve_kv_pages_used", ())] == 38
     assert samples[("pdserve_state_slots_free", ())] == 5 and samples[("pdserve_state_slots_used", ())] == 4
@@ -69,6 +69,9 @@ def test_decode_collector_reads_the_service():
     assert samples[("pdserve_spec_accepted_draft_tokens_total", ())] == 25
     assert samples[("pdserve_decode_engine_steps_total", ())] == 6
     assert samples[("pdserve_decode_engine_step_tokens_total", ())] == 40
+    assert samples[("pdserve_prefix_cache_pages", ())] == 11
+    assert samples[("pdserve_prefix_cache_queried_tokens_total", ())] == 300
+    assert samples[("pdserve_prefix_cache_hit_tokens_total", ())] == 128
 
 
 def test_prefill_metrics_count_transfers_by_transport():

@@ -248,7 +248,7 @@ class GetDecodeLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDecodeLoadResponse(_message.Message):
-    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "headroom_pages", "requests_total", "free_state_slots", "total_state_slots", "placement", "standing_leases", "standing_pages", "standing_state_slots", "checkpoints", "checkpoint_slots")
+    __slots__ = ("free_pages", "total_pages", "running", "waiting", "leases", "leased_pages", "page_size", "headroom_pages", "requests_total", "free_state_slots", "total_state_slots", "placement", "standing_leases", "standing_pages", "standing_state_slots", "checkpoints", "checkpoint_slots", "cached_pages", "prefix_queried_tokens", "prefix_hit_tokens")
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,9 @@ class GetDecodeLoadResponse(_message.Message):
     STANDING_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     free_pages: int
     total_pages: int
     running: int
@@ -283,4 +286,7 @@ class GetDecodeLoadResponse(_message.Message):
     standing_state_slots: int
     checkpoints: int
     checkpoint_slots: int
-    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ..., standing_leases: _Optional[int] = ..., standing_pages: _Optional[int] = ..., standing_state_slots: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_slots: _Optional[int] = ...) -> None: ...
+    cached_pages: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ..., standing_leases: _Optional[int] = ..., standing_pages: _Optional[int] = ..., standing_state_slots: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_slots: _Optional[int] = ..., cached_pages: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
