@@ -52,6 +52,7 @@ class PrefixHit(NamedTuple):
     pages: list[int]
     keys: list[bytes]
     checkpoint: int | None
+    checkpoint_pages: int = 0  # the checkpoint holds the state after pages[:checkpoint_pages] (past_checkpoint)
 
 
 class CheckpointSlots:
@@ -176,10 +177,12 @@ class PrefixCache:
                 heapq.heappush(self._leaves, (parent.last_used, parent.page))
 
     # --- lookups ----------------------------------------------------------------------------------------------
-    def match(self, token_ids: list[int], max_tokens: int, need_draft: bool, count_query: int) -> PrefixHit:
+    def match(self, token_ids: list[int], max_tokens: int, need_draft: bool, count_query: int,
+              past_checkpoint: bool = False) -> PrefixHit:
         """Maps the longest cached run of full pages of token_ids[:max_tokens] (for KDA models: up to the last
-        page with a checkpoint) and takes a reference on each page; count_query: prompt tokens to count as
-        queried in the statistics."""
+        page with a checkpoint, unless past_checkpoint: then every matched page, the checkpoint being that of
+        the last checkpointed one among them) and takes a reference on each page; count_query: prompt tokens to
+        count as queried in the statistics."""
         size = self.page_size
         with self.allocator.lock:
             nodes: list[CachedPage] = []
@@ -191,12 +194,15 @@ class PrefixCache:
                     break
                 nodes.append(node)
                 key = node.key
-            checkpoint = None
+            checkpoint, checkpoint_pages = None, 0
             if self.needs_checkpoints:
-                while nodes and nodes[-1].checkpoint is None:
-                    nodes.pop()
-                if nodes:
-                    checkpoint = nodes[-1].checkpoint
+                checkpoint_pages = len(nodes)
+                while checkpoint_pages and nodes[checkpoint_pages - 1].checkpoint is None:
+                    checkpoint_pages -= 1
+                if not past_checkpoint:
+                    del nodes[checkpoint_pages:]
+                if checkpoint_pages:
+                    checkpoint = nodes[checkpoint_pages - 1].checkpoint
                     self.checkpoints.touch(checkpoint)
                     self.checkpoints.pin(checkpoint)
                     self.stats.checkpoint_hits += 1
@@ -205,7 +211,15 @@ class PrefixCache:
             if count_query:  # a first lookup (a recomputed sequence's later ones are not counted)
                 self.stats.queried_tokens += count_query
                 self.stats.hit_tokens += len(pages) * size
-            return PrefixHit(pages, [node.key for node in nodes], checkpoint)
+            return PrefixHit(pages, [node.key for node in nodes], checkpoint, checkpoint_pages)
+
+    def keys_of(self, token_ids: list[int], num_pages: int) -> list[bytes]:
+        """The chained keys of token_ids' first num_pages full pages (what a hit of that many pages maps)."""
+        keys, key, size = [], self.root, self.page_size
+        for index in range(num_pages):
+            key = self.chain(key, token_ids[index * size : (index + 1) * size])
+            keys.append(key)
+        return keys
 
     def unpin(self, checkpoint: int) -> None:
         with self.allocator.lock:
