@@ -109,11 +109,12 @@ def prefills_locally(destination: kv_pb2.KVDestination, job: GenerateJob, thresh
 
 
 class RequestRun:
-    """Runs one GenerateJob. events: an asyncio.Queue the servicer drains until a Finish/Error event."""
+    """Runs one GenerateJob. events: an asyncio.Queue the servicer drains until a Finish/Error event.
+    disagg_threshold_tokens: conditional disaggregation (prefills_locally; 0: always a prefill worker)."""
 
     def __init__(self, job: GenerateJob, pool: WorkerPool, tokenizer: TextTokenizer | None,
                  arrival: float, deadline: float | None, cleanup_timeout_s: float,
-                 observer: RunObserver | None = None) -> None:
+                 observer: RunObserver | None = None, disagg_threshold_tokens: int = 0) -> None:
         self.job = job
         # Two ids, each with one name from here to the workers: trace_id is the client's request id (the
         # x-request-id every service's log lines carry: `trace_id` on the worker streams); request_id is the
@@ -131,6 +132,7 @@ class RequestRun:
         self._arrival = arrival
         self._deadline = deadline
         self._cleanup_timeout = cleanup_timeout_s
+        self._disagg_threshold = disagg_threshold_tokens  # GatewayConfig.disagg_threshold_tokens (0: always prefill)
         self.events: asyncio.Queue[TokensEvent | FinishEvent | ErrorEvent] = asyncio.Queue()
         self._detok = IncrementalDetokenizer(tokenizer, job.prompt_ids, job.skip_special_tokens) if tokenizer else None
         self._stops = StopStringMatcher(job.stop)
@@ -203,7 +205,7 @@ class RequestRun:
         if self._observer is not None:
             self._observer.admitted(reserved - self._arrival, len(job.prompt_ids), spare=standing is not None)
         sampling = sampling_to_proto(params)
-        if prefills_locally(destination, job, self._pool.config.disagg_threshold_tokens):
+        if prefills_locally(destination, job, self._disagg_threshold):
             # no prefill hop: the decode worker prefills the rest itself; its first update brings the first token
             self._cached_tokens = usable_cached_tokens(destination)
             logger.info("prefill on the decode worker: %d of %d prompt tokens cached there", self._cached_tokens,

@@ -44,7 +44,8 @@ class GatewayService:
         job = parse_generate_request(request, self.facts, self.tokenizer, self.config.default_max_tokens, both_inputs,
                                      prompt_ids)
         self._check_free(job.request_id)
-        run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s, self.metrics)
+        run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s, self.metrics,
+                         self.config.disagg_threshold_tokens)
         self._runs[job.request_id] = run
         run.start()
         assert run.task is not None

@@ -70,7 +70,7 @@ class _Pool:
         pass
 
     async def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int, deadline: Any,
-                      trace_id: str | None = None) -> tuple[Any, kv_pb2.KVDestination]:
+                      trace_id: str | None = None, prompt_ids: list[int] | None = None) -> tuple[Any, kv_pb2.KVDestination]:
         if len(self.reserved) >= self.decode_workers:
             raise Unavailable("no reachable decode worker")
         self.reserved.append((request_id, num_tokens, max_new_tokens))
