@@ -63,8 +63,8 @@ def reference(model: Path) -> dict[str, object]:
     return {"outputs": [first, second, third], "turn": turn, "layout": layout}
 
 
-def _launch(model: Path, log_dir: Path) -> Cluster:
-    return launch(model, log_dir, gateway_args=("--standing-lease-tokens", "0"))
+def _launch(model: Path, log_dir: Path, transport: str = "shm") -> Cluster:
+    return launch(model, log_dir, transport=transport, gateway_args=("--standing-lease-tokens", "0"))
 
 
 async def _ask(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS):
@@ -84,15 +84,17 @@ async def _counters(cluster: Cluster) -> dict[str, float]:
             "prefills": prefill.get(("pdserve_prefill_requests_total", frozenset({("status", "ok")})), 0.0)}
 
 
-def _handoff_bytes(log_dir: Path) -> list[int]:
-    return [int(n) for n in re.findall(r"shm handoff of (\d+) bytes", (log_dir / "prefill-0.log").read_text())]
+def _handoff_bytes(log_dir: Path, transport: str) -> list[int]:
+    return [int(n) for n in re.findall(rf"{transport} handoff of (\d+) bytes", (log_dir / "prefill-0.log").read_text())]
 
 
-async def test_shared_prefix_reserves_and_writes_only_the_suffix_pages(model, reference, tmp_path):
-    """The second request's reservation holds the decode worker's 37 cached pages and the prefill worker writes only
-    the pages after them (record bytes = those pages + the whole KDA state); the texts equal the cache-off engine's."""
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+async def test_shared_prefix_reserves_and_writes_only_the_suffix_pages(model, reference, transport, tmp_path):
+    """The second request's reservation holds the decode worker's 37 cached pages and the prefill worker writes (shm
+    in place) or pushes (grpc) only the pages after them (bytes = those pages + the whole KDA state, what the
+    completion record / the pushed chunks cover); the texts equal the cache-off engine's."""
     layout: KVLayout = reference["layout"]
-    cluster = await asyncio.to_thread(_launch, model, tmp_path)
+    cluster = await asyncio.to_thread(_launch, model, tmp_path, transport)
     try:
         first = await _ask(cluster.gateway_address, FIRST)
         before = await _counters(cluster)
@@ -106,7 +108,7 @@ async def test_shared_prefix_reserves_and_writes_only_the_suffix_pages(model, re
     assert before["decode_cached"] == 0 and after["decode_cached"] == cached
     assert after["prefills"] == before["prefills"] + 1 and after["local_prefills"] == 0  # 310 new tokens: disaggregated
     pages = -(-len(SECOND) // PAGE)
-    assert _handoff_bytes(tmp_path) == [layout.request_bytes(-(-len(FIRST) // PAGE)),
+    assert _handoff_bytes(tmp_path, transport) == [layout.request_bytes(-(-len(FIRST) // PAGE)),
                                         layout.request_bytes(pages - cached // PAGE)]
 
 
