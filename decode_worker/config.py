@@ -1,13 +1,18 @@
 """Decode worker settings, built once from the command line: one EngineConfig plus the decode role's."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from engine.engine_config import EngineConfig
 from engine.runtime.devices import serving_device
 from engine.runtime.role_config import EmbedsEngineConfig, worker_engine_config
 from kvtransfer.device_pool import DevicePoolFactory
 from kvtransfer.shm_pool import ShmPoolFactory
+
+
+# Local prefills (conditional disaggregation) take at most this many tokens per engine step while requests decode
+# (docs/services.md, "Conditional disaggregation": the measurement).
+DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP = 128
 
 
 @dataclass(frozen=True)
@@ -26,35 +31,29 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
     admit_timeout_s: float = 10.0
     advertise_address: str | None = None
     internal_token: str | None = field(default=None, repr=False)  # calls must carry it (TCP deployments)
-    # Prompts this worker prefills itself (DecodeRequest.prefill_locally): while requests decode, an engine step
-    # prefills at most this many tokens and alternates with decode steps (EngineConfig.prefill_tokens_while_decoding),
-    # so running decodes wait at most one such step between tokens. 0: prefill first (whole max_batched_tokens steps).
-    local_prefill_tokens_per_step: int = 128
 
     def __post_init__(self) -> None:
         self.check_addresses()
         for name in ("lease_ttl_s", "lease_sweep_interval_s", "admit_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.local_prefill_tokens_per_step < 0:
-            raise ValueError(f"local_prefill_tokens_per_step must be >= 0, got {self.local_prefill_tokens_per_step}")
         if self.lease_grace_s < 0:
             raise ValueError("lease_grace_s must be non-negative")
         if self.engine.kv_pool not in ("shm", "device"):
             raise ValueError("a decode worker's pages live in a shared pool (engine kv_pool 'shm' or 'device')")
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's config with the decode role's prefill bound applied."""
-        return replace(self.engine, prefill_tokens_while_decoding=self.local_prefill_tokens_per_step)
-
     @classmethod
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", lease_ttl_s: float = 60.0,
               lease_grace_s: float = 1.0, lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
               advertise_address: str | None = None, internal_token: str | None = None, kv_pool: str = "auto",
-              local_prefill_tokens_per_step: int = 128, **engine: object) -> DecodeWorkerConfig:
+              **engine: object) -> DecodeWorkerConfig:
         """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
         write into: kv_pool "shm" (CPU shared memory, ShmPoolFactory), "device" (device memory exported over
-        IPC, DevicePoolFactory; on the CPU the memfd stand-in) or "auto" (device on a GPU, else shm)."""
+        IPC, DevicePoolFactory; on the CPU the memfd stand-in) or "auto" (device on a GPU, else shm).
+        The decode role bounds the prompts it prefills itself (DecodeRequest.prefill_locally): unless given,
+        engine prefill_tokens_while_decoding is DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP (`--local-prefill-tokens-per-step`:
+        while requests decode, a prefill step takes at most that many tokens and alternates with decode steps)."""
+        engine.setdefault("prefill_tokens_while_decoding", DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP)
         if kv_pool not in ("auto", "shm", "device"):
             raise ValueError(f"kv_pool must be auto, shm or device, got {kv_pool!r}")
         device = serving_device(engine.get("device", "auto"))
@@ -64,4 +63,4 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
                    else ShmPoolFactory())
         return cls(worker_engine_config(engine, kv_pool=kv_pool, page_pools=factory), listen, metrics_listen,
                    lease_ttl_s, lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address,
-                   internal_token, local_prefill_tokens_per_step)
+                   internal_token)
