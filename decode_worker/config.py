@@ -10,6 +10,11 @@ from kvtransfer.device_pool import DevicePoolFactory
 from kvtransfer.shm_pool import ShmPoolFactory
 
 
+# Local prefills (conditional disaggregation) take at most this many tokens per engine step while requests decode
+# (docs/services.md, "Conditional disaggregation": the measurement).
+DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP = 128
+
+
 @dataclass(frozen=True)
 class DecodeWorkerConfig(EmbedsEngineConfig):
     """engine.draft_model_dir: None = the model's draft/ folder if present, "" = no speculative decoding.
@@ -44,7 +49,11 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
               **engine: object) -> DecodeWorkerConfig:
         """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
         write into: kv_pool "shm" (CPU shared memory, ShmPoolFactory), "device" (device memory exported over
-        IPC, DevicePoolFactory; on the CPU the memfd stand-in) or "auto" (device on a GPU, else shm)."""
+        IPC, DevicePoolFactory; on the CPU the memfd stand-in) or "auto" (device on a GPU, else shm).
+        The decode role bounds the prompts it prefills itself (DecodeRequest.prefill_locally): unless given,
+        engine prefill_tokens_while_decoding is DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP (`--local-prefill-tokens-per-step`:
+        while requests decode, a prefill step takes at most that many tokens and alternates with decode steps)."""
+        engine.setdefault("prefill_tokens_while_decoding", DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP)
         if kv_pool not in ("auto", "shm", "device"):
             raise ValueError(f"kv_pool must be auto, shm or device, got {kv_pool!r}")
         device = serving_device(engine.get("device", "auto"))

@@ -26,10 +26,11 @@ import torch
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_api import DecodeEngine
-from decode_worker.leases import allocate_admitted
+from decode_worker.leases import allocate_admitted, free_lease
 from decode_worker.step_loop import StepLoop
 from engine.engine_config import EngineConfig
 from engine.runtime.outputs import PrefixCacheStats, StepOutput
+from engine.runtime.reserved_prompts import NO_HIT, PromptReservation, ReservedHit
 from engine.cache.kv_cache import CacheShape
 from engine.sampling_params import SamplingParams
 from engine.runtime.sequence import TokenLogprob
@@ -47,23 +48,27 @@ ROLE = "decode-engine"
 @dataclass(frozen=True)
 class Reserve:
     """Admit and allocate a reservation of num_tokens (pending: requests holding a claimed lease the engine
-    does not run yet); replied with (page_ids, state_slot)."""
+    does not run yet; prompt_ids: look the prompt up in the prefix cache first); replied with a
+    leases.PromptReservation."""
 
     num_tokens: int
     pending: int
+    prompt_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
 class Free:
-    """Give a reservation's pages and state slot back."""
+    """Give a reservation's pages, state slot and checkpoint pin back."""
 
     page_ids: list[int]
     state_slot: int | None
+    checkpoint: int | None = None
 
 
 @dataclass(frozen=True)
 class Add:
-    """A prefilled request joins the running batch (between steps)."""
+    """A claimed request joins the engine (between steps): prefilled elsewhere (running at once), or, local,
+    prefilled here by the engine's scheduler (first_token ignored). hit: what its pages hold of the prefix cache."""
 
     request_id: str
     prompt_ids: list[int]
@@ -71,6 +76,8 @@ class Add:
     page_ids: list[int]
     params: SamplingParams
     state_slot: int | None
+    hit: ReservedHit = NO_HIT
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,7 @@ class Outputs:
     load: Load
 
 
-Reservation = tuple[list[int], int | None]  # a Reserve's (page_ids, state_slot)
+Reservation = PromptReservation  # a Reserve's (page_ids, state_slot, hit)
 
 
 @dataclass(frozen=True)
@@ -252,10 +259,10 @@ class EngineHost:
     def _handle(self, engine: DecodeEngine, command: Command) -> None:
         tag, body = command.tag, command.body
         match body:
-            case Reserve(num_tokens, pending):  # a refusal: answered by serve
-                self._reply(tag, None, allocate_admitted(engine, num_tokens, self._block, pending))
-            case Free(page_ids, state_slot):
-                engine.free_reservation(page_ids, state_slot)
+            case Reserve(num_tokens, pending, prompt_ids):  # a refusal: answered by serve
+                self._reply(tag, None, allocate_admitted(engine, num_tokens, self._block, pending, prompt_ids))
+            case Free(page_ids, state_slot, checkpoint):
+                free_lease(engine, page_ids, state_slot, checkpoint)
                 self._reply(tag, None)
             case Add() | Abort():
                 self._thread.post(lambda engine: self._between_steps(engine, tag, body))
@@ -266,7 +273,7 @@ class EngineHost:
         try:
             if isinstance(body, Add):
                 self._steps.add(engine, body.request_id, body.prompt_ids, body.first_token, body.page_ids, body.params,
-                                body.state_slot)
+                                body.state_slot, body.hit, body.local)
                 self._requests.add(body.request_id)
             else:
                 self._steps.abort(engine, body.request_id)

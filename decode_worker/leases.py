@@ -21,6 +21,8 @@ from typing import Protocol
 from decode_worker.admission import admits, fits_ever, headroom
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_api import DecodeEngine, EngineFigures
+from engine.cache.prefix_cache import PrefixHit
+from engine.runtime.reserved_prompts import PromptReservation, ReservedHit
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import LeaseExpired, UnknownTransfer
 from kvtransfer.leases import Lease, LeaseTable
@@ -33,28 +35,50 @@ logger = logging.getLogger(__name__)
 class PagePort(Protocol):
     """Where reservations are allocated and freed (of engine_api.EnginePort)."""
 
-    async def allocate(self, num_tokens: int, pending: int = 0) -> tuple[list[int], int | None]: ...
+    async def allocate(self, num_tokens: int, pending: int = 0,
+                       prompt_ids: list[int] | None = None) -> PromptReservation: ...
 
-    def free(self, page_ids: list[int], state_slot: int | None) -> None: ...
+    def free(self, page_ids: list[int], state_slot: int | None, checkpoint: int | None = None) -> None: ...
 
 
-def allocate_admitted(engine: DecodeEngine, num_tokens: int, spec_block_size: int,
-                      pending: int = 0) -> tuple[list[int], int | None]:
+def allocate_admitted(engine: DecodeEngine, num_tokens: int, spec_block_size: int, pending: int = 0,
+                      prompt_ids: list[int] | None = None) -> PromptReservation:
     """The prompt's pages and, for a model with linear attention, its state slot: admission and allocation
     under the engine's pool lock, so what was counted free is what gets taken. pending: requests that hold
     pages but are not running yet and will (unclaimed standing leases): their growth is kept free too.
-    Raises ResourceExhausted."""
+    prompt_ids: look the prompt up in the engine's prefix cache first; the hit's pages (referenced, so they
+    cannot be evicted while the lease lives) are not allocated again, only the rest is admitted and allocated.
+    Raises ResourceExhausted, holding nothing."""
     page_size = engine.config.page_size
     with engine.pool_lock:
-        growing = engine.num_running + pending
-        if not admits(engine.num_free_pages, num_tokens, growing, spec_block_size, page_size):
-            raise ResourceExhausted(
-                f"decode pool full: {engine.num_free_pages} pages free, "
-                f"{headroom(growing, spec_block_size, page_size)} kept for running and standing requests"
-            )
-        if engine.num_state_slots and not engine.num_free_state_slots:
-            raise ResourceExhausted(f"decode state slots full: all {engine.num_state_slots} are in use or leased")
-        return engine.allocate_reservation(num_tokens)
+        hit = engine.match_prompt(prompt_ids) if prompt_ids else PrefixHit([], [], None)
+        cached_tokens = len(hit.pages) * page_size
+        try:
+            growing = engine.num_running + pending
+            if not admits(engine.num_free_pages, num_tokens - cached_tokens, growing, spec_block_size, page_size):
+                raise ResourceExhausted(
+                    f"decode pool full: {engine.num_free_pages} pages free, "
+                    f"{headroom(growing, spec_block_size, page_size)} kept for running and standing requests"
+                )
+            if engine.num_state_slots and not engine.num_free_state_slots:
+                raise ResourceExhausted(f"decode state slots full: all {engine.num_state_slots} are in use or leased")
+            pages, slot = engine.allocate_reservation(num_tokens - cached_tokens)
+        except BaseException:
+            if hit.pages:
+                engine.free_reservation(hit.pages, None)
+            if hit.checkpoint is not None:
+                engine.unpin_checkpoint(hit.checkpoint)
+            raise
+        return PromptReservation(hit.pages + pages, slot,
+                                 ReservedHit(len(hit.pages), hit.checkpoint, hit.checkpoint_pages))
+
+
+def free_lease(engine: DecodeEngine, page_ids: list[int], state_slot: int | None, checkpoint: int | None) -> None:
+    """Gives back what allocate_admitted took (a lease's pages, slot and checkpoint pin), under the pool lock."""
+    with engine.pool_lock:
+        engine.free_reservation(page_ids, state_slot)
+        if checkpoint is not None:
+            engine.unpin_checkpoint(checkpoint)
 
 
 @dataclass
@@ -80,6 +104,8 @@ class ReservationBook:
         self._held: dict[str, Reservation] = {}  # request id -> its reservation, until its stream ends
         self.granted = 0  # requests admitted since start: reservations, and standing leases once claimed
         self.expiries = 0  # leases freed because nobody claimed them in time
+        self.cached_tokens = 0  # prompt tokens reservations found in the engine's prefix cache (not written again)
+        self.local_prefills = 0  # claims prefilled on this worker (DecodeRequest.prefill_locally)
 
     def get(self, request_id: str) -> Reservation | None:
         return self._held.get(request_id)
@@ -90,12 +116,14 @@ class ReservationBook:
 
     # --- Reserve ------------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, transport: TransportKind,
-                      ttl_s: float | None = None, standing: bool = False) -> Destination:
+                      ttl_s: float | None = None, standing: bool = False,
+                      prompt_ids: list[int] | None = None) -> Destination:
         """Leases the prompt's pages. ttl_s: how long the lease may stay unclaimed (the caller's deadline;
         None: the configured lease_ttl_s, which also caps it). standing: a lease for a request yet to come,
         claimed by a prompt of at most num_prompt_tokens tokens (shm only: its receiver narrows the
         destination). The only await is the allocation (none at all on a thread port): everything after it
-        runs in one go."""
+        runs in one go. prompt_ids (not for a standing lease): the prompt, looked up in the engine's prefix cache;
+        the lease then holds the hit's pages too and the destination names only the pages after them."""
         config = self.config
         if not request_id:
             raise InvalidArgument("request_id", "is empty")
@@ -103,6 +131,9 @@ class ReservationBook:
             raise AlreadyExists(f"request {request_id} already holds a reservation on this worker")
         if num_prompt_tokens <= 0 or max_new_tokens <= 0:
             raise InvalidArgument("num_prompt_tokens", "prompt and max_new_tokens must be positive")
+        if prompt_ids and (standing or len(prompt_ids) != num_prompt_tokens):
+            raise InvalidArgument("prompt_token_ids", "a standing lease takes no prompt" if standing else
+                                  f"{len(prompt_ids)} ids for a prompt of {num_prompt_tokens} tokens")
         self._check_fits(num_prompt_tokens, max_new_tokens)
         receiver = self._receivers.get(transport)
         if receiver is None:
@@ -113,11 +144,11 @@ class ReservationBook:
         # An unclaimed standing lease becomes a running request the moment a prompt claims it (no admission
         # then): its growth headroom is kept from every later reservation, as a running request's is.
         standing_pending = len(self.unclaimed(standing=True))
-        page_ids, slot = await self._pages.allocate(num_prompt_tokens, standing_pending)
+        page_ids, slot, hit = await self._pages.allocate(num_prompt_tokens, standing_pending, prompt_ids or None)
         if request_id in self._held:  # a second Reserve of the id won the race while this one allocated
-            self._pages.free(page_ids, slot)
+            self._pages.free(page_ids, slot, hit.checkpoint)
             raise AlreadyExists(f"request {request_id} already holds a reservation on this worker")
-        lease = self._leases.grant(request_id, page_ids, ttl, slot)
+        lease = self._leases.grant(request_id, page_ids, ttl, slot, *hit)
         try:
             destination = receiver.expect(lease, num_prompt_tokens)
         except BaseException:
@@ -126,10 +157,12 @@ class ReservationBook:
             raise
         self._held[request_id] = Reservation(lease, receiver, num_prompt_tokens, standing=standing)
         self.granted += not standing  # a spare counts once a request claims it
+        self.cached_tokens += destination.cached_tokens
         return destination
 
     def _free(self, lease: Lease) -> None:
-        self._pages.free(list(lease.page_ids), lease.state_slot)
+        """Every reference the lease holds, given back once: its pages (cached and new), slot and checkpoint pin."""
+        self._pages.free(list(lease.page_ids), lease.state_slot, lease.checkpoint)
 
     # --- Decode claims, Release, expiry -------------------------------------------------------------
     def claim(self, request_id: str, lease_id: str, num_prompt_tokens: int, max_new_tokens: int = 1) -> Reservation:

@@ -47,6 +47,10 @@ class DecodeCollector(Collector):
              load.requests_total),
             ("pdserve_lease_expiries", "Leases freed because no Decode call claimed them in time",
              self._service.lease_expiries),
+            ("pdserve_decode_cached_tokens", "Prompt tokens reservations found in this worker's prefix cache (their "
+             "pages held by the lease, not written again by prefill)", self._service.book_figure("cached_tokens")),
+            ("pdserve_decode_local_prefills", "Requests prefilled on this decode worker itself (no prefill hop)",
+             self._service.book_figure("local_prefills")),
             ("pdserve_preemptions", "Running requests preempted for lack of pages (recomputed later)",
              getattr(engine, "num_preemptions", 0)),
             ("pdserve_decode_engine_steps", "Engine steps that produced tokens", self._service.port.engine_steps),

@@ -26,6 +26,7 @@ from decode_worker.engine_process import (Abort, Add, Command, EngineFacts, Even
 from decode_worker.engine_view import EngineView
 from decode_worker.pipe_writer import PipeWriter
 from decode_worker.streams import Streams
+from engine.runtime.reserved_prompts import NO_HIT, ReservedHit
 from engine.sampling_params import SamplingParams
 from engine.weights.weight_store import remove_stale_segments
 from kvtransfer.shm_pool import cleanup_stale_segments
@@ -154,10 +155,11 @@ class ProcessPort:
             except Unavailable:
                 logger.warning("engine command %s dropped: %s", type(body).__name__, self._gone)
 
-    async def allocate(self, num_tokens: int, pending: int = 0) -> tuple[list[int], int | None]:
-        """Admission and allocation by the engine process's command thread. A caller cancelled while it waits
-        leaves nothing behind: the pages are freed when the answer comes."""
-        task = asyncio.ensure_future(self._call(Reserve(num_tokens, pending)))
+    async def allocate(self, num_tokens: int, pending: int = 0, prompt_ids: list[int] | None = None) -> Reservation:
+        """Admission and allocation (after a prefix-cache lookup of prompt_ids, when given) by the engine
+        process's command thread. A caller cancelled while it waits leaves nothing behind: the pages are freed
+        when the answer comes."""
+        task = asyncio.ensure_future(self._call(Reserve(num_tokens, pending, prompt_ids)))
         try:
             reservation = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -170,15 +172,16 @@ class ProcessPort:
         if not task.cancelled() and task.exception() is None:
             reservation = task.result()
             if reservation is not None:
-                self.free(*reservation)
+                self.free(reservation.page_ids, reservation.state_slot, reservation.hit.checkpoint)
 
-    def free(self, page_ids: list[int], state_slot: int | None) -> None:
-        self._post(Free(page_ids, state_slot))
+    def free(self, page_ids: list[int], state_slot: int | None, checkpoint: int | None = None) -> None:
+        self._post(Free(page_ids, state_slot, checkpoint))
 
     async def add(self, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int],
-                  params: SamplingParams, state_slot: int | None) -> None:
+                  params: SamplingParams, state_slot: int | None, hit: ReservedHit = NO_HIT,
+                  local: bool = False) -> None:
         try:
-            await self._call(Add(request_id, prompt_ids, first_token, page_ids, params, state_slot))
+            await self._call(Add(request_id, prompt_ids, first_token, page_ids, params, state_slot, hit, local))
         except asyncio.CancelledError:  # the command still runs: an abort after it (FIFO) frees the pages
             self.abort_soon(request_id)
             raise

@@ -29,6 +29,7 @@ from decode_worker.engine_api import EngineFigures, EnginePort, LoadSnapshot
 from decode_worker.leases import ReservationBook
 from decode_worker.process_port import ProcessPort
 from decode_worker.streams import Sink, Streams, updates_of
+from engine.runtime.reserved_prompts import ReservedHit
 from engine.sampling_params import SamplingParams
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
@@ -104,6 +105,10 @@ class DecodeService:
     def lease_expiries(self) -> int:
         return self._book.expiries if self._book is not None else 0
 
+    def book_figure(self, name: str) -> int:
+        """A counter of the reservation book (expiries, cached_tokens, local_prefills); 0 before start."""
+        return getattr(self._book, name) if self._book is not None else 0
+
     @property
     def port(self) -> EnginePort:
         """Where the engine runs (its engine_steps / engine_step_tokens: batch occupancy)."""
@@ -114,9 +119,12 @@ class DecodeService:
 
     # --- requests -----------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
-                      transport: TransportKind, ttl_s: float | None = None, standing: bool = False) -> Destination:
-        """Leases the prompt's pages (ReservationBook.reserve), without waiting for the engine step in progress."""
-        return await self.book.reserve(request_id, num_prompt_tokens, max_new_tokens, transport, ttl_s, standing)
+                      transport: TransportKind, ttl_s: float | None = None, standing: bool = False,
+                      prompt_ids: list[int] | None = None) -> Destination:
+        """Leases the prompt's pages (ReservationBook.reserve: with prompt_ids, from the prefix cache's hit on),
+        without waiting for the engine step in progress."""
+        return await self.book.reserve(request_id, num_prompt_tokens, max_new_tokens, transport, ttl_s, standing,
+                                       prompt_ids)
 
     def abandon(self, request_id: str, lease_id: str) -> None:
         """The Reserve answer carrying lease_id never reached its caller: free the lease now."""
@@ -124,18 +132,24 @@ class DecodeService:
             logger.info("reservation of %s was not delivered; freed it", request_id)
 
     async def run_decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
-                         params: SamplingParams, stream_interval: int, sink: Sink) -> None:
+                         params: SamplingParams, stream_interval: int, sink: Sink, local: bool = False) -> None:
         """Claims the lease, admits the KV, adds the request to the engine and returns once it finished; its
         updates go to sink as the engine's steps are delivered: after every step that produced tokens, or
         (stream_interval > 1) once at least that many are ready, and always when it finishes. Cancelled (the
-        caller left early): the request is aborted and its pages freed."""
+        caller left early): the request is aborted and its pages freed. local (DecodeRequest.prefill_locally): no
+        KV comes; the engine prefills the prompt after the lease's cached pages itself and the first update
+        carries the first token (first_token is ignored)."""
         if not 0 <= stream_interval <= MAX_STREAM_INTERVAL:
             raise InvalidArgument("stream_interval", f"must be in 0..{MAX_STREAM_INTERVAL}, got {stream_interval}")
         book = self.book
         held = book.claim(request_id, lease_id, len(prompt_ids), params.max_new_tokens)
-        self._streams.open(request_id, max(1, stream_interval), sink)
+        self._streams.open(request_id, max(1, stream_interval), sink, skip_first=not local)
+        lease = held.lease
         try:
-            if held.receiver.admit_now(request_id, INLINE_CHECKSUM_BYTES) is None:  # else: no thread hop
+            if local:
+                held.receiver.cancel(request_id)  # nothing will be written: its completion slot goes back now
+                book.local_prefills += 1
+            elif held.receiver.admit_now(request_id, INLINE_CHECKSUM_BYTES) is None:  # else: no thread hop
                 await asyncio.to_thread(held.receiver.admit, request_id, self.config.admit_timeout_s)
         except BaseException as error:  # not usable, or cancelled while waiting: the claimed pages are ours to free
             self._streams.close(request_id)
@@ -144,8 +158,9 @@ class DecodeService:
                 raise FailedPrecondition(f"KV of request {request_id} not usable: {error}") from error
             raise
         try:  # on failure the port has freed the pages (or, if cancelled, aborts the request once added)
-            await self._port.add(request_id, list(prompt_ids), first_token, list(held.lease.page_ids), params,
-                                 held.lease.state_slot)
+            await self._port.add(request_id, list(prompt_ids), first_token, list(lease.page_ids), params,
+                                 lease.state_slot, ReservedHit(lease.cached_pages, lease.checkpoint,
+                                                               lease.checkpoint_pages), local)
         except BaseException:
             self._streams.close(request_id)
             book.forget(request_id)

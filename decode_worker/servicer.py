@@ -36,6 +36,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         destination = await self._service.reserve(
             request.request_id, request.num_prompt_tokens, request.max_new_tokens,
             transport_from_proto(request.transport), ttl_s=context.time_remaining(), standing=request.standing,
+            prompt_ids=list(request.prompt_token_ids),
         )
 
         def on_done(done: grpc.aio.ServicerContext) -> None:  # the answer was lost (deadline, cancel)
@@ -57,7 +58,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         """One request, its updates to sink, until it ends (raises InvalidArgument for bad sampling settings)."""
         params = parse_field("sampling", SamplingParams, **sampling_fields(request.sampling))
         await self._service.run_decode(request.request_id, request.lease_id, list(request.token_ids),
-                                       request.first_token, params, request.stream_interval, sink)
+                                       request.first_token, params, request.stream_interval, sink,
+                                       local=request.prefill_locally)
 
     @unary
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:

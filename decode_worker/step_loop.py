@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from decode_worker.engine_api import DecodeEngine
 from engine.runtime.outputs import StepOutput
+from engine.runtime.reserved_prompts import NO_HIT, ReservedHit
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,22 @@ class StepLoop:
         return engine.has_work()
 
     def add(self, engine: DecodeEngine, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int],
-            params: SamplingParams, state_slot: int | None) -> None:
-        """A request whose KV is in place joins the running batch; if the engine refuses it, its pages (and
-        state slot) go back to the pool and the error is raised again."""
+            params: SamplingParams, state_slot: int | None, hit: ReservedHit = NO_HIT, local: bool = False) -> None:
+        """A request whose KV is in place joins the running batch (local: the engine prefills it first, from its
+        cached pages); if the engine refuses it, its pages, state slot and checkpoint pin go back and the error
+        is raised again."""
         try:
-            engine.add_prefilled(request_id, prompt_ids, first_token, page_ids, params, state_slot)
+            if local:
+                engine.add_local_prefill(request_id, prompt_ids, page_ids, params, state_slot, hit)
+            elif hit != NO_HIT:
+                engine.add_prefilled(request_id, prompt_ids, first_token, page_ids, params, state_slot, hit)
+            else:
+                engine.add_prefilled(request_id, prompt_ids, first_token, page_ids, params, state_slot)
         except Exception:
-            engine.free_reservation(page_ids, state_slot)
+            with engine.pool_lock:
+                engine.free_reservation(page_ids, state_slot)
+                if hit.checkpoint is not None:
+                    engine.unpin_checkpoint(hit.checkpoint)
             raise
         self.force_step = True  # emits the request even if it finished on its first token
 

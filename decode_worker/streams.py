@@ -30,12 +30,12 @@ class RequestStream:
     """One claimed request: its outputs merged into updates for `sink` (the first step's first token, which
     prefill produced, dropped); `ended` resolves once the request finished, or fails with EngineFailed."""
 
-    def __init__(self, interval: int, sink: Sink) -> None:
+    def __init__(self, interval: int, sink: Sink, skip_first: bool = True) -> None:
         self._interval = interval
         self._sink = sink
         self._context = contextvars.copy_context()  # the opener's: its log lines name the request
         self._items: list[EngineOutput] = []
-        self._skip_first = True
+        self._skip_first = skip_first  # False: the engine prefilled the prompt itself, its first token is news
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def put(self, output: EngineOutput) -> None:
@@ -66,9 +66,10 @@ class Streams:
         self._abort_soon = abort_soon
         self._streams: dict[str, RequestStream] = {}  # claimed requests
 
-    def open(self, request_id: str, interval: int, sink: Sink) -> None:
-        """A claimed request: its outputs go to sink from now on (and a failed step ends it)."""
-        self._streams[request_id] = RequestStream(interval, sink)
+    def open(self, request_id: str, interval: int, sink: Sink, skip_first: bool = True) -> None:
+        """A claimed request: its outputs go to sink from now on (and a failed step ends it). skip_first: its first
+        token came from a prefill worker (False: a local prefill's first token is sent too)."""
+        self._streams[request_id] = RequestStream(interval, sink, skip_first)
 
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -52,6 +52,10 @@ class EngineConfig:
     # 64 cost 13% more; 128 keeps a hit within 128 tokens of any shared prefix's end.
     state_checkpoint_interval: int = 128
     checkpoint_memory_fraction: float = 0.125  # the most of kv_memory_bytes the KDA state checkpoints may take
+    # >0 (decode workers, which prefill short suffixes themselves): while sequences decode, a prefill step takes at most
+    # this many tokens and alternates with decode steps, so local prefills never stall running decodes for long
+    # (engine/runtime/scheduler.py). 0: prefill first, max_batched_tokens per step.
+    prefill_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))  # "auto" resolved once, here
@@ -76,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"spec_min_tokens_per_step must be >= 0, got {self.spec_min_tokens_per_step!r}")
         if not 0.0 < self.state_memory_fraction < 1.0:
             raise ValueError(f"state_memory_fraction must be in (0, 1), got {self.state_memory_fraction}")
+        if self.prefill_tokens_while_decoding < 0:
+            raise ValueError(f"prefill_tokens_while_decoding must be >= 0, got {self.prefill_tokens_while_decoding}")
         if self.page_size <= 0 or self.kv_memory_bytes <= 0:
             raise ValueError("page_size and kv_memory_bytes must be positive")
         if self.kv_pool not in KV_POOLS:

@@ -9,6 +9,10 @@ from gateway.migration import MigrationConfig
 from gateway.transport_choice import TRANSPORT_NAMES as TRANSPORTS
 
 DEFAULT_STANDING_LEASE_TOKENS = 1024  # prompt tokens of a spare reservation per decode worker (0: none)
+# Conditional disaggregation: a prompt whose part the decode worker does not hold is shorter than this is prefilled
+# by the decode worker itself (no Prefill RPC, no KV handoff). 0: always a prefill worker. The default is measured
+# (docs/services.md, "Conditional disaggregation").
+DEFAULT_DISAGG_THRESHOLD_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,9 @@ class GatewayConfig:
     standing_lease_tokens: > 0 (the default, DEFAULT_STANDING_LEASE_TOKENS) keeps one spare reservation of that
     many prompt tokens per decode worker with room for two (gateway/standing_leases.py), taken by a request
     whose prompt fits instead of a Reserve round trip before its prefill; longer prompts Reserve as before
-    (0: off); standing_lease_ttl_s: the lease a spare asks for."""
+    (0: off); standing_lease_ttl_s: the lease a spare asks for. disagg_threshold_tokens: a request whose prompt,
+    past what its decode worker holds in its prefix cache, is shorter than this is prefilled by the decode worker
+    itself (gateway/orchestrator.prefills_locally; 0: always by a prefill worker)."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -48,6 +54,7 @@ class GatewayConfig:
     tls_key: str | None = None
     standing_lease_tokens: int = DEFAULT_STANDING_LEASE_TOKENS
     standing_lease_ttl_s: float = 30.0
+    disagg_threshold_tokens: int = DEFAULT_DISAGG_THRESHOLD_TOKENS  # gateway/orchestrator.prefills_locally
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # decode hang detection (gateway/liveness.py)
     migration: MigrationConfig = field(default_factory=MigrationConfig)  # request migration (gateway/migration.py)
 
@@ -75,6 +82,8 @@ class GatewayConfig:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if self.tokenize_inline_chars < 0 or self.tokenize_processes < 0:
             raise ValueError("tokenize_inline_chars and tokenize_processes must be non-negative")
+        if self.disagg_threshold_tokens < 0:
+            raise ValueError(f"disagg_threshold_tokens must be non-negative, got {self.disagg_threshold_tokens}")
         if self.standing_lease_tokens < 0:
             raise ValueError(f"standing_lease_tokens must be non-negative, got {self.standing_lease_tokens}")
         for name in ("load_poll_interval_s", "worker_timeout_s", "admission_timeout_s", "cleanup_timeout_s",

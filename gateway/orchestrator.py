@@ -54,7 +54,7 @@ class FinishEvent:
     decode_steps: int
     decode_tokens: int
     stop: str = ""
-    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache served
+    cached_tokens: int = 0  # prompt tokens not computed: the larger of the prefill and the decode worker's cache hits
 
 
 @dataclass(frozen=True)
@@ -94,12 +94,28 @@ class DecodeState(enum.Enum):
     FINISHED = "finished"
 
 
+def usable_cached_tokens(destination: kv_pb2.KVDestination) -> int:
+    """Prompt tokens a prefill on the decode worker itself starts after: its cached pages, or (linear attention:
+    the destination names a state slot) only up to its state checkpoint."""
+    return destination.checkpoint_tokens if destination.HasField("state_slot") else destination.cached_tokens
+
+
+def prefills_locally(destination: kv_pb2.KVDestination, job: GenerateJob, threshold: int) -> bool:
+    """Conditional disaggregation: the part of the prompt its decode worker lacks is shorter than the threshold
+    (0: never). A request asking for prompt logprobs always goes to a prefill worker (which scores prompts)."""
+    if threshold <= 0 or job.params.prompt_logprobs is not None:
+        return False
+    return len(job.prompt_ids) - usable_cached_tokens(destination) < threshold
+
+
 class RequestRun:
-    """Runs one GenerateJob. events: an asyncio.Queue the servicer drains until a Finish/Error event."""
+    """Runs one GenerateJob. events: an asyncio.Queue the servicer drains until a Finish/Error event.
+    disagg_threshold_tokens: conditional disaggregation (prefills_locally; 0: always a prefill worker)."""
 
     def __init__(self, job: GenerateJob, pool: WorkerPool, tokenizer: TextTokenizer | None,
                  arrival: float, deadline: float | None, cleanup_timeout_s: float,
-                 observer: RunObserver | None = None, after: asyncio.Event | None = None) -> None:
+                 observer: RunObserver | None = None, disagg_threshold_tokens: int = 0,
+                 after: asyncio.Event | None = None) -> None:
         self.job = job
         # after: the run starts once this is set (choices 1..n-1 of an n > 1 request wait for choice 0's first
         # token, so they find its prompt in the prefix caches instead of computing it beside it)
@@ -121,6 +137,7 @@ class RequestRun:
         self._arrival = arrival
         self._deadline = deadline
         self._cleanup_timeout = cleanup_timeout_s
+        self._disagg_threshold = disagg_threshold_tokens  # GatewayConfig.disagg_threshold_tokens (0: always prefill)
         self.events: asyncio.Queue[TokensEvent | FinishEvent | ErrorEvent] = asyncio.Queue()
         self._detok = IncrementalDetokenizer(tokenizer, job.prompt_ids, job.skip_special_tokens) if tokenizer else None
         self._stops = StopStringMatcher(job.stop)
@@ -131,7 +148,7 @@ class RequestRun:
         self._decode_steps = 0
         self._decode_tokens = 0
         self._ttft_ms = 0.0
-        self._cached_tokens = 0  # prompt tokens the prefill worker's prefix cache served
+        self._cached_tokens = 0  # prompt tokens not computed (FinishEvent.cached_tokens)
         # where the request is, for cleanup
         self._decode: DecodeWorker | None = None
         self._prefill: PrefillWorker | None = None
@@ -187,7 +204,8 @@ class RequestRun:
             self.request_id = destination.request_id
         else:
             self._decode, destination = await self._pool.reserve(
-                self.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=self.trace_id)
+                self.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=self.trace_id,
+                prompt_ids=job.prompt_ids)
         self._decode_state = DecodeState.RESERVED
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         self.admitted = True
@@ -195,13 +213,26 @@ class RequestRun:
         if self._observer is not None:
             self._observer.admitted(reserved - self._arrival, len(job.prompt_ids), spare=standing is not None)
         sampling = sampling_to_proto(params)
+        if prefills_locally(destination, job, self._disagg_threshold):
+            # no prefill hop: the decode worker prefills the rest itself; its first update brings the first token
+            self._cached_tokens = usable_cached_tokens(destination)
+            logger.info("prefill on the decode worker: %d of %d prompt tokens cached there", self._cached_tokens,
+                        len(job.prompt_ids))
+            self._release_observer()
+            if standing is not None:
+                self._pool.refill_standing()
+            await self._decode_legs(worker_pb2.DecodeRequest(
+                request_id=self.request_id, lease_id=destination.lease_id, token_ids=job.prompt_ids,
+                sampling=sampling, stream_interval=job.stream_interval, prefill_locally=True), reserved)
+            return
         response = await self._run_prefill(destination, sampling)
         prefilled = time.perf_counter()
         self._ttft_ms = (prefilled - self._arrival) * 1000
         if self._observer is not None:
             self._observer.prefilled(prefilled - reserved)
         first = response.first_token
-        self._cached_tokens = response.num_cached_tokens
+        # what was not computed: the larger of the prefill worker's hit and the decode worker's (not sent)
+        self._cached_tokens = max(response.num_cached_tokens, destination.cached_tokens)
         logprobs = [response.first_logprob] if response.HasField("first_logprob") else []
         if self._emit([first], logprobs, list(response.prompt_logprobs)):
             return
@@ -215,6 +246,10 @@ class RequestRun:
         request = worker_pb2.DecodeRequest(request_id=self.request_id, lease_id=destination.lease_id,
                                            token_ids=job.prompt_ids, first_token=first, sampling=sampling,
                                            stream_interval=job.stream_interval)
+        await self._decode_legs(request, prefilled)
+
+    async def _decode_legs(self, request: worker_pb2.DecodeRequest | None, prefilled: float) -> None:
+        """The Decode, migrated to another decode worker (prefill there) each time its worker dies or hangs."""
         while request is not None:
             try:
                 await self._decode_leg(request, prefilled)
@@ -259,7 +294,7 @@ class RequestRun:
         token_ids = [*job.prompt_ids, *self._generated]
         left = job.params.max_new_tokens - len(self._generated)
         self._decode, destination = await self._pool.reserve(self.request_id, len(token_ids), left, self._deadline,
-                                                             trace_id=self.trace_id)
+                                                             trace_id=self.trace_id, prompt_ids=token_ids)
         self._decode_state = DecodeState.RESERVED
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         sampling = sampling_to_proto(job.params)
@@ -324,6 +359,8 @@ class RequestRun:
         self._completion_tokens += len(token_ids)
         self._generated.extend(token_ids)
         self.first_out.set()
+        if not self._ttft_ms:  # (a prefill on the decode worker: its first update)
+            self._ttft_ms = (time.perf_counter() - self._arrival) * 1000
         if self._observer is not None:
             now = time.perf_counter()
             if self._last_token_at is None:

@@ -46,7 +46,7 @@ class GatewayService:
                                      prompt_ids)
         self._check_free(job.request_id)
         run = RequestRun(job, self.pool, self.tokenizer, arrival, deadline, self.config.cleanup_timeout_s, self.metrics,
-                         after)
+                         self.config.disagg_threshold_tokens, after)
         self._runs[job.request_id] = run
         run.start()
         assert run.task is not None

@@ -184,10 +184,12 @@ class WorkerPool:
             self.standing.refill_soon()
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
-                      deadline: float | None, trace_id: str | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
+                      deadline: float | None, trace_id: str | None = None,
+                      prompt_ids: list[int] | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
         """Reserve on the best decode worker, with the transport chosen for it; on RESOURCE_EXHAUSTED tries the
         others, then waits and retries until the admission timeout (or the request's deadline). trace_id:
-        the x-request-id to send (default: request_id)."""
+        the x-request-id to send (default: request_id). prompt_ids: sent for the decode worker's prefix-cache
+        lookup (the destination's cached_tokens / checkpoint_tokens say what it holds)."""
         trace_id = trace_id or request_id
         give_up = time.monotonic() + self.config.admission_timeout_s
         if deadline is not None:
@@ -200,7 +202,8 @@ class WorkerPool:
             for index in order:
                 worker = self.decode[index]
                 request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                                    max_new_tokens=max_new_tokens, transport=self.transport_for(worker))
+                                                    max_new_tokens=max_new_tokens, transport=self.transport_for(worker),
+                                                    prompt_token_ids=prompt_ids or ())
                 call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
                                                                   metadata=self._metadata_for(trace_id)))
                 claimed = worker.load.claim(num_prompt_tokens + 1)

@@ -25,11 +25,13 @@ def now_ms() -> int:
 
 
 def lease_binding(lease_id: str, transport: TransportKind | int, page_ids: tuple[int, ...] | list[int],
-                  num_tokens: int, state_slot: int | None = None) -> str:
+                  num_tokens: int, state_slot: int | None = None, cached_tokens: int = 0) -> str:
     """What a completion slot's lease key fingerprints: the secret lease id together with the transport,
     the pages, the token count and the state slot, so a destination naming other pages (or another slot,
     or transport) under a real lease id matches no slot, and prefill refuses it before writing."""
     binding = f"{lease_id}/{int(transport)}/{num_tokens}/{','.join(map(str, page_ids))}"
+    if cached_tokens:
+        binding += f"/cached={cached_tokens}"
     return binding if state_slot is None else f"{binding}/state={state_slot}"
 
 
@@ -59,6 +61,11 @@ class Destination:
     # it was granted for; the completion slot is bound to these. Empty / 0: the lease is page_ids, num_tokens.
     lease_page_ids: tuple[int, ...] = ()
     lease_num_tokens: int = 0
+    # The decode worker's prefix-cache hit: it holds tokens [0, cached_tokens) (whole pages) already, so page_ids
+    # are the pages of tokens [cached_tokens, num_tokens) only - what prefill writes and the record covers.
+    # checkpoint_tokens (linear attention): where it holds a KDA state checkpoint (<= cached_tokens; 0: none).
+    cached_tokens: int = 0
+    checkpoint_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", TransportKind(self.transport))
@@ -74,6 +81,11 @@ class Destination:
             raise ValueError(f"page id {max(self.page_ids)} outside a pool of {self.pool_num_pages} pages")
         if self.num_tokens <= 0:
             raise ValueError("Destination.num_tokens must be positive")
+        if not 0 <= self.checkpoint_tokens <= self.cached_tokens < self.num_tokens:
+            raise ValueError(f"Destination: cached_tokens {self.cached_tokens} and checkpoint_tokens "
+                             f"{self.checkpoint_tokens} must satisfy 0 <= checkpoint <= cached < num_tokens")
+        if self.cached_tokens and self.lease_page_ids:
+            raise ValueError("a standing lease holds no cached pages")
         if self.state_slot is not None and self.state_slot < 0:
             raise ValueError(f"Destination.state_slot must be non-negative, got {self.state_slot}")
         if self.transport == TransportKind.MOONCAKE and not (
@@ -91,7 +103,7 @@ class Destination:
         """What the completion slot is bound to: the lease as granted (a standing lease: all its pages).
         Built once per destination: prefill checks it before, during and after its forward."""
         return lease_binding(self.lease_id, self.transport, self.lease_page_ids or self.page_ids,
-                             self.lease_num_tokens or self.num_tokens, self.state_slot)
+                             self.lease_num_tokens or self.num_tokens, self.state_slot, self.cached_tokens)
 
     def narrowed(self, num_tokens: int, page_size: int) -> Destination:
         """This destination for a prompt of num_tokens <= num_tokens tokens: the first ceil(num_tokens /
@@ -121,9 +133,13 @@ class Destination:
         """Layout hash and page count (ceil(num_tokens / page_size) pages) must fit the local layout, and a
         layout with linear-attention state needs a state slot (one without state, none)."""
         check_layout(layout, self.layout_hash, where)
-        need = layout.pages_for_tokens(self.num_tokens)
+        if self.cached_tokens % layout.page_size:
+            raise BadChunk(f"{where}: cached_tokens {self.cached_tokens} is not a whole number of pages of "
+                           f"{layout.page_size}")
+        need = layout.pages_for_tokens(self.num_tokens) - self.cached_tokens // layout.page_size
         if need != len(self.page_ids):
-            raise BadChunk(f"{self.num_tokens} tokens need {need} pages of {layout.page_size}, got {len(self.page_ids)}")
+            raise BadChunk(f"{self.num_tokens} tokens ({self.cached_tokens} cached) need {need} pages of "
+                           f"{layout.page_size}, got {len(self.page_ids)}")
         if layout.has_state != (self.state_slot is not None):
             raise BadChunk(f"{where}: the layout {'has' if layout.has_state else 'has no'} linear-attention state "
                            f"but the destination {'names no' if self.state_slot is None else 'names a'} state slot")
@@ -144,6 +160,7 @@ class Destination:
             completion_sequence=self.completion_sequence, data_addresses=self.data_addresses,
             record_addresses=self.record_addresses, state_slot=self.state_slot,
             lease_page_ids=self.lease_page_ids, lease_num_tokens=self.lease_num_tokens,
+            cached_tokens=self.cached_tokens, checkpoint_tokens=self.checkpoint_tokens,
         )
 
     @classmethod
@@ -159,4 +176,5 @@ class Destination:
             data_addresses=tuple(message.data_addresses), record_addresses=tuple(message.record_addresses),
             state_slot=message.state_slot if message.HasField("state_slot") else None,
             lease_page_ids=tuple(message.lease_page_ids), lease_num_tokens=message.lease_num_tokens,
+            cached_tokens=message.cached_tokens, checkpoint_tokens=message.checkpoint_tokens,
         )

@@ -15,7 +15,7 @@ from engine.cache.kv_cache import PagedLatentCache
 from kvtransfer.destination import Destination, TransportKind
 from kvtransfer.errors import BadChunk, KVTransferError, LayoutMismatch, TransferAborted, TransferTimeout, UnknownTransfer
 from kvtransfer.grpc_session import PendingPush, PushSession
-from kvtransfer.leases import Lease
+from kvtransfer.leases import Lease, cached_extents
 from kvtransfer.page_spans import cache_view
 from kvtransfer.transport import KVReceiver, TransferResult
 
@@ -56,9 +56,9 @@ class PushReceiver(KVReceiver):
             raise ValueError("PushReceiver.advertise(addresses) must be called before expect()")
         destination = Destination(
             transport=self.transport, layout_hash=self.layout.hash, request_id=lease.request_id,
-            lease_id=lease.lease_id, page_ids=lease.page_ids, targets=self.addresses,
+            lease_id=lease.lease_id, page_ids=lease.written_page_ids, targets=self.addresses,
             lease_deadline_unix_ms=lease.deadline_unix_ms, num_tokens=num_tokens, pool_num_pages=self.num_pages,
-            state_slot=lease.state_slot,
+            state_slot=lease.state_slot, **cached_extents(lease, self.layout.page_size),
         )
         destination.check_against(self.layout, "PushReceiver.expect")
         if max(lease.page_ids) >= self.num_pages:

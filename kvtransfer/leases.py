@@ -17,6 +17,23 @@ class Lease:
     page_ids: tuple[int, ...]
     deadline_unix_ms: int
     state_slot: int | None = None  # models with linear attention: the state slot reserved with the pages
+    # The decode worker's prefix-cache hit: page_ids[:cached_pages] are cached pages the lease holds a reference
+    # on (prefill does not write them); checkpoint: the pinned KDA state checkpoint slot at the end of
+    # page_ids[:checkpoint_pages] (None: none). Given back with the pages, exactly once (decode_worker/leases.py).
+    cached_pages: int = 0
+    checkpoint: int | None = None
+    checkpoint_pages: int = 0
+
+    @property
+    def written_page_ids(self) -> tuple[int, ...]:
+        """The pages prefill writes: those after the cached ones."""
+        return self.page_ids[self.cached_pages:]
+
+
+def cached_extents(lease: Lease, page_size: int) -> dict[str, int]:
+    """A Destination's cached_tokens / checkpoint_tokens for a lease (token counts of its hit)."""
+    return {"cached_tokens": lease.cached_pages * page_size,
+            "checkpoint_tokens": lease.checkpoint_pages * page_size if lease.checkpoint is not None else 0}
 
 
 class LeaseTable:
@@ -38,11 +55,15 @@ class LeaseTable:
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
 
-    def grant(self, request_id: str, page_ids: Sequence[int], ttl_s: float, state_slot: int | None = None) -> Lease:
+    def grant(self, request_id: str, page_ids: Sequence[int], ttl_s: float, state_slot: int | None = None,
+              cached_pages: int = 0, checkpoint: int | None = None, checkpoint_pages: int = 0) -> Lease:
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
+        if not 0 <= checkpoint_pages <= cached_pages < len(page_ids):
+            raise ValueError(f"a lease of {len(page_ids)} pages cannot hold {cached_pages} cached pages "
+                             f"({checkpoint_pages} checkpointed): at least one page is written")
         lease = Lease(secrets.token_hex(16), request_id, tuple(page_ids), self._now_ms() + int(ttl_s * 1000),
-                      state_slot)
+                      state_slot, cached_pages, checkpoint, checkpoint_pages)
         with self._lock:
             self._leases[lease.lease_id] = lease
         return lease

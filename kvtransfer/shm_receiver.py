@@ -15,7 +15,7 @@ from kvtransfer.errors import (
     ChecksumMismatch, IncompleteTransfer, KVTransferError, LayoutMismatch, OutOfSlots, TransferAborted,
     TransferTimeout, UnknownTransfer,
 )
-from kvtransfer.leases import Lease
+from kvtransfer.leases import Lease, cached_extents
 from kvtransfer.shm_pool import SharedPagePool
 from kvtransfer.transport import KVReceiver, TransferResult
 
@@ -63,6 +63,7 @@ class ShmReceiver(KVReceiver):
         need = self.layout.pages_for_tokens(num_tokens)
         if need != len(lease.page_ids):
             raise ValueError(f"{num_tokens} tokens need {need} pages, the lease holds {len(lease.page_ids)}")
+        written, cached = lease.written_page_ids, cached_extents(lease, self.layout.page_size)
         if self.layout.has_state != (lease.state_slot is not None):
             raise ValueError(f"the pool {'has' if self.layout.has_state else 'has no'} linear-attention state: "
                              f"the lease must {'hold' if self.layout.has_state else 'not hold'} a state slot")
@@ -72,15 +73,16 @@ class ShmReceiver(KVReceiver):
             if not self._free_slots:
                 raise OutOfSlots(f"all {self.pools[0].header.num_slots} completion slots are in use")
             slot = self._free_slots.pop()
-            binding = lease_binding(lease.lease_id, self.transport, lease.page_ids, num_tokens, lease.state_slot)
+            binding = lease_binding(lease.lease_id, self.transport, written, num_tokens, lease.state_slot,
+                                    cached["cached_tokens"])
             base = max(pool.completions.sequence(slot) for pool in self.pools)
             for pool in self.pools:
                 sequence = pool.completions.reserve(slot, lease.request_id, binding, at_least=base)
             destination = Destination(
                 transport=self.transport, layout_hash=self.layout.hash, request_id=lease.request_id,
-                lease_id=lease.lease_id, page_ids=lease.page_ids, lease_deadline_unix_ms=lease.deadline_unix_ms,
+                lease_id=lease.lease_id, page_ids=written, lease_deadline_unix_ms=lease.deadline_unix_ms,
                 num_tokens=num_tokens, pool_num_pages=self.pools[0].num_pages, completion_slot=slot,
-                completion_sequence=sequence, state_slot=lease.state_slot, **self._destination_extras(slot),
+                completion_sequence=sequence, state_slot=lease.state_slot, **cached, **self._destination_extras(slot),
             )
             self._pending[lease.request_id] = _Pending(destination)
         return destination

@@ -362,14 +362,16 @@ class PrefillService:
                 if self._in_place(job.destination):  # pages and (linear attention) state slot: decode's
                     pages, pools = list(job.destination.page_ids), prefill_pool_names(job.destination, engine.config.tp_size)
                     slot = job.destination.state_slot
-                else:
-                    job.local_pages, job.local_slot = engine.allocate_reservation(len(job.prompt_ids))
+                else:  # local pages for what decode lacks (its cached pages are not sent)
+                    job.local_pages, job.local_slot = engine.allocate_reservation(
+                        len(job.prompt_ids) - job.destination.cached_tokens)
                     pages, pools, slot = job.local_pages, None, job.local_slot
             except Exception as error:  # noqa: BLE001 - reported to the job's caller
                 self._fail(job, error)
                 continue
             runnable.append(job)
-            engine_jobs.append(PrefillJob(job.request_id, job.prompt_ids, job.params, pages, pools, slot))
+            engine_jobs.append(PrefillJob(job.request_id, job.prompt_ids, job.params, pages, pools, slot,
+                                          job.destination.cached_tokens))
         if not runnable:
             return True
         started = time.perf_counter()

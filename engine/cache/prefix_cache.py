@@ -62,6 +62,7 @@ class PrefixHit(NamedTuple):
     checkpoint: int | None
     branch_pages: tuple[int, ...] = ()
     branch_keys: tuple[bytes, ...] = ()
+    checkpoint_pages: int = 0  # the checkpoint holds the state after pages[:checkpoint_pages] (past_checkpoint)
 
 
 class CheckpointSlots:
@@ -187,11 +188,13 @@ class PrefixCache:
 
     # --- lookups ----------------------------------------------------------------------------------------------
     def match(self, token_ids: list[int], max_tokens: int, need_draft: bool, count_query: int,
-              branch: bool = False) -> PrefixHit:
-        """Maps the longest cached run of full pages of token_ids[:max_tokens] (for KDA models: up to the last
-        page with a checkpoint; with `branch`, the rest of the run is the hit's branch, referenced too - the caller
-        frees those references or swaps the pages in) and takes a reference on each page; count_query: prompt
-        tokens to count as queried in the statistics."""
+              branch: bool = False, past_checkpoint: bool = False) -> PrefixHit:
+        """Maps the longest cached run of full pages of token_ids[:max_tokens] and takes a reference on each page;
+        for KDA models up to the last page with a checkpoint, unless past_checkpoint (a decode worker's
+        Reserve, whose handoff brings the state whole: every matched page, checkpoint_pages saying where the
+        checkpoint ends); with `branch`, the rest of the run past the checkpoint is the hit's branch, referenced
+        too - the caller frees those references or swaps the pages in. count_query: prompt tokens to count as
+        queried in the statistics."""
         size = self.page_size
         with self.allocator.lock:
             nodes: list[CachedPage] = []
@@ -203,14 +206,17 @@ class PrefixCache:
                     break
                 nodes.append(node)
                 key = node.key
-            checkpoint, after = None, []
+            checkpoint, checkpoint_pages, after = None, 0, []
             if self.needs_checkpoints:
-                while nodes and nodes[-1].checkpoint is None:
-                    after.insert(0, nodes.pop())
-                if not branch:
-                    after = []
-                if nodes:
-                    checkpoint = nodes[-1].checkpoint
+                checkpoint_pages = len(nodes)
+                while checkpoint_pages and nodes[checkpoint_pages - 1].checkpoint is None:
+                    checkpoint_pages -= 1
+                if branch and not past_checkpoint:
+                    after = nodes[checkpoint_pages:]
+                if not past_checkpoint:
+                    del nodes[checkpoint_pages:]
+                if checkpoint_pages:
+                    checkpoint = nodes[checkpoint_pages - 1].checkpoint
                     self.checkpoints.touch(checkpoint)
                     self.checkpoints.pin(checkpoint)
                     self.stats.checkpoint_hits += 1
@@ -221,7 +227,15 @@ class PrefixCache:
                 self.stats.queried_tokens += count_query
                 self.stats.hit_tokens += len(pages) * size
             return PrefixHit(pages, [node.key for node in nodes], checkpoint, branch_pages,
-                             tuple(node.key for node in after))
+                             tuple(node.key for node in after), checkpoint_pages)
+
+    def keys_of(self, token_ids: list[int], num_pages: int) -> list[bytes]:
+        """The chained keys of token_ids' first num_pages full pages (what a hit of that many pages maps)."""
+        keys, key, size = [], self.root, self.page_size
+        for index in range(num_pages):
+            key = self.chain(key, token_ids[index * size : (index + 1) * size])
+            keys.append(key)
+        return keys
 
     def unpin(self, checkpoint: int) -> None:
         with self.allocator.lock:

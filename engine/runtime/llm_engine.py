@@ -22,7 +22,8 @@ from engine.sampling.logits_processing import first_token_scores, grammar_masks,
 from engine.sampling.prompt_logprobs import logit_spans, prompt_token_logprobs
 from engine.runtime.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.runtime.prefill_jobs import run_prefill_jobs
-from engine.cache.prefix_cache import PrefixCache
+from engine.runtime.reserved_prompts import NO_HIT, ReservedHit, add_local, map_hit
+from engine.cache.prefix_cache import PrefixCache, PrefixHit
 from engine.cache.prefix_reuse import PrefixReuse
 from engine.engine_config import EngineConfig
 from engine.runtime.outputs import PrefillJob, PrefillResult, PrefixCacheStats, StepOutput
@@ -125,7 +126,8 @@ class LLMEngine:
                                             checkpoint_interval=config.state_checkpoint_interval)
             self._reuse = PrefixReuse(self.prefix_cache, self.leader.execute, config.page_size,
                                       self.state_pool is not None)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens), self.allocator,
+        self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens,
+                                                   config.prefill_tokens_while_decoding), self.allocator,
                                    self.state_pool, self.prefix_cache)
         self.acceptance_stats = AcceptanceStats()
         self.spec_backoff = SpecBackoff(config.spec_min_tokens_per_step)
@@ -208,7 +210,8 @@ class LLMEngine:
             return 0
         return params.block_size or min(self.config.spec_block_size, self.draft_config.verify_block_size)
 
-    def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams, pages=None) -> Sequence:
+    def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams, pages=None) -> Sequence:
+        """A registered sequence (not scheduled yet) for a request id not in use (ValueError)."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         generator = make_generator(params.seed, self.device)
@@ -234,7 +237,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:  # scored by the prefill entry point (prefill()); offline: LLM.logits
             raise ValueError("prompt_logprobs are returned by the prefill service (LLMEngine.prefill); "
                              "offline, score a prompt with LLM.logits")
-        self.scheduler.add(self._new_sequence(request_id, prompt_ids, params))
+        self.scheduler.add(self.new_sequence(request_id, prompt_ids, params))
 
     def allocate_pages(self, num_tokens: int) -> list[int]:
         return self.allocator.allocate(-(-num_tokens // self.config.page_size))
@@ -276,6 +279,26 @@ class LLMEngine:
             if state_slot is not None:
                 self.state_pool.free(state_slot)
 
+    # --- a decode worker's prefix-cache hit at Reserve (engine/runtime/reserved_prompts.py) -------------
+    def match_prompt(self, prompt_ids: list[int]) -> PrefixHit:
+        """The cached leading full pages of a prompt about to be reserved (all but its last token at most; with a
+        draft, pages that hold its context too), one reference taken on each, and for KDA models the pinned
+        checkpoint among them (PrefixCache.match, past_checkpoint). Empty without a prefix cache. Thread-safe."""
+        if self.prefix_cache is None or len(prompt_ids) < 2:
+            return PrefixHit([], [], None)
+        return self.prefix_cache.match(prompt_ids, len(prompt_ids) - 1, self.has_draft, len(prompt_ids),
+                                       past_checkpoint=True)
+
+    def unpin_checkpoint(self, checkpoint: int) -> None:
+        """Gives back the pin a hit took on a checkpoint slot. Thread-safe."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.unpin(checkpoint)
+
+    def add_local_prefill(self, request_id: str, prompt_ids: list[int], page_ids: list[int], params: SamplingParams,
+                          state_slot: int | None = None, hit: ReservedHit = NO_HIT) -> None:
+        """A reserved request prefilled here (a decode worker with no prefill hop): see reserved_prompts.add_local."""
+        add_local(self, request_id, prompt_ids, page_ids, params, state_slot, hit)
+
     def read_state(self, slot: int) -> torch.Tensor:
         """Every rank's copy of a state slot, on the host: uint8 [tp_size, slot bytes] (StatePool.raw rows)."""
         if self.state_pool is None:
@@ -284,21 +307,26 @@ class LLMEngine:
 
     def add_prefilled(
         self, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int], params: SamplingParams,
-        state_slot: int | None = None,
+        state_slot: int | None = None, hit: ReservedHit = NO_HIT,
     ) -> None:
         """A request whose prompt KV (and draft context, and for linear attention the KDA state in
-        state_slot, allocated by allocate_reservation) another worker wrote. On success the sequence owns
-        the pages and the slot; on a ValueError the caller still does."""
+        state_slot, allocated by allocate_reservation) another worker wrote - all but its first hit.cached_pages
+        pages, this engine's own cached ones (match_prompt), which the sequence maps as such. On success the
+        sequence owns the pages and the slot (and hit's checkpoint pin is given back); on a ValueError the caller
+        still does."""
         self.validate_prompt(prompt_ids, params)
         if len(page_ids) * self.config.page_size < len(prompt_ids):
             raise ValueError(f"{len(page_ids)} pages cannot hold a prompt of {len(prompt_ids)} tokens")
         if (self.state_pool is not None) != (state_slot is not None):
             raise ValueError("a prefilled request of a model with linear attention needs its state slot "
                              "(and one without, none)")
-        seq = self._new_sequence(request_id, prompt_ids, params, pages=page_ids)
+        seq = self.new_sequence(request_id, prompt_ids, params, pages=page_ids)
+        map_hit(self, seq, hit.cached_pages)
         seq.state_slot = state_slot
         seq.num_cached = len(prompt_ids)
         seq.looked_up = True  # its prompt came from elsewhere: a recompute after preemption is not a first lookup
+        if hit.checkpoint is not None:  # the state came whole from prefill: the checkpoint is not needed
+            self.unpin_checkpoint(hit.checkpoint)
         if seq.generator is not None and not params.greedy:
             # The prefill worker drew the first token from the same seed: skip those draws so the
             # rest of the request samples exactly as it would in one engine.
@@ -530,8 +558,13 @@ class LLMEngine:
     def check_prefill_job(self, job: PrefillJob) -> None:
         """ValueError naming what is wrong with a prefill job."""
         self.validate_prompt(job.prompt_ids)
-        if len(job.page_ids) * self.config.page_size < len(job.prompt_ids):
-            raise ValueError(f"{len(job.page_ids)} pages cannot hold a prompt of {len(job.prompt_ids)} tokens")
+        size = self.config.page_size
+        if job.cached_tokens % size or not 0 <= job.cached_tokens < len(job.prompt_ids):
+            raise ValueError(f"prefill job {job.request_id}: cached_tokens {job.cached_tokens} is not a whole number "
+                             f"of pages below the prompt length {len(job.prompt_ids)}")
+        if len(job.page_ids) * size + job.cached_tokens < len(job.prompt_ids):
+            raise ValueError(f"{len(job.page_ids)} pages cannot hold a prompt of {len(job.prompt_ids)} tokens"
+                             + (f" ({job.cached_tokens} cached)" if job.cached_tokens else ""))
         if -(-len(job.prompt_ids) // self.config.page_size) > self.allocator.num_pages:
             raise ValueError(f"a prompt of {len(job.prompt_ids)} tokens needs more pages than this engine's pool "
                              f"has ({self.allocator.num_pages})")
@@ -541,16 +574,18 @@ class LLMEngine:
 
     def add_prefill_job(self, job: PrefillJob) -> None:
         self.check_prefill_job(job)
-        seq = self._new_sequence(job.request_id, job.prompt_ids, job.params)
-        seq.export_to = KVDestination(tuple(job.page_ids), job.pool_names, job.state_slot)
+        seq = self.new_sequence(job.request_id, job.prompt_ids, job.params)
+        seq.export_to = KVDestination(tuple(job.page_ids), job.pool_names, job.state_slot, job.cached_tokens)
         self.scheduler.add(seq)
 
     def _export(self, seq: Sequence) -> None:
-        """Copies a finished prefill-only prompt's pages and state into its destination."""
+        """Copies a finished prefill-only prompt's pages (those after the ones the destination holds already) and
+        its state (always whole) into its destination."""
         dest = seq.export_to
         count = -(-seq.prompt_len // self.config.page_size)
-        self.leader.execute(ExportPlan(seq.page_table.pages[:count], list(dest.page_ids[:count]), dest.pool_names,
-                                       seq.state_slot, dest.state_slot))
+        skip = dest.cached_tokens // self.config.page_size
+        self.leader.execute(ExportPlan(seq.page_table.pages[skip:count], list(dest.page_ids[: count - skip]),
+                                       dest.pool_names, seq.state_slot, dest.state_slot))
 
     def read_pages(self, page_ids: list[int]):
         """This (leader) rank's copies of pages: (target [layers, n, page_size, D], draft or None)."""

@@ -28,6 +28,9 @@ class PrefillJob:
     page_ids: list[int]
     pool_names: tuple[str, ...] | None = None
     state_slot: int | None = None  # models with linear attention: the slot (of the pools named) the state goes to
+    # the destination holds the prompt's first cached_tokens (whole pages) already: page_ids are the pages of the
+    # tokens after them, and only those are exported (the state is exported whole)
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,9 @@ Policy (documented in docs/architecture.md):
   for models with linear attention; unreferenced cached pages count as free. KDA models: prefill chunks end
   on checkpoint positions, so the state there can be kept, and at the end of a hit's branch (the matched
   pages past its checkpoint, recomputed once and checkpointed there: a branch point).
+- Prefill beside running decodes (prefill_tokens_while_decoding > 0, decode workers): while sequences decode, a
+  prefill step takes at most that many tokens and is followed by a decode step, so a running sequence waits at
+  most one bounded prefill step between two of its tokens.
 - Pages and slots may also be reserved from another thread (a decode worker's Reserve): schedule()
   holds the pool lock for its whole decision, so what it counted as free is still free when it allocates.
 """
@@ -42,12 +45,15 @@ from engine.cache.state_pool import StatePool
 class SchedulerConfig:
     max_running: int = 64
     max_batched_tokens: int = 2048
+    prefill_tokens_while_decoding: int = 0  # > 0: bounded prefill steps alternating with decode steps
 
     def __post_init__(self) -> None:
         if self.max_running <= 0:
             raise ValueError(f"max_running must be positive, got {self.max_running}")
         if self.max_batched_tokens <= 0:
             raise ValueError(f"max_batched_tokens must be positive, got {self.max_batched_tokens}")
+        if self.prefill_tokens_while_decoding < 0:
+            raise ValueError(f"prefill_tokens_while_decoding must be >= 0, got {self.prefill_tokens_while_decoding}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._evicted: set[Sequence] = set()  # lost their cache to make room (preempted, reclaimed) and not done
+        self._prefilled_last = False  # the previous step was a prefill step (prefill_tokens_while_decoding)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -107,10 +114,13 @@ class Scheduler:
         """Under the allocator's lock: what it reads of the free pages and slots stays true while it
         allocates (another thread may reserve pages between steps, never inside this decision)."""
         with self.allocator.lock:
-            if self.waiting and len(self.running) < self.config.max_running:
+            decode_turn = bool(self.config.prefill_tokens_while_decoding and self.running and self._prefilled_last)
+            if self.waiting and len(self.running) < self.config.max_running and not decode_turn:
                 chunks = self._schedule_prefill()
                 if chunks:
+                    self._prefilled_last = True
                     return ScheduledStep(prefill=tuple(chunks))
+            self._prefilled_last = False
             return self._schedule_decode()
 
     def _schedule_prefill(self) -> list[PrefillChunk]:
@@ -126,6 +136,8 @@ class Scheduler:
 
     def _take_prefill_chunks(self) -> list[PrefillChunk]:
         budget = self.config.max_batched_tokens
+        if self.config.prefill_tokens_while_decoding and self.running:
+            budget = min(budget, self.config.prefill_tokens_while_decoding)
         slots = self.config.max_running - len(self.running)
         # Pages the running sequences need for their next decode step stay reserved for them.
         reserve = sum(s.page_table.pages_needed(s.num_cached + max(1, s.spec_block_size)) for s in self.running)

@@ -36,6 +36,7 @@ class KVDestination:
     page_ids: tuple[int, ...]
     pool_names: tuple[str, ...] | None
     state_slot: int | None
+    cached_tokens: int = 0  # the destination holds the prompt's first cached_tokens already: page_ids follow them
 
 
 @dataclass(eq=False)

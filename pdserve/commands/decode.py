@@ -16,6 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-pool", choices=("auto", "shm", "device"), default="auto",
                         help="where the KV pages live: shm (CPU shared memory), device (device memory exported over "
                              "CUDA/HIP IPC; on the CPU a memfd stand-in) or auto (device on a GPU, else shm)")
+    parser.add_argument("--local-prefill-tokens-per-step", type=int, default=None, metavar="N",
+                        help="prompts this worker prefills itself (the gateway's --disagg-threshold-tokens): while "
+                             "requests decode, an engine step prefills at most N tokens and alternates with decode "
+                             "steps (0: prefill first, whole steps; default: decode_worker.config."
+                             "DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,5 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from decode_worker.config import DecodeWorkerConfig
     from decode_worker.server import serve
 
+    bound = {} if args.local_prefill_tokens_per_step is None else {
+        "prefill_tokens_while_decoding": args.local_prefill_tokens_per_step}
     return run_worker("decode", args, DecodeWorkerConfig.build, serve, max_running=args.max_running,
-                      lease_ttl_s=args.lease_ttl, advertise_address=args.advertise, kv_pool=args.kv_pool)
+                      lease_ttl_s=args.lease_ttl, advertise_address=args.advertise, kv_pool=args.kv_pool, **bound)

@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shared-weights", dest="share_weights", action="store_false",
                         help="every worker rank loads a private copy of the weights (default: one copy per node)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for everything to be healthy")
+    parser.add_argument("--disagg-threshold-tokens", type=int, default=None, metavar="N",
+                        help="the gateway's --disagg-threshold-tokens: prompts whose part the decode worker lacks is "
+                             "shorter than N are prefilled by the decode worker itself (0: always a prefill worker; "
+                             "default: the gateway's)")
 
 
 def _check_device(args: argparse.Namespace) -> None:
@@ -123,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
                            attention_backend=args.attention_backend, transport=args.transport,
                            draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args, prefill_args=prefill_pins,
                            log_level=args.log_level, internal=args.internal, tls_cert=args.tls_cert,
-                           tls_key=args.tls_key, api_key_file=args.api_key_file)
+                           tls_key=args.tls_key, api_key_file=args.api_key_file,
+                           gateway_args=() if args.disagg_threshold_tokens is None else
+                           ("--disagg-threshold-tokens", str(args.disagg_threshold_tokens)))
     except ValueError as error:
         return fail("up", error)
     stop = threading.Event()

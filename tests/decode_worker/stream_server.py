@@ -36,7 +36,7 @@ class ScriptedService:
         self.streams = Streams(self.aborted.append)
 
     async def run_decode(self, request_id: str, lease_id: str, prompt_ids: list[int], first_token: int,
-                         params: SamplingParams, stream_interval: int, sink: Sink) -> None:
+                         params: SamplingParams, stream_interval: int, sink: Sink, local: bool = False) -> None:
         if lease_id != LEASE:
             raise NotFound(f"no lease {lease_id!r} for request {request_id}")
         self.streams.open(request_id, max(1, stream_interval), sink)

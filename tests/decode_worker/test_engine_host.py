@@ -13,7 +13,9 @@ from typing import Any
 from decode_worker.engine_api import DecodeEngine
 from decode_worker.engine_process import (Add, Command, EngineHost, ErrorKind, Free, Outputs, Ready, Reply, Reserve,
                                           StepFailed, Stop, WireError)
+from engine.cache.prefix_cache import PrefixHit
 from engine.runtime.outputs import PrefixCacheStats, StepOutput
+from engine.runtime.reserved_prompts import PromptReservation
 from engine.sampling_params import SamplingParams
 
 PAGES = 8
@@ -53,6 +55,15 @@ class FakeEngine:
 
     def free_reservation(self, pages: list[int], slot: None) -> None:
         self.free += pages
+
+    def match_prompt(self, prompt_ids: list[int]) -> PrefixHit:
+        return PrefixHit([], [], None)  # no prefix cache
+
+    def unpin_checkpoint(self, checkpoint: int) -> None:
+        raise AssertionError("no hit was taken, so no checkpoint is pinned")
+
+    def add_local_prefill(self, request_id, prompt_ids, pages, params, slot=None, hit=None) -> None:
+        raise AssertionError("these tests add prefilled requests only")
 
     def add_prefilled(self, request_id, prompt_ids, first_token, pages, params, slot) -> None:
         if not prompt_ids:
@@ -118,7 +129,7 @@ def test_engine_host_answers_commands_and_streams_steps():
 
         commands.send(Command(1, Reserve(40, 0)))
         reply = _next(events, Reply)
-        assert (reply.tag, reply.error, reply.value, reply.load.free_pages) == (1, None, ([0, 1, 2], None), PAGES - 3)
+        assert (reply.tag, reply.error, reply.value, reply.load.free_pages) == (1, None, PromptReservation([0, 1, 2], None), PAGES - 3)
         commands.send(Command(2, Reserve(16 * 6, 0)))  # 6 pages asked, 5 free, growth headroom for none running
         reply = _next(events, Reply)
         assert reply.tag == 2 and reply.error.kind is ErrorKind.RESOURCE_EXHAUSTED and reply.value is None
@@ -171,8 +182,8 @@ def test_reserve_is_answered_while_a_step_runs():
         engine.stepping.clear()
         commands.send(Command(3, Reserve(33, 0)))
         reply = _next(events, Reply)
-        assert (reply.tag, reply.error, reply.value) == (3, None, ([1, 2, 3], None)) and not gate.is_set()
-        commands.send(Command(4, Free(*reply.value)))
+        assert (reply.tag, reply.error, reply.value) == (3, None, PromptReservation([1, 2, 3], None)) and not gate.is_set()
+        commands.send(Command(4, Free(reply.value.page_ids, reply.value.state_slot)))
         assert _next(events, Reply).tag == 4 and not gate.is_set()
         gate.set()
         assert _next(events, Outputs).outputs[0].request_id == "long"

@@ -11,10 +11,11 @@ from collections.abc import Callable
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_api import DecodeEngine, EnginePort, LoadSnapshot, snapshot_of
 from decode_worker.engine_process import build_engine
-from decode_worker.leases import allocate_admitted
+from decode_worker.leases import allocate_admitted, free_lease
 from decode_worker.step_loop import StepLoop
 from decode_worker.streams import Streams
 from engine.runtime.outputs import StepOutput
+from engine.runtime.reserved_prompts import NO_HIT, PromptReservation, ReservedHit
 from engine.sampling_params import SamplingParams
 from rpc.engine_thread import EngineThread
 
@@ -64,20 +65,23 @@ class ThreadPort:
         await asyncio.to_thread(self.engine_thread.stop)
 
     # --- reservations: on the event loop, under the engine's pool lock ---------------------------------
-    async def allocate(self, num_tokens: int, pending: int = 0) -> tuple[list[int], int | None]:
+    async def allocate(self, num_tokens: int, pending: int = 0, prompt_ids: list[int] | None = None) -> PromptReservation:
         assert self.engine is not None
-        return allocate_admitted(self.engine, num_tokens, self._block, pending)  # no await: cancellation cannot split it
+        # no await: cancellation cannot split it
+        return allocate_admitted(self.engine, num_tokens, self._block, pending, prompt_ids)
 
-    def free(self, page_ids: list[int], state_slot: int | None) -> None:
+    def free(self, page_ids: list[int], state_slot: int | None, checkpoint: int | None = None) -> None:
         assert self.engine is not None
-        self.engine.free_reservation(page_ids, state_slot)
+        free_lease(self.engine, page_ids, state_slot, checkpoint)
 
     # --- between steps, on the engine thread -------------------------------------------------------------
     async def add(self, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int],
-                  params: SamplingParams, state_slot: int | None) -> None:
+                  params: SamplingParams, state_slot: int | None, hit: ReservedHit = NO_HIT,
+                  local: bool = False) -> None:
         try:
             await self.engine_thread.call(
-                lambda engine: self._steps.add(engine, request_id, prompt_ids, first_token, page_ids, params, state_slot))
+                lambda engine: self._steps.add(engine, request_id, prompt_ids, first_token, page_ids, params,
+                                               state_slot, hit, local))
         except asyncio.CancelledError:  # the command still runs: an abort after it (FIFO) frees the pages
             self.abort_soon(request_id)
             raise

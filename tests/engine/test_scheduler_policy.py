@@ -76,3 +76,53 @@ def test_out_of_pages_the_most_recent_running_sequence_is_preempted():
     assert newest.status == SeqStatus.WAITING and newest.num_cached == 0 and newest.page_table.pages == []
     assert newest.token_ids == tokens and list(scheduler.waiting) == [newest] and newest not in scheduler.running
     assert allocator.num_free == 0 and len(first.page_table.pages) == len(middle.page_table.pages) == 2
+
+
+def _advance(step, scheduler: Scheduler) -> None:
+    """What the engine does with a step's plan, for the cache counts: chunks cached, decodes one token on."""
+    for chunk in step.prefill:
+        chunk.seq.num_cached += chunk.num_tokens
+        if chunk.seq.remaining_prefill == 0:
+            chunk.seq.token_ids.append(1)
+            scheduler.promote(chunk.seq)
+    for seq in step.decode:
+        seq.num_cached += 1
+        seq.token_ids.append(1)
+
+
+def test_bounded_prefill_alternates_with_decode_steps():
+    """prefill_tokens_while_decoding (decode workers' local prefills): while a sequence decodes, a waiting prompt is
+    prefilled at most N tokens per step and every prefill step is followed by a decode step, so the running
+    sequence waits at most one bounded step between two tokens; with nothing running the whole budget is used."""
+    allocator = PageAllocator(256)
+    scheduler = Scheduler(SchedulerConfig(max_running=8, max_batched_tokens=64, prefill_tokens_while_decoding=8),
+                          allocator)
+    running = _running(scheduler, allocator, "running", 4, 0)
+    scheduler.add(_sequence(allocator, "long", 30, 1))
+    kinds = []
+    for _ in range(8):
+        step = scheduler.schedule()
+        kinds.append(("prefill", [chunk.num_tokens for chunk in step.prefill]) if step.prefill else
+                     ("decode", [seq.request_id for seq in step.decode]))
+        _advance(step, scheduler)
+    assert kinds == [("prefill", [8]), ("decode", ["running"]), ("prefill", [8]), ("decode", ["running"]),
+                     ("prefill", [8]), ("decode", ["running"]), ("prefill", [6]), ("decode", ["running", "long"])]
+    idle = Scheduler(SchedulerConfig(max_running=8, max_batched_tokens=64, prefill_tokens_while_decoding=8),
+                     PageAllocator(256))
+    idle.add(_sequence(idle.allocator, "alone", 30, 0))
+    assert [chunk.num_tokens for chunk in idle.schedule().prefill] == [30]
+    assert running.num_cached == 8
+
+
+def test_without_the_bound_prefill_runs_first():
+    """prefill_tokens_while_decoding 0 (the default): the waiting prompt takes consecutive max_batched_tokens steps."""
+    allocator = PageAllocator(256)
+    scheduler = Scheduler(SchedulerConfig(max_running=8, max_batched_tokens=10), allocator)
+    _running(scheduler, allocator, "running", 4, 0)
+    scheduler.add(_sequence(allocator, "long", 30, 1))
+    sizes = []
+    for _ in range(3):
+        step = scheduler.schedule()
+        sizes.append([chunk.num_tokens for chunk in step.prefill])
+        _advance(step, scheduler)
+    assert sizes == [[10], [10], [10]]

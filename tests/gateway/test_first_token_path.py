@@ -54,7 +54,7 @@ class _Workers:
         self.order.append("refill")
 
     async def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int, deadline: Any,
-                      trace_id: str | None = None) -> tuple[Any, kv_pb2.KVDestination]:
+                      trace_id: str | None = None, prompt_ids: list[int] | None = None) -> tuple[Any, kv_pb2.KVDestination]:
         self.reserved.append(request_id)
         destination = kv_pb2.KVDestination(request_id=request_id, lease_id="lease",
                                            lease_deadline_unix_ms=int(time.time() * 1000) + 60_000)

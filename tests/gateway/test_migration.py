@@ -60,6 +60,7 @@ class _Pool:
         self.reserved: list[tuple[str, int, int]] = []
         self.unreachable: list[str] = []
         self.decode_workers = decode_workers
+        self.decoded: list[worker_pb2.DecodeRequest] = []
         self.prefill_worker = WorkerClient(PrefillLoad("prefill"), channel=None, stub=self,  # type: ignore[arg-type]
                                            stream=SimpleNamespace(submit=self._prefill))
 
@@ -70,7 +71,7 @@ class _Pool:
         pass
 
     async def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int, deadline: Any,
-                      trace_id: str | None = None) -> tuple[Any, kv_pb2.KVDestination]:
+                      trace_id: str | None = None, prompt_ids: list[int] | None = None) -> tuple[Any, kv_pb2.KVDestination]:
         if len(self.reserved) >= self.decode_workers:
             raise Unavailable("no reachable decode worker")
         self.reserved.append((request_id, num_tokens, max_new_tokens))
@@ -99,13 +100,15 @@ class _Pool:
         return worker_pb2.ReleaseResponse(found=True)
 
     def _decode(self, request: worker_pb2.DecodeRequest, timeout: Any, trace_id: str = "") -> _Call:
+        self.decoded.append(request)
         return _Call(*self.legs.pop(0))
 
 
-async def _run(pool: _Pool, max_new: int = 8) -> tuple[list[int], FinishEvent | ErrorEvent]:
+async def _run(pool: _Pool, max_new: int = 8, threshold: int = 0) -> tuple[list[int], FinishEvent | ErrorEvent]:
     job = GenerateJob(request_id="r", prompt_ids=PROMPT,
                       params=SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
-    run = RequestRun(job, pool, None, time.perf_counter(), None, cleanup_timeout_s=5.0)  # type: ignore[arg-type]
+    run = RequestRun(job, pool, None, time.perf_counter(), None, cleanup_timeout_s=5.0,  # type: ignore[arg-type]
+                     disagg_threshold_tokens=threshold)
     run.start()
     tokens: list[int] = []
     while True:
@@ -143,3 +146,18 @@ async def test_other_failures_are_not_migrated():
     tokens, end = await _run(pool)
     assert isinstance(end, ErrorEvent) and end.status.code == grpc.StatusCode.INVALID_ARGUMENT
     assert pool.migrations.count == 0 and len(pool.reserved) == 1
+
+
+@pytest.mark.parametrize("streamed", [[42, 7], []])
+async def test_a_local_prefill_whose_worker_dies_migrates_like_a_decode(streamed):
+    """Under the disagg threshold the first leg is a local prefill (no Prefill call, prefill_locally set, its first
+    token from the stream); when its stream breaks, after some tokens or before any, the run migrates as any decode
+    does: Reserve elsewhere, Prefill of prompt + streamed tokens through a prefill worker, Decode of the rest."""
+    pool = _Pool([(streamed, LOST), ([1, 2, 3, 4, 5, 6, 7][: 8 - len(streamed) - 1], None)])
+    tokens, end = await _run(pool, threshold=10)
+    first = 42 if not streamed else 100 + len(PROMPT) + len(streamed)
+    assert tokens == [*streamed, first, *[1, 2, 3, 4, 5, 6, 7][: 8 - len(streamed) - 1]]
+    assert isinstance(end, FinishEvent) and end.completion_tokens == 8
+    assert pool.prefilled == [[*PROMPT, *streamed]]  # the first leg never reached a prefill worker
+    assert [request.prefill_locally for request in pool.decoded] == [True, False]
+    assert pool.migrations.count == 1 and pool.unreachable == ["decode-1"]

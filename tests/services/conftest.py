@@ -25,6 +25,10 @@ def service_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def launch(model: Path, log_dir: Path, **overrides: object) -> Cluster:
+    """A deployment (started; the caller stops it). Unless `gateway_args` are given, the gateway always disaggregates
+    (--disagg-threshold-tokens 0): these tests follow a request through the prefill worker (the decode worker's own
+    prefills: tests/services/test_decode_reuse.py)."""
+    overrides.setdefault("gateway_args", ("--disagg-threshold-tokens", "0"))
     spec = ClusterSpec(model_dir=str(model), listen="127.0.0.1:0", attention_backend="torch", worker_args=WORKER_ARGS,
                        **overrides)  # type: ignore[arg-type]
     cluster = Cluster(spec, log_dir=log_dir)

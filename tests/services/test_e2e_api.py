@@ -206,7 +206,8 @@ async def test_gateway_health_follows_its_workers(cluster, service_model, tmp_pa
     for name, prefill in (("dead", _unused_address()), ("live", worker_address(cluster, "prefill-0"))):
         stop, ready = asyncio.Event(), tmp_path / f"{name}.addr"
         config = GatewayConfig(model_dir=str(service_model), prefill=(prefill,), decode=(decode,),
-                               listen="127.0.0.1:0", load_poll_interval_s=0.05, worker_timeout_s=0.5)
+                               listen="127.0.0.1:0", load_poll_interval_s=0.05, worker_timeout_s=0.5,
+                               disagg_threshold_tokens=0)  # (a short prompt would not need the prefill worker)
         task = asyncio.create_task(serve_gateway(config, stop=stop, ready_file=str(ready)))
         try:
             deadline = time.monotonic() + 30

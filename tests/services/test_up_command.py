@@ -111,7 +111,7 @@ def test_up_generate_and_ctrl_c(service_model, llm, tmp_path):
     up = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--model", str(service_model), "--listen", "127.0.0.1:0",
          "--http-listen", "127.0.0.1:0", "--transport", "grpc", "--attention-backend", "torch", "--num-threads", "1", "--kv-memory-mb", "64",
-         "--draft-model", "", "--num-prefill", "2", "--num-decode", "2"],
+         "--draft-model", "", "--num-prefill", "2", "--num-decode", "2", "--disagg-threshold-tokens", "0"],
         stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
         address, workers, metrics = _read_until_up(up, timeout=300)

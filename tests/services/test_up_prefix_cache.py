@@ -1,5 +1,6 @@
-"""The prefix cache through `pdserve up` (the disaggregated path: the prefill worker's own cache), on the default
-K3 model and on models/pdserve-tiny, each with its draft (speculation on).
+"""The prefix cache through `pdserve up` (the disaggregated path, --disagg-threshold-tokens 0: the prefill worker's own
+cache; the decode worker's, tests/services/test_decode_reuse.py), on the default K3 model and on models/pdserve-tiny,
+each with its draft (speculation on).
 
 Invariants: the second of two requests sharing a 1,500-token prefix reports >= 1,400 cached prompt tokens, in
 gRPC's Complete.usage.cached_tokens and in OpenAI's usage.prompt_tokens_details.cached_tokens; the greedy text of
@@ -50,7 +51,8 @@ def _serve_two(model: str, cache: bool, log_path) -> tuple[list[str], list[int],
     """Starts `pdserve up`, sends the two prompts one after the other (the first over gRPC, the second over the
     OpenAI API), stops it; returns their texts, gRPC / HTTP cached tokens and the prefill worker's cache metrics."""
     command = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--listen", "127.0.0.1:0",
-               "--http-listen", "127.0.0.1:0", "--num-threads", "1"] + ([] if cache else ["--no-prefix-cache"])
+               "--http-listen", "127.0.0.1:0", "--num-threads", "1",
+               "--disagg-threshold-tokens", "0"] + ([] if cache else ["--no-prefix-cache"])
     with open(log_path, "w") as log:
         up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
         try:

@@ -18,6 +18,8 @@ def test_build_embeds_the_engine_config_with_the_roles_pool():
     assert prefill.engine.kv_memory_bytes == 256 * 2**20 and prefill.engine.share_weights
     assert (decode.max_running, decode.lease_ttl_s, decode.share_weights) == (7, 5.0, False)
     assert decode.engine_config() is decode.engine
+    assert (prefill.engine.prefill_tokens_while_decoding, decode.prefill_tokens_while_decoding) == (0, 128)
+    assert DecodeWorkerConfig.build(prefill_tokens_while_decoding=0).engine.prefill_tokens_while_decoding == 0
     with pytest.raises(AttributeError):
         decode.no_such_setting  # noqa: B018 - neither the role's nor the engine's
 
@@ -26,6 +28,7 @@ def test_build_embeds_the_engine_config_with_the_roles_pool():
     (lambda: PrefillWorkerConfig.build(batch_tokens=0), "batch_tokens"),
     (lambda: PrefillWorkerConfig.build(batch_target_ms=-1), "batch_target_ms"),
     (lambda: DecodeWorkerConfig.build(admit_timeout_s=0), "admit_timeout_s"),
+    (lambda: DecodeWorkerConfig.build(prefill_tokens_while_decoding=-1), "prefill_tokens_while_decoding"),
     (lambda: DecodeWorkerConfig.build(listen="nowhere"), "listen"),
     (lambda: PrefillWorkerConfig.build(tp_size=0), "tp_size"),
 ])

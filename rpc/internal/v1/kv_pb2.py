@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/internal/v1/kv.proto\x12\x13pdserve.internal.v1\"\xc2\x02\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nlatent_dim\x18\x02 \x01(\r\x12\x10\n\x08rope_dim\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x64raft_layers\x18\x06 \x01(\r\x12\x11\n\tdraft_dim\x18\x07 \x01(\r\x12\x0c\n\x04hash\x18\x08 \x01(\t\x12\x14\n\x0cstate_layers\x18\t \x01(\r\x12\x12\n\nconv_width\x18\n \x01(\r\x12\x15\n\rconv_channels\x18\x0b \x01(\r\x12\x13\n\x0bstate_heads\x18\x0c \x01(\r\x12\x12\n\nhead_k_dim\x18\r \x01(\r\x12\x12\n\nhead_v_dim\x18\x0e \x01(\r\x12\x12\n\nconv_dtype\x18\x0f \x01(\t\x12\x11\n\tssm_dtype\x18\x10 \x01(\t\"\xae\x03\n\rKVDestination\x12\x31\n\ttransport\x18\x01 \x01(\x0e\x32\x1e.pdserve.internal.v1.Transport\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x10\n\x08page_ids\x18\x03 \x03(\r\x12\x0f\n\x07targets\x18\x04 \x03(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x03\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\x16\n\x0epool_num_pages\x18\t \x01(\r\x12\x17\n\x0f\x63ompletion_slot\x18\n \x01(\x05\x12\x1b\n\x13\x63ompletion_sequence\x18\x0b \x01(\x04\x12\x16\n\x0e\x64\x61ta_addresses\x18\x0c \x03(\x04\x12\x18\n\x10record_addresses\x18\r \x03(\x04\x12\x17\n\nstate_slot\x18\x0e \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0elease_page_ids\x18\x0f \x03(\r\x12\x18\n\x10lease_num_tokens\x18\x10 \x01(\rB\r\n\x0b_state_slot\"\xbf\x02\n\x0bPushRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x13\n\x0blayout_hash\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x10\n\x08sequence\x18\x05 \x01(\x04\x12\x30\n\x04kind\x18\x06 \x01(\x0e\x32\".pdserve.internal.v1.KVSegmentKind\x12\r\n\x05layer\x18\x07 \x01(\r\x12\x10\n\x08page_ids\x18\x08 \x03(\r\x12\x19\n\x11\x66irst_page_offset\x18\t \x01(\r\x12\x0f\n\x07payload\x18\n \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\x04\x12\x44\n\x12\x63hecksum_algorithm\x18\x0c \x01(\x0e\x32(.pdserve.internal.v1.KVChecksumAlgorithm\"H\n\x0cPushResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04*{\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x12\n\x0eTRANSPORT_GRPC\x10\x02\x12\x16\n\x12TRANSPORT_MOONCAKE\x10\x03\x12\x14\n\x10TRANSPORT_DEVICE\x10\x04*\x82\x01\n\rKVSegmentKind\x12\x1f\n\x1bKV_SEGMENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16KV_SEGMENT_KIND_TARGET\x10\x01\x12\x19\n\x15KV_SEGMENT_KIND_DRAFT\x10\x02\x12\x19\n\x15KV_SEGMENT_KIND_STATE\x10\x03*\x80\x01\n\x13KVChecksumAlgorithm\x12%\n!KV_CHECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12!\n\x1dKV_CHECKSUM_ALGORITHM_XXH3_64\x10\x01\x12\x1f\n\x1bKV_CHECKSUM_ALGORITHM_CRC32\x10\x02\x32\x62\n\x11KVTransferService\x12M\n\x04Push\x12 .pdserve.internal.v1.PushRequest\x1a!.pdserve.internal.v1.PushResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/internal/v1/kv.proto\x12\x13pdserve.internal.v1\"\xc2\x02\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nlatent_dim\x18\x02 \x01(\r\x12\x10\n\x08rope_dim\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x64raft_layers\x18\x06 \x01(\r\x12\x11\n\tdraft_dim\x18\x07 \x01(\r\x12\x0c\n\x04hash\x18\x08 \x01(\t\x12\x14\n\x0cstate_layers\x18\t \x01(\r\x12\x12\n\nconv_width\x18\n \x01(\r\x12\x15\n\rconv_channels\x18\x0b \x01(\r\x12\x13\n\x0bstate_heads\x18\x0c \x01(\r\x12\x12\n\nhead_k_dim\x18\r \x01(\r\x12\x12\n\nhead_v_dim\x18\x0e \x01(\r\x12\x12\n\nconv_dtype\x18\x0f \x01(\t\x12\x11\n\tssm_dtype\x18\x10 \x01(\t\"\xe0\x03\n\rKVDestination\x12\x31\n\ttransport\x18\x01 \x01(\x0e\x32\x1e.pdserve.internal.v1.Transport\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x10\n\x08page_ids\x18\x03 \x03(\r\x12\x0f\n\x07targets\x18\x04 \x03(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x03\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\x16\n\x0epool_num_pages\x18\t \x01(\r\x12\x17\n\x0f\x63ompletion_slot\x18\n \x01(\x05\x12\x1b\n\x13\x63ompletion_sequence\x18\x0b \x01(\x04\x12\x16\n\x0e\x64\x61ta_addresses\x18\x0c \x03(\x04\x12\x18\n\x10record_addresses\x18\r \x03(\x04\x12\x17\n\nstate_slot\x18\x0e \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0elease_page_ids\x18\x0f \x03(\r\x12\x18\n\x10lease_num_tokens\x18\x10 \x01(\r\x12\x15\n\rcached_tokens\x18( \x01(\r\x12\x19\n\x11\x63heckpoint_tokens\x18) \x01(\rB\r\n\x0b_state_slot\"\xbf\x02\n\x0bPushRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x13\n\x0blayout_hash\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x10\n\x08sequence\x18\x05 \x01(\x04\x12\x30\n\x04kind\x18\x06 \x01(\x0e\x32\".pdserve.internal.v1.KVSegmentKind\x12\r\n\x05layer\x18\x07 \x01(\r\x12\x10\n\x08page_ids\x18\x08 \x03(\r\x12\x19\n\x11\x66irst_page_offset\x18\t \x01(\r\x12\x0f\n\x07payload\x18\n \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\x04\x12\x44\n\x12\x63hecksum_algorithm\x18\x0c \x01(\x0e\x32(.pdserve.internal.v1.KVChecksumAlgorithm\"H\n\x0cPushResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04*{\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x12\n\x0eTRANSPORT_GRPC\x10\x02\x12\x16\n\x12TRANSPORT_MOONCAKE\x10\x03\x12\x14\n\x10TRANSPORT_DEVICE\x10\x04*\x82\x01\n\rKVSegmentKind\x12\x1f\n\x1bKV_SEGMENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16KV_SEGMENT_KIND_TARGET\x10\x01\x12\x19\n\x15KV_SEGMENT_KIND_DRAFT\x10\x02\x12\x19\n\x15KV_SEGMENT_KIND_STATE\x10\x03*\x80\x01\n\x13KVChecksumAlgorithm\x12%\n!KV_CHECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12!\n\x1dKV_CHECKSUM_ALGORITHM_XXH3_64\x10\x01\x12\x1f\n\x1bKV_CHECKSUM_ALGORITHM_CRC32\x10\x02\x32\x62\n\x11KVTransferService\x12M\n\x04Push\x12 .pdserve.internal.v1.PushRequest\x1a!.pdserve.internal.v1.PushResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.internal.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=1207
-  _globals['_TRANSPORT']._serialized_end=1330
-  _globals['_KVSEGMENTKIND']._serialized_start=1333
-  _globals['_KVSEGMENTKIND']._serialized_end=1463
-  _globals['_KVCHECKSUMALGORITHM']._serialized_start=1466
-  _globals['_KVCHECKSUMALGORITHM']._serialized_end=1594
+  _globals['_TRANSPORT']._serialized_start=1257
+  _globals['_TRANSPORT']._serialized_end=1380
+  _globals['_KVSEGMENTKIND']._serialized_start=1383
+  _globals['_KVSEGMENTKIND']._serialized_end=1513
+  _globals['_KVCHECKSUMALGORITHM']._serialized_start=1516
+  _globals['_KVCHECKSUMALGORITHM']._serialized_end=1644
   _globals['_KVLAYOUT']._serialized_start=54
   _globals['_KVLAYOUT']._serialized_end=376
   _globals['_KVDESTINATION']._serialized_start=379
-  _globals['_KVDESTINATION']._serialized_end=809
-  _globals['_PUSHREQUEST']._serialized_start=812
-  _globals['_PUSHREQUEST']._serialized_end=1131
-  _globals['_PUSHRESPONSE']._serialized_start=1133
-  _globals['_PUSHRESPONSE']._serialized_end=1205
-  _globals['_KVTRANSFERSERVICE']._serialized_start=1596
-  _globals['_KVTRANSFERSERVICE']._serialized_end=1694
+  _globals['_KVDESTINATION']._serialized_end=859
+  _globals['_PUSHREQUEST']._serialized_start=862
+  _globals['_PUSHREQUEST']._serialized_end=1181
+  _globals['_PUSHRESPONSE']._serialized_start=1183
+  _globals['_PUSHRESPONSE']._serialized_end=1255
+  _globals['_KVTRANSFERSERVICE']._serialized_start=1646
+  _globals['_KVTRANSFERSERVICE']._serialized_end=1744
 # @@protoc_insertion_point(module_scope)

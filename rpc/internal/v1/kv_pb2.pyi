@@ -77,7 +77,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., rope_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., draft_layers: _Optional[int] = ..., draft_dim: _Optional[int] = ..., hash: _Optional[str] = ..., state_layers: _Optional[int] = ..., conv_width: _Optional[int] = ..., conv_channels: _Optional[int] = ..., state_heads: _Optional[int] = ..., head_k_dim: _Optional[int] = ..., head_v_dim: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("transport", "layout_hash", "page_ids", "targets", "request_id", "lease_id", "lease_deadline_unix_ms", "num_tokens", "pool_num_pages", "completion_slot", "completion_sequence", "data_addresses", "record_addresses", "state_slot", "lease_page_ids", "lease_num_tokens")
+    __slots__ = ("transport", "layout_hash", "page_ids", "targets", "request_id", "lease_id", "lease_deadline_unix_ms", "num_tokens", "pool_num_pages", "completion_slot", "completion_sequence", "data_addresses", "record_addresses", "state_slot", "lease_page_ids", "lease_num_tokens", "cached_tokens", "checkpoint_tokens")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,8 @@ class KVDestination(_message.Message):
     STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     LEASE_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     layout_hash: str
     page_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -110,7 +112,9 @@ class KVDestination(_message.Message):
     state_slot: int
     lease_page_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_num_tokens: int
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., layout_hash: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., targets: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., pool_num_pages: _Optional[int] = ..., completion_slot: _Optional[int] = ..., completion_sequence: _Optional[int] = ..., data_addresses: _Optional[_Iterable[int]] = ..., record_addresses: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., lease_page_ids: _Optional[_Iterable[int]] = ..., lease_num_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    checkpoint_tokens: int
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., layout_hash: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., targets: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., pool_num_pages: _Optional[int] = ..., completion_slot: _Optional[int] = ..., completion_sequence: _Optional[int] = ..., data_addresses: _Optional[_Iterable[int]] = ..., record_addresses: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., lease_page_ids: _Optional[_Iterable[int]] = ..., lease_num_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., checkpoint_tokens: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "layout_hash", "rank", "sequence", "kind", "layer", "page_ids", "first_page_offset", "payload", "checksum", "checksum_algorithm")

@@ -148,18 +148,20 @@ class GetPrefillLoadResponse(_message.Message):
     def __init__(self, queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_slots: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "transport", "standing")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "transport", "standing", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     STANDING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_new_tokens: int
     transport: _kv_pb2.Transport
     standing: bool
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., transport: _Optional[_Union[_kv_pb2.Transport, str]] = ..., standing: _Optional[bool] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., transport: _Optional[_Union[_kv_pb2.Transport, str]] = ..., standing: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("destination",)
@@ -168,20 +170,22 @@ class ReserveResponse(_message.Message):
     def __init__(self, destination: _Optional[_Union[_kv_pb2.KVDestination, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "lease_id", "token_ids", "first_token", "sampling", "stream_interval")
+    __slots__ = ("request_id", "lease_id", "token_ids", "first_token", "sampling", "stream_interval", "prefill_locally")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     sampling: WorkerSampling
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    prefill_locally: bool
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., stream_interval: _Optional[int] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
 
 class DecodeStreamRequest(_message.Message):
     __slots__ = ("request", "cancel_request_id", "timeout_ms", "trace_id")
