@@ -6,9 +6,13 @@ from pathlib import Path
 
 from gateway.liveness import LivenessConfig
 from gateway.migration import MigrationConfig
+from gateway.router import CacheWeights
 from gateway.transport_choice import TRANSPORT_NAMES as TRANSPORTS
 
 DEFAULT_STANDING_LEASE_TOKENS = 1024  # prompt tokens of a spare reservation per decode worker (0: none)
+# One uncached prompt page costs as much as one page of load: the prefill worker with the least work in front of the
+# request plus its uncached part wins (docs/services.md).
+DEFAULT_CACHE_ROUTING_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,9 @@ class GatewayConfig:
     standing_lease_tokens: > 0 (the default, DEFAULT_STANDING_LEASE_TOKENS) keeps one spare reservation of that
     many prompt tokens per decode worker with room for two (gateway/standing_leases.py), taken by a request
     whose prompt fits instead of a Reserve round trip before its prefill; longer prompts Reserve as before
-    (0: off); standing_lease_ttl_s: the lease a spare asks for."""
+    (0: off); standing_lease_ttl_s: the lease a spare asks for. cache_routing_weight: the cost of one uncached
+    prompt page against one page of load when picking workers (gateway/router.py, docs/services.md; 0: load only);
+    cache_routing_max_load: the fraction of its pages a decode worker may use before its cache stops counting."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -48,8 +54,14 @@ class GatewayConfig:
     tls_key: str | None = None
     standing_lease_tokens: int = DEFAULT_STANDING_LEASE_TOKENS
     standing_lease_ttl_s: float = 30.0
+    cache_routing_weight: float = DEFAULT_CACHE_ROUTING_WEIGHT
+    cache_routing_max_load: float = 0.9
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # decode hang detection (gateway/liveness.py)
     migration: MigrationConfig = field(default_factory=MigrationConfig)  # request migration (gateway/migration.py)
+
+    @property
+    def cache_weights(self) -> CacheWeights:
+        return CacheWeights(self.cache_routing_weight, self.cache_routing_max_load)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
@@ -77,6 +89,7 @@ class GatewayConfig:
             raise ValueError("tokenize_inline_chars and tokenize_processes must be non-negative")
         if self.standing_lease_tokens < 0:
             raise ValueError(f"standing_lease_tokens must be non-negative, got {self.standing_lease_tokens}")
+        CacheWeights(self.cache_routing_weight, self.cache_routing_max_load)  # raises ValueError naming the bad one
         for name in ("load_poll_interval_s", "worker_timeout_s", "admission_timeout_s", "cleanup_timeout_s",
                      "standing_lease_ttl_s"):
             if not getattr(self, name) > 0:
