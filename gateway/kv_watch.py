@@ -39,10 +39,16 @@ class KVWatch:
             self._tasks[address] = asyncio.create_task(self._follow(address, stub), name=f"kv-watch {address}")
 
     async def close(self) -> None:
+        for call in self._calls.values():
+            call.cancel()
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
+
+    def streaming(self, address: str) -> bool:
+        """A WatchKVEvents call to the worker is open now."""
+        return address in self._calls
 
     def drop(self, address: str) -> None:
         """Ends the worker's current stream as a network failure would (tests: the index must converge again)."""

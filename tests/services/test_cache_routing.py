@@ -171,7 +171,7 @@ async def test_index_converges_after_dropped_streams(routing_cluster, service_mo
         prompt = token_prompts((600,), seed=31)[0]
         run = asyncio.create_task(greedy_through_gateway(gateway.address, [prompt], 48, speculative=True))
         for _ in range(2):
-            await eventually(lambda: all(a in pool.kv_watch._calls for a in addresses), "the streams (re)opened")
+            await eventually(lambda: all(pool.kv_watch.streaming(a) for a in addresses), "the streams (re)opened")
             for address in addresses:
                 pool.kv_watch.drop(address)
         (result,) = await run
