@@ -7,7 +7,7 @@ decode:  the healthy worker with the most uncommitted pages, then the fewest run
 Cache-aware (a weight w > 0 and each worker's uncached prompt tokens, from the KV index: gateway/kv_index.py), the
 lowest cost wins (docs/services.md):
   prefill cost = w * uncached_tokens / page_size + outstanding_tokens / page_size
-  decode cost  = w * uncached_pages + used_pages    (used_pages = total_pages - free_pages)
+  decode cost  = w * uncached_pages + load_pages    (load_pages = total_pages - free_pages - spares' pages)
 and a decode worker that cannot hold the prompt, or uses more than max_load of its pages, ranks after the others
 (by load only): a conversation stays where its history is unless that worker is overloaded. w = 0: load only (the
 orders above).
@@ -57,15 +57,22 @@ class DecodeLoad:
     page_size: int = 16
     placement: Placement | None = None  # from its load answers (the transport choice)
     free_state_slots: int | None = None  # linear-attention state slots free (None: the model has none)
+    standing_pages: int = 0  # of the pages not free, those gateways' spares hold (standing leases; any request's)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // max(1, self.page_size))
 
     def polled(self, free_pages: int, total_pages: int, running: int, page_size: int,
-               free_state_slots: int | None, placement: Placement) -> None:
+               free_state_slots: int | None, placement: Placement, standing_pages: int = 0) -> None:
         """A load answer: its figures replace the estimates."""
         self.free_pages, self.total_pages, self.running = max(0, free_pages), total_pages, running
         self.page_size, self.free_state_slots, self.placement = page_size or 16, free_state_slots, placement
+        self.standing_pages = standing_pages
+
+    @property
+    def load_pages(self) -> int:
+        """Pages held by requests (running or reserved): the pool less its free pages and the spares' pages."""
+        return self.total_pages - self.free_pages - self.standing_pages
 
     def claim(self, num_tokens: int) -> int:
         """A Reserve for num_tokens is sent: counted now, not when its answer comes back, so the requests of a
@@ -92,6 +99,7 @@ class DecodeLoad:
     def spare_granted(self, pages: int) -> None:
         """A standing lease of `pages` (and a state slot, for linear attention) was granted there."""
         self.free_pages = max(0, self.free_pages - pages)
+        self.standing_pages += pages  # (a spare is not load: load_pages stays)
         if self.free_state_slots is not None:  # until the next poll says otherwise
             self.free_state_slots = max(0, self.free_state_slots - 1)
 
@@ -162,11 +170,13 @@ class DecodeRouter:
 
         def key(i: int) -> tuple[bool, float, int]:
             worker = workers[i]
-            used = worker.total_pages - worker.free_pages
             last = worker.free_pages < worker.pages_for(num_tokens)
-            if cache_aware and not last and worker.total_pages and used > weights.max_load * worker.total_pages:
+            if not cache_aware:
+                return (last, -worker.free_pages, worker.running)
+            used = worker.load_pages
+            if not last and worker.total_pages and used > weights.max_load * worker.total_pages:
                 last = True  # overloaded: its cache does not count
-            cache = weights.weight * worker.pages_for(uncached[i]) if cache_aware and not last else 0.0
+            cache = weights.weight * worker.pages_for(uncached[i]) if not last else 0.0
             return (last, cache + used, worker.running)
 
         return sorted(healthy, key=key)

@@ -99,7 +99,7 @@ class WorkerPool:
             self.liveness.probed(worker, answered=True)
             worker.load.polled(load.free_pages - load.headroom_pages, load.total_pages, load.running, load.page_size,
                                load.free_state_slots if load.total_state_slots else None,
-                               Placement(load.placement.node_id, kv_pool=load.placement.kv_pool))
+                               Placement(load.placement.node_id, kv_pool=load.placement.kv_pool), load.standing_pages)
             self._mark(worker.load, True)
 
         await asyncio.gather(*map(prefill, self.prefill), *map(decode, self.decode))

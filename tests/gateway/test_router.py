@@ -76,3 +76,15 @@ def test_cache_weights_refuse_bad_values():
         CacheWeights(-1.0)
     with pytest.raises(ValueError, match="max load"):
         CacheWeights(1.0, max_load=0.0)
+
+
+def test_spares_are_not_load():
+    """Pages a gateway's spare holds (standing leases) do not count as load in the cache-aware cost: a worker whose
+    pages are all free but for a 64-page spare keeps its cache advantage (negative control: counted as load, the
+    spare would outweigh the 4 uncached pages)."""
+    holder = DecodeLoad("a", free_pages=36, total_pages=100, page_size=16, standing_pages=64)
+    other = DecodeLoad("b", free_pages=100, total_pages=100, page_size=16)
+    assert holder.load_pages == 0
+    assert DecodeRouter().rank([holder, other], 64, [0, 64], CacheWeights(1.0)) == [0, 1]
+    holder.standing_pages = 0
+    assert DecodeRouter().rank([holder, other], 64, [0, 64], CacheWeights(1.0)) == [1, 0]

@@ -112,7 +112,8 @@ async def index_matches(pool: WorkerPool, address: str) -> bool:
 async def converse(gateway: Gateway, messages: list[list[int]]) -> tuple[list[list[int]], list]:
     """Sends the turns one after the other (each the whole history plus the next message); before each later
     turn waits until the index knows the earlier turns' pages (events are asynchronous) and a load poll shows the
-    previous turn's decode pages released (as a user's think time would).
+    previous turn's decode pages released (as a user's think time would: a worker reports a finished request's
+    pages a step or so after it stopped running it).
     Returns the prompts and their results."""
     history: list[int] = []
     prompts, results = [], []
@@ -124,7 +125,7 @@ async def converse(gateway: Gateway, messages: list[list[int]]) -> tuple[list[li
             first = len(prompts[0]) // 16 * 16  # the first turn's (its decode worker publishes no duplicate after)
             await eventually(lambda: any(pool.overlap(w.load.address, keys).lookup_tokens >= held for w in pool.prefill)
                              and any(pool.overlap(w.load.address, keys).page_tokens >= first for w in pool.decode)
-                             and all(w.load.running == 0 for w in pool.decode),  # polled since the turn ended
+                             and all(w.load.running == w.load.load_pages == 0 for w in pool.decode),  # polled at rest
                              "the earlier turns' pages in the index and the previous turn's pages released")
         result = (await greedy_through_gateway(gateway.address, [prompt], ANSWER, speculative=True))[0]
         prompts.append(prompt)
@@ -198,8 +199,9 @@ async def test_killed_decode_worker_is_a_miss_and_leaves_no_stale_entry(routing_
         history = prompts[-1] + list(results[-1].token_ids)
         (after,) = await greedy_through_gateway(gateway.address, [history + LATER[1]], ANSWER, speculative=True)
         assert len(after.token_ids) == ANSWER and after.complete is not None
-        assert gateway.routes[-1].decode != holder, gateway.routes[-1]
-        assert gateway.routes[-1].expected_decode == 0  # a miss: the other decode worker never saw it
+        routes = [route.describe() for route in gateway.routes]
+        assert gateway.routes[-1].decode != holder, routes
+        assert gateway.routes[-1].expected_decode == 0, routes  # a miss: the other decode worker never saw it
         routing_cluster.respawn(child)
         await eventually(lambda: child.ready_file.exists(), "the restarted decode worker", timeout=300)
         await until_value(lambda: index_matches(pool, holder), "the restarted worker's snapshot in the index")
