@@ -9,7 +9,8 @@ on one pipe, one message per step or per command, each with the load figures.
 Wire format: the dataclasses below, pickled. Worker -> engine: a Command (its tag names the Reply; tag 0:
 nobody waits, the reply still carries the load figures) holding Reserve, Free, Add, Abort or Stop. Engine ->
 worker: Ready or StartFailed at start, then Outputs (one step), Reply (one command) or StepFailed (a failed
-step: those requests were aborted)."""
+step: those requests were aborted); before any of them, a KVUpdate when the prefix cache's KV events moved
+(engine/cache/kv_events.py: a snapshot first, then the events in order; the worker mirrors them, process_port.py)."""
 from __future__ import annotations
 
 import enum
@@ -28,6 +29,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_api import DecodeEngine
 from decode_worker.leases import allocate_admitted, free_lease
 from decode_worker.step_loop import StepLoop
+from engine.cache.kv_events import KVEventForwarder, KVSnapshot, Numbered
 from engine.engine_config import EngineConfig
 from engine.runtime.outputs import PrefixCacheStats, StepOutput
 from engine.runtime.reserved_prompts import NO_HIT, PromptReservation, ReservedHit
@@ -202,7 +204,17 @@ class StepFailed:
     load: Load
 
 
-Event = Union[Ready, StartFailed, Outputs, Reply, StepFailed]
+@dataclass(frozen=True)
+class KVUpdate:
+    """The prefix cache's KV events since the last update: a snapshot (first, or after the buffer overflowed)
+    or the numbered events of log `instance_id`."""
+
+    snapshot: KVSnapshot | None
+    instance_id: str = ""
+    events: tuple[Numbered, ...] = ()
+
+
+Event = Union[Ready, StartFailed, Outputs, Reply, StepFailed, KVUpdate]
 
 
 def load_of(engine: DecodeEngine) -> Load:
@@ -226,6 +238,7 @@ class EngineHost:
                                                                 self._steps.work, name=ROLE)
         self._engine: DecodeEngine | None = None
         self._requests: set[str] = set()  # added and not finished or aborted (engine thread only)
+        self._kv: KVEventForwarder | None = None  # the prefix cache's KV events, forwarded with the messages
 
     def serve(self, commands: Connection) -> None:
         """Builds the engine (its error goes to the worker), then answers commands until Stop or EOF."""
@@ -237,6 +250,11 @@ class EngineHost:
         self._send(Ready(EngineFacts(engine.config, engine.cache_shape, tuple(engine.pool_names), engine.device,
                                      engine.model_config.max_position_embeddings, engine.allocator.num_pages,
                                      engine.num_state_slots, load_of(engine))))
+        kv_events = getattr(engine, "kv_events", None)
+        if kv_events is not None:
+            with self._lock:
+                self._kv = KVEventForwarder(kv_events)
+                self._send_kv()  # the snapshot: the worker's mirror starts from it
         try:
             while True:
                 try:
@@ -291,10 +309,22 @@ class EngineHost:
             if not isinstance(event, (Ready, StartFailed)):
                 assert self._engine is not None
                 event = event(load_of(self._engine))
-            try:
-                self._events.send(event)
-            except (BrokenPipeError, OSError):  # the worker is gone: the command thread ends on EOF
-                logger.warning("the decode worker's pipe is closed; dropped a %s message", type(event).__name__)
+                self._send_kv()
+            self._send_now(event)
+
+    def _send_kv(self) -> None:
+        """The KV events recorded since the last message (under the lock, before that message)."""
+        update = self._kv.take() if self._kv is not None else None
+        if isinstance(update, KVSnapshot):
+            self._send_now(KVUpdate(update))
+        elif update is not None:
+            self._send_now(KVUpdate(None, update[0], tuple(update[1])))
+
+    def _send_now(self, event: Event) -> None:
+        try:
+            self._events.send(event)
+        except (BrokenPipeError, OSError):  # the worker is gone: the command thread ends on EOF
+            logger.warning("the decode worker's pipe is closed; dropped a %s message", type(event).__name__)
 
     def _reply(self, tag: int, error: WireError | None, value: Reservation | None = None) -> None:
         self._send(lambda load: Reply(tag, error, value, load))

@@ -21,12 +21,14 @@ from multiprocessing.process import BaseProcess
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine_api import LoadSnapshot, snapshot_of
-from decode_worker.engine_process import (Abort, Add, Command, EngineFacts, Event, Free, Load, Outputs, Ready, Reply,
-                                          Reservation, Reserve, StartFailed, StepFailed, Stop, engine_process_main)
+from decode_worker.engine_process import (Abort, Add, Command, EngineFacts, Event, Free, KVUpdate, Load, Outputs, Ready,
+                                          Reply, Reservation, Reserve, StartFailed, StepFailed, Stop,
+                                          engine_process_main)
 from decode_worker.engine_view import EngineView
 from decode_worker.pipe_writer import PipeWriter
 from decode_worker.streams import Streams
 from engine.runtime.reserved_prompts import NO_HIT, ReservedHit
+from engine.cache.kv_events import KVEventLog, KVSnapshot, Numbered
 from engine.sampling_params import SamplingParams
 from engine.weights.weight_store import remove_stale_segments
 from kvtransfer.shm_pool import cleanup_stale_segments
@@ -56,6 +58,7 @@ class ProcessPort:
         self.engine: EngineView | None = None
         self.engine_steps = 0
         self.engine_step_tokens = 0
+        self.kv_events = KVEventLog()  # a mirror of the engine's prefix cache events (empty with the cache off)
 
     @property
     def pid(self) -> int | None:
@@ -222,6 +225,8 @@ class ProcessPort:
                         future.set_result(value)
                     else:
                         future.set_exception(error.exception())
+            case KVUpdate(snapshot, instance_id, events):
+                self._mirror(snapshot, instance_id, events)
             case StepFailed(failed, text, load):  # the engine process aborted the step's requests already
                 self._update(load)
                 self._streams.fail(failed, f"engine step failed: {text}")
@@ -229,6 +234,13 @@ class ProcessPort:
                 self._ready.set_result(facts)
             case StartFailed(text) if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(RuntimeError(text))
+
+    def _mirror(self, snapshot: KVSnapshot | None, instance_id: str, events: tuple[Numbered, ...]) -> None:
+        if snapshot is not None:
+            self.kv_events.adopt(snapshot)
+        elif not self.kv_events.extend(instance_id, events):  # cannot happen on an ordered pipe: say so
+            logger.error("KV events of the engine process out of order (instance %s, first %s, mirror at %d)",
+                         instance_id, events[0][0] if events else None, self.kv_events.sequence)
 
     def _update(self, load: Load) -> None:
         if self.engine is not None:

@@ -1,4 +1,4 @@
-"""The decode worker process: DecodeService behind gRPC (Decode + KVTransfer + health + reflection). With
+"""The decode worker process: DecodeService behind gRPC (Decode + KVTransfer + KV events + health + reflection). With
 an engine process (--engine-process), that process dying stops the worker with an error."""
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from kvtransfer.transport import KVReceiver
 from decode_worker.metrics import decode_registry
 from rpc import server
 from rpc.interceptors import server_interceptors
+from rpc.kv_event_stream import KVEventPublisher, KVEventServicer
 from rpc.metrics_http import serve_metrics
 from rpc.internal.v1 import kv_pb2, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAMES = (
     worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name,
     kv_pb2.DESCRIPTOR.services_by_name["KVTransferService"].full_name,
+    worker_pb2.DESCRIPTOR.services_by_name["KVEventService"].full_name,
 )
 
 
@@ -79,10 +81,16 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     assert push is not None
 
     servicer = DecodeServicer(service)
+    events = KVEventPublisher(lambda: service.kv_events)
 
     def register(grpc_server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, grpc_server)
         kv_pb2_grpc.add_KVTransferServiceServicer_to_server(KVTransferAioServicer(push), grpc_server)
+        worker_pb2_grpc.add_KVEventServiceServicer_to_server(KVEventServicer(events), grpc_server)
+
+    def draining() -> None:
+        servicer.drain()
+        events.close()
 
     endpoints, stop_metrics = serve_metrics(config.metrics_listen, decode_registry(service))
 
@@ -94,7 +102,7 @@ async def serve(config: DecodeWorkerConfig, stop: asyncio.Event | None = None, r
     logger.info("decode worker: tp=%d, %d pages", config.tp_size, service.load.total_pages)
     await server.serve(
         "decode worker", config.listen, SERVICE_NAMES, register, on_stop, stop=stop, ready_file=ready_file,
-        endpoints=endpoints, on_draining=servicer.drain,
+        endpoints=endpoints, on_draining=draining,
         on_bound=lambda address: push.advertise([config.advertise_address or address] * len(receivers.pools)),
         interceptors=server_interceptors(config.internal_token),
     )

@@ -30,6 +30,7 @@ from decode_worker.leases import ReservationBook
 from decode_worker.process_port import ProcessPort
 from decode_worker.streams import Sink, Streams, updates_of
 from engine.runtime.reserved_prompts import ReservedHit
+from engine.cache.kv_events import KVEventLog
 from engine.sampling_params import SamplingParams
 from kvtransfer.checksum import INLINE_CHECKSUM_BYTES
 from kvtransfer.destination import Destination, TransportKind
@@ -113,6 +114,14 @@ class DecodeService:
     def port(self) -> EnginePort:
         """Where the engine runs (its engine_steps / engine_step_tokens: batch occupancy)."""
         return self._port
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """The engine's prefix cache events as this process mirrors them (an empty log for a port without)."""
+        log = getattr(self._port, "kv_events", None)
+        if log is None:
+            log = self.__dict__.setdefault("_no_kv_events", KVEventLog())
+        return log
 
     def _abort_soon(self, request_id: str) -> None:
         self._port.abort_soon(request_id)

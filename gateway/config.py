@@ -6,6 +6,7 @@ from pathlib import Path
 
 from gateway.liveness import LivenessConfig
 from gateway.migration import MigrationConfig
+from gateway.router import CacheWeights
 from gateway.transport_choice import TRANSPORT_NAMES as TRANSPORTS
 
 DEFAULT_STANDING_LEASE_TOKENS = 1024  # prompt tokens of a spare reservation per decode worker (0: none)
@@ -13,6 +14,9 @@ DEFAULT_STANDING_LEASE_TOKENS = 1024  # prompt tokens of a spare reservation per
 # by the decode worker itself (no Prefill RPC, no KV handoff). 0: always a prefill worker. The default is measured
 # (docs/services.md, "Conditional disaggregation").
 DEFAULT_DISAGG_THRESHOLD_TOKENS = 256
+# One uncached prompt page costs as much as one page of load: the prefill worker with the least work in front of the
+# request plus its uncached part wins (docs/services.md).
+DEFAULT_CACHE_ROUTING_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,10 @@ class GatewayConfig:
     whose prompt fits instead of a Reserve round trip before its prefill; longer prompts Reserve as before
     (0: off); standing_lease_ttl_s: the lease a spare asks for. disagg_threshold_tokens: a request whose prompt,
     past what its decode worker holds in its prefix cache, is shorter than this is prefilled by the decode worker
-    itself (gateway/orchestrator.prefills_locally; 0: always by a prefill worker)."""
+    itself (gateway/orchestrator.prefills_locally; 0: always by a prefill worker). cache_routing_weight: the cost
+    of one uncached prompt page against one page of load when picking workers (gateway/router.py,
+    docs/services.md; 0: load only); cache_routing_max_load: the fraction of its pages a decode worker may use
+    before its cache stops counting."""
 
     model_dir: str
     prefill: tuple[str, ...]
@@ -55,8 +62,14 @@ class GatewayConfig:
     standing_lease_tokens: int = DEFAULT_STANDING_LEASE_TOKENS
     standing_lease_ttl_s: float = 30.0
     disagg_threshold_tokens: int = DEFAULT_DISAGG_THRESHOLD_TOKENS  # gateway/orchestrator.prefills_locally
+    cache_routing_weight: float = DEFAULT_CACHE_ROUTING_WEIGHT
+    cache_routing_max_load: float = 0.9
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # decode hang detection (gateway/liveness.py)
     migration: MigrationConfig = field(default_factory=MigrationConfig)  # request migration (gateway/migration.py)
+
+    @property
+    def cache_weights(self) -> CacheWeights:
+        return CacheWeights(self.cache_routing_weight, self.cache_routing_max_load)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
@@ -86,6 +99,7 @@ class GatewayConfig:
             raise ValueError(f"disagg_threshold_tokens must be non-negative, got {self.disagg_threshold_tokens}")
         if self.standing_lease_tokens < 0:
             raise ValueError(f"standing_lease_tokens must be non-negative, got {self.standing_lease_tokens}")
+        CacheWeights(self.cache_routing_weight, self.cache_routing_max_load)  # raises ValueError naming the bad one
         for name in ("load_poll_interval_s", "worker_timeout_s", "admission_timeout_s", "cleanup_timeout_s",
                      "standing_lease_ttl_s"):
             if not getattr(self, name) > 0:

@@ -14,7 +14,7 @@ class HeldObserver(Generic[Observer]):
 
     def __init__(self, observer: Observer) -> None:
         self._observer = observer
-        self._calls: list[tuple[str, tuple[float | int | bool | None, ...]]] = []
+        self._calls: list[tuple[str, tuple[float | int | bool | str | None, ...]]] = []
 
     def admitted(self, queue_s: float, prompt_tokens: int, spare: bool = False) -> None:
         self._calls.append(("admitted", (queue_s, prompt_tokens, spare)))
@@ -33,6 +33,9 @@ class HeldObserver(Generic[Observer]):
 
     def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None:
         self._calls.append(("finished", (e2e_s, decode_steps, decode_tokens)))
+
+    def cache_routed(self, role: str, expected: int, actual: int | None) -> None:
+        self._calls.append(("cache_routed", (role, expected, actual)))
 
     def release(self) -> Observer:
         """Makes the held calls on the observer, in the order they came, and returns the observer."""

@@ -47,6 +47,14 @@ class GatewayMetrics:
                             "one per decode worker with room)", registry=r)
         self.migrations = Counter("pdserve_request_migrations", "Requests moved to another decode worker after "
                                   "theirs died or hung mid-stream (gateway/migration.py)", registry=r)
+        self.cache_expected = Counter("pdserve_cache_routing_expected_tokens", "Prompt tokens the KV index expected "
+                                      "the chosen worker's prefix cache to hold (role: decode = its leading pages, "
+                                      "prefill = what its lookup maps)", ["role"], registry=r)
+        self.cache_actual = Counter("pdserve_cache_routing_actual_tokens", "Prompt tokens the chosen worker reported "
+                                    "cached (prefill: PrefillResponse.num_cached_tokens; decode: once Reserve reports "
+                                    "it, gateway/route_note.py)", ["role"], registry=r)
+        self.cache_routed_requests = Counter("pdserve_cache_routing_requests", "Requests routed, by role and whether "
+                                             "the index expected a hit there", ["role", "expected_hit"], registry=r)
         self.spares_taken = Counter("pdserve_standing_leases_taken", "Requests that took a spare decode "
                                     "reservation instead of a Reserve round trip", registry=r)
 
@@ -84,6 +92,12 @@ class GatewayMetrics:
         self.e2e.observe(e2e_s)
         if decode_steps > 0:
             self.accepted_per_step.observe(decode_tokens / decode_steps)
+
+    def cache_routed(self, role: str, expected: int, actual: int | None) -> None:
+        self.cache_expected.labels(role).inc(expected)
+        if actual is not None:
+            self.cache_actual.labels(role).inc(actual)
+        self.cache_routed_requests.labels(role, "yes" if expected else "no").inc()
 
     def count(self, api: str, status: str, code: str) -> None:
         self.requests.labels(api, status, code).inc()

@@ -22,7 +22,9 @@ import grpc
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.decode_stream import DecodeCall
 from gateway.held_observer import HeldObserver
+from gateway.kv_index import PromptKeys
 from gateway.requests import GenerateJob
+from gateway.route_note import RouteNote, decode_cached_tokens
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
 from gateway.worker_clients import DecodeWorker, PrefillWorker
@@ -73,6 +75,8 @@ class RunObserver(Protocol):
     def first_token(self, ttft_s: float) -> None: ...
     def tokens(self, count: int, gap_s: float | None) -> None: ...
     def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None: ...
+    # role "decode" / "prefill": prompt tokens the KV index expected the chosen worker to hold, and what it reported
+    def cache_routed(self, role: str, expected: int, actual: int | None) -> None: ...
 
 
 class PrefillState(enum.Enum):
@@ -149,6 +153,7 @@ class RequestRun:
         self._decode_tokens = 0
         self._ttft_ms = 0.0
         self._cached_tokens = 0  # prompt tokens not computed (FinishEvent.cached_tokens)
+        self.route = RouteNote()  # where it was routed, the overlap expected there and the one reported
         # where the request is, for cleanup
         self._decode: DecodeWorker | None = None
         self._prefill: PrefillWorker | None = None
@@ -198,14 +203,16 @@ class RequestRun:
         job, params = self.job, self.job.params
         if not self._pool.polled.is_set():
             await asyncio.wait_for(self._pool.polled.wait(), remaining(self._deadline))
-        standing = self._pool.take_standing(len(job.prompt_ids))
+        keys = PromptKeys(job.prompt_ids)
+        standing = self._pool.take_standing(len(job.prompt_ids), keys)
         if standing is not None:  # a spare reservation: no Reserve round trip; run under its id on the workers
             self._decode, destination = standing
             self.request_id = destination.request_id
         else:
             self._decode, destination = await self._pool.reserve(
                 self.request_id, len(job.prompt_ids), params.max_new_tokens, self._deadline, trace_id=self.trace_id,
-                prompt_ids=job.prompt_ids)
+                prompt=keys)
+        self._note_decode(keys, destination)
         self._decode_state = DecodeState.RESERVED
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         self.admitted = True
@@ -225,7 +232,7 @@ class RequestRun:
                 request_id=self.request_id, lease_id=destination.lease_id, token_ids=job.prompt_ids,
                 sampling=sampling, stream_interval=job.stream_interval, prefill_locally=True), reserved)
             return
-        response = await self._run_prefill(destination, sampling)
+        response = await self._run_prefill(destination, sampling, keys=keys)
         prefilled = time.perf_counter()
         self._ttft_ms = (prefilled - self._arrival) * 1000
         if self._observer is not None:
@@ -293,13 +300,15 @@ class RequestRun:
         self.request_id = f"{self.trace_id}.{uuid.uuid4().hex[:12]}"
         token_ids = [*job.prompt_ids, *self._generated]
         left = job.params.max_new_tokens - len(self._generated)
+        keys = PromptKeys(token_ids)
         self._decode, destination = await self._pool.reserve(self.request_id, len(token_ids), left, self._deadline,
-                                                             trace_id=self.trace_id, prompt_ids=token_ids)
+                                                             trace_id=self.trace_id, prompt=keys)
+        self._note_decode(keys, destination)
         self._decode_state = DecodeState.RESERVED
         self._lease_deadline = destination.lease_deadline_unix_ms / 1000
         sampling = sampling_to_proto(job.params)
         sampling.max_new_tokens = left
-        response = await self._run_prefill(destination, sampling, token_ids)
+        response = await self._run_prefill(destination, sampling, token_ids, keys)
         first = response.first_token
         if self._emit([first], [response.first_logprob] if response.HasField("first_logprob") else []):
             return None
@@ -314,28 +323,43 @@ class RequestRun:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _note_decode(self, keys: PromptKeys, destination: kv_pb2.KVDestination) -> None:
+        assert self._decode is not None
+        address = self._decode.load.address
+        route = self.route
+        route.decode, route.expected_decode = address, self._pool.overlap(address, keys).page_tokens
+        route.actual_decode = decode_cached_tokens(destination)
+        if self._observer is not None:
+            self._observer.cache_routed("decode", route.expected_decode, route.actual_decode)
+
     async def _run_prefill(self, destination: kv_pb2.KVDestination, sampling: worker_pb2.WorkerSampling,
-                           token_ids: list[int] | None = None) -> worker_pb2.PrefillResponse:
-        """Prefill on the least loaded worker; if that worker becomes unreachable (UNAVAILABLE: it died)
-        the prompt is sent once more, to another reachable prefill worker, into the same destination.
-        token_ids: what to prefill (default the prompt; a migrated request's prompt + streamed tokens)."""
+                           token_ids: list[int] | None = None,
+                           keys: PromptKeys | None = None) -> worker_pb2.PrefillResponse:
+        """Prefill on the worker the router ranks first (least loaded; cache-aware with keys: the prompt's page
+        keys); if that worker becomes unreachable (UNAVAILABLE: it died) the prompt is sent once more, to another
+        reachable prefill worker, into the same destination. token_ids: what to prefill (default the prompt; a
+        migrated request's prompt + streamed tokens)."""
         token_ids = self.job.prompt_ids if token_ids is None else token_ids
         try:
-            return await self._prefill_on(self._pool.pick_prefill(), destination, sampling, token_ids)
+            return await self._prefill_on(self._pool.pick_prefill(keys), destination, sampling, token_ids, keys)
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
             try:
-                retry = self._pool.pick_prefill()  # the dead worker is marked unreachable by now
+                retry = self._pool.pick_prefill(keys)  # the dead worker is marked unreachable by now
             except Unavailable:
                 raise error from None
             logger.warning("prefill worker lost during prefill of %s (%s); retrying once on %s",
                            self.trace_id, error.details(), retry.load.address)
-            return await self._prefill_on(retry, destination, sampling, token_ids)
+            return await self._prefill_on(retry, destination, sampling, token_ids, keys)
 
     async def _prefill_on(self, worker: PrefillWorker, destination: kv_pb2.KVDestination,
-                          sampling: worker_pb2.WorkerSampling, token_ids: list[int]) -> worker_pb2.PrefillResponse:
+                          sampling: worker_pb2.WorkerSampling, token_ids: list[int],
+                          keys: PromptKeys | None = None) -> worker_pb2.PrefillResponse:
         self._prefill = worker
+        route = self.route
+        route.prefill, route.actual_prefill = worker.load.address, None
+        route.expected_prefill = self._pool.overlap(worker.load.address, keys).lookup_tokens
         self._prefill_state = PrefillState.INFLIGHT
         with worker.load.claim(len(token_ids)):
             try:
@@ -350,6 +374,9 @@ class RequestRun:
                     self._pool.mark_unreachable(worker.load, error)
                 raise
         self._prefill_state = PrefillState.OK
+        route.actual_prefill = response.num_cached_tokens
+        if self._observer is not None:
+            self._observer.cache_routed("prefill", route.expected_prefill, route.actual_prefill)
         return response
 
     # --- events -------------------------------------------------------------------------------------
@@ -385,8 +412,9 @@ class RequestRun:
                 self.events.put_nowait(TokensEvent([], text))
         self.finished = True
         self._observe_end()
-        logger.info("finished (%s): %d prompt (%d cached) + %d generated tokens, TTFT %.1f ms", reason,
-                    len(self.job.prompt_ids), self._cached_tokens, self._completion_tokens, self._ttft_ms)
+        logger.info("finished (%s): %d prompt (%d cached) + %d generated tokens, TTFT %.1f ms; %s", reason,
+                    len(self.job.prompt_ids), self._cached_tokens, self._completion_tokens, self._ttft_ms,
+                    self.route.describe())
         self.events.put_nowait(FinishEvent(
             reason, len(self.job.prompt_ids), self._completion_tokens, self._ttft_ms, self._decode_steps,
             self._decode_tokens, stop, self._cached_tokens))

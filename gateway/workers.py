@@ -1,5 +1,6 @@
 """The gateway's view of its workers (worker_clients.py: one channel and stream per worker): load polling,
-health, routing, and the Reserve call with its retry policy."""
+health, the index of their prefix caches (kv_index.py, fed by kv_watch.py), routing (router.py: by load, and by
+uncached prompt tokens when the cache routing weight is > 0), and the Reserve call with its retry policy."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,8 @@ from collections.abc import Callable
 import grpc
 
 from gateway.config import GatewayConfig
+from gateway.kv_index import KVIndex, Overlap, PromptKeys
+from gateway.kv_watch import KVWatch
 from gateway.liveness import DecodeLiveness
 from gateway.migration import Migrations
 from gateway.router import DecodeLoad, DecodeRouter, PrefillLoad, PrefillRouter
@@ -48,16 +51,21 @@ class WorkerPool:
         self.polled = asyncio.Event()  # set after the first polling round
         self.standing = (StandingLeases(self, config.standing_lease_tokens, config.standing_lease_ttl_s)
                          if config.standing_lease_tokens else None)
+        self.kv_index = KVIndex()
+        self.kv_watch = KVWatch(self.kv_index, [(w.load.address, w.channel) for w in (*self.prefill, *self.decode)],
+                                self.metadata)
 
     # --- polling and health -------------------------------------------------------------------------
     def start(self) -> None:
         self._poller = asyncio.create_task(self._poll_forever())
+        self.kv_watch.start()
         if self.standing is not None:
             self.standing.start()
 
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        await self.kv_watch.close()
         if self.standing is not None:
             await self.standing.close()
         for worker in (*self.prefill, *self.decode):
@@ -91,7 +99,7 @@ class WorkerPool:
             self.liveness.probed(worker, answered=True)
             worker.load.polled(load.free_pages - load.headroom_pages, load.total_pages, load.running, load.page_size,
                                load.free_state_slots if load.total_state_slots else None,
-                               Placement(load.placement.node_id, kv_pool=load.placement.kv_pool))
+                               Placement(load.placement.node_id, kv_pool=load.placement.kv_pool), load.standing_pages)
             self._mark(worker.load, True)
 
         await asyncio.gather(*map(prefill, self.prefill), *map(decode, self.decode))
@@ -119,8 +127,31 @@ class WorkerPool:
                 self._on_health(healthy)
 
     # --- routing ------------------------------------------------------------------------------------
-    def pick_prefill(self) -> PrefillWorker:
-        order = self._prefill_router.rank([w.load for w in self.prefill])
+    def overlap(self, address: str, prompt: PromptKeys | None) -> Overlap:
+        """What the worker at `address` holds of the prompt, as the KV index knows it."""
+        return self.kv_index.overlap(address, prompt) if prompt is not None else Overlap()
+
+    def _decode_order(self, num_tokens: int, prompt: PromptKeys | None) -> list[int]:
+        loads = [w.load for w in self.decode]
+        weights = self.config.cache_weights
+        if prompt is None or not weights.weight:
+            return self._decode_router.rank(loads, num_tokens)
+        uncached = [num_tokens - self.overlap(load.address, prompt).page_tokens for load in loads]
+        return self._decode_router.rank(loads, num_tokens, uncached, weights)
+
+    def pick_prefill(self, prompt: PromptKeys | None = None) -> PrefillWorker:
+        """The prefill worker the router ranks first (by load; with the prompt's keys and a cache routing weight,
+        by uncached prompt tokens against load)."""
+        loads = [w.load for w in self.prefill]
+        weights = self.config.cache_weights
+        if prompt is None or not weights.weight:
+            order = self._prefill_router.rank(loads)
+        else:
+            total = len(prompt.token_ids)
+            uncached = [total - self.overlap(load.address, prompt).lookup_tokens for load in loads]
+            sizes = [self.kv_index.cache_of(load.address) for load in loads]
+            page_size = next((cache.page_size for cache in sizes if cache is not None and cache.page_size), 16)
+            order = self._prefill_router.rank(loads, uncached, weights, page_size)
         if not order:
             raise Unavailable("no reachable prefill worker")
         return self.prefill[order[0]]
@@ -170,13 +201,13 @@ class WorkerPool:
         """The Transport of a request reserved on `decode` (gateway/transport_choice.py)."""
         return TRANSPORT_VALUES[choose_transport(self.config.transport, self.prefill_placement(), decode.load.placement)]
 
-    def take_standing(self, num_prompt_tokens: int) -> tuple[DecodeWorker, kv_pb2.KVDestination] | None:
+    def take_standing(self, num_prompt_tokens: int,
+                      prompt: PromptKeys | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination] | None:
         """A standing lease (gateway/standing_leases.py) for the prompt, on the decode worker the router ranks
         first if it holds one, or None: Reserve as usual. The destination names the spare's request id: run under it."""
         if self.standing is None:
             return None
-        return self.standing.take(num_prompt_tokens, self._decode_router.rank([w.load for w in self.decode],
-                                                                              num_prompt_tokens))
+        return self.standing.take(num_prompt_tokens, self._decode_order(num_prompt_tokens, prompt))
 
     def refill_standing(self) -> None:
         """A run that took a standing lease has sent its first token on: refill the spare now (standing_leases.py)."""
@@ -185,25 +216,26 @@ class WorkerPool:
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
                       deadline: float | None, trace_id: str | None = None,
-                      prompt_ids: list[int] | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
+                      prompt: PromptKeys | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination]:
         """Reserve on the best decode worker, with the transport chosen for it; on RESOURCE_EXHAUSTED tries the
         others, then waits and retries until the admission timeout (or the request's deadline). trace_id:
-        the x-request-id to send (default: request_id). prompt_ids: sent for the decode worker's prefix-cache
-        lookup (the destination's cached_tokens / checkpoint_tokens say what it holds)."""
+        the x-request-id to send (default: request_id); prompt: its token ids and page keys (cache-aware ranking,
+        and sent for the decode worker's prefix-cache lookup: the destination's cached_tokens / checkpoint_tokens
+        say what it holds)."""
         trace_id = trace_id or request_id
         give_up = time.monotonic() + self.config.admission_timeout_s
         if deadline is not None:
             give_up = min(give_up, deadline)
         backoff, last = 0.005, "no decode worker"
         while True:
-            order = self._decode_router.rank([w.load for w in self.decode], num_prompt_tokens)
+            order = self._decode_order(num_prompt_tokens, prompt)
             if not order:
                 raise Unavailable("no reachable decode worker")
             for index in order:
                 worker = self.decode[index]
                 request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
                                                     max_new_tokens=max_new_tokens, transport=self.transport_for(worker),
-                                                    prompt_token_ids=prompt_ids or ())
+                                                    prompt_token_ids=prompt.token_ids if prompt is not None else ())
                 call = asyncio.ensure_future(worker.stub.Reserve(request, timeout=remaining(deadline),
                                                                   metadata=self._metadata_for(trace_id)))
                 claimed = worker.load.claim(num_prompt_tokens + 1)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache.kv_events import KVEventLog
 from engine.runtime.outputs import PrefillJob, PrefillResult, PrefixCacheStats
 from engine.sampling_params import SamplingParams
 from engine.runtime.sequence import TokenLogprob
@@ -139,6 +140,14 @@ class PrefillService:
     def _cache_stats(self) -> PrefixCacheStats | None:
         """The engine's prefix cache counters (thread-safe: they are read under the engine's pool lock)."""
         return getattr(self.engine, "prefix_cache_stats", None)
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """The engine's prefix cache events (engine/cache/kv_events.py; an empty log with the cache off)."""
+        log = getattr(self.engine, "kv_events", None)
+        if log is None:
+            log = self.__dict__.setdefault("_no_kv_events", KVEventLog())
+        return log
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -27,16 +27,16 @@ pages for the cached ones and saves a checkpoint on the branch's last node: the 
 with an earlier one recomputes back to a checkpoint once, every later one sharing it hits it whole."""
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.runtime.outputs import PrefixCacheStats
 from engine.cache.kv_cache import PageAllocator, PageTable
+from engine.cache.kv_events import CheckpointRemoved, CheckpointStored, KVEvent, KVEventLog, PageRemoved, PageStored
+from engine.cache.page_keys import chain_key, root_key
 
 
 @dataclass(eq=False)
@@ -122,13 +122,15 @@ class CheckpointSlots:
 
 class PrefixCache:
     """The page cache of one engine. All methods run under the allocator's lock (the scheduler's decision,
-    a decode worker's reservation and the engine's publishing share it)."""
+    a decode worker's reservation and the engine's publishing share it). kv_events: record what enters and leaves
+    in `events` (engine/cache/kv_events.py: page stored / removed, checkpoint stored / removed) for routers."""
 
     def __init__(self, allocator: PageAllocator, page_size: int, salt: str, num_checkpoints: int = 0,
-                 needs_checkpoints: bool = False, checkpoint_interval: int = 0) -> None:
+                 needs_checkpoints: bool = False, checkpoint_interval: int = 0, kv_events: bool = True) -> None:
         self.allocator = allocator
         self.page_size = page_size
-        self.root = hashlib.blake2b(salt.encode(), digest_size=16).digest()
+        self.root = root_key(salt)
+        self.events: KVEventLog | None = KVEventLog(self.root, page_size, needs_checkpoints) if kv_events else None
         self.needs_checkpoints = needs_checkpoints
         self.checkpoint_interval = checkpoint_interval
         self.checkpoints = CheckpointSlots(num_checkpoints) if needs_checkpoints else None
@@ -142,9 +144,11 @@ class PrefixCache:
 
     # --- keys -------------------------------------------------------------------------------------------------
     def chain(self, parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
-        digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(array("q", tokens).tobytes())
-        return digest.digest()
+        return chain_key(parent, tokens)
+
+    def _record(self, event: KVEvent) -> None:
+        if self.events is not None:
+            self.events.record(event)
 
     # --- the allocator's side (EvictablePages) ----------------------------------------------------------------
     def holds(self, page: int) -> bool:
@@ -175,6 +179,7 @@ class PrefixCache:
     def _remove(self, node: CachedPage) -> None:
         del self._nodes[node.key]
         del self._by_page[node.page]
+        self._record(PageRemoved(node.key))  # (its checkpoint goes with it)
         self.num_evictable -= 1
         self.stats.evicted_pages += 1
         if self.checkpoints is not None and node.checkpoint is not None:
@@ -258,6 +263,7 @@ class PrefixCache:
                     node = CachedPage(key, parent, page, tokens, has_draft, last_used=next(self._tick))
                     self._nodes[key] = node
                     self._by_page[page] = node
+                    self._record(PageStored(key, parent, size, has_draft))
                     parent_node = self._nodes.get(parent)
                     if parent_node is not None:
                         parent_node.children += 1
@@ -279,6 +285,9 @@ class PrefixCache:
             slot, victim = self.checkpoints.take(node)
             if victim is not None:
                 self.stats.evicted_checkpoints += 1
+                self._record(CheckpointRemoved(victim.key))
+            if slot is not None:
+                self._record(CheckpointStored(key))
             return slot
 
     def drop_checkpoint(self, key: bytes) -> None:
@@ -286,6 +295,7 @@ class PrefixCache:
             node = self._nodes.get(key)
             if node is not None and node.checkpoint is not None and not self.checkpoints.pinned(node.checkpoint):
                 self.checkpoints.release(node)
+                self._record(CheckpointRemoved(key))
 
     def is_checkpoint_position(self, position: int, target: int) -> bool:
         """Prefill checkpoints: every checkpoint_interval tokens, and the last page boundary of the prompt."""
@@ -329,3 +339,9 @@ class PrefixCache:
                 assert held == set(self.checkpoints._lru), "checkpoint slots and nodes disagree"
                 assert not held & set(self.checkpoints._free)
                 assert len(held) + len(self.checkpoints._free) == self.checkpoints.num_slots
+            if self.events is not None:  # the KV events add up to what is held
+                snapshot = self.events.snapshot()
+                assert {page.key: page.parent for page in snapshot.pages} == {
+                    key: node.parent for key, node in self._nodes.items()}, "KV events and cached pages disagree"
+                assert set(snapshot.checkpoints) == {node.key for node in self._nodes.values()
+                                                     if node.checkpoint is not None}, "KV events and checkpoints disagree"

@@ -22,6 +22,7 @@ from engine.sampling.logits_processing import first_token_scores, grammar_masks,
 from engine.sampling.prompt_logprobs import logit_spans, prompt_token_logprobs
 from engine.runtime.model_runner import DTYPES, RunnerConfig, cache_shape_for
 from engine.runtime.prefill_jobs import run_prefill_jobs
+from engine.cache.kv_events import KVEventLog
 from engine.runtime.reserved_prompts import NO_HIT, ReservedHit, add_local, map_hit
 from engine.cache.prefix_cache import PrefixCache, PrefixHit
 from engine.cache.prefix_reuse import PrefixReuse
@@ -161,6 +162,11 @@ class LLMEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """A snapshot of the prefix cache's counters (all zero with prefix_cache off)."""
         return self.prefix_cache.snapshot() if self.prefix_cache is not None else PrefixCacheStats()
+
+    @property
+    def kv_events(self) -> KVEventLog | None:
+        """What enters and leaves the prefix cache (engine/cache/kv_events.py); None with the prefix cache off."""
+        return self.prefix_cache.events if self.prefix_cache is not None else None
 
     @functools.cached_property
     def _grammar_thread(self) -> concurrent.futures.ThreadPoolExecutor:

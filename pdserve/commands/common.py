@@ -56,6 +56,25 @@ def add_prefix_cache_argument(parser: argparse.ArgumentParser) -> None:
                              "models, state checkpoints across requests)")
 
 
+def add_cache_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The gateway's cache-aware routing (gateway/router.py; `pdserve gateway` and `pdserve up`)."""
+    from gateway.config import DEFAULT_CACHE_ROUTING_WEIGHT
+
+    parser.add_argument("--cache-routing-weight", type=float, default=DEFAULT_CACHE_ROUTING_WEIGHT, metavar="W",
+                        help="route by cost = W x uncached prompt pages + load pages, lowest wins (the workers' prefix "
+                             "caches as their KV events tell; docs/services.md); 0: by load only (default "
+                             f"{DEFAULT_CACHE_ROUTING_WEIGHT})")
+    parser.add_argument("--cache-routing-max-load", type=float, default=0.9, metavar="FRACTION",
+                        help="a decode worker using more than this fraction of its pages is overloaded: its cache does "
+                             "not count and it ranks after the others (default 0.9)")
+
+
+def cache_routing_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The gateway's command-line flags for the cache routing arguments parsed here."""
+    return ("--cache-routing-weight", str(args.cache_routing_weight),
+            "--cache-routing-max-load", str(args.cache_routing_max_load))
+
+
 def add_internal_token_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--internal-token-file", default=None,
                         help="file holding the token internal calls must carry (TCP deployments; "

@@ -5,7 +5,8 @@ import argparse
 from pathlib import Path
 
 from gateway.config import DEFAULT_DISAGG_THRESHOLD_TOKENS, DEFAULT_STANDING_LEASE_TOKENS
-from pdserve.commands.common import DEFAULT_GATEWAY, DEFAULT_HTTP, add_internal_token_argument, add_model_arguments, fail
+from pdserve.commands.common import (DEFAULT_GATEWAY, DEFAULT_HTTP, add_cache_routing_arguments,
+                                     add_internal_token_argument, add_model_arguments, fail)
 from rpc.interceptors import read_key_file, read_token_file
 from rpc.logging_setup import configure_logging
 
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its state checkpoint) is shorter than N tokens is prefilled by that decode worker itself, "
                              f"with no prefill hop (0: always a prefill worker; default {DEFAULT_DISAGG_THRESHOLD_TOKENS}, "
                              "measured: docs/services.md)")
+    add_cache_routing_arguments(parser)
     parser.add_argument("--hang-probe-failures", type=int, default=2, metavar="N",
                         help="a decode worker whose load probe (every 0.2 s, 2 s timeout) fails N times in a row is "
                              "hung: its running requests fail UNAVAILABLE and it is not routed to until it answers "
@@ -67,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
                                listen=args.listen, http_listen=args.http_listen, transport=args.transport, default_max_tokens=args.default_max_tokens,
                                admission_timeout_s=args.admission_timeout, standing_lease_tokens=args.standing_lease_tokens,
                                disagg_threshold_tokens=args.disagg_threshold_tokens,
+                               cache_routing_weight=args.cache_routing_weight,
+                               cache_routing_max_load=args.cache_routing_max_load,
                                liveness=LivenessConfig(args.hang_probe_failures, args.stream_silence),
                                migration=MigrationConfig(args.migration_limit),
                                max_request_bytes=args.max_request_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,

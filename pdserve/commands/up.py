@@ -11,8 +11,8 @@ import sys
 import threading
 
 from pdserve.commands.common import (
-    DEFAULT_GATEWAY, DEFAULT_HTTP, DEFAULT_MODEL_DIR, add_device_arguments, add_prefix_cache_argument, device_flags,
-    device_kwargs, fail,
+    DEFAULT_GATEWAY, DEFAULT_HTTP, DEFAULT_MODEL_DIR, add_cache_routing_arguments, add_device_arguments,
+    add_prefix_cache_argument, cache_routing_flags, device_flags, device_kwargs, fail,
 )
 from rpc.logging_setup import configure_logging
 
@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-cpus", default=None, metavar="LIST", help="pin the prefill workers to these CPUs (e.g. 0-3)")
     parser.add_argument("--decode-cpus", default=None, metavar="LIST", help="pin the decode workers to these CPUs")
     add_prefix_cache_argument(parser)
+    add_cache_routing_arguments(parser)
     parser.add_argument("--internal", choices=("uds", "tcp"), default="uds",
                         help="how the workers listen: Unix sockets in a private 0700 directory (default), or TCP on "
                              "127.0.0.1 with a generated token every internal call must carry")
@@ -102,6 +103,7 @@ def cpu_pinning(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, .
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("up", 0, args.log_level)
+    from gateway.router import CacheWeights
     from pdserve.launcher import Cluster, ClusterSpec
     from pdserve.hang_watch import HangPolicy, HangWatch
     from pdserve.supervisor import GaveUp, RestartPolicy, Supervisor
@@ -121,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
     try:
         prefill_pins, decode_pins = cpu_pinning(args)
+        CacheWeights(args.cache_routing_weight, args.cache_routing_max_load)  # refused here, before any process starts
         decode_args += decode_pins
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen, http_listen=args.http_listen,
@@ -128,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
                            draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args, prefill_args=prefill_pins,
                            log_level=args.log_level, internal=args.internal, tls_cert=args.tls_cert,
                            tls_key=args.tls_key, api_key_file=args.api_key_file,
-                           gateway_args=() if args.disagg_threshold_tokens is None else
-                           ("--disagg-threshold-tokens", str(args.disagg_threshold_tokens)))
+                           gateway_args=cache_routing_flags(args) + (() if args.disagg_threshold_tokens is None else
+                           ("--disagg-threshold-tokens", str(args.disagg_threshold_tokens))))
     except ValueError as error:
         return fail("up", error)
     stop = threading.Event()

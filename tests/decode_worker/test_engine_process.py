@@ -253,3 +253,38 @@ def test_a_hit_travels_from_the_engine_to_the_load_answer():
             assert message.prefix_hit_tokens == 64 and all(figure > 0 for figure in figures)
         else:
             assert figures == (0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("k3", [False, True], ids=["deepseek", "k3"])
+async def test_kv_events_mirror_equals_the_engine_cache(service_model, tmp_path, k3):
+    """The decode worker's mirror of its engine process's KV events (ProcessPort.kv_events, what WatchKVEvents
+    serves) ends with exactly the pages and checkpoints the same requests leave in an engine on a thread
+    (its own log, whose contents PrefixCache.check_consistency ties to the cache's nodes), and holds the
+    engine's first pages of the prompt under the keys the gateway computes (engine/cache/page_keys.py)."""
+    from engine.cache.page_keys import page_keys
+
+    model = make_k3_service_model(tmp_path) if k3 else service_model
+    contents = {}
+    for engine_process in (False, True):
+        config = _config(model, kv_memory_bytes=2 * 2**20, max_running=3) if k3 else _config(model)
+        service, receivers = await _started(config, engine_process=engine_process)
+        try:
+            for index in range(2):
+                await _generate(service, f"e{index}", 20)
+            await eventually(lambda: service.load.running == 0, "the requests finished")
+            if engine_process:
+                log = service.kv_events
+                await eventually(lambda: log.sequence > 1, "the engine's events in the mirror")
+            else:
+                engine = service._port.engine_thread.engine
+                log = engine.kv_events
+                engine.prefix_cache.check_consistency()
+            snapshot = log.snapshot()
+            contents[engine_process] = ({(p.key, p.parent) for p in snapshot.pages}, set(snapshot.checkpoints),
+                                        snapshot.root, snapshot.page_size)
+        finally:
+            await _stopped(service, receivers)
+    assert contents[True] == contents[False]
+    pages, checkpoints, root, page_size = contents[True]
+    assert page_size == PAGE_SIZE and {key for key, _ in pages} >= set(page_keys(root, PROMPT, PAGE_SIZE))
+    assert bool(checkpoints) is k3  # K3 keeps a decode checkpoint at the end of each request

@@ -10,8 +10,9 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 from gateway.orchestrator import FinishEvent, RequestRun, TokensEvent
 from gateway.requests import GenerateJob
-from gateway.router import PrefillLoad
+from gateway.router import DecodeLoad, PrefillLoad
 from gateway.worker_clients import PrefillWorker, WorkerClient
+from gateway.kv_index import Overlap
 from rpc.internal.v1 import kv_pb2, worker_pb2
 
 FIRST = 42
@@ -37,6 +38,7 @@ class _Workers:
 
     def __init__(self, order: list[Any]) -> None:
         self.order = order
+        self.load = DecodeLoad("decode")  # (this pool is its own decode worker)
         self.metadata: tuple[tuple[str, str], ...] = ()
         self.polled = asyncio.Event()
         self.polled.set()
@@ -46,7 +48,7 @@ class _Workers:
         self.reserved: list[str] = []
         self.spare: kv_pb2.KVDestination | None = None  # a standing lease take_standing hands out once
 
-    def take_standing(self, num_prompt_tokens: int) -> tuple[Any, kv_pb2.KVDestination] | None:
+    def take_standing(self, num_prompt_tokens: int, prompt: Any = None) -> tuple[Any, kv_pb2.KVDestination] | None:
         spare, self.spare = self.spare, None
         return None if spare is None else (self, spare)
 
@@ -54,13 +56,16 @@ class _Workers:
         self.order.append("refill")
 
     async def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int, deadline: Any,
-                      trace_id: str | None = None, prompt_ids: list[int] | None = None) -> tuple[Any, kv_pb2.KVDestination]:
+                      trace_id: str | None = None, prompt: Any = None) -> tuple[Any, kv_pb2.KVDestination]:
         self.reserved.append(request_id)
         destination = kv_pb2.KVDestination(request_id=request_id, lease_id="lease",
                                            lease_deadline_unix_ms=int(time.time() * 1000) + 60_000)
         return self, destination
 
-    def pick_prefill(self) -> PrefillWorker:
+    def overlap(self, address: str, prompt: Any) -> Overlap:
+        return Overlap()  # (no KV index here)
+
+    def pick_prefill(self, prompt: Any = None) -> PrefillWorker:
         return self.prefill_worker
 
     @property
@@ -148,6 +153,9 @@ class _Phases:
 
     def finished(self, e2e_s: float, decode_steps: int, decode_tokens: int) -> None:
         self.seen.append(("finished", e2e_s))
+
+    def cache_routed(self, role: str, expected: int, actual: int | None) -> None:
+        pass  # (not a phase)
 
 
 def _observed_run(request_id: str, max_tokens: int = 4) -> tuple[RequestRun, _Phases]:

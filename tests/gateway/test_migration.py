@@ -20,6 +20,7 @@ from gateway.requests import GenerateJob
 from gateway.router import DecodeLoad, PrefillLoad
 from gateway.worker_clients import PrefillWorker, WorkerClient
 from gateway.worker_stream import rpc_error
+from gateway.kv_index import Overlap
 from rpc.internal.v1 import kv_pb2, worker_pb2
 from rpc.status import Unavailable
 
@@ -64,14 +65,14 @@ class _Pool:
         self.prefill_worker = WorkerClient(PrefillLoad("prefill"), channel=None, stub=self,  # type: ignore[arg-type]
                                            stream=SimpleNamespace(submit=self._prefill))
 
-    def take_standing(self, num_prompt_tokens: int) -> None:
+    def take_standing(self, num_prompt_tokens: int, prompt: Any = None) -> None:
         return None
 
     def refill_standing(self) -> None:
         pass
 
     async def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int, deadline: Any,
-                      trace_id: str | None = None, prompt_ids: list[int] | None = None) -> tuple[Any, kv_pb2.KVDestination]:
+                      trace_id: str | None = None, prompt: Any = None) -> tuple[Any, kv_pb2.KVDestination]:
         if len(self.reserved) >= self.decode_workers:
             raise Unavailable("no reachable decode worker")
         self.reserved.append((request_id, num_tokens, max_new_tokens))
@@ -80,7 +81,10 @@ class _Pool:
         return worker, kv_pb2.KVDestination(request_id=request_id, lease_id="lease",
                                             lease_deadline_unix_ms=int(time.time() * 1000) + 60_000)
 
-    def pick_prefill(self) -> PrefillWorker:
+    def overlap(self, address: str, prompt: Any) -> Overlap:
+        return Overlap()  # (no KV index here)
+
+    def pick_prefill(self, prompt: Any = None) -> PrefillWorker:
         return self.prefill_worker
 
     def mark_unreachable(self, state: Any, error: Any) -> None:

@@ -13,8 +13,9 @@ from engine.sampling_params import SamplingParams
 from gateway.orchestrator import FinishEvent, RequestRun, TokensEvent
 from gateway.prefill_stream import PrefillStream
 from gateway.requests import GenerateJob
-from gateway.router import PrefillLoad
+from gateway.router import DecodeLoad, PrefillLoad
 from gateway.worker_clients import PrefillWorker, WorkerClient
+from gateway.kv_index import Overlap
 from rpc.interceptors import token_metadata
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from tests.prefill_worker.stream_server import TOKEN, shm_pool, start_worker, stop_worker  # noqa: F401 - fixture
@@ -27,6 +28,7 @@ class _RetryPool:
 
     def __init__(self, workers: list[PrefillWorker], destination: Any) -> None:
         self.prefill = workers
+        self.load = DecodeLoad("decode")  # (this pool is its own decode worker)
         self.metadata = token_metadata(TOKEN)
         self.polled = asyncio.Event()
         self.polled.set()
@@ -34,13 +36,16 @@ class _RetryPool:
         self._destination = destination
         self.marked: list[str] = []
 
-    def take_standing(self, num_prompt_tokens: int) -> Any:
+    def take_standing(self, num_prompt_tokens: int, prompt: Any = None) -> Any:
         return self, self._destination
 
     def refill_standing(self) -> None:
         pass
 
-    def pick_prefill(self) -> PrefillWorker:
+    def overlap(self, address: str, prompt: Any) -> Overlap:
+        return Overlap()  # (no KV index here)
+
+    def pick_prefill(self, prompt: Any = None) -> PrefillWorker:
         return next(worker for worker in self.prefill if worker.load.healthy)
 
     def mark_unreachable(self, state: PrefillLoad, error: grpc.aio.AioRpcError) -> None:

@@ -294,3 +294,75 @@ class GetDecodeLoadResponse(_message.Message):
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     def __init__(self, free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., requests_total: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., placement: _Optional[_Union[WorkerPlacement, _Mapping]] = ..., standing_leases: _Optional[int] = ..., standing_pages: _Optional[int] = ..., standing_state_slots: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_slots: _Optional[int] = ..., cached_pages: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class WatchKVEventsRequest(_message.Message):
+    __slots__ = ("instance_id", "after_sequence")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    after_sequence: int
+    def __init__(self, instance_id: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+
+class KVPageStored(_message.Message):
+    __slots__ = ("key", "parent_key", "num_tokens", "has_draft")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    parent_key: bytes
+    num_tokens: int
+    has_draft: bool
+    def __init__(self, key: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., has_draft: _Optional[bool] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("sequence", "stored", "removed", "checkpoint_stored", "checkpoint_removed", "cleared")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STORED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    stored: KVPageStored
+    removed: bytes
+    checkpoint_stored: bytes
+    checkpoint_removed: bytes
+    cleared: KVCleared
+    def __init__(self, sequence: _Optional[int] = ..., stored: _Optional[_Union[KVPageStored, _Mapping]] = ..., removed: _Optional[bytes] = ..., checkpoint_stored: _Optional[bytes] = ..., checkpoint_removed: _Optional[bytes] = ..., cleared: _Optional[_Union[KVCleared, _Mapping]] = ...) -> None: ...
+
+class KVCleared(_message.Message):
+    __slots__ = ("root_key", "page_size", "needs_checkpoints")
+    ROOT_KEY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    root_key: bytes
+    page_size: int
+    needs_checkpoints: bool
+    def __init__(self, root_key: _Optional[bytes] = ..., page_size: _Optional[int] = ..., needs_checkpoints: _Optional[bool] = ...) -> None: ...
+
+class KVSnapshot(_message.Message):
+    __slots__ = ("sequence", "root_key", "page_size", "pages", "checkpoint_keys", "needs_checkpoints")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_KEY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    root_key: bytes
+    page_size: int
+    pages: _containers.RepeatedCompositeFieldContainer[KVPageStored]
+    checkpoint_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    needs_checkpoints: bool
+    def __init__(self, sequence: _Optional[int] = ..., root_key: _Optional[bytes] = ..., page_size: _Optional[int] = ..., pages: _Optional[_Iterable[_Union[KVPageStored, _Mapping]]] = ..., checkpoint_keys: _Optional[_Iterable[bytes]] = ..., needs_checkpoints: _Optional[bool] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("instance_id", "snapshot", "events")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    snapshot: KVSnapshot
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, instance_id: _Optional[str] = ..., snapshot: _Optional[_Union[KVSnapshot, _Mapping]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...

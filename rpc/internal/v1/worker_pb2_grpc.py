@@ -419,3 +419,86 @@ class DecodeService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVEventServiceStub:
+    """--- KV events (issue 34 item 2): what enters and leaves a worker's prefix cache ------------------------------
+
+    Served by both workers beside their own service: the gateway's cache index (gateway/kv_index.py) follows it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.WatchKVEvents = channel.unary_stream(
+                '/pdserve.internal.v1.KVEventService/WatchKVEvents',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WatchKVEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+                _registered_method=True)
+
+
+class KVEventServiceServicer:
+    """--- KV events (issue 34 item 2): what enters and leaves a worker's prefix cache ------------------------------
+
+    Served by both workers beside their own service: the gateway's cache index (gateway/kv_index.py) follows it.
+    """
+
+    def WatchKVEvents(self, request, context):
+        """A full snapshot first when the caller's instance id or sequence number is unknown (0, too old, another
+        instance: the worker restarted), then batches of events in order. Never ends while the worker runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVEventServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WatchKVEventsRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.internal.v1.KVEventService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.internal.v1.KVEventService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVEventService:
+    """--- KV events (issue 34 item 2): what enters and leaves a worker's prefix cache ------------------------------
+
+    Served by both workers beside their own service: the gateway's cache index (gateway/kv_index.py) follows it.
+    """
+
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.internal.v1.KVEventService/WatchKVEvents',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.WatchKVEventsRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
