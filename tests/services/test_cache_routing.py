@@ -79,7 +79,8 @@ async def running_gateway(cluster, service_model: Path, tmp_path: Path, monkeypa
     monkeypatch.setattr(RequestRun, "_finish", recording_finish)
     config = GatewayConfig(model_dir=str(service_model), prefill=tuple(worker_address(cluster, r) for r in PREFILL),
                            decode=tuple(worker_address(cluster, r) for r in DECODE), listen="127.0.0.1:0",
-                           load_poll_interval_s=0.05, standing_lease_tokens=0, cache_routing_weight=weight)
+                           load_poll_interval_s=0.05, standing_lease_tokens=0, cache_routing_weight=weight,
+                           disagg_threshold_tokens=0)  # every turn through a prefill worker (its cache is watched)
     stop, ready = asyncio.Event(), tmp_path / f"gateway-{weight}.addr"
     task = asyncio.create_task(serve_gateway(config, stop=stop, ready_file=str(ready)))
     try:
