@@ -1,10 +1,11 @@
 """The runs behind one OpenAI request with n choices: each choice is its own GatewayService run, read by the HTTP
 handler as one sequence of (choice index, event).
 
-The prompt is computed once: choices 1..n-1 start when choice 0's first token is out (or it ended), so their
-prefill finds the prompt's full pages in the prefill worker's prefix cache (and, where the decode worker
-reuses what it holds, in the decode worker's) and computes only the last partial page. The cost: their first
-token comes one short prefill after choice 0's."""
+The prompt is computed and held once: choices 1..n-1 start when choice 0 decodes (its first decode update, or its
+end), so their prefill finds the prompt's full pages in the prefill worker's prefix cache and computes only the
+last partial page, and their Reserve on choice 0's decode worker (where cache-aware routing sends them) maps the
+pages choice 0 holds there: the choices decode on shared prompt pages, each writing only its own. The cost: their
+first token comes a decode step and a short prefill after choice 0's."""
 from __future__ import annotations
 
 import asyncio
@@ -26,12 +27,12 @@ class Choices:
 
     @classmethod
     async def submit(cls, service: GatewayService, requests: list[gateway_pb2.GenerateRequest], arrival: float) -> Choices:
-        """Submits every choice's request (all validated now; 1..n-1 gated on choice 0's first token); if one is
+        """Submits every choice's request (all validated now; 1..n-1 gated on choice 0's decoding); if one is
         refused, the ones already started are cancelled."""
         runs: list[RequestRun] = []
         try:
             for message in requests:
-                runs.append(await service.submit(message, False, arrival, None, runs[0].first_out if runs else None))
+                runs.append(await service.submit(message, False, arrival, None, runs[0].decoding if runs else None))
         except BaseException:
             for run in runs:
                 run.cancel()

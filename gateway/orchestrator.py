@@ -121,10 +121,11 @@ class RequestRun:
                  observer: RunObserver | None = None, disagg_threshold_tokens: int = 0,
                  after: asyncio.Event | None = None) -> None:
         self.job = job
-        # after: the run starts once this is set (choices 1..n-1 of an n > 1 request wait for choice 0's first
-        # token, so they find its prompt in the prefix caches instead of computing it beside it)
+        # after: the run starts once this is set (choices 1..n-1 of an n > 1 request wait until choice 0 decodes, so
+        # they find its prompt in the prefix caches - prefill's and, on the same decode worker, decode's, which
+        # publishes a claimed prompt's pages at once - instead of computing it beside it)
         self._after = after
-        self.first_out = asyncio.Event()  # set at this run's first token or its end, whichever comes first
+        self.decoding = asyncio.Event()  # set at this run's first decode update or its end, whichever comes first
         # Two ids, each with one name from here to the workers: trace_id is the client's request id (the
         # x-request-id every service's log lines carry: `trace_id` on the worker streams); request_id is the
         # id the workers know this run by (`request_id` in every worker message), unique per run so that a
@@ -193,7 +194,7 @@ class RequestRun:
             self._observe_end()
             self.events.put_nowait(ErrorEvent(status))
         finally:
-            self.first_out.set()
+            self.decoding.set()
             try:
                 await asyncio.wait_for(self._cleanup(), self._cleanup_budget())
             except (asyncio.TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError) as error:
@@ -204,7 +205,8 @@ class RequestRun:
         if not self._pool.polled.is_set():
             await asyncio.wait_for(self._pool.polled.wait(), remaining(self._deadline))
         keys = PromptKeys(job.prompt_ids)
-        standing = self._pool.take_standing(len(job.prompt_ids), keys)
+        # (a run gated on another's prompt - a choice of an n > 1 request - reserves, so the decode worker maps it)
+        standing = self._pool.take_standing(len(job.prompt_ids), keys) if self._after is None else None
         if standing is not None:  # a spare reservation: no Reserve round trip; run under its id on the workers
             self._decode, destination = standing
             self.request_id = destination.request_id
@@ -276,6 +278,7 @@ class RequestRun:
             if first_chunk and observer is not None:  # the gap after the first token: Decode set-up + one step
                 observer.decode_started(time.perf_counter() - prefilled)
             first_chunk = False
+            self.decoding.set()
             self._decode_steps += chunk.decode_steps
             self._decode_tokens += len(chunk.token_ids)
             if chunk.token_ids and self._emit(list(chunk.token_ids), list(chunk.logprobs)):
@@ -385,7 +388,6 @@ class RequestRun:
         """Queues tokens and their text; True when a stop string ended the output."""
         self._completion_tokens += len(token_ids)
         self._generated.extend(token_ids)
-        self.first_out.set()
         if not self._ttft_ms:  # (a prefill on the decode worker: its first update)
             self._ttft_ms = (time.perf_counter() - self._arrival) * 1000
         if self._observer is not None:

@@ -204,10 +204,14 @@ class WorkerPool:
     def take_standing(self, num_prompt_tokens: int,
                       prompt: PromptKeys | None = None) -> tuple[DecodeWorker, kv_pb2.KVDestination] | None:
         """A standing lease (gateway/standing_leases.py) for the prompt, on the decode worker the router ranks
-        first if it holds one, or None: Reserve as usual. The destination names the spare's request id: run under it."""
+        first if it holds one, or None: Reserve as usual - also when the KV index says that worker holds part of the
+        prompt (a spare takes no decode-side lookup). The destination names the spare's request id: run under it."""
         if self.standing is None:
             return None
-        return self.standing.take(num_prompt_tokens, self._decode_order(num_prompt_tokens, prompt))
+        order = self._decode_order(num_prompt_tokens, prompt)
+        if order and self.overlap(self.decode[order[0]].load.address, prompt).page_tokens:
+            return None  # that worker holds part of the prompt: a Reserve maps it (a spare would not look it up)
+        return self.standing.take(num_prompt_tokens, order)
 
     def refill_standing(self) -> None:
         """A run that took a standing lease has sent its first token on: refill the spare now (standing_leases.py)."""

@@ -78,6 +78,12 @@ class PrefixReuse:
         """A finishing or aborted sequence: its full pages stay cached."""
         self._publish(seq)
 
+    def prefilled(self, seq: Sequence) -> None:
+        """A sequence whose prompt another worker wrote (verified at its claim): its full prompt pages are published
+        at once, so a request sharing the prompt (the other choices of an n > 1 request, the next turn) finds them
+        before this one has run a step."""
+        self._publish(seq)
+
     def _join_branch(self, seq: Sequence) -> bool:
         """A sequence whose prefill reached its branch's end: its recomputed pages there duplicate the branch's
         cached ones; the page table takes the cached pages (their references move from the branch to the table)

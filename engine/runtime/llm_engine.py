@@ -331,6 +331,8 @@ class LLMEngine:
         seq.state_slot = state_slot
         seq.num_cached = len(prompt_ids)
         seq.looked_up = True  # its prompt came from elsewhere: a recompute after preemption is not a first lookup
+        if self._reuse is not None:
+            self._reuse.prefilled(seq)
         if hit.checkpoint is not None:  # the state came whole from prefill: the checkpoint is not needed
             self.unpin_checkpoint(hit.checkpoint)
         if seq.generator is not None and not params.greedy:

@@ -1,4 +1,4 @@
-"""The n > 1 gate (gateway/http_choices.py): choices 1..n-1 start only when choice 0's first token is out, so
+"""The n > 1 gate (gateway/http_choices.py): choices 1..n-1 start only when choice 0 decodes (its first decode update), so
 their prefill finds the prompt in the prefix cache instead of computing it beside choice 0."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ async def _gated_pair() -> tuple[_HeldPrefill, RequestRun, RequestRun]:
     """Choice 0 and choice 1 gated on it, both started, with choice 0's prefill held."""
     workers = _HeldPrefill([])
     first = _run(workers, "c0", None)
-    second = _run(workers, "c1", first.first_out)
+    second = _run(workers, "c1", first.decoding)
     first.start()
     second.start()
     await _spin()
@@ -72,7 +72,7 @@ async def _finish(run: RequestRun) -> FinishEvent:
 
 
 async def test_a_gated_choice_waits_for_the_first_token_of_choice_0():
-    """While choice 0's prefill is held, choice 1 reserves nothing; once the first token is out it runs to the end."""
+    """While choice 0's prefill is held, choice 1 reserves nothing; once choice 0 decodes it runs to the end."""
     workers, first, second = await _gated_pair()
     assert [r.split(".")[0] for r in workers.reserved] == ["c0"] and len(workers.prefill_requests) == 1
     workers.release.set()
@@ -94,7 +94,7 @@ async def test_an_ungated_choice_starts_at_once():
 
 
 async def test_a_failed_choice_0_still_releases_the_others():
-    """Choice 0 cancelled before its first token: the gate opens, choice 1 runs (and ends by itself)."""
+    """Choice 0 cancelled before it decodes: the gate opens, choice 1 runs (and ends by itself)."""
     _, first, second = await _gated_pair()
     first.cancel()
     assert (await _finish(first)).reason == "abort"

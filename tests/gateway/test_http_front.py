@@ -26,7 +26,7 @@ from rpc.status import ResourceExhausted, Unavailable, status_of
 class FakeRun:
     events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
-    first_out: asyncio.Event = field(default_factory=asyncio.Event)
+    decoding: asyncio.Event = field(default_factory=asyncio.Event)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -46,7 +46,7 @@ class FakeService:
         self.tokenizer = FakeTokenizer()
         self.metrics = GatewayMetrics()
         self.submitted: list[Any] = []
-        self.gates: list[asyncio.Event | None] = []  # the `after` each submit got (n > 1: choice 0's first_out)
+        self.gates: list[asyncio.Event | None] = []  # the `after` each submit got (n > 1: choice 0's decoding)
         self.runs: list[FakeRun | Exception] = []
 
     async def submit(self, message: Any, both_inputs: bool, arrival: float, deadline: float | None,

@@ -267,3 +267,17 @@ def test_narrowing_beyond_the_lease_is_refused(tokens):
     message = kv_pb2.KVDestination(page_ids=[1, 2, 3, 4], num_tokens=TOKENS)
     with pytest.raises(ValueError, match="cannot narrow"):
         narrowed_destination(message, tokens, PAGE_SIZE)
+
+
+async def test_a_prompt_the_decode_worker_holds_part_of_reserves_instead(monkeypatch):
+    """When the KV index says the decode worker holds some of the prompt's pages, take_standing gives nothing (a
+    spare takes no decode-side lookup; a Reserve maps the pages); a prompt it holds nothing of takes the spare."""
+    from gateway.kv_index import Overlap, PromptKeys
+
+    fake = _LeasingDecode()
+    pool = await _started(fake)
+    held = PromptKeys(list(range(20)))
+    monkeypatch.setattr(pool, "overlap", lambda address, prompt: Overlap(16, 16) if prompt is held else Overlap())
+    assert pool.take_standing(20, held) is None and pool.standing.taken == 0
+    assert pool.take_standing(20, PromptKeys(list(range(100, 120)))) is not None and pool.standing.taken == 1
+    await pool.close()

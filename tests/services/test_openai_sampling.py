@@ -3,10 +3,14 @@ so decoding speculates), with the official `openai` client: n choices, logit_bia
 min_tokens / stop_token_ids, each compared with the in-process engine where the output is determined."""
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import openai
 import pytest
 
 from engine import SamplingParams
+from tests.services.helpers import scrape
 from tests.services.test_openai_http import client, model  # noqa: F401 - the shared openai client fixtures
 
 pytestmark = pytest.mark.slow
@@ -27,10 +31,12 @@ def test_greedy_n3_returns_three_identical_choices(cluster, client, model):
 
 
 def test_n3_computes_the_prompt_once(cluster, client, model):
-    """n=3 on a 40-token prompt (two full pages of 16): choices 1 and 2 start after choice 0's first token, so the
-    prefill worker's prefix cache serves their first 32 prompt tokens (the gateway's finish lines say so); choice 0
-    computed it all. Negative control: choice 0's own line reports 0 cached tokens."""
+    """n=3 on a 40-token prompt (two full pages of 16): choices 1 and 2 start once choice 0 decodes, so the prefill
+    worker's prefix cache serves their first 32 prompt tokens (the gateway's finish lines say so) and the decode
+    worker maps its own copy of those pages into their reservations (its cached-token counter grows by 2 x 32:
+    the choices decode on shared prompt pages); choice 0 computed it all (negative control: 0 cached)."""
     prompt = [(7 * i + 3) % 50 + 5 for i in range(40)]
+    decode_cached = asyncio.run(_decode_cached(cluster))
     response = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=4, temperature=0,
                                          extra_body={"ignore_eos": True}, extra_headers={"x-request-id": "shared-n3"})
     assert len({choice.text for choice in response.choices}) == 1
@@ -38,6 +44,14 @@ def test_n3_computes_the_prompt_once(cluster, client, model):
     for suffix, cached in (("", 0), (".1", 32), (".2", 32)):
         mine = [line for line in lines if f"request=shared-n3{suffix} " in line]
         assert len(mine) == 1 and f"40 prompt ({cached} cached)" in mine[0], (suffix, mine)
+    assert asyncio.run(_decode_cached(cluster)) - decode_cached == 64
+
+
+async def _decode_cached(cluster) -> float:
+    """The decode worker's pdserve_decode_cached_tokens_total (prompt tokens its Reserve found cached)."""
+    async with aiohttp.ClientSession() as http:
+        samples = await scrape(http, cluster.metrics_addresses()["decode-0"])
+    return samples[("pdserve_decode_cached_tokens_total", frozenset())]
 
 
 def test_sampled_n3_streams_three_choices(client, model):
