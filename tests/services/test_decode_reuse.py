@@ -88,11 +88,14 @@ def _handoff_bytes(log_dir: Path, transport: str) -> list[int]:
     return [int(n) for n in re.findall(rf"{transport} handoff of (\d+) bytes", (log_dir / "prefill-0.log").read_text())]
 
 
-@pytest.mark.parametrize("transport", ["shm", "grpc"])
+@pytest.mark.parametrize("transport", ["shm", "grpc", "device"])
 async def test_shared_prefix_reserves_and_writes_only_the_suffix_pages(model, reference, transport, tmp_path):
     """The second request's reservation holds the decode worker's 37 cached pages and the prefill worker writes (shm
-    in place) or pushes (grpc) only the pages after them (bytes = those pages + the whole KDA state, what the
-    completion record / the pushed chunks cover); the texts equal the cache-off engine's."""
+    in place; device: the CPU's memfd stand-in of IPC pools) or pushes (grpc) only the pages after them (bytes =
+    those pages + the whole KDA state, what the completion record / the pushed chunks cover); the texts equal the
+    cache-off engine's."""
+    if transport == "device" and model == K3_MODEL_DIR:
+        pytest.skip("the device transport carries no KDA state yet (prefill_worker/service.py refuses it)")
     layout: KVLayout = reference["layout"]
     cluster = await asyncio.to_thread(_launch, model, tmp_path, transport)
     try:
