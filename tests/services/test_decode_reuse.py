@@ -88,11 +88,14 @@ def _handoff_bytes(log_dir: Path, transport: str) -> list[int]:
     return [int(n) for n in re.findall(rf"{transport} handoff of (\d+) bytes", (log_dir / "prefill-0.log").read_text())]
 
 
-@pytest.mark.parametrize("transport", ["shm", "grpc"])
+@pytest.mark.parametrize("transport", ["shm", "grpc", "device"])
 async def test_shared_prefix_reserves_and_writes_only_the_suffix_pages(model, reference, transport, tmp_path):
     """The second request's reservation holds the decode worker's 37 cached pages and the prefill worker writes (shm
-    in place) or pushes (grpc) only the pages after them (bytes = those pages + the whole KDA state, what the
-    completion record / the pushed chunks cover); the texts equal the cache-off engine's."""
+    in place; device: the CPU's memfd stand-in of IPC pools) or pushes (grpc) only the pages after them (bytes =
+    those pages + the whole KDA state, what the completion record / the pushed chunks cover); the texts equal the
+    cache-off engine's."""
+    if transport == "device" and model == K3_MODEL_DIR:
+        pytest.skip("the device transport carries no KDA state yet (prefill_worker/service.py refuses it)")
     layout: KVLayout = reference["layout"]
     cluster = await asyncio.to_thread(_launch, model, tmp_path, transport)
     try:
@@ -128,6 +131,18 @@ async def test_short_suffix_turn_is_prefilled_on_the_decode_worker(model, refere
     assert after["local_prefills"] == before["local_prefills"] + 1 == 1
     assert third.complete.usage.cached_tokens == 912 and third.complete.usage.prompt_tokens == len(reference["turn"])
     assert third.complete.usage.completion_tokens == MAX_TOKENS
+
+
+async def _status_within(stub, prompt: list[int], timeout: float) -> grpc.StatusCode:
+    """The status a 4,000-token request ends with under a `timeout` s deadline: the gateway's Error message, or
+    the call's status when the client's deadline struck first."""
+    try:
+        result = await generate(stub, build_request(prompt, max_tokens=4000, temperature=0.0, ignore_eos=True),
+                                timeout=timeout)
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    assert result.error is not None, "a 4,000-token request finished within its deadline"
+    return next(code for code in grpc.StatusCode if code.value[0] == result.error.code)
 
 
 async def _reserve_and_abandon(address: str, prompt: list[int]) -> kv_pb2.KVDestination:
@@ -171,10 +186,7 @@ async def test_nothing_leaks_after_aborts_deadlines_and_expiry_with_hits_held(mo
                     break
             call.cancel()
             for prompt in (turn, SECOND + NEW_MESSAGE * 30):  # local, then disaggregated (300 new tokens)
-                with pytest.raises(grpc.aio.AioRpcError) as error:
-                    await generate(stub, build_request(prompt, max_tokens=4000, temperature=0.0, ignore_eos=True),
-                                   timeout=0.5)
-                assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert await _status_within(stub, prompt, 0.5) == grpc.StatusCode.DEADLINE_EXCEEDED
         destination = await _reserve_and_abandon(decode, turn)
         assert destination.cached_tokens >= 896  # the lease holds the hit's pages until it expires
         load = await _at_rest(decode)

@@ -44,6 +44,9 @@ class _DecodeService:
     lease_expiries: int = 1
     port: _Port = field(default_factory=_Port)
 
+    def book_figure(self, name: str) -> int:
+        return {"cached_tokens": 48, "local_prefills": 2}[name]
+
 
 def _samples(registry) -> dict[tuple[str, tuple], float]:
     text = generate_latest(registry).decode()
@@ -68,6 +71,8 @@ def test_decode_collector_reads_the_service():
     assert samples[("pdserve_spec_verify_steps_total", ())] == 10
     assert samples[("pdserve_spec_accepted_draft_tokens_total", ())] == 25
     assert samples[("pdserve_decode_engine_steps_total", ())] == 6
+    assert samples[("pdserve_decode_cached_tokens_total", ())] == 48
+    assert samples[("pdserve_decode_local_prefills_total", ())] == 2
     assert samples[("pdserve_decode_engine_step_tokens_total", ())] == 40
     assert samples[("pdserve_prefix_cache_pages", ())] == 11
     assert samples[("pdserve_prefix_cache_queried_tokens_total", ())] == 300
