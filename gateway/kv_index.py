@@ -89,7 +89,7 @@ class KVIndex:
     def __init__(self) -> None:
         self._workers: dict[str, WorkerCache] = {}
 
-    def apply(self, address: str, batch: worker_pb2.KVEventBatch) -> bool:
+    def apply(self, address: str, batch: worker_pb2.WatchKVEventsResponse) -> bool:
         cache = self._workers.get(address)
         if batch.HasField("snapshot"):
             cache = self._workers.setdefault(address, WorkerCache())

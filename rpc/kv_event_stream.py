@@ -1,5 +1,5 @@
 """WatchKVEvents on a worker: one prefix cache's KV event log (engine/cache/kv_events.py, duck-typed here: floor 0
-imports no engine) streamed as KVEventBatch messages.
+imports no engine) streamed as WatchKVEventsResponse messages.
 
 A watcher whose instance id and sequence number the log still knows gets the events after that number; any other
 (0, too old, another instance) gets a full snapshot first. Then every batch follows the previous one without a gap
@@ -64,8 +64,8 @@ def event_to_proto(sequence: int, event: Any) -> worker_pb2.KVEvent:
     return message
 
 
-def snapshot_to_proto(snapshot: SnapshotLike) -> worker_pb2.KVEventBatch:
-    return worker_pb2.KVEventBatch(instance_id=snapshot.instance_id, snapshot=worker_pb2.KVSnapshot(
+def snapshot_to_proto(snapshot: SnapshotLike) -> worker_pb2.WatchKVEventsResponse:
+    return worker_pb2.WatchKVEventsResponse(instance_id=snapshot.instance_id, snapshot=worker_pb2.KVSnapshot(
         sequence=snapshot.sequence, root_key=snapshot.root, page_size=snapshot.page_size,
         pages=[_page(page) for page in snapshot.pages], checkpoint_keys=list(snapshot.checkpoints),
         needs_checkpoints=snapshot.needs_checkpoints))
@@ -111,7 +111,7 @@ class KVEventPublisher:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    async def watch(self, instance_id: str, after: int) -> AsyncIterator[worker_pb2.KVEventBatch]:
+    async def watch(self, instance_id: str, after: int) -> AsyncIterator[worker_pb2.WatchKVEventsResponse]:
         """The batches for a watcher that last saw event `after` of instance `instance_id`."""
         log = self._log()
         self._attach(log)
@@ -125,7 +125,7 @@ class KVEventPublisher:
                 yield snapshot_to_proto(snapshot)
             elif events:
                 after = events[-1][0]
-                yield worker_pb2.KVEventBatch(instance_id=instance_id,
+                yield worker_pb2.WatchKVEventsResponse(instance_id=instance_id,
                                               events=[event_to_proto(number, event) for number, event in events])
             else:
                 await changed.wait()
@@ -138,6 +138,6 @@ class KVEventServicer(worker_pb2_grpc.KVEventServiceServicer):
         self._publisher = publisher
 
     async def WatchKVEvents(self, request: worker_pb2.WatchKVEventsRequest,
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KVEventBatch]:
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.WatchKVEventsResponse]:
         async for batch in self._publisher.watch(request.instance_id, request.after_sequence):
             yield batch

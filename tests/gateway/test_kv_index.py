@@ -1,4 +1,4 @@
-"""The gateway's KV index (gateway/kv_index.py), fed with KVEventBatch messages built by the workers' own code
+"""The gateway's KV index (gateway/kv_index.py), fed with WatchKVEventsResponse messages built by the workers' own code
 (rpc/kv_event_stream.py over an engine KVEventLog).
 
 Invariants: a snapshot replaces what was known; events apply only in order and of the same instance: a gap or an
@@ -28,8 +28,8 @@ def _publish(log: KVEventLog, tokens: list[int], pages: int) -> list[bytes]:
     return keys
 
 
-def _batch(log: KVEventLog, after: int) -> worker_pb2.KVEventBatch:
-    return worker_pb2.KVEventBatch(instance_id=log.instance_id,
+def _batch(log: KVEventLog, after: int) -> worker_pb2.WatchKVEventsResponse:
+    return worker_pb2.WatchKVEventsResponse(instance_id=log.instance_id,
                                    events=[event_to_proto(n, e) for n, e in log.read(after)])
 
 
@@ -60,9 +60,9 @@ def test_gap_and_new_instance_force_a_resubscription():
     assert index.apply("w", snapshot_to_proto(log.snapshot()))
     _publish(log, PROMPT, 3)
     events = log.read(1)
-    in_order = worker_pb2.KVEventBatch(instance_id=log.instance_id, events=[event_to_proto(*events[0])])
+    in_order = worker_pb2.WatchKVEventsResponse(instance_id=log.instance_id, events=[event_to_proto(*events[0])])
     assert index.apply("w", in_order)
-    gap = worker_pb2.KVEventBatch(instance_id=log.instance_id, events=[event_to_proto(*events[2])])
+    gap = worker_pb2.WatchKVEventsResponse(instance_id=log.instance_id, events=[event_to_proto(*events[2])])
     assert not index.apply("w", gap)
     assert index.cache_of("w") is None and index.position("w") == ("", 0)
     assert index.apply("w", snapshot_to_proto(log.snapshot()))  # the resubscription's snapshot

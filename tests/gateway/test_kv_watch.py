@@ -19,21 +19,21 @@ from tests.services.helpers import eventually
 KEY_A, KEY_B = b"a" * 16, b"b" * 16
 
 
-def _snapshot(instance: str, sequence: int, keys: list[bytes]) -> worker_pb2.KVEventBatch:
-    return worker_pb2.KVEventBatch(instance_id=instance, snapshot=worker_pb2.KVSnapshot(
+def _snapshot(instance: str, sequence: int, keys: list[bytes]) -> worker_pb2.WatchKVEventsResponse:
+    return worker_pb2.WatchKVEventsResponse(instance_id=instance, snapshot=worker_pb2.KVSnapshot(
         sequence=sequence, root_key=b"r" * 16, page_size=4,
         pages=[worker_pb2.KVPageStored(key=key, parent_key=b"r" * 16, num_tokens=4) for key in keys]))
 
 
-def _stored(instance: str, sequence: int, key: bytes) -> worker_pb2.KVEventBatch:
-    return worker_pb2.KVEventBatch(instance_id=instance, events=[worker_pb2.KVEvent(
+def _stored(instance: str, sequence: int, key: bytes) -> worker_pb2.WatchKVEventsResponse:
+    return worker_pb2.WatchKVEventsResponse(instance_id=instance, events=[worker_pb2.KVEvent(
         sequence=sequence, stored=worker_pb2.KVPageStored(key=key, parent_key=b"r" * 16, num_tokens=4))])
 
 
 class Scripted(worker_pb2_grpc.KVEventServiceServicer):
     """Call i answers script[i] (a list of batches, then: hold the stream open, or fail it UNAVAILABLE)."""
 
-    def __init__(self, script: list[tuple[list[worker_pb2.KVEventBatch], str]]) -> None:
+    def __init__(self, script: list[tuple[list[worker_pb2.WatchKVEventsResponse], str]]) -> None:
         self.script = script
         self.requests: list[worker_pb2.WatchKVEventsRequest] = []
 

@@ -70,7 +70,7 @@ async def test_known_position_resumes_and_unknown_or_old_gets_a_snapshot():
     for number in range(1, 4):
         log.record(_page(number))  # sequence 2..4
     async with serving(log) as (stub, _):
-        async def first(instance_id: str, after: int) -> worker_pb2.KVEventBatch:
+        async def first(instance_id: str, after: int) -> worker_pb2.WatchKVEventsResponse:
             call = stub.WatchKVEvents(worker_pb2.WatchKVEventsRequest(instance_id=instance_id, after_sequence=after),
                                       timeout=60)
             async for batch in call:

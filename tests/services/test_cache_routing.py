@@ -92,7 +92,7 @@ async def running_gateway(cluster, service_model: Path, tmp_path: Path, monkeypa
         await task
 
 
-async def worker_snapshot(address: str) -> worker_pb2.KVEventBatch:
+async def worker_snapshot(address: str) -> worker_pb2.WatchKVEventsResponse:
     """The first message of a fresh WatchKVEvents: the worker's whole cache now."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = worker_pb2_grpc.KVEventServiceStub(channel).WatchKVEvents(worker_pb2.WatchKVEventsRequest(), timeout=60)

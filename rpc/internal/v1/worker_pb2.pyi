@@ -357,7 +357,7 @@ class KVSnapshot(_message.Message):
     needs_checkpoints: bool
     def __init__(self, sequence: _Optional[int] = ..., root_key: _Optional[bytes] = ..., page_size: _Optional[int] = ..., pages: _Optional[_Iterable[_Union[KVPageStored, _Mapping]]] = ..., checkpoint_keys: _Optional[_Iterable[bytes]] = ..., needs_checkpoints: _Optional[bool] = ...) -> None: ...
 
-class KVEventBatch(_message.Message):
+class WatchKVEventsResponse(_message.Message):
     __slots__ = ("instance_id", "snapshot", "events")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]

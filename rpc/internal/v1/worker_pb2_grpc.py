@@ -436,7 +436,7 @@ class KVEventServiceStub:
         self.WatchKVEvents = channel.unary_stream(
                 '/pdserve.internal.v1.KVEventService/WatchKVEvents',
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WatchKVEventsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WatchKVEventsResponse.FromString,
                 _registered_method=True)
 
 
@@ -460,7 +460,7 @@ def add_KVEventServiceServicer_to_server(servicer, server):
             'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchKVEvents,
                     request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WatchKVEventsRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WatchKVEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -492,7 +492,7 @@ class KVEventService:
             target,
             '/pdserve.internal.v1.KVEventService/WatchKVEvents',
             pdserve_dot_internal_dot_v1_dot_worker__pb2.WatchKVEventsRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.WatchKVEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
