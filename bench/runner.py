@@ -33,8 +33,8 @@ class BenchError(RuntimeError):
 
 
 def build_workload(config: BenchConfig, info: ModelSummary) -> list[BenchRequest]:
-    """The requests of a run (random, dataset, shared-prefix); a multi-turn run's warm-up prompts (random, of
-    the new messages' length: its turns are built while it runs, build_script)."""
+    """The requests of a run (random, dataset, shared-prefix); none for multi-turn, whose turns are built while
+    it runs (build_script)."""
     if config.dataset is not None:
         return dataset_requests(config.dataset, config.num_prompts, config.output_len, config.effective_ignore_eos)
     if info.vocab_size <= 0:
@@ -45,6 +45,8 @@ def build_workload(config: BenchConfig, info: ModelSummary) -> list[BenchRequest
             f"the workload's longest prompt ({longest} tokens) + --output-len {config.output_len} exceeds the "
             f"model's context of {info.max_context} tokens"
         )
+    if config.workload == "multi-turn":
+        return []
     if config.workload == "shared-prefix":
         return shared_prefix_requests(
             config.num_prompts, config.shared_prefix, config.output_len, usable_tokens(info.vocab_size, info.eos_token_ids),
