@@ -39,9 +39,10 @@ logger = logging.getLogger("bench_prefix_cache_up")
 class Deployment:
     """`pdserve up` in a process group of its own; address: its gateway (read from the banner)."""
 
-    def __init__(self, model: Path, cache: bool, threads: int, log_path: Path) -> None:
+    def __init__(self, model: Path, cache: bool, threads: int, log_path: Path, extra: tuple[str, ...] = ()) -> None:
         command = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--listen", "127.0.0.1:0",
                    "--http-listen", "", "--num-threads", str(threads)] + ([] if cache else ["--no-prefix-cache"])
+        command += list(extra)
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                         start_new_session=True)

@@ -9,6 +9,8 @@ import time
 import pytest
 
 from gateway.config import GatewayConfig
+from gateway.kv_index import Overlap
+from gateway.workers import WorkerPool
 from gateway.server import serve as serve_gateway
 from gateway.standing_leases import StandingLeases
 from tests.services.conftest import MAX_TOKENS, PROMPTS, worker_address
@@ -44,6 +46,9 @@ async def test_standing_lease_gateway_matches_in_process_and_frees_its_spare(clu
         return result
 
     monkeypatch.setattr(StandingLeases, "take", recording_take)
+    # every short prompt takes the spare: this test is about spares, not about the index-driven choice to Reserve
+    # a prompt the decode worker already holds part of (tests/gateway/test_standing_leases.py covers that)
+    monkeypatch.setattr(WorkerPool, "overlap", lambda self, address, prompt: Overlap())
     monkeypatch.setattr(StandingLeases, "start", lambda self: spares.append(self) or start(self))
     stop, ready = asyncio.Event(), tmp_path / "standing.addr"
     config = GatewayConfig(model_dir=str(service_model), prefill=(worker_address(cluster, "prefill-0"),),
