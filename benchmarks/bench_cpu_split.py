@@ -22,8 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench.workload import random_requests
-from benchmarks.bench_k3_batch import cpu_flags
-from benchmarks.common import Table, machine_description, spread
+from benchmarks.common import Table, cpu_flags, machine_description, spread
 from benchmarks.peer_servers import CACHE_DIR, Server, exit_on_sigterm, start_pdserve, write_peer_checkpoint
 from benchmarks.peer_vllm import SPECIAL_IDS, model_id, ratio_spread, run_workload
 

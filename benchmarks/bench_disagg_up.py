@@ -66,9 +66,6 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     print_header("prefix-aware disaggregation through `pdserve up` (2 prefill + 2 decode workers each)", args)
-    with open("/proc/cpuinfo") as info:
-        flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    print("CPU flags of note: " + " ".join(f for f in flags if f.startswith(("avx512", "amx", "avx2"))) + "  ")
     print(f"workload: {args.conversations} conversations x {args.turns} turns, {args.concurrency} in flight, "
           f"{args.system_prompt_len}-token system prompt, ~{args.message_len}-token messages, {args.answer_len}-token "
           f"answers, think {args.think_s} s; workers --num-threads {args.threads}\n", flush=True)

@@ -27,17 +27,6 @@ from engine.sampling_params import SamplingParams
 K3_DEFAULT = REPO_ROOT / "models" / "pdserve-k3-tiny"
 
 
-def cpu_flags() -> str:
-    """The vector extensions the CPU reports (what the matmuls can use)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            flags = next(line for line in handle if line.startswith("flags")).split(":", 1)[1].split()
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    return " ".join(flag for flag in wanted if flag in flags) or "none of " + ",".join(wanted)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(K3_DEFAULT))
@@ -49,7 +38,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print_header("bench_k3_batch: K3 default model decode, MXFP4 decoded copy on vs off (in process)", args)
-    print(f"CPU flags: {cpu_flags()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}\n")
+    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}\n")
     llm = LLM(args.model, device="cpu", num_threads=args.threads, max_running=max(args.batches))
     config = llm.model_config
     bench_prompts, source = held_out_prompts(args.model, max(args.batches), args.prompt_len, config.vocab_size,

@@ -158,9 +158,6 @@ def main() -> None:
     args = parser.parse_args()
     lengths = (256, 1024) if args.quick else (1024, 4097)
     print_header("prefix cache: on vs off, in process", args)
-    with open("/proc/cpuinfo") as info:
-        flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    print("CPU flags of note: " + " ".join(f for f in flags if f.startswith(("avx512", "amx", "avx2"))) + "\n")
     common = dict(model_dir=str(args.model), kv_memory_bytes=args.kv_memory_mb * 2**20, num_threads=args.threads)
     engines = {"off": LLMEngine(EngineConfig(prefix_cache=False, **common)),
                "on": LLMEngine(EngineConfig(prefix_cache=True, **common))}

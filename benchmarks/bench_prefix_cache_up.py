@@ -103,9 +103,6 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     print_header("prefix cache through `pdserve up`: on vs --no-prefix-cache", args)
-    with open("/proc/cpuinfo") as info:
-        flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    print("CPU flags of note: " + " ".join(f for f in flags if f.startswith(("avx512", "amx", "avx2"))) + "  ")
     print(f"workers: --num-threads {args.threads} each (one prefill + one decode worker per deployment)\n", flush=True)
     deployments = {}
     try:

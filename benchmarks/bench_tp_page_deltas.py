@@ -15,7 +15,7 @@ import pickle
 import statistics
 import time
 
-from benchmarks.bench_k3_batch import cpu_flags
+from benchmarks.common import cpu_flags
 from engine.runtime.page_table_sync import PageTableReceiver, PageTableSender, from_wire, to_wire
 from engine.runtime.step_plan import DecodeItem, decode_plan
 

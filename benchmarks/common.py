@@ -56,6 +56,17 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def cpu_flags() -> str:
+    """The vector extensions the CPU reports (what the matmuls can use)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            flags = next(line for line in handle if line.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    return " ".join(flag for flag in wanted if flag in flags) or "none of " + ",".join(wanted)
+
+
 def machine_description() -> str:
     """One line: CPU model, cores, RAM, torch version and threads, load, date, commit."""
     load = os.getloadavg()[0]
@@ -76,6 +87,7 @@ def print_header(title: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     print(f"# {title}\n")
     print(f"machine: {machine_description()}  ")
+    print(f"CPU flags: {cpu_flags()}  ")
     print(f"model: {args.model}  ")
     print(f"repeats: {args.repeats} (interleaved; tables show medians)\n", flush=True)
 

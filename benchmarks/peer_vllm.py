@@ -38,8 +38,7 @@ from bench.load import LoadPlan, run_load
 from bench.metrics import compute_metrics
 from bench.openai_client import OpenAIClient
 from bench.workload import BenchRequest, random_requests
-from benchmarks.bench_k3_batch import cpu_flags
-from benchmarks.common import Table, goal_line, machine_description, spread
+from benchmarks.common import Table, cpu_flags, goal_line, machine_description, spread
 from benchmarks.machine_load import OtherLoad
 from benchmarks.peer_servers import (CACHE_DIR, PEER_SHAPE, VLLM_VERSION, Server, ensure_vllm_venv, exit_on_sigterm,
                                      start_pdserve, start_vllm, write_peer_checkpoint)
