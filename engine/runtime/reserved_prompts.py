@@ -8,8 +8,9 @@ first, then new pages for the rest. A claim then makes it a sequence:
   ones (their keys), so the sequence's later publishing chains on from them and never writes them;
 - add_local (the decode worker prefills it itself, no prefill hop): only the usable part of the hit - for KDA
   models the checkpointed part, whose state is restored into the sequence's slot before its first chunk - is
-  mapped; hit pages past it go back (they are shared read-only and would be rewritten), the new pages are kept
-  and the engine's own Scheduler runs the rest as chunked prefill and samples the first token.
+  mapped; hit pages past it become the sequence's branch, exactly as a scheduler lookup's (recomputed once into
+  its own pages, swapped for the cached ones at the branch's end and checkpointed there: engine/cache/prefix_reuse.py),
+  the new pages are kept and the engine's own Scheduler runs the rest as chunked prefill and samples the first token.
 Either way each reference is given back exactly once: by the sequence (on success) or by the caller (on a
 ValueError, nothing having changed)."""
 from __future__ import annotations
@@ -35,7 +36,6 @@ class LocalEngine(Protocol):
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None: ...
     def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams, pages=None) -> Sequence: ...
     def unpin_checkpoint(self, checkpoint: int) -> None: ...
-    def free_pages(self, page_ids: list[int]) -> None: ...
 
 
 class ReservedHit(NamedTuple):
@@ -99,5 +99,7 @@ def add_local(engine: LocalEngine, request_id: str, prompt_ids: list[int], page_
             seq.restore_checkpoint = hit.checkpoint  # pinned: unpinned once restored (or when the sequence drops it)
         elif hit.checkpoint is not None:
             engine.unpin_checkpoint(hit.checkpoint)
-        engine.free_pages(page_ids[usable : hit.cached_pages])  # cached pages past the usable part: not rewritten
+        if hit.cached_pages > usable:  # cached pages past the checkpoint: the sequence's branch (as a lookup's)
+            seq.branch_pages = tuple(page_ids[usable : hit.cached_pages])
+            seq.branch_keys = tuple(engine.prefix_cache.keys_of(seq.token_ids, hit.cached_pages)[usable:])
         engine.scheduler.add(seq)

@@ -54,7 +54,7 @@ def _check(engine: LLMEngine, live: dict[str, tuple[list[int], PromptReservation
 
 
 def test_local_prefill_from_a_hit_equals_a_cold_run(engine):
-    """(First: the random runs below publish pages whose KV was never written.) add_local_prefill from a reservation's hit (K3: restored from its checkpoint, hit pages past it given back)
+    """(First: the random runs below publish pages whose KV was never written.) add_local_prefill from a reservation's hit (K3: restored from its checkpoint, hit pages past it its branch)
     produces the greedy tokens of the same prompt run without the cache (a fresh engine with prefix_cache off)."""
     prompt = BASE + TAILS[3]
     reservation = allocate_admitted(engine, len(prompt), engine.config.spec_block_size, 0, prompt)
@@ -66,6 +66,12 @@ def test_local_prefill_from_a_hit_equals_a_cold_run(engine):
         if not engine.has_work():
             break
         tokens += [t for out in engine.step() if out.request_id == "local" for t in out.new_token_ids]
+    assert tokens == _cold_tokens(engine, prompt, params) and len(tokens) == 6
+    assert engine.num_free_pages == engine.allocator.num_pages
+
+
+def _cold_tokens(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The prompt's greedy tokens on a fresh engine of the same model with the prefix cache off."""
     cold_config = EngineConfig(model_dir=engine.config.model_dir, attention_backend="torch",
                                kv_memory_bytes=48 * 2**20, num_threads=1, prefix_cache=False)
     with LLMEngine(cold_config) as cold:
@@ -73,8 +79,41 @@ def test_local_prefill_from_a_hit_equals_a_cold_run(engine):
         expected: list[int] = []
         while cold.has_work():
             expected += [t for out in cold.step() if out.request_id == "cold" for t in out.new_token_ids]
-    assert tokens == expected and len(tokens) == 6
-    assert engine.num_free_pages == engine.allocator.num_pages
+    return expected
+
+
+def test_local_prefill_past_the_checkpoint_joins_the_branch(engine):
+    """A hit whose cached pages run past its last checkpoint (K3): the local prefill recomputes those pages once as
+    its branch, swaps them for the cached ones and checkpoints there, so the next reservation of the same prompt is
+    checkpointed to the whole hit; the tokens equal a cold run's. Without KDA state there is no branch: every hit
+    page is usable at once."""
+    warm = BASE + TAILS[5]
+    engine.add_request("branch-warm", warm, SamplingParams(max_new_tokens=2, temperature=0.0))
+    _drain(engine)
+    prompt = BASE + TAILS[5][:60] + TAILS[4][:10]
+    block = engine.config.spec_block_size
+    reservation = allocate_admitted(engine, len(prompt), block, 0, prompt)
+    hit = reservation.hit
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    if engine.state_pool is not None:
+        assert 0 < hit.checkpoint_pages < hit.cached_pages  # a branch of cached pages past the checkpoint
+    else:
+        assert hit.checkpoint_pages == 0 and hit.cached_pages == (len(BASE) + 60) // engine.config.page_size
+    engine.add_local_prefill("branch-local", prompt, reservation.page_ids, params, reservation.state_slot, hit)
+    tokens: list[int] = []
+    for _ in range(1000):
+        if not engine.has_work():
+            break
+        tokens += [t for out in engine.step() if out.request_id == "branch-local" for t in out.new_token_ids]
+    assert tokens == _cold_tokens(engine, prompt, params)
+    again = allocate_admitted(engine, len(prompt), block, 0, prompt)
+    try:
+        assert again.hit.cached_pages >= hit.cached_pages
+        if engine.state_pool is not None:  # the branch's end was checkpointed: the whole old hit is usable now
+            assert again.hit.checkpoint_pages >= hit.cached_pages
+    finally:
+        free_lease(engine, again.page_ids, again.state_slot, again.hit.checkpoint)
+    engine.prefix_cache.check_consistency()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
