@@ -48,7 +48,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     async def DecodeStream(self, requests: AsyncIterator[worker_pb2.DecodeStreamRequest],
                            context: grpc.aio.ServicerContext) -> None:
-        await self._streams.serve(DecodeSession(context, self._run, self._service.release_soon), requests)
+        await self._streams.serve(DecodeSession(context, self._run, self._service.release_soon), requests, context)
 
     def drain(self) -> None:
         """Shutdown began: open DecodeStreams take no new requests and end once theirs have finished."""

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 LOCAL_DEADLINE_GRACE_S = 0.1
 # How long a failed write waits for its call's final status (the call is over by then; this only bounds it).
 WRITE_FAILURE_STATUS_WAIT_S = 5.0
+ACCEPT_WAIT_S = 30.0  # how long the first write waits for the worker to accept the stream
 Metadata = Sequence[tuple[str, str | bytes]]
 Sent = TypeVar("Sent")  # a request message of the stream
 Received = TypeVar("Received")  # a response message of the stream
@@ -88,6 +89,7 @@ class OpenStream(Generic[Sent, Received, Pending]):
 
     async def _write(self) -> None:
         try:
+            await self._accepted()
             while True:
                 message, pending = await self.outbox.get()
                 await self.send(message, pending)
@@ -95,6 +97,16 @@ class OpenStream(Generic[Sent, Received, Pending]):
             raise
         except (grpc.RpcError, asyncio.InvalidStateError) as error:
             self.fail(await self._why_writes_failed(error))
+
+    async def _accepted(self) -> None:
+        """Waits for the worker's initial metadata (rpc/stream_sessions.py sends it as the stream is accepted)
+        before the first write: a write that meets a call the worker is refusing ends it with gRPC core's
+        INTERNAL in place of the worker's own status (UNAUTHENTICATED). A worker silent past
+        ACCEPT_WAIT_S is written to anyway (each request's own deadline still applies)."""
+        try:
+            await asyncio.wait_for(self.call.initial_metadata(), ACCEPT_WAIT_S)
+        except (asyncio.TimeoutError, grpc.RpcError):
+            pass
 
     async def _why_writes_failed(self, error: BaseException) -> BaseException:
         """A write fails (gRPC core: INTERNAL) when the call has already ended, e.g. the worker refused the

@@ -23,7 +23,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     async def PrefillStream(self, requests: AsyncIterator[worker_pb2.PrefillStreamRequest],
                             context: grpc.aio.ServicerContext) -> None:
-        await self._streams.serve(PrefillSession(context, self._prefill), requests)
+        await self._streams.serve(PrefillSession(context, self._prefill), requests, context)
 
     def drain(self) -> None:
         """Shutdown began: open PrefillStreams take no new prompts and end once theirs are answered."""

@@ -80,8 +80,12 @@ class StreamSessions:
     def __init__(self) -> None:
         self._sessions: set[StreamSession[object]] = set()
 
-    async def serve(self, session: StreamSession[Message], requests: AsyncIterator[Message]) -> None:
-        """The body of a stream RPC: returns when the stream ends (cancelled when it breaks)."""
+    async def serve(self, session: StreamSession[Message], requests: AsyncIterator[Message],
+                    context: grpc.aio.ServicerContext) -> None:
+        """The body of a stream RPC: returns when the stream ends (cancelled when it breaks). Initial metadata
+        goes out first: it tells the client the stream was accepted (gateway/worker_stream.py writes nothing
+        before it, so a refused stream's status is never raced by a write)."""
+        await context.send_initial_metadata(())
         self._sessions.add(session)
         try:
             await session.run(requests)

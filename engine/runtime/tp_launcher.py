@@ -23,11 +23,12 @@ from engine.runtime.distributed import TPGroup
 from engine.runtime.model_runner import ModelRunner, RunnerConfig
 from engine.runtime.page_table_sync import PageTableDesync, PageTableReceiver, PageTableSender, from_wire, to_wire
 from engine.runtime.step_plan import ShutdownPlan
-from engine.runtime.tp_start import TPStartError, start_followers, stop_followers, wait_for_keys
+from engine.runtime.tp_start import TPStartError, follower_failure, start_followers, stop_followers, wait_for_keys
 from rpc.processes import child_start_method, die_with_parent, forget_parent_signals
 
 logger = logging.getLogger(__name__)
 _COLLECTIVE_TIMEOUT = timedelta(seconds=600)
+_FAILURE_GRACE_S = 30.0  # how long a failed leader start looks for the follower failure behind it
 __all__ = ["TPLeader", "TPStartError", "activation_backend", "default_threads"]
 
 
@@ -128,8 +129,11 @@ class TPLeader:
             if tp_size > 1:
                 wait_for_keys(self._store, self.followers, _ready_key, _failed_key, "loading its shard",
                               _COLLECTIVE_TIMEOUT.total_seconds())
-        except BaseException:
+        except BaseException as error:
+            failure = self._follower_failure(error)
             self._abandon()
+            if failure is not None:
+                raise failure from error
             raise
         self.pool_names: tuple[str, ...] = ()
         if tp_size > 1:
@@ -167,6 +171,13 @@ class TPLeader:
         wait_for_keys(self._store, self.followers, _joined_key, _failed_key, "starting",
                       _COLLECTIVE_TIMEOUT.total_seconds())
         self.plan_group = _init_group(0, size, self._store, config)
+
+    def _follower_failure(self, error: BaseException) -> TPStartError | None:
+        """The follower's failure behind the leader's own (e.g. its end of the group's connection closed as the
+        follower died loading), so the caller sees the follower's error text rather than gloo's."""
+        if isinstance(error, TPStartError) or not isinstance(error, Exception) or self._store is None:
+            return None
+        return follower_failure(self._store, self.followers, _failed_key, "starting", _FAILURE_GRACE_S)
 
     def _abandon(self) -> None:
         """After a failed start: kill and reap every follower, leave the group, free the leader's runner."""

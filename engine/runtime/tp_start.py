@@ -131,6 +131,19 @@ def stop_followers(followers: Sequence[Follower], timeout: float) -> None:
         follower.reap(max(0.0, deadline - time.monotonic()))
 
 
+def _failure_of(store, follower: Follower, error_key_of: Callable[[int], str], what: str) -> TPStartError | None:
+    """The follower's start failure, if it reported one (its error text) or exited; else None."""
+    if store.check([error_key_of(follower.rank)]):
+        message = store.get(error_key_of(follower.rank)).decode(errors="replace")
+        return TPStartError(f"TP rank {follower.rank} failed while {what}: {message}")
+    code = follower.exit_code()
+    if code is None:
+        return None
+    if store.check([error_key_of(follower.rank)]):  # it reported, then exited, between the two looks
+        return _failure_of(store, follower, error_key_of, what)
+    return TPStartError(f"TP rank {follower.rank} exited with code {code} while {what} (its stderr says why)")
+
+
 def wait_for_keys(store, followers: Sequence[Follower], key_of: Callable[[int], str],
                   error_key_of: Callable[[int], str], what: str, timeout_s: float) -> None:
     """Polls until every follower has set key_of(rank) in the store; raises TPStartError as soon as one exits,
@@ -140,16 +153,33 @@ def wait_for_keys(store, followers: Sequence[Follower], key_of: Callable[[int], 
     while pending:
         for follower in list(pending):
             if store.check([error_key_of(follower.rank)]):
-                message = store.get(error_key_of(follower.rank)).decode(errors="replace")
-                raise TPStartError(f"TP rank {follower.rank} failed while {what}: {message}")
+                raise _failure_of(store, follower, error_key_of, what)
             if store.check([key_of(follower.rank)]):
                 pending.remove(follower)
                 continue
-            code = follower.exit_code()
-            if code is not None:
-                raise TPStartError(f"TP rank {follower.rank} exited with code {code} while {what} (its stderr "
-                                   "says why)")
+            failure = _failure_of(store, follower, error_key_of, what)
+            if failure is not None:
+                raise failure
         if pending and time.monotonic() > deadline:
             raise TPStartError(f"TP rank(s) {[f.rank for f in pending]} did not finish {what} in {timeout_s:.0f} s")
         if pending:
             time.sleep(_POLL_S)
+
+
+def follower_failure(store, followers: Sequence[Follower], error_key_of: Callable[[int], str], what: str,
+                     grace_s: float) -> TPStartError | None:
+    """After a step of the leader's own start failed (gloo's connectFullMesh: "Connection closed by peer", a
+    collective during load): the follower failure behind it, if one reports an error or exits within grace_s
+    (it may still be on its way out); None if every follower is alive and silent (the leader's own failure)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            for follower in followers:
+                failure = _failure_of(store, follower, error_key_of, what)
+                if failure is not None:
+                    return failure
+        except (RuntimeError, OSError):  # the store itself is gone: nothing more to learn
+            return None
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(_POLL_S)

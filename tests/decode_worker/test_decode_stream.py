@@ -83,6 +83,9 @@ class _SlowContext:
         self.gate = asyncio.Event()
         self.written: list[worker_pb2.DecodeStreamResponse] = []
 
+    async def send_initial_metadata(self, metadata) -> None:  # the stream is accepted at once
+        pass
+
     async def write(self, message: worker_pb2.DecodeStreamResponse) -> None:
         self.written.append(message)
         await self.gate.wait()

@@ -184,6 +184,24 @@ async def test_a_refused_stream_passes_its_code_and_close_fails_running(worker):
         await channel.close()
 
 
+async def test_a_refused_stream_is_unauthenticated_every_time(worker):
+    """Forty fresh streams without the token, each on its own channel: every request fails UNAUTHENTICATED.
+    The gateway writes nothing before the worker accepts the stream: a first write racing the worker's refusal
+    once ended a CI run's request with gRPC core's INTERNAL, reported as UNAVAILABLE (a rare race: this guards
+    against its return, it does not force it)."""
+    codes = []
+    for index in range(40):
+        channel, stream = _client(worker, token=None)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _collect(stream.submit(decode_request(f"n{index}"), 30))
+            codes.append(refused.value.code())
+        finally:
+            await stream.close()
+            await channel.close()
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 40
+
+
 class _SilentDecode(worker_pb2_grpc.DecodeServiceServicer):
     """Takes every DecodeStream message and never answers (a hung worker)."""
 
@@ -191,6 +209,7 @@ class _SilentDecode(worker_pb2_grpc.DecodeServiceServicer):
         self.received: list[tuple[str, int]] = []
 
     async def DecodeStream(self, requests: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        await context.send_initial_metadata(())  # accepts the stream, as the workers do
         async for message in requests:
             self.received.append((message.request.request_id or message.cancel_request_id, message.timeout_ms))
         await asyncio.Event().wait()

@@ -173,6 +173,7 @@ class _SilentPrefill(worker_pb2_grpc.PrefillServiceServicer):
         self.received: list[str] = []
 
     async def PrefillStream(self, requests: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        await context.send_initial_metadata(())  # accepts the stream, as the workers do
         async for message in requests:
             self.received.append(message.request.request_id)
         await asyncio.Event().wait()
