@@ -6,7 +6,9 @@ Model: the DeepSeek-V3-geometry checkpoint of peer_vllm (written once under ~/.c
 Per round and deployment: a closed loop at each --concurrency (default 16, then 1) of random --input-len-token
 prompts, --output-len tokens, greedy, ignore_eos. Reported: median (min..max) over --rounds of output tok/s, TTFT
 p50, TPOT p50, ITL p99 and ITL p99 / TPOT p50 (the issue's goal: <= 2 at c=16), the per-round split / shared
-ratio, the load. Each deployment's extra flags: --split-args / --shared-args.
+ratio, the load. Each deployment's `pdserve up` flags: --split-args / --shared-args (default "--no-cpu-split");
+--names relabels the two (e.g. core lending on vs off: --names lending no-lending --shared-args
+"--no-core-lending").
 
 Run: .venv/bin/python -m benchmarks.bench_cpu_split [--rounds 5] [--concurrency 16 1] [--model DIR]
 """
@@ -26,7 +28,6 @@ from benchmarks.common import Table, cpu_flags, machine_description, spread
 from benchmarks.peer_servers import CACHE_DIR, Server, exit_on_sigterm, start_pdserve, write_peer_checkpoint
 from benchmarks.peer_vllm import SPECIAL_IDS, model_id, ratio_spread, run_workload
 
-VARIANTS = ("split", "shared")
 METRICS = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "median_ttft_ms"), ("TPOT p50 ms", "median_tpot_ms"),
            ("ITL p99 ms", "p99_itl_ms"), ("ITL p99 / TPOT p50", "itl_over_tpot"))
 
@@ -39,10 +40,12 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prompts-per-slot", type=int, default=3)
-    parser.add_argument("--split-args", default="", help="extra `pdserve up` flags of the split deployment")
-    parser.add_argument("--shared-args", default="", help="extra `pdserve up` flags of the shared deployment")
+    parser.add_argument("--split-args", default="", help="`pdserve up` flags of the first deployment")
+    parser.add_argument("--shared-args", default="--no-cpu-split", help="`pdserve up` flags of the second one")
+    parser.add_argument("--names", nargs=2, default=["split", "shared"], help="the two deployments' labels")
     parser.add_argument("--log-dir", type=Path, default=None)
     args = parser.parse_args()
+    first, second = variants = tuple(args.names)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print("# bench_cpu_split: prefill and decode workers on disjoint cores vs shared cores (`pdserve up`)\n")
     print(f"machine: {machine_description()}  \nCPU flags: {cpu_flags()}\n", flush=True)
@@ -55,19 +58,19 @@ def main() -> None:
     servers: dict[str, Server] = {}
     exit_on_sigterm()
     try:
-        servers["split"] = start_pdserve(model, log_dir / "split.log", shlex.split(args.split_args))
-        servers["shared"] = start_pdserve(model, log_dir / "shared.log", ["--no-cpu-split", *shlex.split(args.shared_args)])
+        servers[first] = start_pdserve(model, log_dir / f"{first}.log", shlex.split(args.split_args))
+        servers[second] = start_pdserve(model, log_dir / f"{second}.log", shlex.split(args.shared_args))
         for server in servers.values():
             server.wait_ready(900)
         models = {name: model_id(server.base_url) for name, server in servers.items()}
         loads = [(c, random_requests(max(args.prompts_per_slot * c, 4), args.input_len, args.output_len, vocab,
                                      SPECIAL_IDS, seed=c)) for c in args.concurrency]
         for concurrency, requests in loads:  # warm-up, unrecorded
-            for name in VARIANTS:
+            for name in variants:
                 asyncio.run(run_workload(servers[name].base_url, models[name], requests[:concurrency], concurrency))
-        results: dict[int, dict[str, list[dict[str, float]]]] = {c: {v: [] for v in VARIANTS} for c, _ in loads}
+        results: dict[int, dict[str, list[dict[str, float]]]] = {c: {v: [] for v in variants} for c, _ in loads}
         for round_index in range(args.rounds):
-            order = VARIANTS if round_index % 2 == 0 else tuple(reversed(VARIANTS))
+            order = variants if round_index % 2 == 0 else tuple(reversed(variants))
             for concurrency, requests in loads:
                 for name in order:
                     metrics = asyncio.run(run_workload(servers[name].base_url, models[name], requests, concurrency))
@@ -76,17 +79,17 @@ def main() -> None:
                     logging.info("round %d c=%d %s: %.1f tok/s, TPOT p50 %.1f ms, ITL p99 %.0f ms (load %.1f)",
                                  round_index + 1, concurrency, name, metrics["output_throughput"],
                                  metrics["median_tpot_ms"], metrics["p99_itl_ms"], metrics["load"])
-        table = Table(f"`pdserve up` on {model.name}: split vs shared cores, {args.input_len}+{args.output_len} tokens, "
+        table = Table(f"`pdserve up` on {model.name}: {first} ({args.split_args or 'defaults'}) vs {second} ({args.shared_args}), {args.input_len}+{args.output_len} tokens, "
                       f"median (min..max) of {args.rounds} interleaved rounds",
-                      ["concurrency", "metric", "split", "shared", "split / shared", "load"])
+                      ["concurrency", "metric", first, second, f"{first} / {second}", "load"])
         for concurrency, by_variant in results.items():
             loads_seen = [m["load"] for samples in by_variant.values() for m in samples]
             others = [m["other_cores"] for samples in by_variant.values() for m in samples]
             load_text = f"{min(loads_seen):.1f}..{max(loads_seen):.1f}; others <= {max(others):.2f} cores"
             for title, key in METRICS:
-                ratios = [s[key] / h[key] for s, h in zip(by_variant["split"], by_variant["shared"]) if h[key]]
-                table.add(concurrency, title, spread([m[key] for m in by_variant["split"]]),
-                          spread([m[key] for m in by_variant["shared"]]), ratio_spread(ratios), load_text)
+                ratios = [s[key] / h[key] for s, h in zip(by_variant[first], by_variant[second]) if h[key]]
+                table.add(concurrency, title, spread([m[key] for m in by_variant[first]]),
+                          spread([m[key] for m in by_variant[second]]), ratio_spread(ratios), load_text)
         print()
         table.print()
         print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")

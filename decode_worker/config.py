@@ -31,9 +31,15 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
     admit_timeout_s: float = 10.0
     advertise_address: str | None = None
     internal_token: str | None = field(default=None, repr=False)  # calls must carry it (TCP deployments)
+    core_board: str | None = None  # core lending (rpc/core_board.py): the board shared with the prefill workers
+    borrow_cpus: tuple[int, ...] = ()  # their cores, used while every prefill worker on the board is idle
 
     def __post_init__(self) -> None:
         self.check_addresses()
+        if bool(self.core_board) != bool(self.borrow_cpus):
+            raise ValueError("core lending needs both --core-board and --borrow-cpus")
+        if self.core_board and (self.engine.device != "cpu" or self.engine.tp_size != 1):
+            raise ValueError("core lending applies to a CPU decode worker with TP 1 (its one process's threads)")
         for name in ("lease_ttl_s", "lease_sweep_interval_s", "admit_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -46,6 +52,7 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
     def build(cls, *, listen: str = "127.0.0.1:0", metrics_listen: str = "", lease_ttl_s: float = 60.0,
               lease_grace_s: float = 1.0, lease_sweep_interval_s: float = 0.25, admit_timeout_s: float = 10.0,
               advertise_address: str | None = None, internal_token: str | None = None, kv_pool: str = "auto",
+              core_board: str | None = None, borrow_cpus: tuple[int, ...] = (),
               **engine: object) -> DecodeWorkerConfig:
         """engine: EngineConfig fields. The decode role keeps its pages in shared pools prefill workers
         write into: kv_pool "shm" (CPU shared memory, ShmPoolFactory), "device" (device memory exported over
@@ -63,4 +70,4 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
                    else ShmPoolFactory())
         return cls(worker_engine_config(engine, kv_pool=kv_pool, page_pools=factory), listen, metrics_listen,
                    lease_ttl_s, lease_grace_s, lease_sweep_interval_s, admit_timeout_s, advertise_address,
-                   internal_token)
+                   internal_token, core_board, tuple(borrow_cpus))

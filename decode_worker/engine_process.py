@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,7 @@ from engine.runtime.reserved_prompts import NO_HIT, PromptReservation, ReservedH
 from engine.cache.kv_cache import CacheShape
 from engine.sampling_params import SamplingParams
 from engine.runtime.sequence import TokenLogprob
+from rpc.core_board import BorrowedCores, CoreBoard
 from rpc.engine_thread import EngineThread
 from rpc.logging_setup import configure_logging
 from rpc.processes import die_with_parent, forget_parent_signals
@@ -129,6 +131,7 @@ class Load:
     draft_tokens: int
     accepted_drafts: int
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)  # all zero without a prefix cache
+    borrowed_steps: int = 0  # steps run on the prefill workers' lent cores (rpc/core_board.py)
 
 
 @dataclass(frozen=True)
@@ -217,11 +220,11 @@ class KVUpdate:
 Event = Union[Ready, StartFailed, Outputs, Reply, StepFailed, KVUpdate]
 
 
-def load_of(engine: DecodeEngine) -> Load:
+def load_of(engine: DecodeEngine, borrowed_steps: int = 0) -> Load:
     stats = engine.acceptance_stats
     return Load(engine.num_free_pages, engine.num_free_state_slots, engine.num_running, engine.num_waiting,
                 engine.num_preemptions, stats.num_verify_steps, stats.num_drafts, stats.num_accepted_drafts,
-                engine.prefix_cache_stats)
+                engine.prefix_cache_stats, borrowed_steps)
 
 
 class EngineHost:
@@ -231,6 +234,7 @@ class EngineHost:
     def __init__(self, config: DecodeWorkerConfig, events: Connection,
                  engine_factory: Callable[[], DecodeEngine] | None = None) -> None:
         self._events = events
+        self._config = config
         self._lock = threading.Lock()
         self._block = config.spec_block_size
         self._steps = StepLoop(self._send_outputs, self._send_failure)
@@ -247,6 +251,8 @@ class EngineHost:
         except Exception as error:  # noqa: BLE001 - reported to the worker's start()
             self._send(StartFailed(str(error)))
             return
+        if self._config.core_board:
+            self._steps.cores = borrowed_cores(self._config)
         self._send(Ready(EngineFacts(engine.config, engine.cache_shape, tuple(engine.pool_names), engine.device,
                                      engine.model_config.max_position_embeddings, engine.allocator.num_pages,
                                      engine.num_state_slots, load_of(engine))))
@@ -308,7 +314,7 @@ class EngineHost:
         with self._lock:
             if not isinstance(event, (Ready, StartFailed)):
                 assert self._engine is not None
-                event = event(load_of(self._engine))
+                event = event(load_of(self._engine, self._steps.borrowed_steps))
                 self._send_kv()
             self._send_now(event)
 
@@ -358,6 +364,18 @@ def engine_process_main(config: DecodeWorkerConfig, commands: Connection, events
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the command thread answers a Reserve without waiting 5 ms for the GIL
     configure_logging(ROLE, 0, log_level)
     EngineHost(config, events).serve(commands)
+
+
+def borrowed_cores(config: DecodeWorkerConfig) -> BorrowedCores:
+    """Core lending for this engine process: its own cores are the mask it started with (`--cpus`), its own
+    thread count the engine's; the lent cores widen both while every prefill worker on the board is idle."""
+    own = frozenset(os.sched_getaffinity(0))
+    lent = frozenset(config.borrow_cpus) - own
+    cores = BorrowedCores(CoreBoard(config.core_board), own, lent, config.engine.num_threads or len(own),
+                          torch.set_num_threads)
+    logger.info("core lending: %d own core(s), %d more while prefill is idle (board %s)", len(own), len(lent),
+                config.core_board)
+    return cores
 
 
 def build_engine(config: DecodeWorkerConfig) -> DecodeEngine:

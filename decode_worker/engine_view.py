@@ -38,3 +38,4 @@ class EngineView:
         self.num_running, self.num_waiting, self.num_preemptions = load.running, load.waiting, load.preemptions
         self.acceptance_stats = _Acceptance(load.verify_steps, load.draft_tokens, load.accepted_drafts)
         self.prefix_cache_stats = load.prefix_cache
+        self.borrowed_steps = load.borrowed_steps

@@ -56,6 +56,8 @@ class DecodeCollector(Collector):
             ("pdserve_decode_engine_steps", "Engine steps that produced tokens", self._service.port.engine_steps),
             ("pdserve_decode_engine_step_tokens", "Tokens those steps produced (per step: the batch's tokens)",
              self._service.port.engine_step_tokens),
+            ("pdserve_decode_borrowed_core_steps", "Engine steps run on the prefill workers' cores while they were "
+             "idle (core lending on a CPU node, --core-board)", getattr(engine, "borrowed_steps", 0)),
             ("pdserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
              load.prefix_queried_tokens),
             ("pdserve_prefix_cache_hit_tokens", "Of those, served from cached pages (not computed)",

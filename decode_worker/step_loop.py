@@ -10,6 +10,7 @@ from decode_worker.engine_api import DecodeEngine
 from engine.runtime.outputs import StepOutput
 from engine.runtime.reserved_prompts import NO_HIT, ReservedHit
 from engine.sampling_params import SamplingParams
+from rpc.core_board import BorrowedCores
 
 logger = logging.getLogger(__name__)
 
@@ -24,20 +25,30 @@ class StepLoop:
         self._hand_over = hand_over
         self._on_failure = on_failure
         self._after = after
+        self.cores: BorrowedCores | None = None  # core lending: each step's cores and threads (rpc/core_board.py)
         self.force_step = False  # step once even without work (emits finished / aborted requests)
         self.engine_steps = 0  # engine steps that produced output, and the tokens they produced (batch occupancy)
         self.engine_step_tokens = 0
+
+    @property
+    def borrowed_steps(self) -> int:
+        return self.cores.borrowed_steps if self.cores is not None else 0
 
     def work(self, engine: DecodeEngine) -> bool:
         """One step if there is work; True when there is more."""
         if self.force_step or engine.has_work():
             self.force_step = False
+            if self.cores is not None:
+                self.cores.before_step()
             try:
                 outputs = engine.step()
             except Exception as error:  # noqa: BLE001 - fail the streams, keep serving
                 logger.exception("engine step failed; aborting running requests")
                 self._on_failure(engine, error)
                 outputs = []
+            finally:
+                if self.cores is not None:
+                    self.cores.after_step()
             if outputs:
                 self.engine_steps += 1
                 self.engine_step_tokens += sum(len(output.new_token_ids) for output in outputs)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from pdserve.process_groups import PARENT_ENV, kill_group
+from rpc.core_board import MAX_PREFILL_SLOTS, create_board
 from rpc.server import read_ready_file
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class ClusterSpec:
     tls_cert: str | None = None  # the gateway's TLS certificate and key (PEM files)
     tls_key: str | None = None
     api_key_file: str | None = None  # keys clients must send to the gateway
+    lend_cpus: str | None = None  # core lending (rpc/core_board.py): the prefill workers' CPUs, lent to the decode worker
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
@@ -60,6 +62,9 @@ class ClusterSpec:
             raise ValueError("tls_cert and tls_key go together")
         if self.transport not in ("auto", "shm", "grpc", "device"):
             raise ValueError(f"transport must be auto, shm, grpc or device, got {self.transport!r}")
+        if self.lend_cpus and (self.num_decode != 1 or self.decode_tp != 1 or self.num_prefill > MAX_PREFILL_SLOTS):
+            raise ValueError(f"core lending needs one decode worker with TP 1 and at most {MAX_PREFILL_SLOTS} "
+                             "prefill workers")
         if not Path(self.model_dir, "config.json").is_file():
             raise ValueError(f"model directory {self.model_dir!r} has no config.json")
 
@@ -95,6 +100,7 @@ class Cluster:
         self._run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))  # 0700: the workers' sockets live here
         self._logs: list[IO[bytes]] = []
         self._interrupt: threading.Event | None = None
+        self._board: str | None = None  # the core board file (core lending)
         self.internal_token: str | None = None
         self._token_file = self._run_dir / "internal.token"
         if self.spec.internal == "tcp":
@@ -178,9 +184,16 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         try:
             decode_args = (*kv_pool_flags(self.spec.transport), *self.spec.decode_args)
+            lending: tuple[str, ...] = ()
+            if self.spec.lend_cpus:
+                self._board = create_board(str(self._run_dir))  # removed with the run directory
+                lending = ("--core-board", self._board)
+                decode_args += (*lending, "--borrow-cpus", self.spec.lend_cpus)
             decode = [self._spawn("decode", f"decode-{i}", self._worker_args(f"decode-{i}", self.spec.decode_tp, decode_args))
                       for i in range(self.spec.num_decode)]
-            prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(f"prefill-{i}", self.spec.prefill_tp, self.spec.prefill_args))
+            prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(
+                f"prefill-{i}", self.spec.prefill_tp,
+                (*self.spec.prefill_args, *lending, *(("--core-board-slot", str(i)) if lending else ()))))
                        for i in range(self.spec.num_prefill)]
             self._wait_ready(decode + prefill, deadline)
             args = ["--listen", self.spec.listen, "--model", self.spec.model_dir, "--transport", self.spec.transport,
@@ -252,6 +265,7 @@ class Cluster:
         for handle in self._logs:
             handle.close()
         self._logs.clear()
+        self._board = None
         from kvtransfer.shm_pool import cleanup_stale_segments
 
         cleanup_stale_segments()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import enum
 import logging
@@ -41,6 +42,7 @@ from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter
 from kvtransfer.errors import KVTransferError, LeaseExpired, UnknownTransfer
+from rpc.core_board import CoreBoard
 from rpc.engine_thread import EngineThread
 from rpc.processes import child_start_method
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
@@ -136,6 +138,9 @@ class PrefillService:
         self._grpc: GrpcWriter | None = None
         self._device: DeviceWriter | None = None
         self._device_ids: tuple[str, ...] = ()
+        self._board = CoreBoard(config.core_board) if config.core_board else None
+        if self._board is not None:
+            self._board.set_busy(config.core_board_slot, False)
 
     def _cache_stats(self) -> PrefixCacheStats | None:
         """The engine's prefix cache counters (thread-safe: they are read under the engine's pool lock)."""
@@ -173,6 +178,8 @@ class PrefillService:
         for writer in (self._shm, self._grpc, self._device):
             if writer is not None:
                 writer.close()
+        if self._board is not None:
+            self._board.close()
 
     @property
     def load(self) -> PrefillLoadSnapshot:
@@ -386,7 +393,9 @@ class PrefillService:
         started = time.perf_counter()
         by_id = {job.request_id: job for job in runnable}
         try:
-            results = engine.prefill(engine_jobs, should_stop=lambda request_id: self._should_stop(by_id[request_id]))
+            with self._own_cores():
+                results = engine.prefill(engine_jobs,
+                                         should_stop=lambda request_id: self._should_stop(by_id[request_id]))
         except Exception as error:  # noqa: BLE001
             logger.exception("prefill of %d prompts failed", len(runnable))
             for job in runnable:
@@ -412,6 +421,13 @@ class PrefillService:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._computed, job, _Computed(result, prefill_ms, pages, states))
         return True
+
+    def _own_cores(self) -> contextlib.AbstractContextManager[object]:
+        """Around a forward: with core lending, this worker is marked busy and its cores handed back by the
+        decode worker first (rpc/core_board.py)."""
+        if self._board is None:
+            return contextlib.nullcontext()
+        return self._board.prefilling(self.config.core_board_slot)
 
     def _confirm(self, destination: Destination) -> None:
         """shm writes land straight in the decode pool: only into pages the decode worker reserved for

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 
-from pdserve.commands.common import add_engine_arguments, run_worker
+from pdserve.commands.common import add_engine_arguments, fail, run_worker
 from rpc.logging_setup import configure_logging
 
 
@@ -21,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests decode, an engine step prefills at most N tokens and alternates with decode "
                              "steps (0: prefill first, whole steps; default: decode_worker.config."
                              "DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP)")
+    parser.add_argument("--core-board", default=None, metavar="PATH",
+                        help="core lending on a CPU node (`pdserve up` sets it): the board file the prefill workers "
+                             "mark their forwards on; with --borrow-cpus")
+    parser.add_argument("--borrow-cpus", default=None, metavar="LIST",
+                        help="the prefill workers' CPUs: each engine step runs on them too (a thread per core) "
+                             "while no prefill worker on --core-board computes")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,5 +37,23 @@ def run(args: argparse.Namespace) -> int:
 
     bound = {} if args.local_prefill_tokens_per_step is None else {
         "prefill_tokens_while_decoding": args.local_prefill_tokens_per_step}
+    try:
+        borrow = borrow_cpus(args.borrow_cpus)
+    except ValueError as error:
+        return fail("decode", error)
     return run_worker("decode", args, DecodeWorkerConfig.build, serve, max_running=args.max_running,
-                      lease_ttl_s=args.lease_ttl, advertise_address=args.advertise, kv_pool=args.kv_pool, **bound)
+                      lease_ttl_s=args.lease_ttl, advertise_address=args.advertise, kv_pool=args.kv_pool,
+                      core_board=args.core_board, borrow_cpus=borrow, **bound)
+
+
+def borrow_cpus(text: str | None) -> tuple[int, ...]:
+    """--borrow-cpus: checked against the CPUs this process may use (before --cpus narrows them)."""
+    if text is None:
+        return ()
+    from pdserve.cpu_split import format_cpu_list, parse_cpu_list
+
+    cpus = parse_cpu_list(text)
+    outside = [cpu for cpu in cpus if cpu not in os.sched_getaffinity(0)]
+    if outside:
+        raise ValueError(f"--borrow-cpus {text}: CPU(s) {format_cpu_list(tuple(outside))} not available to this process")
+    return cpus

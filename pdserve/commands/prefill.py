@@ -16,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-target-ms", type=float, default=DEFAULT_BATCH_TARGET_MS,
                         help="take fewer prompt tokens when the measured prefill cost says --batch-tokens would "
                              "take longer than this (0: no time cap)")
+    parser.add_argument("--core-board", default=None, metavar="PATH",
+                        help="core lending on a CPU node (`pdserve up` sets it): mark each forward on this board so "
+                             "that a decode worker borrowing this worker's cores hands them back first")
+    parser.add_argument("--core-board-slot", type=int, default=0, metavar="N", help="this worker's byte on the board")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,4 +28,5 @@ def run(args: argparse.Namespace) -> int:
     from prefill_worker.server import serve
 
     return run_worker("prefill", args, PrefillWorkerConfig.build, serve, batch_tokens=args.batch_tokens,
-                      batch_target_ms=args.batch_target_ms)
+                      batch_target_ms=args.batch_target_ms, core_board=args.core_board,
+                      core_board_slot=args.core_board_slot)

@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
                         help="on the CPU: prefill workers on the lower half of the cores, decode workers on the upper "
                              "half, torch threads = cores (as separate GPUs would keep them apart; default on)")
+    parser.add_argument("--core-lending", action=argparse.BooleanOptionalAction, default=True,
+                        help="with the prefill and decode workers on separate CPUs, one decode worker (TP 1) also "
+                             "runs its steps on the prefill workers' CPUs while none of them computes; a prefill "
+                             "forward takes them back first (default on; rpc/core_board.py)")
     parser.add_argument("--prefill-cpus", default=None, metavar="LIST", help="pin the prefill workers to these CPUs (e.g. 0-3)")
     parser.add_argument("--decode-cpus", default=None, metavar="LIST", help="pin the decode workers to these CPUs")
     add_prefix_cache_argument(parser)
@@ -125,12 +129,14 @@ def run(args: argparse.Namespace) -> int:
         prefill_pins, decode_pins = cpu_pinning(args)
         CacheWeights(args.cache_routing_weight, args.cache_routing_max_load)  # refused here, before any process starts
         decode_args += decode_pins
+        lend_cpus = (prefill_pins[1] if args.core_lending and prefill_pins and decode_pins and args.num_decode == 1
+                     and args.decode_tp == 1 else None)
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen, http_listen=args.http_listen,
                            attention_backend=args.attention_backend, transport=args.transport,
                            draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args, prefill_args=prefill_pins,
                            log_level=args.log_level, internal=args.internal, tls_cert=args.tls_cert,
-                           tls_key=args.tls_key, api_key_file=args.api_key_file,
+                           tls_key=args.tls_key, api_key_file=args.api_key_file, lend_cpus=lend_cpus,
                            gateway_args=cache_routing_flags(args) + (() if args.disagg_threshold_tokens is None else
                            ("--disagg-threshold-tokens", str(args.disagg_threshold_tokens))))
     except ValueError as error:

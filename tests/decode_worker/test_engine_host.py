@@ -112,7 +112,7 @@ def _serve(engine: FakeEngine) -> tuple[Any, Any, threading.Thread]:
     """An EngineHost over engine on a thread: (commands to send, events to read, the thread)."""
     commands_in, commands = Pipe(duplex=False)
     events, events_out = Pipe(duplex=False)
-    host = EngineHost(SimpleNamespace(spec_block_size=4), events_out, lambda: engine)
+    host = EngineHost(SimpleNamespace(spec_block_size=4, core_board=None), events_out, lambda: engine)
     thread = threading.Thread(target=host.serve, args=(commands_in,), daemon=True)
     thread.start()
     return commands, events, thread

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from pdserve.commands import up
-from tests.services.helpers import up_args
+from tests.services.helpers import up_args, up_specs
 from pdserve.cpu_split import format_cpu_list, parse_cpu_list, split_cpus
 
 
@@ -98,3 +98,23 @@ def test_worker_cpus_outside_the_mask_are_named() -> None:
     result = _child(str(missing))
     assert result.returncode != 0
     assert f"CPU(s) {missing} not available" in result.stderr
+
+
+def test_up_lends_prefill_cores_to_one_decode_worker(monkeypatch) -> None:
+    """Core lending (rpc/core_board.py) is on by default with the split: the decode worker may borrow the
+    prefill workers' CPUs. Off with --no-core-lending, without the split, and with more than one decode worker
+    or decode TP > 1 (two borrowers would contend for the same cores; followers are other processes)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    specs = up_specs(monkeypatch, [[], ["--no-core-lending"], ["--no-cpu-split"], ["--num-decode", "2"],
+                                   ["--decode-tp", "2"]])
+    assert [spec.lend_cpus for spec in specs] == ["0,1", None, None, None, None]
+    assert specs[0].decode_args[-2:] == ("--cpus", "2,3")
+
+
+def test_decode_worker_lending_settings_are_checked(tmp_path) -> None:
+    from decode_worker.config import DecodeWorkerConfig
+
+    with pytest.raises(ValueError, match="both --core-board and --borrow-cpus"):
+        DecodeWorkerConfig.build(core_board=str(tmp_path / "board"), device="cpu")
+    with pytest.raises(ValueError, match="TP 1"):
+        DecodeWorkerConfig.build(core_board=str(tmp_path / "board"), borrow_cpus=(0,), device="cpu", tp_size=2)

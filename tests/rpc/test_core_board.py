@@ -1,0 +1,121 @@
+"""Core lending (rpc/core_board.py): the decode side widens its cores and threads only while every prefill
+worker on the board is idle, narrows them before a step when one is busy, and a prefill forward waits for a
+borrowing decode step to end (never past the cap); boards and slots that are wrong are named."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rpc import core_board
+from rpc.core_board import MAX_PREFILL_SLOTS, BorrowedCores, CoreBoard, create_board
+
+OWN, LENT = frozenset({1}), frozenset({0})
+
+
+@pytest.fixture
+def board(tmp_path):
+    view = CoreBoard(create_board(str(tmp_path)))
+    yield view
+    view.close()
+
+
+class _Recorder:
+    """Stands for torch.set_num_threads and pin_threads: what each was called with, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def threads(self, count: int) -> None:
+        self.calls.append(("threads", count))
+
+    def pin(self, cpus: frozenset[int]) -> None:
+        self.calls.append(("pin", cpus))
+
+
+def _cores(board: CoreBoard, recorder: _Recorder) -> BorrowedCores:
+    return BorrowedCores(board, OWN, LENT, 1, recorder.threads, recorder.pin)
+
+
+def test_idle_prefill_lends_its_cores_and_busy_prefill_takes_them_back(board):
+    """Idle board: the step runs on own + lent cores with a thread each (mask first, then threads), the flag
+    is up during the step only. A busy prefill worker: the next step narrows back (threads first, then mask)
+    and leaves the flag down. Settings change only when the choice does."""
+    recorder = _Recorder()
+    cores = _cores(board, recorder)
+    cores.before_step()
+    assert board.borrowing() and cores.wide_now
+    assert recorder.calls == [("pin", frozenset({0, 1})), ("threads", 2)]
+    cores.after_step()
+    assert not board.borrowing()
+    cores.before_step()
+    cores.after_step()
+    assert len(recorder.calls) == 2  # the same choice: nothing set again
+    with board.prefilling(3):
+        assert board.prefill_busy()
+        cores.before_step()
+        assert not board.borrowing() and not cores.wide_now
+        cores.after_step()
+    assert recorder.calls[2:] == [("threads", 1), ("pin", OWN)]
+    assert not board.prefill_busy()
+    assert (cores.steps, cores.borrowed_steps) == (3, 2)
+
+
+def test_a_prefill_forward_waits_for_the_borrowing_step_to_end(board, monkeypatch):
+    """With decode inside a borrowing step, a prefill worker raises its flag and does not start until the step
+    ends (the cap is set far away here, so only the step's end can release it)."""
+    monkeypatch.setattr(core_board, "LEND_BACK_WAIT_S", 120.0)
+    cores = _cores(board, _Recorder())
+    cores.before_step()  # borrowing
+    entered = threading.Event()
+
+    def prefill() -> None:
+        with board.prefilling(0):
+            entered.set()
+
+    thread = threading.Thread(target=prefill)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not board.prefill_busy():
+        assert time.monotonic() < deadline, "the prefill worker never raised its flag"
+        time.sleep(0.001)
+    assert not entered.is_set()
+    cores.after_step()  # the step ends: its cores go back
+    assert entered.wait(60)
+    thread.join(60)
+    cores.before_step()  # the prefill is done: the next step borrows again
+    assert cores.wide_now
+
+
+def test_the_wait_is_capped_when_decode_never_lowers_its_flag(board, monkeypatch):
+    """A decode worker that died inside a borrowing step leaves its flag up: each prefill forward waits at
+    most LEND_BACK_WAIT_S, then computes anyway."""
+    monkeypatch.setattr(core_board, "LEND_BACK_WAIT_S", 0.01)
+    board.set_borrowing(True)
+    with board.prefilling(0) as waited:
+        assert waited >= 0.01
+
+
+def test_slots_and_boards_are_checked(board, tmp_path):
+    with pytest.raises(ValueError, match="outside"):
+        with board.prefilling(MAX_PREFILL_SLOTS):
+            pass
+    short = tmp_path / "short"
+    short.write_bytes(b"\0" * 8)
+    with pytest.raises(ValueError, match="not a board"):
+        CoreBoard(str(short))
+    with pytest.raises(FileNotFoundError):
+        CoreBoard(str(tmp_path / "missing"))
+
+
+def test_a_restarted_worker_clears_what_its_predecessor_left_up(board):
+    """A prefill worker that died inside a forward leaves its byte up (no borrowing until it is cleared); a
+    decode worker that died inside a borrowing step leaves the flag up: each successor clears its own."""
+    board.set_busy(5, True)
+    board.set_borrowing(True)
+    BorrowedCores(board, OWN, LENT, 1, _Recorder().threads, _Recorder().pin)
+    assert not board.borrowing()
+    assert board.prefill_busy()
+    board.set_busy(5, False)
+    assert not board.prefill_busy()
