@@ -371,10 +371,11 @@ def borrowed_cores(config: DecodeWorkerConfig) -> BorrowedCores:
     thread count the engine's; the lent cores widen both while every prefill worker on the board is idle."""
     own = frozenset(os.sched_getaffinity(0))
     lent = frozenset(config.borrow_cpus) - own
-    cores = BorrowedCores(CoreBoard(config.core_board), own, lent, config.engine.num_threads or len(own),
-                          torch.set_num_threads)
-    logger.info("core lending: %d own core(s), %d more while prefill is idle (board %s)", len(own), len(lent),
-                config.core_board)
+    cores = BorrowedCores(CoreBoard(config.core_board), config.core_board_slot, own, lent,
+                          config.engine.num_threads or len(own), torch.set_num_threads,
+                          extra_threads=config.borrow_threads)
+    logger.info("core lending: %d own core(s), %d more while prefill is idle (%d thread(s) then, board %s)",
+                len(own), len(lent), cores.wide_threads, config.core_board)
     return cores
 
 

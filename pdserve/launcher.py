@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import IO
 
 from pdserve.process_groups import PARENT_ENV, kill_group
-from rpc.core_board import MAX_PREFILL_SLOTS, create_board
+from pdserve.cpu_split import parse_cpu_list
+from rpc.core_board import MAX_DECODE_SLOTS, MAX_PREFILL_SLOTS, create_board
 from rpc.server import read_ready_file
 
 logger = logging.getLogger(__name__)
@@ -62,9 +63,10 @@ class ClusterSpec:
             raise ValueError("tls_cert and tls_key go together")
         if self.transport not in ("auto", "shm", "grpc", "device"):
             raise ValueError(f"transport must be auto, shm, grpc or device, got {self.transport!r}")
-        if self.lend_cpus and (self.num_decode != 1 or self.decode_tp != 1 or self.num_prefill > MAX_PREFILL_SLOTS):
-            raise ValueError(f"core lending needs one decode worker with TP 1 and at most {MAX_PREFILL_SLOTS} "
-                             "prefill workers")
+        if self.lend_cpus and (self.decode_tp != 1 or self.num_decode > MAX_DECODE_SLOTS
+                               or self.num_prefill > MAX_PREFILL_SLOTS):
+            raise ValueError(f"core lending needs decode TP 1, at most {MAX_DECODE_SLOTS} decode and "
+                             f"{MAX_PREFILL_SLOTS} prefill workers")
         if not Path(self.model_dir, "config.json").is_file():
             raise ValueError(f"model directory {self.model_dir!r} has no config.json")
 
@@ -188,8 +190,12 @@ class Cluster:
             if self.spec.lend_cpus:
                 self._board = create_board(str(self._run_dir))  # removed with the run directory
                 lending = ("--core-board", self._board)
-                decode_args += (*lending, "--borrow-cpus", self.spec.lend_cpus)
-            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(f"decode-{i}", self.spec.decode_tp, decode_args))
+                # each decode worker's share of the lent cores in threads (none when they are fewer: the wider
+                # mask alone then spreads the decode workers that share their own cores)
+                threads = len(parse_cpu_list(self.spec.lend_cpus)) // self.spec.num_decode
+                decode_args += (*lending, "--borrow-cpus", self.spec.lend_cpus, "--borrow-threads", str(threads))
+            decode = [self._spawn("decode", f"decode-{i}", self._worker_args(
+                f"decode-{i}", self.spec.decode_tp, (*decode_args, *(("--core-board-slot", str(i)) if lending else ()))))
                       for i in range(self.spec.num_decode)]
             prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(
                 f"prefill-{i}", self.spec.prefill_tp,

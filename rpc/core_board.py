@@ -6,15 +6,17 @@ a prefill forward never preempts a decode step's threads. But a prefill worker i
 decode, the part every token waits on, runs on half the machine. The board is a few bytes of shared memory
 that let decode use those cores whenever prefill does not:
 
-- byte 0: the decode worker is inside a step that uses borrowed cores ("borrowing");
-- byte 1 + slot: prefill worker `slot` is computing ("busy"), one byte per prefill worker.
+- byte `slot` (0..31): decode worker `slot` is inside a step that uses borrowed cores ("borrowing");
+- byte 32 + slot: prefill worker `slot` is computing ("busy"), one byte per prefill worker.
 
 A prefill worker marks itself busy around each forward (`CoreBoard.prefilling`) and, before it computes,
-waits until decode is no longer borrowing (at most the rest of one decode step, never more than
-`LEND_BACK_WAIT_S`): its cores are its own again before its threads start. The decode worker looks at the
+waits until no decode worker is borrowing (at most the rest of one decode step, never more than
+`LEND_BACK_WAIT_S`): its cores are its own again before its threads start. A decode worker looks at the
 board before each step (`BorrowedCores.before_step`): every prefill worker idle -> it widens its threads'
-CPU mask to its own cores plus the lent ones and runs that step with a thread per core; any prefill busy ->
-its own cores and thread count. The flag protocol is the classic two-flag handshake (each side raises its
+CPU mask to its own cores plus the lent ones and runs that step with its extra threads (one decode worker:
+a thread per lent core; several: the lent cores' share of each, which may be none: then the wider mask
+alone lets the scheduler spread decode workers that share their own cores); any prefill busy -> its own
+cores and thread count. The flag protocol is the classic two-flag handshake (each side raises its
 flag, then reads the other's); a lost race costs one step of shared cores, never a wrong result: the board is
 a performance hint, nothing reads it for correctness. No torch here: the caller hands over set_threads."""
 from __future__ import annotations
@@ -28,10 +30,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 BOARD_BYTES = 64
-MAX_PREFILL_SLOTS = BOARD_BYTES - 1
+MAX_DECODE_SLOTS = 32
+MAX_PREFILL_SLOTS = BOARD_BYTES - MAX_DECODE_SLOTS
 LEND_BACK_WAIT_S = 0.25  # the longest a prefill forward waits for decode to give its cores back
 _POLL_S = 0.0005
-_BORROWING = 0
+_NOT_BORROWING = bytes(MAX_DECODE_SLOTS)
 
 
 def create_board(directory: str) -> str:
@@ -67,7 +70,7 @@ class CoreBoard:
         self.set_busy(slot, True)
         started = time.monotonic()
         deadline = started + LEND_BACK_WAIT_S
-        while self._map[_BORROWING] and time.monotonic() < deadline:
+        while self._map[:MAX_DECODE_SLOTS] != _NOT_BORROWING and time.monotonic() < deadline:
             time.sleep(_POLL_S)
         try:
             yield time.monotonic() - started
@@ -76,19 +79,23 @@ class CoreBoard:
 
     def set_busy(self, slot: int, busy: bool) -> None:
         """(A restarted prefill worker clears its slot: its predecessor may have died inside a forward.)"""
-        if not 0 <= slot < MAX_PREFILL_SLOTS:
-            raise ValueError(f"core board slot {slot} is outside 0..{MAX_PREFILL_SLOTS - 1}")
-        self._map[1 + slot] = 1 if busy else 0
+        self._map[MAX_DECODE_SLOTS + _checked(slot, MAX_PREFILL_SLOTS)] = 1 if busy else 0
 
     # --- decode side -----------------------------------------------------------------------------------
     def prefill_busy(self) -> bool:
-        return self._map.find(b"\x01", 1) != -1
+        return self._map.find(b"\x01", MAX_DECODE_SLOTS) != -1
 
-    def set_borrowing(self, borrowing: bool) -> None:
-        self._map[_BORROWING] = 1 if borrowing else 0
+    def set_borrowing(self, slot: int, borrowing: bool) -> None:
+        self._map[_checked(slot, MAX_DECODE_SLOTS)] = 1 if borrowing else 0
 
-    def borrowing(self) -> bool:
-        return bool(self._map[_BORROWING])
+    def borrowing(self, slot: int) -> bool:
+        return bool(self._map[_checked(slot, MAX_DECODE_SLOTS)])
+
+
+def _checked(slot: int, slots: int) -> int:
+    if not 0 <= slot < slots:
+        raise ValueError(f"core board slot {slot} is outside 0..{slots - 1}")
+    return slot
 
 
 def pin_threads(cpus: frozenset[int]) -> None:
@@ -101,42 +108,45 @@ def pin_threads(cpus: frozenset[int]) -> None:
 
 
 class BorrowedCores:
-    """The decode engine's side, called on its step thread: before_step picks this step's cores and threads,
-    after_step lowers the borrowing flag. set_threads: torch.set_num_threads (called only on a change);
-    pin: pin_threads (tests pass fakes)."""
+    """Decode worker `slot`'s side, called on its engine's step thread: before_step picks this step's cores and
+    threads, after_step lowers the borrowing flag. extra_threads: threads added while borrowing (None: one per
+    lent core). set_threads: torch.set_num_threads (called only on a change); pin: pin_threads (tests: fakes)."""
 
-    def __init__(self, board: CoreBoard, own: frozenset[int], lent: frozenset[int], own_threads: int,
-                 set_threads: Callable[[int], None], pin: Callable[[frozenset[int]], None] = pin_threads) -> None:
-        self.board = board
+    def __init__(self, board: CoreBoard, slot: int, own: frozenset[int], lent: frozenset[int], own_threads: int,
+                 set_threads: Callable[[int], None], pin: Callable[[frozenset[int]], None] = pin_threads,
+                 extra_threads: int | None = None) -> None:
+        self.board, self.slot = board, _checked(slot, MAX_DECODE_SLOTS)
         self.own, self.wide = own, own | lent
         self.own_threads = own_threads
-        self.wide_threads = own_threads + len(self.wide - own)
+        self.wide_threads = own_threads + (len(self.wide - own) if extra_threads is None else extra_threads)
         self._set_threads, self._pin = set_threads, pin
         self.wide_now = False
         self.borrowed_steps = 0  # steps run on borrowed cores (metrics)
         self.steps = 0
-        board.set_borrowing(False)  # a predecessor may have died inside a borrowing step
+        board.set_borrowing(slot, False)  # a predecessor may have died inside a borrowing step
 
     def before_step(self) -> None:
         self.steps += 1
-        self.board.set_borrowing(True)
+        self.board.set_borrowing(self.slot, True)
         if self.board.prefill_busy():  # a prefill computes or is about to: give its cores back first
-            self.board.set_borrowing(False)
+            self.board.set_borrowing(self.slot, False)
             self._use(False)
             return
         self._use(True)
         self.borrowed_steps += 1
 
     def after_step(self) -> None:
-        self.board.set_borrowing(False)
+        self.board.set_borrowing(self.slot, False)
 
     def _use(self, wide: bool) -> None:
         if wide == self.wide_now:
             return
         if wide:  # the mask first: the extra OpenMP threads start (or wake) on the lent cores
             self._pin(self.wide)
-            self._set_threads(self.wide_threads)
+            if self.wide_threads != self.own_threads:
+                self._set_threads(self.wide_threads)
         else:
-            self._set_threads(self.own_threads)
+            if self.wide_threads != self.own_threads:
+                self._set_threads(self.own_threads)
             self._pin(self.own)
         self.wide_now = wide

@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--borrow-cpus", default=None, metavar="LIST",
                         help="the prefill workers' CPUs: each engine step runs on them too (a thread per core) "
                              "while no prefill worker on --core-board computes")
+    parser.add_argument("--core-board-slot", type=int, default=0, metavar="N", help="this worker's byte on the board")
+    parser.add_argument("--borrow-threads", type=int, default=None, metavar="N",
+                        help="torch threads added while borrowing (default: one per --borrow-cpus core; 0: only the "
+                             "wider CPU mask, for decode workers that share their own cores)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("decode", error)
     return run_worker("decode", args, DecodeWorkerConfig.build, serve, max_running=args.max_running,
                       lease_ttl_s=args.lease_ttl, advertise_address=args.advertise, kv_pool=args.kv_pool,
-                      core_board=args.core_board, borrow_cpus=borrow, **bound)
+                      core_board=args.core_board, borrow_cpus=borrow, core_board_slot=args.core_board_slot,
+                      borrow_threads=args.borrow_threads, **bound)
 
 
 def borrow_cpus(text: str | None) -> tuple[int, ...]:

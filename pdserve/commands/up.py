@@ -40,9 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on the CPU: prefill workers on the lower half of the cores, decode workers on the upper "
                              "half, torch threads = cores (as separate GPUs would keep them apart; default on)")
     parser.add_argument("--core-lending", action=argparse.BooleanOptionalAction, default=True,
-                        help="with the prefill and decode workers on separate CPUs, one decode worker (TP 1) also "
-                             "runs its steps on the prefill workers' CPUs while none of them computes; a prefill "
-                             "forward takes them back first (default on; rpc/core_board.py)")
+                        help="with the prefill and decode workers on separate CPUs, the decode workers (TP 1) also "
+                             "run their steps on the prefill workers' CPUs while none of them computes (one decode "
+                             "worker: a thread per lent CPU); a prefill forward takes them back first (default on; "
+                             "rpc/core_board.py)")
     parser.add_argument("--prefill-cpus", default=None, metavar="LIST", help="pin the prefill workers to these CPUs (e.g. 0-3)")
     parser.add_argument("--decode-cpus", default=None, metavar="LIST", help="pin the decode workers to these CPUs")
     add_prefix_cache_argument(parser)
@@ -67,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the gateway's --disagg-threshold-tokens: prompts whose part the decode worker lacks is "
                              "shorter than N are prefilled by the decode worker itself (0: always a prefill worker; "
                              "default: the gateway's)")
+    parser.add_argument("--local-prefill-tokens-per-step", type=int, default=None, metavar="N",
+                        help="the decode workers' --local-prefill-tokens-per-step: while requests decode, a step "
+                             "prefilling a prompt locally takes at most N tokens (default: the decode worker's)")
 
 
 def _check_device(args: argparse.Namespace) -> None:
@@ -125,12 +129,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.prefix_cache:
         worker_args += ("--no-prefix-cache",)
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
+    if args.local_prefill_tokens_per_step is not None:
+        decode_args += ("--local-prefill-tokens-per-step", str(args.local_prefill_tokens_per_step))
     try:
         prefill_pins, decode_pins = cpu_pinning(args)
         CacheWeights(args.cache_routing_weight, args.cache_routing_max_load)  # refused here, before any process starts
         decode_args += decode_pins
-        lend_cpus = (prefill_pins[1] if args.core_lending and prefill_pins and decode_pins and args.num_decode == 1
-                     and args.decode_tp == 1 else None)
+        lend_cpus = (prefill_pins[1] if args.core_lending and prefill_pins and decode_pins and args.decode_tp == 1
+                     else None)
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen, http_listen=args.http_listen,
                            attention_backend=args.attention_backend, transport=args.transport,

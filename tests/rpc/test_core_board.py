@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rpc import core_board
-from rpc.core_board import MAX_PREFILL_SLOTS, BorrowedCores, CoreBoard, create_board
+from rpc.core_board import MAX_DECODE_SLOTS, MAX_PREFILL_SLOTS, BorrowedCores, CoreBoard, create_board
 
 OWN, LENT = frozenset({1}), frozenset({0})
 
@@ -34,8 +34,8 @@ class _Recorder:
         self.calls.append(("pin", cpus))
 
 
-def _cores(board: CoreBoard, recorder: _Recorder) -> BorrowedCores:
-    return BorrowedCores(board, OWN, LENT, 1, recorder.threads, recorder.pin)
+def _cores(board: CoreBoard, recorder: _Recorder, slot: int = 0, extra: int | None = None) -> BorrowedCores:
+    return BorrowedCores(board, slot, OWN, LENT, 1, recorder.threads, recorder.pin, extra_threads=extra)
 
 
 def test_idle_prefill_lends_its_cores_and_busy_prefill_takes_them_back(board):
@@ -45,17 +45,17 @@ def test_idle_prefill_lends_its_cores_and_busy_prefill_takes_them_back(board):
     recorder = _Recorder()
     cores = _cores(board, recorder)
     cores.before_step()
-    assert board.borrowing() and cores.wide_now
+    assert board.borrowing(0) and cores.wide_now
     assert recorder.calls == [("pin", frozenset({0, 1})), ("threads", 2)]
     cores.after_step()
-    assert not board.borrowing()
+    assert not board.borrowing(0)
     cores.before_step()
     cores.after_step()
     assert len(recorder.calls) == 2  # the same choice: nothing set again
     with board.prefilling(3):
         assert board.prefill_busy()
         cores.before_step()
-        assert not board.borrowing() and not cores.wide_now
+        assert not board.borrowing(0) and not cores.wide_now
         cores.after_step()
     assert recorder.calls[2:] == [("threads", 1), ("pin", OWN)]
     assert not board.prefill_busy()
@@ -92,7 +92,7 @@ def test_the_wait_is_capped_when_decode_never_lowers_its_flag(board, monkeypatch
     """A decode worker that died inside a borrowing step leaves its flag up: each prefill forward waits at
     most LEND_BACK_WAIT_S, then computes anyway."""
     monkeypatch.setattr(core_board, "LEND_BACK_WAIT_S", 0.01)
-    board.set_borrowing(True)
+    board.set_borrowing(2, True)
     with board.prefilling(0) as waited:
         assert waited >= 0.01
 
@@ -101,6 +101,8 @@ def test_slots_and_boards_are_checked(board, tmp_path):
     with pytest.raises(ValueError, match="outside"):
         with board.prefilling(MAX_PREFILL_SLOTS):
             pass
+    with pytest.raises(ValueError, match="outside"):
+        _cores(board, _Recorder(), slot=MAX_DECODE_SLOTS)
     short = tmp_path / "short"
     short.write_bytes(b"\0" * 8)
     with pytest.raises(ValueError, match="not a board"):
@@ -113,9 +115,37 @@ def test_a_restarted_worker_clears_what_its_predecessor_left_up(board):
     """A prefill worker that died inside a forward leaves its byte up (no borrowing until it is cleared); a
     decode worker that died inside a borrowing step leaves the flag up: each successor clears its own."""
     board.set_busy(5, True)
-    board.set_borrowing(True)
-    BorrowedCores(board, OWN, LENT, 1, _Recorder().threads, _Recorder().pin)
-    assert not board.borrowing()
+    board.set_borrowing(1, True)
+    _cores(board, _Recorder(), slot=1)
+    assert not board.borrowing(1)
     assert board.prefill_busy()
     board.set_busy(5, False)
     assert not board.prefill_busy()
+
+
+def test_several_decode_workers_borrow_by_mask_and_each_holds_prefill_back(board, monkeypatch):
+    """Two decode workers sharing their own core, no extra threads (their share of one lent core): borrowing
+    widens only the mask. A prefill forward waits while either of them is inside a borrowing step."""
+    monkeypatch.setattr(core_board, "LEND_BACK_WAIT_S", 120.0)
+    first, second = _Recorder(), _Recorder()
+    cores = [_cores(board, first, slot=0, extra=0), _cores(board, second, slot=1, extra=0)]
+    for each in cores:
+        each.before_step()
+    assert first.calls == second.calls == [("pin", frozenset({0, 1}))]
+    cores[0].after_step()
+    entered = threading.Event()
+
+    def prefill() -> None:
+        with board.prefilling(1):
+            entered.set()
+
+    thread = threading.Thread(target=prefill)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not board.prefill_busy():
+        assert time.monotonic() < deadline, "the prefill worker never raised its flag"
+        time.sleep(0.001)
+    assert not entered.is_set()  # decode worker 1 still borrows
+    cores[1].after_step()
+    assert entered.wait(60)
+    thread.join(60)

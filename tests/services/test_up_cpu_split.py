@@ -101,13 +101,13 @@ def test_worker_cpus_outside_the_mask_are_named() -> None:
 
 
 def test_up_lends_prefill_cores_to_one_decode_worker(monkeypatch) -> None:
-    """Core lending (rpc/core_board.py) is on by default with the split: the decode worker may borrow the
-    prefill workers' CPUs. Off with --no-core-lending, without the split, and with more than one decode worker
-    or decode TP > 1 (two borrowers would contend for the same cores; followers are other processes)."""
+    """Core lending (rpc/core_board.py) is on by default with the split: the decode workers may borrow the
+    prefill workers' CPUs (several decode workers too: each gets its share in threads). Off with
+    --no-core-lending, without the split, and with decode TP > 1 (followers are other processes)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     specs = up_specs(monkeypatch, [[], ["--no-core-lending"], ["--no-cpu-split"], ["--num-decode", "2"],
                                    ["--decode-tp", "2"]])
-    assert [spec.lend_cpus for spec in specs] == ["0,1", None, None, None, None]
+    assert [spec.lend_cpus for spec in specs] == ["0,1", None, None, "0,1", None]
     assert specs[0].decode_args[-2:] == ("--cpus", "2,3")
 
 
