@@ -34,6 +34,24 @@ class _Recorder:
         self.calls.append(("pin", cpus))
 
 
+def _prefill_waiting(board: CoreBoard, slot: int) -> tuple[threading.Thread, threading.Event]:
+    """A prefill forward on a thread of its own, returned once its busy flag is up; `entered` is set when the
+    forward would start computing."""
+    entered = threading.Event()
+
+    def prefill() -> None:
+        with board.prefilling(slot):
+            entered.set()
+
+    thread = threading.Thread(target=prefill)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not board.prefill_busy():
+        assert time.monotonic() < deadline, "the prefill worker never raised its flag"
+        time.sleep(0.001)
+    return thread, entered
+
+
 def _cores(board: CoreBoard, recorder: _Recorder, slot: int = 0, extra: int | None = None) -> BorrowedCores:
     return BorrowedCores(board, slot, OWN, LENT, 1, recorder.threads, recorder.pin, extra_threads=extra)
 
@@ -68,18 +86,7 @@ def test_a_prefill_forward_waits_for_the_borrowing_step_to_end(board, monkeypatc
     monkeypatch.setattr(core_board, "LEND_BACK_WAIT_S", 120.0)
     cores = _cores(board, _Recorder())
     cores.before_step()  # borrowing
-    entered = threading.Event()
-
-    def prefill() -> None:
-        with board.prefilling(0):
-            entered.set()
-
-    thread = threading.Thread(target=prefill)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not board.prefill_busy():
-        assert time.monotonic() < deadline, "the prefill worker never raised its flag"
-        time.sleep(0.001)
+    thread, entered = _prefill_waiting(board, 0)
     assert not entered.is_set()
     cores.after_step()  # the step ends: its cores go back
     assert entered.wait(60)
@@ -133,18 +140,7 @@ def test_several_decode_workers_borrow_by_mask_and_each_holds_prefill_back(board
         each.before_step()
     assert first.calls == second.calls == [("pin", frozenset({0, 1}))]
     cores[0].after_step()
-    entered = threading.Event()
-
-    def prefill() -> None:
-        with board.prefilling(1):
-            entered.set()
-
-    thread = threading.Thread(target=prefill)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not board.prefill_busy():
-        assert time.monotonic() < deadline, "the prefill worker never raised its flag"
-        time.sleep(0.001)
+    thread, entered = _prefill_waiting(board, 1)
     assert not entered.is_set()  # decode worker 1 still borrows
     cores[1].after_step()
     assert entered.wait(60)
