@@ -7,8 +7,7 @@ Per round and deployment: a closed loop at each --concurrency (default 16, then 
 prompts, --output-len tokens, greedy, ignore_eos. Reported: median (min..max) over --rounds of output tok/s, TTFT
 p50, TPOT p50, ITL p99 and ITL p99 / TPOT p50 (the issue's goal: <= 2 at c=16), the per-round split / shared
 ratio, the load. Each deployment's `pdserve up` flags: --split-args / --shared-args (default "--no-cpu-split");
---names relabels the two (e.g. core lending on vs off: --names lending no-lending --shared-args
-"--no-core-lending").
+--names relabels the two (e.g. core lending on vs off: --names lending no-lending --shared-args=--no-core-lending).
 
 Run: .venv/bin/python -m benchmarks.bench_cpu_split [--rounds 5] [--concurrency 16 1] [--model DIR]
 """
