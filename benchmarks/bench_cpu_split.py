@@ -4,8 +4,8 @@ up at once and taking turns, through the gateway's OpenAI HTTP API with the clie
 
 Model: the DeepSeek-V3-geometry checkpoint of peer_vllm (written once under ~/.cache/pdserve-peer), or --model.
 Per round and deployment: a closed loop at each --concurrency (default 16, then 1) of random --input-len-token
-prompts, --output-len tokens, greedy, ignore_eos. Reported: median (min..max) over --rounds of output tok/s, TTFT
-p50, TPOT p50, ITL p99 and ITL p99 / TPOT p50 (the issue's goal: <= 2 at c=16), the per-round split / shared
+prompts, --output-len tokens, greedy, ignore_eos, fresh prompts every round (the same for both deployments).
+Reported: median (min..max) over --rounds of output tok/s, TTFT p50, TPOT p50, ITL p99 and ITL p99 / TPOT p50 (the issue's goal: <= 2 at c=16), the per-round split / shared
 ratio, the load. Each deployment's `pdserve up` flags: --split-args / --shared-args (default "--no-cpu-split");
 --names relabels the two (e.g. core lending on vs off: --names lending no-lending --shared-args=--no-core-lending).
 
@@ -62,15 +62,18 @@ def main() -> None:
         for server in servers.values():
             server.wait_ready(900)
         models = {name: model_id(server.base_url) for name, server in servers.items()}
-        loads = [(c, random_requests(max(args.prompts_per_slot * c, 4), args.input_len, args.output_len, vocab,
-                                     SPECIAL_IDS, seed=c)) for c in args.concurrency]
+        def loads_of(round_index: int) -> list:  # fresh prompts every round (-1: the warm-up): no prefix-cache hits
+            return [(c, random_requests(max(args.prompts_per_slot * c, 4), args.input_len, args.output_len, vocab,
+                                        SPECIAL_IDS, seed=c + 10_000 * (round_index + 1))) for c in args.concurrency]
+
+        loads = loads_of(-1)
         for concurrency, requests in loads:  # warm-up, unrecorded
             for name in variants:
                 asyncio.run(run_workload(servers[name].base_url, models[name], requests[:concurrency], concurrency))
         results: dict[int, dict[str, list[dict[str, float]]]] = {c: {v: [] for v in variants} for c, _ in loads}
         for round_index in range(args.rounds):
             order = variants if round_index % 2 == 0 else tuple(reversed(variants))
-            for concurrency, requests in loads:
+            for concurrency, requests in loads_of(round_index):
                 for name in order:
                     metrics = asyncio.run(run_workload(servers[name].base_url, models[name], requests, concurrency))
                     metrics["itl_over_tpot"] = metrics["p99_itl_ms"] / metrics["median_tpot_ms"]

@@ -6,7 +6,8 @@ writes the DeepSeek-V3-geometry checkpoint (benchmarks/peer_servers.py: kv_lora_
 servers on loopback (vLLM's OpenAI server with its defaults; `pdserve up`: 1 prefill + 1 decode worker, defaults,
 no draft), checks that their greedy outputs agree, then runs one client (bench/: the streaming /v1/completions
 client of `pdserve bench --backend openai`) against both, taking turns: every round runs each workload on both
-systems, the order of the two reversed every other round. Workloads: random token prompts (--input-len,
+systems, the order of the two reversed every other round, on prompts of its own (the same for both systems; a
+round never repeats an earlier one's, so pdserve's prefix cache finds nothing to reuse). Workloads: random token prompts (--input-len,
 default 128) with --output-len (64) tokens, ignore_eos, greedy, a closed loop at each --concurrency (1, 4, 16;
 --prompts-per-slot x concurrency requests), plus a long-prompt round (--long-input 1600 tokens at concurrency
 --long-concurrency 2). Prints per workload the median (min..max) over --rounds of output tok/s, TTFT p50, TPOT
@@ -86,17 +87,20 @@ async def run_workload(base_url: str, model: str, requests: list[BenchRequest], 
     return result
 
 
-def workloads(args: argparse.Namespace) -> list[tuple[str, int, list[BenchRequest]]]:
-    """(label, concurrency, requests) per workload; the same requests for both systems in every round."""
+def workloads(args: argparse.Namespace, round_index: int) -> list[tuple[str, int, list[BenchRequest]]]:
+    """(label, concurrency, requests) per workload for one round (-1: the warm-up): the same requests for both
+    systems, fresh ones every round, so that no round finds the previous one's prompts in a prefix cache (pdserve
+    keeps one by default; vLLM's CPU build turns its own off for MLA models)."""
     out = []
+    salt = 10_000 * (round_index + 1)
     for concurrency in args.concurrency:
         count = max(args.prompts_per_slot * concurrency, args.min_prompts)
         requests = random_requests(count, args.input_len, args.output_len, PEER_SHAPE["vocab_size"], SPECIAL_IDS,
-                                   seed=args.seed + concurrency)
+                                   seed=args.seed + concurrency + salt)
         out.append((f"c={concurrency}, {args.input_len}+{args.output_len}", concurrency, requests))
     if args.long_input:
         requests = random_requests(args.long_prompts, args.long_input, args.output_len, PEER_SHAPE["vocab_size"],
-                                   SPECIAL_IDS, seed=args.seed + 999)
+                                   SPECIAL_IDS, seed=args.seed + 999 + salt)
         out.append((f"long c={args.long_concurrency}, {args.long_input}+{args.output_len}", args.long_concurrency, requests))
     return out
 
@@ -117,16 +121,17 @@ def check_greedy(servers: dict[str, Server], models: dict[str, str], args: argpa
     return agree, len(prompts)
 
 
-def interleaved_rounds(servers: dict[str, Server], models: dict[str, str], loads: list, rounds: int
+def interleaved_rounds(servers: dict[str, Server], models: dict[str, str], args: argparse.Namespace
                        ) -> dict[str, dict[str, list[dict[str, float]]]]:
     """results[label][system] = one metrics dict per round; an unrecorded warm-up of every workload first."""
-    results: dict[str, dict[str, list[dict[str, float]]]] = {label: {s: [] for s in SYSTEMS} for label, _, _ in loads}
-    for label, concurrency, requests in loads:
+    warmup = workloads(args, -1)
+    results: dict[str, dict[str, list[dict[str, float]]]] = {label: {s: [] for s in SYSTEMS} for label, _, _ in warmup}
+    for label, concurrency, requests in warmup:
         for system in SYSTEMS:
             asyncio.run(run_workload(servers[system].base_url, models[system], requests[:concurrency], concurrency))
-    for round_index in range(rounds):
+    for round_index in range(args.rounds):
         order = SYSTEMS if round_index % 2 == 0 else tuple(reversed(SYSTEMS))
-        for label, concurrency, requests in loads:
+        for label, concurrency, requests in workloads(args, round_index):
             for system in order:
                 metrics = asyncio.run(run_workload(servers[system].base_url, models[system], requests, concurrency))
                 results[label][system].append(metrics)
@@ -217,9 +222,8 @@ def main() -> None:
         models = {name: model_id(server.base_url) for name, server in servers.items()}
         agree, total = check_greedy(servers, models, args)
         print(f"\ngreedy outputs identical: {agree}/{total} prompts ({args.greedy_tokens} tokens each)\n", flush=True)
-        loads = workloads(args)
         start = time.monotonic()
-        results = interleaved_rounds(servers, models, loads, args.rounds)
+        results = interleaved_rounds(servers, models, args)
         print(f"\n{args.rounds} rounds in {time.monotonic() - start:.0f} s\n")
         medians = report(results, args.rounds)
         print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")

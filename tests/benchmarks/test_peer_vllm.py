@@ -17,19 +17,21 @@ def _args(**overrides: object) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
-def test_workloads_are_fixed_and_sized() -> None:
+def test_workloads_are_sized_and_fresh_every_round() -> None:
     """One workload per concurrency (max(slot x c, min) requests of exact lengths, no special ids) plus the long
-    round; the same arguments give the same token ids (both systems and every round see the same requests)."""
-    first, second = workloads(_args()), workloads(_args())
+    round; the same round gives the same token ids (both systems see the same requests), another round other
+    ones (no round finds the previous one's prompts in pdserve's prefix cache)."""
+    first, again, other = workloads(_args(), 0), workloads(_args(), 0), workloads(_args(), 1)
     assert [(label, c, len(reqs)) for label, c, reqs in first] == [
         ("c=1, 12+5", 1, 3), ("c=4, 12+5", 4, 8), ("long c=2, 40+5", 2, 2)]
-    for (_, _, reqs), (_, _, again) in zip(first, second):
-        assert [r.token_ids for r in reqs] == [r.token_ids for r in again]
+    for (_, _, reqs), (_, _, same), (_, _, fresh) in zip(first, again, other):
+        assert [r.token_ids for r in reqs] == [r.token_ids for r in same]
+        assert not {tuple(r.token_ids) for r in reqs} & {tuple(r.token_ids) for r in fresh}
         for request in reqs:
             assert request.output_len == 5 and request.ignore_eos
             assert not set(request.token_ids) & SPECIAL_IDS
     assert all(len(r.token_ids) == 40 for r in first[2][2])
-    assert [label for label, _, _ in workloads(_args(long_input=0))] == ["c=1, 12+5", "c=4, 12+5"]
+    assert [label for label, _, _ in workloads(_args(long_input=0), 0)] == ["c=1, 12+5", "c=4, 12+5"]
 
 
 def test_ratio_spread() -> None:
