@@ -50,6 +50,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
     add_internal_token_argument(parser)
 
 
+def add_core_board_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    """--core-board / --core-board-slot of both workers (core lending, rpc/core_board.py); role: what this worker
+    does with the board, for the help text."""
+    parser.add_argument("--core-board", default=None, metavar="PATH",
+                        help=f"core lending on a CPU node (`pdserve up` sets it): the board file; {role}")
+    parser.add_argument("--core-board-slot", type=int, default=0, metavar="N", help="this worker's byte on the board")
+
+
 def add_prefix_cache_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="recompute every prompt from its first token (default: reuse cached pages and, for KDA "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pdserve.commands.common import add_engine_arguments, fail, run_worker
+from pdserve.commands.common import add_core_board_arguments, add_engine_arguments, fail, run_worker
 from rpc.logging_setup import configure_logging
 
 
@@ -22,13 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests decode, an engine step prefills at most N tokens and alternates with decode "
                              "steps (0: prefill first, whole steps; default: decode_worker.config."
                              "DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP)")
-    parser.add_argument("--core-board", default=None, metavar="PATH",
-                        help="core lending on a CPU node (`pdserve up` sets it): the board file the prefill workers "
-                             "mark their forwards on; with --borrow-cpus")
+    add_core_board_arguments(parser, "the prefill workers mark their forwards there; with --borrow-cpus")
     parser.add_argument("--borrow-cpus", default=None, metavar="LIST",
-                        help="the prefill workers' CPUs: each engine step runs on them too (a thread per core) "
-                             "while no prefill worker on --core-board computes")
-    parser.add_argument("--core-board-slot", type=int, default=0, metavar="N", help="this worker's byte on the board")
+                        help="the prefill workers' CPUs: each engine step runs on them too (with --borrow-threads "
+                             "more threads) while no prefill worker on --core-board computes")
     parser.add_argument("--borrow-threads", type=int, default=None, metavar="N",
                         help="torch threads added while borrowing (default: one per --borrow-cpus core; 0: only the "
                              "wider CPU mask, for decode workers that share their own cores)")

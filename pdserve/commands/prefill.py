@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.commands.common import add_engine_arguments, run_worker
+from pdserve.commands.common import add_core_board_arguments, add_engine_arguments, run_worker
 from prefill_worker.batch_policy import DEFAULT_BATCH_TARGET_MS
 from rpc.logging_setup import configure_logging
 
@@ -16,10 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-target-ms", type=float, default=DEFAULT_BATCH_TARGET_MS,
                         help="take fewer prompt tokens when the measured prefill cost says --batch-tokens would "
                              "take longer than this (0: no time cap)")
-    parser.add_argument("--core-board", default=None, metavar="PATH",
-                        help="core lending on a CPU node (`pdserve up` sets it): mark each forward on this board so "
-                             "that a decode worker borrowing this worker's cores hands them back first")
-    parser.add_argument("--core-board-slot", type=int, default=0, metavar="N", help="this worker's byte on the board")
+    add_core_board_arguments(parser, "this worker marks each forward there, so that a decode worker borrowing its "
+                                     "cores hands them back first")
 
 
 def run(args: argparse.Namespace) -> int:
