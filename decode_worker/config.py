@@ -66,7 +66,8 @@ class DecodeWorkerConfig(EmbedsEngineConfig):
         IPC, DevicePoolFactory; on the CPU the memfd stand-in) or "auto" (device on a GPU, else shm).
         The decode role bounds the prompts it prefills itself (DecodeRequest.prefill_locally): unless given,
         engine prefill_tokens_while_decoding is DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP (`--local-prefill-tokens-per-step`:
-        while requests decode, a prefill step takes at most that many tokens and alternates with decode steps)."""
+        while requests decode, a prefill step takes at most that many tokens and joins a decode step, or with
+        mixed_steps off alternates with them)."""
         engine.setdefault("prefill_tokens_while_decoding", DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP)
         if kv_pool not in ("auto", "shm", "device"):
             raise ValueError(f"kv_pool must be auto, shm or device, got {kv_pool!r}")

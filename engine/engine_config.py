@@ -56,6 +56,9 @@ class EngineConfig:
     # this many tokens and alternates with decode steps, so local prefills never stall running decodes for long
     # (engine/runtime/scheduler.py). 0: prefill first, max_batched_tokens per step.
     prefill_tokens_while_decoding: int = 0
+    # With prefill_tokens_while_decoding: those bounded chunks join the decode step (one MIXED forward, the weights
+    # read once for both) instead of alternating with it; steps still alternate while a sequence may speculate.
+    mixed_steps: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))  # "auto" resolved once, here

@@ -189,7 +189,8 @@ class KimiDeltaAttention(nn.Module):
     def _recur(self, q, k, v, g, beta, ssm_pool, slots: tuple[int, ...], lengths: tuple[int, ...], mode, snapshot: bool,
                snapshots) -> torch.Tensor:
         """Sequences of different lengths, one batched call per length (kda_ragged) -> o [T, H, V] float32.
-        Prefill: the chunked form (fla's, one sequence at a time, where it runs); decode: the recurrent form;
+        Prefill: the chunked form (fla's, one sequence at a time, where it runs); decode (and a MIXED step's
+        one-token rows): the recurrent form;
         both advance the slots. Verify (snapshot): the recurrent form, the state after every position into
         snapshots[kda_index, i], the slots untouched."""
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -199,7 +200,7 @@ class KimiDeltaAttention(nn.Module):
             index = torch.tensor([slots[i] for i in members], dtype=torch.long, device=v.device)
             parts = [z.index_select(0, rows).view(len(members), length, *z.shape[1:]) for z in (q, k, v, g, beta)]
             state = ssm_pool.index_select(0, index)
-            if mode == ForwardMode.DECODE:
+            if mode == ForwardMode.DECODE or (mode == ForwardMode.MIXED and length == 1):
                 scratch = snapshots[self.kda_index] if snapshot else None
                 o, state = kda_recurrent_group(*parts, state, scratch, members)
             elif fla is not None:

@@ -106,6 +106,11 @@ class MLAAttention(nn.Module):
         kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, batch.attn.slot_mapping, latent.to(kv_cache.dtype))
         if batch.mode == ForwardMode.DECODE:
             out = self._absorbed(q_nope, q_pe, kv_cache, batch.attn)
+        elif batch.mode == ForwardMode.MIXED:  # decoding rows first (absorbed), then the prefill chunks (MHA)
+            rows = batch.num_decode_tokens
+            decoding, chunks = batch.parts
+            out = torch.cat([self._absorbed(q_nope[:rows], q_pe[:rows], kv_cache, decoding),
+                             self._mha(q_nope[rows:], q_pe[rows:], latent[rows:], kv_cache, chunks)])
         else:
             out = self._mha(q_nope, q_pe, latent, kv_cache, batch.attn)
         out = out.reshape(num_tokens, self.num_local_heads * self.v_dim)

@@ -12,10 +12,14 @@ from engine.runtime.devices import host_to_device
 class ForwardMode(enum.Enum):
     """EXTEND: MHA form (latent decompressed through kv_b_proj), used for prefill and chunked prefill.
     DECODE: absorbed form (W_UK folded into q, W_UV after), reads the paged latent cache directly;
-    a sequence may bring several query tokens (speculative verification)."""
+    a sequence may bring several query tokens (speculative verification).
+    MIXED: one forward over decoding sequences and prefill chunks (ForwardBatch.decode_seqs): the first
+    decode_seqs sequences, one query token each, take the absorbed form, the rest the MHA form; every other
+    layer runs over all the tokens at once (a decode step and a prefill chunk read the weights once)."""
 
     EXTEND = "extend"
     DECODE = "decode"
+    MIXED = "mixed"
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,20 @@ class AttentionMetadata:
         """True when no sequence has cached context before its new tokens."""
         return self.q_lens_cpu == self.kv_lens_cpu
 
+    def split(self, num_seqs: int) -> tuple["AttentionMetadata", "AttentionMetadata"]:
+        """(the first num_seqs sequences, the rest): each part's own metadata, its rows counted from 0 (views
+        and one small subtraction, no host work)."""
+        if not 0 < num_seqs < self.num_seqs:
+            raise ValueError(f"cannot split {self.num_seqs} sequences after {num_seqs}")
+        rows = sum(self.q_lens_cpu[:num_seqs])
+        head = AttentionMetadata(self.cu_seqlens_q[: num_seqs + 1], self.kv_lens[:num_seqs],
+                                 self.block_table[:num_seqs], self.slot_mapping[:rows], self.q_lens_cpu[:num_seqs],
+                                 self.kv_lens_cpu[:num_seqs], self.page_size)
+        tail = AttentionMetadata(self.cu_seqlens_q[num_seqs:] - rows, self.kv_lens[num_seqs:],
+                                 self.block_table[num_seqs:], self.slot_mapping[rows:], self.q_lens_cpu[num_seqs:],
+                                 self.kv_lens_cpu[num_seqs:], self.page_size)
+        return head, tail
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -72,6 +90,7 @@ class ForwardBatch:
     snapshot_state: speculative verify: KDA layers leave the slots untouched and write the state after
         every position into the state pool's snapshot scratch (row i = sequence i), for commit_snapshots.
     state_slots_cpu: the same slots as a Python tuple (no device sync needed), when the builder had them.
+    parts: MIXED: (the decoding sequences' metadata, the prefill chunks'), attn.split(decode_seqs) made once per step.
     """
 
     mode: ForwardMode
@@ -81,10 +100,16 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None
     snapshot_state: bool = False
     state_slots_cpu: tuple[int, ...] = ()
+    parts: tuple[AttentionMetadata, AttentionMetadata] | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """MIXED: the rows of the decoding sequences (the first ones); 0 otherwise."""
+        return sum(self.parts[0].q_lens_cpu) if self.parts is not None else 0
 
     def host_state_slots(self) -> tuple[int, ...]:
         """state_slots on the host: state_slots_cpu, or (a device sync) a copy of the tensor."""

@@ -38,7 +38,7 @@ from engine.spec.spec_policy import SpecBackoff, record_verify, should_speculate
 from engine.spec.spec_verify import AcceptanceStats, VerifyResult
 from engine.cache.state_pool import split_memory_budget
 from engine.runtime.step_plan import (CommitStatePlan, DecodeItem, ExportPlan, PrefillItem, ReadStatePlan, TargetPlan, decode_plan,
-                              prefill_plan, with_state_slots)
+                              mixed_plan, prefill_plan, with_state_slots)
 from engine.runtime.step_results import sample_on_device, sample_tokens, token_logprobs
 from engine.runtime.tp_launcher import TPLeader, default_threads
 
@@ -128,7 +128,8 @@ class LLMEngine:
             self._reuse = PrefixReuse(self.prefix_cache, self.leader.execute, config.page_size,
                                       self.state_pool is not None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_batched_tokens,
-                                                   config.prefill_tokens_while_decoding), self.allocator,
+                                                   config.prefill_tokens_while_decoding, config.mixed_steps),
+                                   self.allocator,
                                    self.state_pool, self.prefix_cache)
         self.acceptance_stats = AcceptanceStats()
         self.spec_backoff = SpecBackoff(config.spec_min_tokens_per_step)
@@ -361,7 +362,9 @@ class LLMEngine:
         self.num_preemptions += len(preempted)
         for seq in preempted:
             logger.info("preempted %s (out of KV pages); it will be recomputed", seq.request_id)
-        if scheduled.prefill:
+        if scheduled.prefill and scheduled.decode:
+            self._run_mixed(scheduled.prefill, list(scheduled.decode))
+        elif scheduled.prefill:
             self._run_prefill(scheduled.prefill)
         elif scheduled.decode:
             self._run_decode(list(scheduled.decode))
@@ -433,15 +436,37 @@ class LLMEngine:
         return token_logprobs(logits, tokens, seq.params.logprobs) if seq.params.logprobs else []
 
     # --- prefill ----------------------------------------------------------------------------------
+    @staticmethod
+    def _prefill_items(chunks: tuple[PrefillChunk, ...]) -> list[PrefillItem]:
+        return [PrefillItem(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages,
+                            c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0,
+                            all_logits=c.seq.params.prompt_logprobs is not None) for c in chunks]
+
     def _run_prefill(self, chunks: tuple[PrefillChunk, ...]) -> None:
-        items = [PrefillItem(c.seq.token_ids, c.seq.num_cached, c.num_tokens, c.seq.page_table.pages,
-                             c.seq.remaining_prefill == c.num_tokens and c.seq.num_generated == 0,
-                             all_logits=c.seq.params.prompt_logprobs is not None) for c in chunks]
+        items = self._prefill_items(chunks)
         plan = prefill_plan(items, write_draft_context=speculates([c.seq.params for c in chunks], self.has_draft),
                             keys=[c.seq.request_id for c in chunks])
         if self._reuse is not None:
             self._reuse.restore([c.seq for c in chunks])
-        logits = self.leader.execute(self._with_state(plan, [c.seq for c in chunks]))
+        self._after_prefill(chunks, items, self.leader.execute(self._with_state(plan, [c.seq for c in chunks])))
+
+    def _run_mixed(self, chunks: tuple[PrefillChunk, ...], seqs: list[Sequence]) -> None:
+        """One forward for a decode step over `seqs` (no drafts) and prefill chunks (Scheduler mixed_steps): the
+        decode step's tokens are committed first, then the chunks advance as a prefill step's would."""
+        items = self._prefill_items(chunks)
+        everyone = seqs + [c.seq for c in chunks]
+        plan = mixed_plan([DecodeItem([seq.last_token], seq.num_cached, seq.page_table.pages) for seq in seqs], items,
+                          write_draft_context=speculates([seq.params for seq in everyone], self.has_draft),
+                          keys=[seq.request_id for seq in everyone])
+        if self._reuse is not None:
+            self._reuse.restore([c.seq for c in chunks])
+        logits = self.leader.execute(self._with_state(plan, everyone))
+        decoded = len(seqs)
+        self._commit(seqs, {}, self._sample_step(seqs, {}, logits[:decoded], plan))
+        self._after_prefill(chunks, items, logits[decoded:])
+
+    def _after_prefill(self, chunks: tuple[PrefillChunk, ...], items: list[PrefillItem], logits: torch.Tensor) -> None:
+        """A prefill forward's logits (its plan's logit_rows) -> first tokens, prompt logprobs, promotions."""
         if any(item.all_logits for item in items):  # prompt scoring: every row of those chunks came back
             spans = logit_spans(items)
             for chunk, item, (row, count) in zip(chunks, items, spans):
@@ -507,12 +532,19 @@ class LLMEngine:
         plan = decode_plan(items, write_draft_context=speculates([seq.params for seq in seqs], self.has_draft),
                            snapshot_state=bool(drafts) and self.state_pool is not None,
                            keys=[seq.request_id for seq in seqs])
-        offsets = list(itertools.accumulate([0] + plan.q_lens))
+        return self._sample_step(seqs, drafts, None, plan)
+
+    def _sample_step(self, seqs: list[Sequence], drafts: spec_decode.Proposals, logits: torch.Tensor | None,
+                     plan: TargetPlan) -> Verified:
+        """Samples the plain sequences and verifies the drafted ones from a forward's logits over every sequence's
+        fed tokens (logits None: runs `plan` for them, its grammar masks computed while it runs)."""
+        offsets = list(itertools.accumulate([0] + [len(drafts.get(seq.request_id, ([], None))[0]) + 1 for seq in seqs]))
         tokens = {rid: proposal[0] for rid, proposal in drafts.items()}
         # structured outputs: the step's grammar masks are computed on a helper thread while the forward runs
         masks = self._grammar_thread.submit(grammar_masks, seqs, tokens, offsets) \
             if any(seq.grammar is not None for seq in seqs) else None
-        logits = self.leader.execute(self._with_state(plan, seqs))
+        if logits is None:
+            logits = self.leader.execute(self._with_state(plan, seqs))
         plain = [i for i, seq in enumerate(seqs) if seq.request_id not in drafts]
         # what sampling and verification see: each row's penalties / bias / grammar (raw logits stay for the logprobs)
         scores = step_scores(seqs, tokens, logits, offsets, self.eos_ids, masks.result() if masks is not None else {})

@@ -9,7 +9,7 @@ import torch
 
 from engine.runtime.devices import bind_thread_to, host_to_device, rank_device
 from engine.runtime.distributed import TPGroup
-from engine.runtime.forward_batch import copy_forward_batch
+from engine.runtime.forward_batch import ForwardMode, copy_forward_batch
 from engine.cache.kv_cache import CacheShape, PagedLatentCache
 from engine.layers.embedding import ParallelLMHead
 from engine.cache.page_pool import PagePool, PagePoolFactory
@@ -331,6 +331,8 @@ class ModelRunner:
         for slot in plan.reset_slots:
             cache.state.reset(slot)
         batch, rows = copy_forward_batch(plan.mode, *pack_target_plan(plan, self.config.page_size), self.device)
+        if plan.mode == ForwardMode.MIXED:
+            batch = dataclasses.replace(batch, parts=batch.attn.split(plan.decode_seqs))
         if plan.state_slots is not None:
             slots = host_to_device(list(plan.state_slots), torch.int64, self.device)
             batch = dataclasses.replace(batch, state_slots=slots, snapshot_state=plan.snapshot_state,

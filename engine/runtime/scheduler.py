@@ -25,7 +25,10 @@ Policy (documented in docs/architecture.md):
   pages past its checkpoint, recomputed once and checkpointed there: a branch point).
 - Prefill beside running decodes (prefill_tokens_while_decoding > 0, decode workers): while sequences decode, a
   prefill step takes at most that many tokens and is followed by a decode step, so a running sequence waits at
-  most one bounded prefill step between two of its tokens.
+  most one bounded prefill step between two of its tokens. With mixed_steps (the default there) the bounded
+  prefill chunks instead join the decode step itself, one forward for both (ForwardMode.MIXED): a running
+  sequence gets a token every step, and a step's weights are read once for its decode and prefill tokens. Not
+  while a running sequence may speculate (its verify rows need the DECODE form): then steps alternate as above.
 - Pages and slots may also be reserved from another thread (a decode worker's Reserve): schedule()
   holds the pool lock for its whole decision, so what it counted as free is still free when it allocates.
 """
@@ -46,6 +49,7 @@ class SchedulerConfig:
     max_running: int = 64
     max_batched_tokens: int = 2048
     prefill_tokens_while_decoding: int = 0  # > 0: bounded prefill steps alternating with decode steps
+    mixed_steps: bool = False  # with prefill_tokens_while_decoding: the bounded chunks join the decode step instead
 
     def __post_init__(self) -> None:
         if self.max_running <= 0:
@@ -114,6 +118,8 @@ class Scheduler:
         """Under the allocator's lock: what it reads of the free pages and slots stays true while it
         allocates (another thread may reserve pages between steps, never inside this decision)."""
         with self.allocator.lock:
+            if self.waiting and self.running and self._mixes():
+                return self._schedule_mixed()
             decode_turn = bool(self.config.prefill_tokens_while_decoding and self.running and self._prefilled_last)
             if self.waiting and len(self.running) < self.config.max_running and not decode_turn:
                 chunks = self._schedule_prefill()
@@ -122,6 +128,20 @@ class Scheduler:
                     return ScheduledStep(prefill=tuple(chunks))
             self._prefilled_last = False
             return self._schedule_decode()
+
+    def _mixes(self) -> bool:
+        return (self.config.mixed_steps and self.config.prefill_tokens_while_decoding > 0
+                and all(seq.spec_block_size < 2 for seq in self.running))
+
+    def _schedule_mixed(self) -> ScheduledStep:
+        """Bounded prefill chunks (pages for the running sequences' next tokens held back) and a decode step over
+        every running sequence, in one step."""
+        chunks = self._take_prefill_chunks() if len(self.running) < self.config.max_running else []
+        decode = self._schedule_decode()
+        self._prefilled_last = False
+        if not decode.decode:  # every running sequence was preempted: what is left is a plain prefill step
+            return ScheduledStep(prefill=tuple(chunks), preempted=decode.preempted)
+        return ScheduledStep(prefill=tuple(chunks), decode=decode.decode, preempted=decode.preempted)
 
     def _schedule_prefill(self) -> list[PrefillChunk]:
         chunks = self._take_prefill_chunks()

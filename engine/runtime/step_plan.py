@@ -23,6 +23,7 @@ class TargetPlan:
         kept until a CommitStatePlan names how many positions each sequence keeps.
     seq_keys: which sequence each row is (its request id), so that tensor-parallel followers receive page-table
         deltas instead of whole tables (engine/runtime/page_table_sync.py); None: the tables travel whole.
+    decode_seqs: MIXED: the first decode_seqs sequences decode (one token each), the rest are prefill chunks.
     """
 
     mode: ForwardMode
@@ -38,6 +39,13 @@ class TargetPlan:
     reset_slots: tuple[int, ...] = ()
     snapshot_state: bool = False
     seq_keys: tuple[str, ...] | None = None
+    decode_seqs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode == ForwardMode.MIXED and not (0 < self.decode_seqs < len(self.q_lens)
+                                                   and all(n == 1 for n in self.q_lens[: self.decode_seqs])):
+            raise ValueError(f"a MIXED plan needs 1 <= decode_seqs < {len(self.q_lens)} one-token sequences first, "
+                             f"got decode_seqs={self.decode_seqs}")
 
 
 class PrefillItem(NamedTuple):
@@ -104,6 +112,24 @@ def decode_plan(items: list[DecodeItem], write_draft_context: bool = False, snap
         kv_lens=[item.num_cached + len(item.tokens) for item in items], page_tables=[list(item.pages) for item in items],
         logit_rows=list(range(len(input_ids))), write_draft_context=write_draft_context, snapshot_state=snapshot_state,
         seq_keys=_keys(keys, items),
+    )
+
+
+def mixed_plan(decoding: list[DecodeItem], chunks: list[PrefillItem], write_draft_context: bool = False,
+               keys: list[str] | None = None) -> TargetPlan:
+    """One MIXED forward: decoding sequences (one token each, no drafts) and then prefill chunks. logit_rows: every
+    decoding row, then the prefill chunks' (as prefill_plan's). keys: each item's sequence, decoding ones first."""
+    if any(len(item.tokens) != 1 for item in decoding):
+        raise ValueError("a mixed step's decoding sequences feed one token each (no drafts)")
+    head = decode_plan(decoding, write_draft_context)
+    tail = prefill_plan(chunks, write_draft_context=write_draft_context)
+    width = len(head.input_ids)
+    return TargetPlan(
+        mode=ForwardMode.MIXED, input_ids=head.input_ids + tail.input_ids, positions=head.positions + tail.positions,
+        q_lens=head.q_lens + tail.q_lens, kv_lens=head.kv_lens + tail.kv_lens,
+        page_tables=head.page_tables + tail.page_tables,
+        logit_rows=head.logit_rows + [width + row for row in tail.logit_rows], write_draft_context=write_draft_context,
+        seq_keys=_keys(keys, decoding + chunks), decode_seqs=len(decoding),
     )
 
 

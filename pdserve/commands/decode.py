@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests decode, an engine step prefills at most N tokens and alternates with decode "
                              "steps (0: prefill first, whole steps; default: decode_worker.config."
                              "DEFAULT_LOCAL_PREFILL_TOKENS_PER_STEP)")
+    parser.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
+                        help="local prefill steps alternate with decode steps (default: each bounded prefill chunk "
+                             "joins a decode step, one forward for both)")
     add_core_board_arguments(parser, "the prefill workers mark their forwards there; with --borrow-cpus")
     parser.add_argument("--borrow-cpus", default=None, metavar="LIST",
                         help="the prefill workers' CPUs: each engine step runs on them too (with --borrow-threads "
@@ -38,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     bound = {} if args.local_prefill_tokens_per_step is None else {
         "prefill_tokens_while_decoding": args.local_prefill_tokens_per_step}
+    bound["mixed_steps"] = args.mixed_steps
     try:
         borrow = borrow_cpus(args.borrow_cpus)
     except ValueError as error:

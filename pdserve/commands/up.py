@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-tokens-per-step", type=int, default=None, metavar="N",
                         help="the decode workers' --local-prefill-tokens-per-step: while requests decode, a step "
                              "prefilling a prompt locally takes at most N tokens (default: the decode worker's)")
+    parser.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
+                        help="the decode workers' --no-mixed-steps: local prefill steps alternate with decode steps "
+                             "instead of joining them")
 
 
 def _check_device(args: argparse.Namespace) -> None:
@@ -131,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     decode_args = ("--kv-memory-mb", str(args.kv_memory_mb)) if args.kv_memory_mb else ()
     if args.local_prefill_tokens_per_step is not None:
         decode_args += ("--local-prefill-tokens-per-step", str(args.local_prefill_tokens_per_step))
+    if not args.mixed_steps:
+        decode_args += ("--no-mixed-steps",)
     try:
         prefill_pins, decode_pins = cpu_pinning(args)
         CacheWeights(args.cache_routing_weight, args.cache_routing_max_load)  # refused here, before any process starts

@@ -114,6 +114,34 @@ def test_bounded_prefill_alternates_with_decode_steps():
     assert running.num_cached == 8
 
 
+def test_mixed_steps_put_the_bounded_chunk_into_every_decode_step():
+    """mixed_steps: while a sequence decodes, each step carries both a bounded prefill chunk and the decode of every
+    running sequence (one forward), so the running sequence gets a token every step; once the prompt is done it
+    decodes in the same steps. A running sequence that may speculate brings back the alternation."""
+    allocator = PageAllocator(256)
+    config = SchedulerConfig(max_running=8, max_batched_tokens=64, prefill_tokens_while_decoding=8, mixed_steps=True)
+    scheduler = Scheduler(config, allocator)
+    running = _running(scheduler, allocator, "running", 4, 0)
+    scheduler.add(_sequence(allocator, "long", 30, 1))
+    steps = []
+    for _ in range(5):
+        step = scheduler.schedule()
+        steps.append(([chunk.num_tokens for chunk in step.prefill], [seq.request_id for seq in step.decode]))
+        _advance(step, scheduler)
+    assert steps == [([8], ["running"]), ([8], ["running"]), ([8], ["running"]), ([6], ["running"]),
+                     ([], ["running", "long"])]
+    assert running.num_cached == 4 + 5  # a token in every one of the five steps
+    speculating = Scheduler(config, PageAllocator(256))
+    drafter = _running(speculating, speculating.allocator, "drafter", 4, 0)
+    drafter.spec_block_size = 4
+    speculating.add(_sequence(speculating.allocator, "waiting", 30, 1))
+    first, second = speculating.schedule(), None
+    _advance(first, speculating)
+    second = speculating.schedule()
+    assert ([c.num_tokens for c in first.prefill], first.decode) == ([8], ())
+    assert (second.prefill, second.decode) == ((), (drafter,))
+
+
 def test_without_the_bound_prefill_runs_first():
     """prefill_tokens_while_decoding 0 (the default): the waiting prompt takes consecutive max_batched_tokens steps."""
     allocator = PageAllocator(256)
