@@ -55,7 +55,10 @@ class StepLoop:
                 self._hand_over(outputs)
         if self._after is not None:
             self._after(engine)
-        return engine.has_work()
+        more = engine.has_work()
+        if not more and self.cores is not None:
+            self.cores.idle()  # a prefill worker may borrow this worker's cores until the next step
+        return more
 
     def add(self, engine: DecodeEngine, request_id: str, prompt_ids: list[int], first_token: int, page_ids: list[int],
             params: SamplingParams, state_slot: int | None, hit: ReservedHit = NO_HIT, local: bool = False) -> None:

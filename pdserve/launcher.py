@@ -52,6 +52,7 @@ class ClusterSpec:
     tls_key: str | None = None
     api_key_file: str | None = None  # keys clients must send to the gateway
     lend_cpus: str | None = None  # core lending (rpc/core_board.py): the prefill workers' CPUs, lent to the decode worker
+    lend_back_cpus: str | None = None  # with lend_cpus: the decode workers' CPUs, lent to prefill workers while decode idles
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
@@ -67,6 +68,8 @@ class ClusterSpec:
                                or self.num_prefill > MAX_PREFILL_SLOTS):
             raise ValueError(f"core lending needs decode TP 1, at most {MAX_DECODE_SLOTS} decode and "
                              f"{MAX_PREFILL_SLOTS} prefill workers")
+        if self.lend_back_cpus and (not self.lend_cpus or self.prefill_tp != 1):
+            raise ValueError("lending the decode workers' cores to prefill needs core lending and prefill TP 1")
         if not Path(self.model_dir, "config.json").is_file():
             raise ValueError(f"model directory {self.model_dir!r} has no config.json")
 
@@ -197,9 +200,12 @@ class Cluster:
             decode = [self._spawn("decode", f"decode-{i}", self._worker_args(
                 f"decode-{i}", self.spec.decode_tp, (*decode_args, *(("--core-board-slot", str(i)) if lending else ()))))
                       for i in range(self.spec.num_decode)]
+            prefill_args = (*self.spec.prefill_args, *lending)
+            if self.spec.lend_back_cpus:  # each prefill worker's share of the decode cores in threads, as above
+                threads = len(parse_cpu_list(self.spec.lend_back_cpus)) // self.spec.num_prefill
+                prefill_args += ("--borrow-cpus", self.spec.lend_back_cpus, "--borrow-threads", str(threads))
             prefill = [self._spawn("prefill", f"prefill-{i}", self._worker_args(
-                f"prefill-{i}", self.spec.prefill_tp,
-                (*self.spec.prefill_args, *lending, *(("--core-board-slot", str(i)) if lending else ()))))
+                f"prefill-{i}", self.spec.prefill_tp, (*prefill_args, *(("--core-board-slot", str(i)) if lending else ()))))
                        for i in range(self.spec.num_prefill)]
             self._wait_ready(decode + prefill, deadline)
             args = ["--listen", self.spec.listen, "--model", self.spec.model_dir, "--transport", self.spec.transport,

@@ -49,6 +49,9 @@ class PrefillMetrics:
         self.transfer_time = Histogram("pdserve_kv_transfer_seconds", "Per request: KV handoff after the prefill "
                                        "(shm completion records, or the grpc push)", ["transport"],
                                        buckets=TRANSFER_BUCKETS, registry=r)
+        self.borrowed_steps = Counter("pdserve_prefill_borrowed_core_steps", "Engine steps run on the decode workers' "
+                                      "cores while they were idle (core lending on a CPU node, --borrow-cpus)",
+                                      registry=r)
         self.queued_requests = Gauge("pdserve_prefill_queued_requests", "Prompts waiting for a prefill step", registry=r)
         self.queued_tokens = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting for a prefill step", registry=r)
         self.state_slots_free = Gauge("pdserve_state_slots_free", "The prefill engine's own KDA state slots free "

@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from kvtransfer.grpc_transport import GrpcWriter
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm_transport import ShmWriter
 from kvtransfer.errors import KVTransferError, LeaseExpired, UnknownTransfer
-from rpc.core_board import CoreBoard
+from rpc.core_board import CoreBoard, PrefillCores
 from rpc.engine_thread import EngineThread
 from rpc.processes import child_start_method
 from rpc.status import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
@@ -139,8 +140,12 @@ class PrefillService:
         self._device: DeviceWriter | None = None
         self._device_ids: tuple[str, ...] = ()
         self._board = CoreBoard(config.core_board) if config.core_board else None
+        self._cores: PrefillCores | None = None  # borrowing the decode workers' cores while they idle
+        self._counted_borrowed = 0  # of its borrowed steps, those the metric has counted
         if self._board is not None:
             self._board.set_busy(config.core_board_slot, False)
+            if config.borrow_cpus:
+                self._cores = prefill_cores(self._board, config)
 
     def _cache_stats(self) -> PrefixCacheStats | None:
         """The engine's prefix cache counters (thread-safe: they are read under the engine's pool lock)."""
@@ -393,9 +398,18 @@ class PrefillService:
         started = time.perf_counter()
         by_id = {job.request_id: job for job in runnable}
         try:
+            lending = {} if self._cores is None else {"before_step": self._cores.before_step}
             with self._own_cores():
-                results = engine.prefill(engine_jobs,
-                                         should_stop=lambda request_id: self._should_stop(by_id[request_id]))
+                try:
+                    results = engine.prefill(engine_jobs,
+                                             should_stop=lambda request_id: self._should_stop(by_id[request_id]),
+                                             **lending)
+                finally:
+                    if self._cores is not None:
+                        borrowed = self._cores.borrowed_steps
+                        self._cores.done()
+                        self.metrics.borrowed_steps.inc(borrowed - self._counted_borrowed)
+                        self._counted_borrowed = borrowed
         except Exception as error:  # noqa: BLE001
             logger.exception("prefill of %d prompts failed", len(runnable))
             for job in runnable:
@@ -483,6 +497,20 @@ def _resolve(future: asyncio.Future[PrefillOutcome], value: PrefillOutcome | Bas
         future.set_exception(value)
     else:
         future.set_result(value)
+
+
+def prefill_cores(board: CoreBoard, config: PrefillWorkerConfig) -> PrefillCores:
+    """Core lending the other way: this worker's own cores are the mask it started with (`--cpus`), its own thread
+    count the engine's; the decode workers' cores widen both while none of them has requests to step."""
+    import os
+
+    own = frozenset(os.sched_getaffinity(0))
+    cores = PrefillCores(board, config.core_board_slot, own, frozenset(config.borrow_cpus) - own,
+                         config.engine.num_threads or len(own), torch.set_num_threads,
+                         extra_threads=config.borrow_threads)
+    logger.info("core lending: %d own core(s), %d more while decode is idle (%d thread(s) then, steps of <= %d "
+                "tokens)", len(own), len(cores.wide - own), cores.wide_threads, config.engine.max_batched_tokens)
+    return cores
 
 
 def _build_engine(config: PrefillWorkerConfig) -> PrefillEngine:

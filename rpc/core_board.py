@@ -7,7 +7,9 @@ decode, the part every token waits on, runs on half the machine. The board is a 
 that let decode use those cores whenever prefill does not:
 
 - byte `slot` (0..31): decode worker `slot` is inside a step that uses borrowed cores ("borrowing");
-- byte 32 + slot: prefill worker `slot` is computing ("busy"), one byte per prefill worker.
+- byte 32 + slot: prefill worker `slot` is computing ("busy"), one byte per prefill worker;
+- byte 64 + slot: decode worker `slot` has requests to step ("active");
+- byte 96 + slot: prefill worker `slot` runs its steps on the decode workers' cores too ("prefill borrowing").
 
 A prefill worker marks itself busy around each forward (`CoreBoard.prefilling`) and, before it computes,
 waits until no decode worker is borrowing (at most the rest of one decode step, never more than
@@ -18,7 +20,13 @@ a thread per lent core; several: the lent cores' share of each, which may be non
 alone lets the scheduler spread decode workers that share their own cores); any prefill busy -> its own
 cores and thread count. The flag protocol is the classic two-flag handshake (each side raises its
 flag, then reads the other's); a lost race costs one step of shared cores, never a wrong result: the board is
-a performance hint, nothing reads it for correctness. No torch here: the caller hands over set_threads."""
+a performance hint, nothing reads it for correctness. No torch here: the caller hands over set_threads.
+
+The other way round (`PrefillCores`): while no decode worker is active (nothing to decode: a long prompt's
+prefill usually runs while decode idles), a prefill worker runs its steps on the decode workers' cores too. It
+looks at the board before every engine step (its chunks are bounded, `pdserve up` sets 512 tokens), and a decode
+worker that becomes active waits for the prefill step in flight to end before its own step (at most
+`GIVE_BACK_WAIT_S`), so decode never shares its cores with a prefill forward for longer than one chunk."""
 from __future__ import annotations
 
 import contextlib
@@ -29,10 +37,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-BOARD_BYTES = 64
 MAX_DECODE_SLOTS = 32
-MAX_PREFILL_SLOTS = BOARD_BYTES - MAX_DECODE_SLOTS
+MAX_PREFILL_SLOTS = 32
+_BUSY, _ACTIVE, _PREFILL_BORROWING = 32, 64, 96  # where each kind of byte starts (decode borrowing: at 0)
+BOARD_BYTES = 128
 LEND_BACK_WAIT_S = 0.25  # the longest a prefill forward waits for decode to give its cores back
+GIVE_BACK_WAIT_S = 5.0  # the longest a decode step waits for a borrowing prefill step to end
+DEFAULT_BORROW_STEP_TOKENS = 512  # a borrowing prefill worker's engine steps take at most this many prompt tokens
 _POLL_S = 0.0005
 _NOT_BORROWING = bytes(MAX_DECODE_SLOTS)
 
@@ -79,11 +90,31 @@ class CoreBoard:
 
     def set_busy(self, slot: int, busy: bool) -> None:
         """(A restarted prefill worker clears its slot: its predecessor may have died inside a forward.)"""
-        self._map[MAX_DECODE_SLOTS + _checked(slot, MAX_PREFILL_SLOTS)] = 1 if busy else 0
+        self._map[_BUSY + _checked(slot, MAX_PREFILL_SLOTS)] = 1 if busy else 0
+
+    def set_prefill_borrowing(self, slot: int, borrowing: bool) -> None:
+        self._map[_PREFILL_BORROWING + _checked(slot, MAX_PREFILL_SLOTS)] = 1 if borrowing else 0
+
+    def decode_active(self) -> bool:
+        return self._map.find(b"\x01", _ACTIVE, _ACTIVE + MAX_DECODE_SLOTS) != -1
 
     # --- decode side -----------------------------------------------------------------------------------
     def prefill_busy(self) -> bool:
-        return self._map.find(b"\x01", MAX_DECODE_SLOTS) != -1
+        return self._map.find(b"\x01", _BUSY, _BUSY + MAX_PREFILL_SLOTS) != -1
+
+    def prefill_borrowing(self) -> bool:
+        return self._map.find(b"\x01", _PREFILL_BORROWING, _PREFILL_BORROWING + MAX_PREFILL_SLOTS) != -1
+
+    def set_active(self, slot: int, active: bool) -> None:
+        self._map[_ACTIVE + _checked(slot, MAX_DECODE_SLOTS)] = 1 if active else 0
+
+    def wait_prefill_returns(self) -> float:
+        """Waits (at most GIVE_BACK_WAIT_S) until no prefill worker borrows decode's cores; returns the seconds."""
+        started = time.monotonic()
+        deadline = started + GIVE_BACK_WAIT_S
+        while self.prefill_borrowing() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        return time.monotonic() - started
 
     def set_borrowing(self, slot: int, borrowing: bool) -> None:
         self._map[_checked(slot, MAX_DECODE_SLOTS)] = 1 if borrowing else 0
@@ -107,15 +138,14 @@ def pin_threads(cpus: frozenset[int]) -> None:
             continue
 
 
-class BorrowedCores:
-    """Decode worker `slot`'s side, called on its engine's step thread: before_step picks this step's cores and
-    threads, after_step lowers the borrowing flag. extra_threads: threads added while borrowing (None: one per
-    lent core). set_threads: torch.set_num_threads (called only on a change); pin: pin_threads (tests: fakes)."""
+class _Cores:
+    """A worker's two settings: its own cores and threads, or those plus the lent cores and extra_threads more
+    (None: one per lent core). set_threads: torch.set_num_threads (called only on a change); pin: pin_threads
+    (tests: fakes)."""
 
-    def __init__(self, board: CoreBoard, slot: int, own: frozenset[int], lent: frozenset[int], own_threads: int,
+    def __init__(self, own: frozenset[int], lent: frozenset[int], own_threads: int,
                  set_threads: Callable[[int], None], pin: Callable[[frozenset[int]], None] = pin_threads,
                  extra_threads: int | None = None) -> None:
-        self.board, self.slot = board, _checked(slot, MAX_DECODE_SLOTS)
         self.own, self.wide = own, own | lent
         self.own_threads = own_threads
         self.wide_threads = own_threads + (len(self.wide - own) if extra_threads is None else extra_threads)
@@ -123,20 +153,6 @@ class BorrowedCores:
         self.wide_now = False
         self.borrowed_steps = 0  # steps run on borrowed cores (metrics)
         self.steps = 0
-        board.set_borrowing(slot, False)  # a predecessor may have died inside a borrowing step
-
-    def before_step(self) -> None:
-        self.steps += 1
-        self.board.set_borrowing(self.slot, True)
-        if self.board.prefill_busy():  # a prefill computes or is about to: give its cores back first
-            self.board.set_borrowing(self.slot, False)
-            self._use(False)
-            return
-        self._use(True)
-        self.borrowed_steps += 1
-
-    def after_step(self) -> None:
-        self.board.set_borrowing(self.slot, False)
 
     def _use(self, wide: bool) -> None:
         if wide == self.wide_now:
@@ -150,3 +166,63 @@ class BorrowedCores:
                 self._set_threads(self.own_threads)
             self._pin(self.own)
         self.wide_now = wide
+
+
+class BorrowedCores(_Cores):
+    """Decode worker `slot`'s side, called on its engine's step thread: before_step picks this step's cores and
+    threads (and first waits for a prefill worker borrowing this worker's cores to end its step), after_step
+    lowers the borrowing flag, idle says it has nothing left to step."""
+
+    def __init__(self, board: CoreBoard, slot: int, own: frozenset[int], lent: frozenset[int], own_threads: int,
+                 set_threads: Callable[[int], None], pin: Callable[[frozenset[int]], None] = pin_threads,
+                 extra_threads: int | None = None) -> None:
+        super().__init__(own, lent, own_threads, set_threads, pin, extra_threads)
+        self.board, self.slot = board, _checked(slot, MAX_DECODE_SLOTS)
+        board.set_borrowing(slot, False)  # a predecessor may have died inside a borrowing step
+        board.set_active(slot, False)
+
+    def before_step(self) -> None:
+        self.steps += 1
+        self.board.set_active(self.slot, True)
+        self.board.wait_prefill_returns()
+        self.board.set_borrowing(self.slot, True)
+        if self.board.prefill_busy():  # a prefill computes or is about to: give its cores back first
+            self.board.set_borrowing(self.slot, False)
+            self._use(False)
+            return
+        self._use(True)
+        self.borrowed_steps += 1
+
+    def after_step(self) -> None:
+        self.board.set_borrowing(self.slot, False)
+
+    def idle(self) -> None:
+        """Nothing left to step: prefill workers may borrow this worker's cores."""
+        self.board.set_active(self.slot, False)
+
+
+class PrefillCores(_Cores):
+    """Prefill worker `slot`'s side, called on its engine thread: before_step (before each engine step of a
+    prefill batch) runs the step on the decode workers' cores too while none of them is active, done (after the
+    batch) hands them back."""
+
+    def __init__(self, board: CoreBoard, slot: int, own: frozenset[int], lent: frozenset[int], own_threads: int,
+                 set_threads: Callable[[int], None], pin: Callable[[frozenset[int]], None] = pin_threads,
+                 extra_threads: int | None = None) -> None:
+        super().__init__(own, lent, own_threads, set_threads, pin, extra_threads)
+        self.board, self.slot = board, _checked(slot, MAX_PREFILL_SLOTS)
+        board.set_prefill_borrowing(slot, False)  # a predecessor may have died inside a borrowing step
+
+    def before_step(self) -> None:
+        self.steps += 1
+        self.board.set_prefill_borrowing(self.slot, True)
+        if self.board.decode_active():  # decode has work: its cores are its own
+            self.board.set_prefill_borrowing(self.slot, False)
+            self._use(False)
+            return
+        self._use(True)
+        self.borrowed_steps += 1
+
+    def done(self) -> None:
+        self._use(False)
+        self.board.set_prefill_borrowing(self.slot, False)

@@ -589,11 +589,12 @@ class LLMEngine:
                                       if seq.status == SeqStatus.RUNNING], verified.snapshot_state)
 
     # --- prefill service entry point ---------------------------------------------------------------
-    def prefill(self, jobs: list[PrefillJob], should_stop=None) -> list[PrefillResult | None]:
+    def prefill(self, jobs: list[PrefillJob], should_stop=None, before_step=None) -> list[PrefillResult | None]:
         """Prefills prompts for another engine: each runs here as a prefill-only sequence (the prefix cache serves
         it too), its KV then copied into the pages the job names (engine/runtime/prefill_jobs.py); returns each prompt's
-        first token. should_stop(request_id) -> bool is asked between steps; a prompt it stops gets None."""
-        return run_prefill_jobs(self, jobs, should_stop)
+        first token. should_stop(request_id) -> bool is asked between steps; a prompt it stops gets None.
+        before_step(): called before every engine step (core lending picks the step's cores)."""
+        return run_prefill_jobs(self, jobs, should_stop, before_step)
 
     def check_prefill_job(self, job: PrefillJob) -> None:
         """ValueError naming what is wrong with a prefill job."""

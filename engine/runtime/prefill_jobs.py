@@ -27,10 +27,11 @@ class PrefillEngine(Protocol):
     def step(self) -> list[StepOutput]: ...
 
 
-def run_prefill_jobs(engine: PrefillEngine, jobs: list[PrefillJob],
-                     should_stop: Callable[[str], bool] | None = None) -> list[PrefillResult | None]:
+def run_prefill_jobs(engine: PrefillEngine, jobs: list[PrefillJob], should_stop: Callable[[str], bool] | None = None,
+                     before_step: Callable[[], None] | None = None) -> list[PrefillResult | None]:
     """Every job is checked before any runs (ValueError naming the bad one). should_stop(request_id), asked before
-    every step: True aborts that prompt (its result is None; nothing is written to its destination)."""
+    every step: True aborts that prompt (its result is None; nothing is written to its destination). before_step():
+    called before every step that computes (core lending: rpc/core_board.py PrefillCores)."""
     for job in jobs:
         engine.check_prefill_job(job)
     started = time.perf_counter()
@@ -52,6 +53,8 @@ def run_prefill_jobs(engine: PrefillEngine, jobs: list[PrefillJob],
                     if should_stop(request_id) and engine.abort(request_id):
                         pending.discard(request_id)
                         stopped.add(request_id)
+            if before_step is not None:
+                before_step()
             for out in engine.step():
                 stopped.discard(out.request_id)
                 if out.request_id in pending and out.finished:

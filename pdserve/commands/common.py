@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -56,6 +57,27 @@ def add_core_board_arguments(parser: argparse.ArgumentParser, role: str) -> None
     parser.add_argument("--core-board", default=None, metavar="PATH",
                         help=f"core lending on a CPU node (`pdserve up` sets it): the board file; {role}")
     parser.add_argument("--core-board-slot", type=int, default=0, metavar="N", help="this worker's byte on the board")
+
+
+def add_borrow_arguments(parser: argparse.ArgumentParser, cpus: str) -> None:
+    """--borrow-cpus / --borrow-threads of both workers (core lending); cpus: whose CPUs, and when they are used."""
+    parser.add_argument("--borrow-cpus", default=None, metavar="LIST", help=cpus)
+    parser.add_argument("--borrow-threads", type=int, default=None, metavar="N",
+                        help="torch threads added while borrowing (default: one per --borrow-cpus core; 0: only the "
+                             "wider CPU mask, for workers that share their own cores)")
+
+
+def borrow_cpus(text: str | None) -> tuple[int, ...]:
+    """--borrow-cpus: checked against the CPUs this process may use (before --cpus narrows them)."""
+    if text is None:
+        return ()
+    from pdserve.cpu_split import format_cpu_list, parse_cpu_list
+
+    cpus = parse_cpu_list(text)
+    outside = [cpu for cpu in cpus if cpu not in os.sched_getaffinity(0)]
+    if outside:
+        raise ValueError(f"--borrow-cpus {text}: CPU(s) {format_cpu_list(tuple(outside))} not available to this process")
+    return cpus
 
 
 def add_prefix_cache_argument(parser: argparse.ArgumentParser) -> None:

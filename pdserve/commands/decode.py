@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from pdserve.commands.common import add_core_board_arguments, add_engine_arguments, fail, run_worker
+from pdserve.commands.common import (add_borrow_arguments, add_core_board_arguments, add_engine_arguments, borrow_cpus,
+                                     fail, run_worker)
 from rpc.logging_setup import configure_logging
 
 
@@ -26,12 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local prefill steps alternate with decode steps (default: each bounded prefill chunk "
                              "joins a decode step, one forward for both)")
     add_core_board_arguments(parser, "the prefill workers mark their forwards there; with --borrow-cpus")
-    parser.add_argument("--borrow-cpus", default=None, metavar="LIST",
-                        help="the prefill workers' CPUs: each engine step runs on them too (with --borrow-threads "
-                             "more threads) while no prefill worker on --core-board computes")
-    parser.add_argument("--borrow-threads", type=int, default=None, metavar="N",
-                        help="torch threads added while borrowing (default: one per --borrow-cpus core; 0: only the "
-                             "wider CPU mask, for decode workers that share their own cores)")
+    add_borrow_arguments(parser, "the prefill workers' CPUs: each engine step runs on them too (with --borrow-threads "
+                                 "more threads) while no prefill worker on --core-board computes")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,15 +47,3 @@ def run(args: argparse.Namespace) -> int:
                       core_board=args.core_board, borrow_cpus=borrow, core_board_slot=args.core_board_slot,
                       borrow_threads=args.borrow_threads, **bound)
 
-
-def borrow_cpus(text: str | None) -> tuple[int, ...]:
-    """--borrow-cpus: checked against the CPUs this process may use (before --cpus narrows them)."""
-    if text is None:
-        return ()
-    from pdserve.cpu_split import format_cpu_list, parse_cpu_list
-
-    cpus = parse_cpu_list(text)
-    outside = [cpu for cpu in cpus if cpu not in os.sched_getaffinity(0)]
-    if outside:
-        raise ValueError(f"--borrow-cpus {text}: CPU(s) {format_cpu_list(tuple(outside))} not available to this process")
-    return cpus

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.commands.common import add_core_board_arguments, add_engine_arguments, run_worker
+from pdserve.commands.common import (add_borrow_arguments, add_core_board_arguments, add_engine_arguments, borrow_cpus,
+                                     fail, run_worker)
 from prefill_worker.batch_policy import DEFAULT_BATCH_TARGET_MS
+from rpc.core_board import DEFAULT_BORROW_STEP_TOKENS
 from rpc.logging_setup import configure_logging
 
 
@@ -18,6 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "take longer than this (0: no time cap)")
     add_core_board_arguments(parser, "this worker marks each forward there, so that a decode worker borrowing its "
                                      "cores hands them back first")
+    add_borrow_arguments(parser, "the decode workers' CPUs: each engine step runs on them too (with --borrow-threads "
+                                 "more threads) while no decode worker on --core-board has requests to step")
+    parser.add_argument("--borrow-step-tokens", type=int, default=DEFAULT_BORROW_STEP_TOKENS, metavar="N",
+                        help="with --borrow-cpus, an engine step takes at most N prompt tokens (caps "
+                             "--max-batched-tokens): a decode worker that gets work waits at most one such step for "
+                             "its cores")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +33,11 @@ def run(args: argparse.Namespace) -> int:
     from prefill_worker.config import PrefillWorkerConfig
     from prefill_worker.server import serve
 
+    try:
+        borrow = borrow_cpus(args.borrow_cpus)
+    except ValueError as error:
+        return fail("prefill", error)
     return run_worker("prefill", args, PrefillWorkerConfig.build, serve, batch_tokens=args.batch_tokens,
                       batch_target_ms=args.batch_target_ms, core_board=args.core_board,
-                      core_board_slot=args.core_board_slot)
+                      core_board_slot=args.core_board_slot, borrow_cpus=borrow, borrow_threads=args.borrow_threads,
+                      borrow_step_tokens=args.borrow_step_tokens)

@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "run their steps on the prefill workers' CPUs while none of them computes (one decode "
                              "worker: a thread per lent CPU); a prefill forward takes them back first (default on; "
                              "rpc/core_board.py)")
+    parser.add_argument("--prefill-borrowing", action=argparse.BooleanOptionalAction, default=True,
+                        help="with core lending and prefill TP 1, the other way too: a prefill worker runs its steps "
+                             "on the decode workers' CPUs while none of them has requests to step (steps of at most "
+                             "512 prompt tokens; a decode worker that gets work waits for the step in flight; "
+                             "default on)")
     parser.add_argument("--prefill-cpus", default=None, metavar="LIST", help="pin the prefill workers to these CPUs (e.g. 0-3)")
     parser.add_argument("--decode-cpus", default=None, metavar="LIST", help="pin the decode workers to these CPUs")
     add_prefix_cache_argument(parser)
@@ -142,12 +147,14 @@ def run(args: argparse.Namespace) -> int:
         decode_args += decode_pins
         lend_cpus = (prefill_pins[1] if args.core_lending and prefill_pins and decode_pins and args.decode_tp == 1
                      else None)
+        lend_back_cpus = decode_pins[1] if lend_cpus and args.prefill_borrowing and args.prefill_tp == 1 else None
         spec = ClusterSpec(model_dir=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, listen=args.listen, http_listen=args.http_listen,
                            attention_backend=args.attention_backend, transport=args.transport,
                            draft_model=args.draft_model, worker_args=worker_args, decode_args=decode_args, prefill_args=prefill_pins,
                            log_level=args.log_level, internal=args.internal, tls_cert=args.tls_cert,
                            tls_key=args.tls_key, api_key_file=args.api_key_file, lend_cpus=lend_cpus,
+                           lend_back_cpus=lend_back_cpus,
                            gateway_args=cache_routing_flags(args) + (() if args.disagg_threshold_tokens is None else
                            ("--disagg-threshold-tokens", str(args.disagg_threshold_tokens))))
     except ValueError as error:

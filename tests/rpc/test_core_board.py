@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rpc import core_board
-from rpc.core_board import MAX_DECODE_SLOTS, MAX_PREFILL_SLOTS, BorrowedCores, CoreBoard, create_board
+from rpc.core_board import MAX_DECODE_SLOTS, MAX_PREFILL_SLOTS, BorrowedCores, CoreBoard, PrefillCores, create_board
 
 OWN, LENT = frozenset({1}), frozenset({0})
 
@@ -145,3 +145,60 @@ def test_several_decode_workers_borrow_by_mask_and_each_holds_prefill_back(board
     cores[1].after_step()
     assert entered.wait(60)
     thread.join(60)
+
+
+def _prefill_cores(board: CoreBoard, recorder: _Recorder, slot: int = 0) -> PrefillCores:
+    return PrefillCores(board, slot, LENT, OWN, 1, recorder.threads, recorder.pin)  # the decode core lent to it
+
+
+def test_prefill_borrows_the_decode_cores_while_decode_idles(board):
+    """The other way: no decode worker active -> a prefill step runs on its own + the decode core with a thread
+    more, its flag up between steps; a decode worker with work -> the next prefill step narrows back and lowers
+    the flag; idle again -> it borrows again; done() hands the cores back."""
+    recorder = _Recorder()
+    cores = _prefill_cores(board, recorder)
+    decode = _cores(board, _Recorder())
+    cores.before_step()
+    assert cores.wide_now and board.prefill_borrowing()
+    assert recorder.calls == [("pin", frozenset({0, 1})), ("threads", 2)]
+    board.set_active(0, True)
+    cores.before_step()
+    assert not cores.wide_now and not board.prefill_borrowing()
+    assert recorder.calls[2:] == [("threads", 1), ("pin", LENT)]
+    decode.idle()
+    cores.before_step()
+    assert cores.wide_now and board.prefill_borrowing()
+    cores.done()
+    assert not cores.wide_now and not board.prefill_borrowing()
+    assert (cores.steps, cores.borrowed_steps) == (3, 2)
+
+
+def test_a_decode_step_waits_for_the_borrowing_prefill_step_to_end(board, monkeypatch):
+    """A decode worker that gets work while a prefill step borrows its core raises its flag and starts its step
+    only when the prefill worker's next step boundary has handed the core back (the cap set far away here)."""
+    monkeypatch.setattr(core_board, "GIVE_BACK_WAIT_S", 120.0)
+    prefill = _prefill_cores(board, _Recorder())
+    decode = _cores(board, _Recorder())
+    prefill.before_step()  # borrowing: decode is idle
+    stepped = threading.Event()
+    thread = threading.Thread(target=lambda: (decode.before_step(), stepped.set()))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not board.decode_active():
+        assert time.monotonic() < deadline, "the decode worker never raised its flag"
+        time.sleep(0.001)
+    assert not stepped.is_set()
+    prefill.before_step()  # the next prefill step sees decode active: narrows, the decode step starts
+    assert stepped.wait(60)
+    thread.join(60)
+    assert not prefill.wide_now
+
+
+def test_the_decode_wait_is_capped_when_prefill_never_lowers_its_flag(board, monkeypatch):
+    """A prefill worker that died inside a borrowing step leaves its flag up: a decode step waits at most
+    GIVE_BACK_WAIT_S; the worker's successor clears the flag."""
+    monkeypatch.setattr(core_board, "GIVE_BACK_WAIT_S", 0.01)
+    board.set_prefill_borrowing(4, True)
+    assert board.wait_prefill_returns() >= 0.01
+    _prefill_cores(board, _Recorder(), slot=4)
+    assert not board.prefill_borrowing()
