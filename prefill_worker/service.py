@@ -399,6 +399,7 @@ class PrefillService:
         by_id = {job.request_id: job for job in runnable}
         try:
             lending = {} if self._cores is None else {"before_step": self._cores.before_step}
+            results: list[PrefillResult | None] = []
             with self._own_cores():
                 try:
                     results = engine.prefill(engine_jobs,
@@ -406,10 +407,9 @@ class PrefillService:
                                              **lending)
                 finally:
                     if self._cores is not None:
-                        borrowed = self._cores.borrowed_steps
-                        self._cores.done()
-                        self.metrics.borrowed_steps.inc(borrowed - self._counted_borrowed)
-                        self._counted_borrowed = borrowed
+                        self._cores.done(handed_off=any(result is not None for result in results))
+                        self.metrics.borrowed_steps.inc(self._cores.borrowed_steps - self._counted_borrowed)
+                        self._counted_borrowed = self._cores.borrowed_steps
         except Exception as error:  # noqa: BLE001
             logger.exception("prefill of %d prompts failed", len(runnable))
             for job in runnable:

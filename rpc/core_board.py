@@ -43,6 +43,7 @@ _BUSY, _ACTIVE, _PREFILL_BORROWING = 32, 64, 96  # where each kind of byte start
 BOARD_BYTES = 128
 LEND_BACK_WAIT_S = 0.25  # the longest a prefill forward waits for decode to give its cores back
 GIVE_BACK_WAIT_S = 5.0  # the longest a decode step waits for a borrowing prefill step to end
+HANDOFF_HOLD_S = 2.0  # after a handoff, the longest a prefill worker waits for decode to start before borrowing
 DEFAULT_BORROW_STEP_TOKENS = 512  # a borrowing prefill worker's engine steps take at most this many prompt tokens
 _POLL_S = 0.0005
 _NOT_BORROWING = bytes(MAX_DECODE_SLOTS)
@@ -204,25 +205,36 @@ class BorrowedCores(_Cores):
 class PrefillCores(_Cores):
     """Prefill worker `slot`'s side, called on its engine thread: before_step (before each engine step of a
     prefill batch) runs the step on the decode workers' cores too while none of them is active, done (after the
-    batch) hands them back."""
+    batch) hands them back. A batch that handed prompts off means decode work is on its way: until a decode
+    worker is seen active (or HANDOFF_HOLD_S passed: the request may have been dropped), steps run on the
+    prefill worker's own cores, so the new request's first decode step never waits for a borrowing step."""
 
     def __init__(self, board: CoreBoard, slot: int, own: frozenset[int], lent: frozenset[int], own_threads: int,
                  set_threads: Callable[[int], None], pin: Callable[[frozenset[int]], None] = pin_threads,
-                 extra_threads: int | None = None) -> None:
+                 extra_threads: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(own, lent, own_threads, set_threads, pin, extra_threads)
         self.board, self.slot = board, _checked(slot, MAX_PREFILL_SLOTS)
+        self._clock = clock
+        self._hold_until = 0.0  # handed-off prompts on their way to decode: no borrowing until then
         board.set_prefill_borrowing(slot, False)  # a predecessor may have died inside a borrowing step
 
     def before_step(self) -> None:
         self.steps += 1
         self.board.set_prefill_borrowing(self.slot, True)
         if self.board.decode_active():  # decode has work: its cores are its own
-            self.board.set_prefill_borrowing(self.slot, False)
-            self._use(False)
-            return
-        self._use(True)
-        self.borrowed_steps += 1
+            self._hold_until = 0.0
+            self._narrow()
+        elif self._clock() < self._hold_until:
+            self._narrow()
+        else:
+            self._use(True)
+            self.borrowed_steps += 1
 
-    def done(self) -> None:
-        self._use(False)
+    def done(self, handed_off: bool = False) -> None:
+        self._narrow()
+        if handed_off:
+            self._hold_until = self._clock() + HANDOFF_HOLD_S
+
+    def _narrow(self) -> None:
         self.board.set_prefill_borrowing(self.slot, False)
+        self._use(False)

@@ -202,3 +202,29 @@ def test_the_decode_wait_is_capped_when_prefill_never_lowers_its_flag(board, mon
     assert board.wait_prefill_returns() >= 0.01
     _prefill_cores(board, _Recorder(), slot=4)
     assert not board.prefill_borrowing()
+
+
+def test_after_a_handoff_prefill_leaves_the_decode_cores_alone_until_decode_starts(board):
+    """A batch that handed prompts off: the next prefill steps stay on their own cores (the new request's first
+    decode step must not wait for a borrowing step) until a decode worker was seen active - then, once it idles
+    again, borrowing resumes - or until HANDOFF_HOLD_S passed without decode starting."""
+    now = [100.0]
+    recorder = _Recorder()
+    cores = PrefillCores(board, 0, LENT, OWN, 1, recorder.threads, recorder.pin, clock=lambda: now[0])
+    decode = _cores(board, _Recorder())
+    cores.done(handed_off=True)
+    cores.before_step()
+    assert not cores.wide_now and not board.prefill_borrowing()
+    decode.before_step()  # the handed-off request starts decoding
+    cores.before_step()
+    decode.after_step()
+    decode.idle()
+    cores.before_step()  # seen active once: the hold is over
+    assert cores.wide_now
+    cores.done(handed_off=True)
+    now[0] += core_board.HANDOFF_HOLD_S - 0.5
+    cores.before_step()
+    assert not cores.wide_now
+    now[0] += 1.0  # decode never started (the request was dropped): borrowing resumes
+    cores.before_step()
+    assert cores.wide_now and cores.borrowed_steps == 2
