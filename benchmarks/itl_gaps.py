@@ -19,7 +19,7 @@ from bench.load import LoadPlan, run_load
 from bench.openai_client import OpenAIClient
 from bench.workload import random_requests
 from benchmarks.common import cpu_flags
-from benchmarks.peer_vllm import SPECIAL_IDS, model_id
+from benchmarks.peer_vllm import PEER_SHAPE, SPECIAL_IDS, model_id
 
 
 async def gaps(args: argparse.Namespace) -> list[tuple[float, int]]:
@@ -29,6 +29,9 @@ async def gaps(args: argparse.Namespace) -> list[tuple[float, int]]:
         client.model = model_id(args.base_url)
         await run_load(requests[:args.concurrency], client.send, LoadPlan(max_concurrency=args.concurrency))
         outcome = await run_load(requests, client.send, LoadPlan(max_concurrency=args.concurrency))
+    failed = [record.error for record in outcome.records if not record.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(requests)} requests failed, first: {failed[0]}")
     return sorted((gap, position) for record in outcome.records for position, gap in enumerate(record.itl_s))
 
 
@@ -39,7 +42,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=129280, help="the model's vocabulary size (random prompt ids)")
+    parser.add_argument("--vocab", type=int, default=PEER_SHAPE["vocab_size"],
+                        help="the model's vocabulary size (random prompt ids; default: peer_vllm's checkpoint)")
     parser.add_argument("--top", type=float, default=0.02)
     args = parser.parse_args()
     print(f"CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.1f}")

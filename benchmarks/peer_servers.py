@@ -140,6 +140,37 @@ class Server:
             time.sleep(1.0)
         raise RuntimeError(f"{self.name} did not answer {self.base_url}/models within {timeout_s:.0f} s; see {self.log}")
 
+    def busy_cores(self, window_s: float = 0.5) -> float:
+        """CPU the server's process tree spends over the next window_s seconds, in cores."""
+        def seconds() -> float:
+            total = 0.0
+            try:
+                root = psutil.Process(self.process.pid)
+                processes = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                return 0.0
+            for process in processes:
+                try:
+                    times = process.cpu_times()
+                except psutil.Error:
+                    continue
+                total += times.user + times.system
+            return total
+
+        before = seconds()
+        time.sleep(window_s)
+        return max(0.0, seconds() - before) / window_s
+
+    def settle(self, below_cores: float = 0.05, timeout_s: float = 20.0) -> float:
+        """Waits (at most timeout_s) until the idle server spends under below_cores (a server that keeps working
+        after its run, e.g. a busy-polling engine loop, would otherwise load the other system's run); returns
+        the last reading."""
+        deadline = time.monotonic() + timeout_s
+        busy = self.busy_cores()
+        while busy >= below_cores and time.monotonic() < deadline:
+            busy = self.busy_cores()
+        return busy
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to the server's process group, then SIGKILL to whatever is left."""
         if self.process.poll() is None:

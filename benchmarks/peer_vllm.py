@@ -133,6 +133,9 @@ def interleaved_rounds(servers: dict[str, Server], models: dict[str, str], args:
         order = SYSTEMS if round_index % 2 == 0 else tuple(reversed(SYSTEMS))
         for label, concurrency, requests in workloads(args, round_index):
             for system in order:
+                for other in SYSTEMS:  # the idle peer must not load this run (see Server.settle)
+                    if other != system and (busy := servers[other].settle()) >= 0.05:
+                        logger.warning("%s still spends %.2f cores while idle before %s's run", other, busy, system)
                 metrics = asyncio.run(run_workload(servers[system].base_url, models[system], requests, concurrency))
                 results[label][system].append(metrics)
                 logger.info("round %d %s %s: %.1f tok/s, TTFT p50 %.0f ms, TPOT p50 %.1f ms, ITL p99 %.0f ms (load %.1f)",

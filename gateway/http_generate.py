@@ -194,13 +194,14 @@ class GenerateHandler:
                                  for item in tokens]
                         text = "".join(item[0] for item in shown)
                         logprobs = [logprob for item in shown for logprob in item[1]]
-                        if text or logprobs or index not in started:
-                            body = builders[index].chunk(text, logprobs, include_usage=usage)
-                            if index not in started:
-                                body = self._with_prompt_logprobs(body, parsed, views[0].prompt_ids,
-                                                                  list(tokens[0].prompt_logprobs))
-                                started.add(index)
-                            await response.write(sse(body))
+                        # a chunk per token event even when its text is held back (an incomplete UTF-8 character,
+                        # a possible stop string): clients time tokens by chunks, as vLLM streams them
+                        body = builders[index].chunk(text, logprobs, include_usage=usage)
+                        if index not in started:
+                            body = self._with_prompt_logprobs(body, parsed, views[0].prompt_ids,
+                                                              list(tokens[0].prompt_logprobs))
+                            started.add(index)
+                        await response.write(sse(body))
                         continue
                     if isinstance(event, FinishEvent):
                         finishes[index] = event
