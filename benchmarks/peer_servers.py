@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from benchmarks.common import REPO_ROOT
 
 logger = logging.getLogger("peer_vllm")

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+import psutil
+
 from benchmarks import peer_servers
 from benchmarks.peer_vllm import SPECIAL_IDS, ratio_spread, workloads
 
@@ -65,3 +67,26 @@ def test_cached_environment_is_reused(tmp_path: Path, monkeypatch) -> None:
     (venv / ".pdserve-peer-ready").write_text("x\n")
     monkeypatch.setattr(peer_servers, "run_logged", lambda *a, **k: (_ for _ in ()).throw(AssertionError("installed")))
     assert peer_servers.ensure_vllm_venv(tmp_path) == venv / "bin" / "python"
+
+
+def test_an_idle_server_settles_and_a_busy_one_is_read_as_busy(tmp_path: Path) -> None:
+    """Server.settle (run before each measured run for the other system): a sleeping process tree reads as idle at
+    once; a child spinning on a core reads as busy (any share of a core, however loaded the machine) and settle
+    gives up at its deadline."""
+    import subprocess
+    import sys
+
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    busy = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                             "'while True: pass'])"])
+    try:
+        log = tmp_path / "log"
+        assert peer_servers.Server("idle", idle, "http://x", log).settle(below_cores=0.05, timeout_s=60) < 0.05
+        spinning = peer_servers.Server("busy", busy, "http://x", log)
+        assert spinning.settle(below_cores=0.01, timeout_s=1.0) > 0.01
+    finally:
+        for process in (idle, busy):
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
+            process.wait()
