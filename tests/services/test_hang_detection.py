@@ -16,16 +16,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import grpc
 import pytest
 
 from gateway.client import build_request, generate
 from pdserve.launcher import Cluster
+from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from tests.services.conftest import launch, worker_address
-from tests.services.helpers import (until_value, at_rest, decode_load, gateway_stub, idle_free_pages, scrape, token_prompts,
+from tests.services.helpers import (until_value, at_rest, gateway_stub, idle_free_pages, scrape, token_prompts,
                                     wait_for_free_pages)
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 400
+MAX_TOKENS = 1200  # long enough that the streams outlast the poll that picks the victim on a loaded machine
 MIGRATIONS = ("pdserve_request_migrations_total", frozenset())
 DETECTION_BOUND_S = 60.0  # documented ~4.5 s; generous for a loaded 2-core CI machine
 
@@ -49,7 +51,8 @@ async def _disturbed(cluster: Cluster, candidates: tuple[str, ...], disturb,
     """Runs the prompts concurrently and disturbs the candidate decode worker (a role) running most of them
     once some run: (token lists or the errors raised, the victim, the streams it held, seconds from the
     disturbance to the end)."""
-    addresses = {role: worker_address(cluster, role) for role in candidates}
+    channels = {role: grpc.aio.insecure_channel(worker_address(cluster, role)) for role in candidates}
+    loads = {role: worker_pb2_grpc.DecodeServiceStub(channel) for role, channel in channels.items()}
     async with gateway_stub(cluster.gateway_address) as stub:
         streams = [asyncio.create_task(_tokens(stub, prompt)) for prompt in prompts]
 
@@ -57,11 +60,18 @@ async def _disturbed(cluster: Cluster, candidates: tuple[str, ...], disturb,
             if all(stream.done() for stream in streams):
                 raise AssertionError(f"the streams ended before a decode worker was seen running them: "
                                      f"{[stream.exception() for stream in streams]}")
-            held = {role: (await decode_load(address)).running for role, address in addresses.items()}
+            # every worker at once, on channels opened beforehand: the poll must be quick beside the streams
+            running = await asyncio.gather(*[load.GetDecodeLoad(worker_pb2.GetDecodeLoadRequest(), timeout=30)
+                                             for load in loads.values()])
+            held = {role: response.running for role, response in zip(loads, running)}
             role = max(held, key=held.__getitem__)
             return (role, held[role]) if held[role] else None
 
-        victim, held = await until_value(busiest, "streams on a decode worker")
+        try:
+            victim, held = await until_value(busiest, "streams on a decode worker")
+        finally:
+            for channel in channels.values():
+                await channel.close()
         disturb(next(child for child in cluster.children if child.role == victim).process.pid)
         at = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), timeout=280)
