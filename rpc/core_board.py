@@ -43,6 +43,7 @@ _BUSY, _ACTIVE, _PREFILL_BORROWING = 32, 64, 96  # where each kind of byte start
 BOARD_BYTES = 128
 LEND_BACK_WAIT_S = 0.25  # the longest a prefill forward waits for decode to give its cores back
 GIVE_BACK_WAIT_S = 5.0  # the longest a decode step waits for a borrowing prefill step to end
+STUCK_FLAG_IGNORE_S = 60.0  # after such a wait ran out (a prefill worker died mid-step), decode stops waiting this long
 HANDOFF_HOLD_S = 2.0  # after a handoff, the longest a prefill worker waits for decode to start before borrowing
 DEFAULT_BORROW_STEP_TOKENS = 512  # a borrowing prefill worker's engine steps take at most this many prompt tokens
 _POLL_S = 0.0005
@@ -179,13 +180,17 @@ class BorrowedCores(_Cores):
                  extra_threads: int | None = None) -> None:
         super().__init__(own, lent, own_threads, set_threads, pin, extra_threads)
         self.board, self.slot = board, _checked(slot, MAX_DECODE_SLOTS)
+        self._clock = time.monotonic
+        self.ignore_prefill_until = 0.0  # a wait for prefill ran out: do not wait again before then
         board.set_borrowing(slot, False)  # a predecessor may have died inside a borrowing step
         board.set_active(slot, False)
 
     def before_step(self) -> None:
         self.steps += 1
         self.board.set_active(self.slot, True)
-        self.board.wait_prefill_returns()
+        if self._clock() >= self.ignore_prefill_until and self.board.wait_prefill_returns() >= GIVE_BACK_WAIT_S:
+            # the flag outlived any prefill step: its worker died inside one (its restart clears it)
+            self.ignore_prefill_until = self._clock() + STUCK_FLAG_IGNORE_S
         self.board.set_borrowing(self.slot, True)
         if self.board.prefill_busy():  # a prefill computes or is about to: give its cores back first
             self.board.set_borrowing(self.slot, False)

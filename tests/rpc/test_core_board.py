@@ -196,10 +196,19 @@ def test_a_decode_step_waits_for_the_borrowing_prefill_step_to_end(board, monkey
 
 def test_the_decode_wait_is_capped_when_prefill_never_lowers_its_flag(board, monkeypatch):
     """A prefill worker that died inside a borrowing step leaves its flag up: a decode step waits at most
-    GIVE_BACK_WAIT_S; the worker's successor clears the flag."""
+    GIVE_BACK_WAIT_S, and once such a wait ran out the next steps do not wait at all (for STUCK_FLAG_IGNORE_S);
+    the worker's successor clears the flag."""
     monkeypatch.setattr(core_board, "GIVE_BACK_WAIT_S", 0.01)
     board.set_prefill_borrowing(4, True)
     assert board.wait_prefill_returns() >= 0.01
+    decode = _cores(board, _Recorder())
+    decode.before_step()
+    assert decode.ignore_prefill_until > 0
+    waits = []
+    monkeypatch.setattr(board, "wait_prefill_returns", lambda: waits.append(1) or 0.0)
+    decode.after_step()
+    decode.before_step()
+    assert waits == []
     _prefill_cores(board, _Recorder(), slot=4)
     assert not board.prefill_borrowing()
 
