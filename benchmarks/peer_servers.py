@@ -197,6 +197,39 @@ def _spawn(name: str, command: list[str], log: Path, env: dict[str, str], port: 
     return Server(name, process, f"http://127.0.0.1:{port}/v1", log)
 
 
+PEER_SHM_PREFIXES = ("psm_", "sem.mp-")  # Python multiprocessing's shared memory and semaphores (vLLM's queues)
+
+
+def shm_entries(directory: str = "/dev/shm") -> set[str]:
+    return set(os.listdir(directory))
+
+
+def mapped_anywhere(name: str) -> bool:
+    """Whether a live process maps /dev/shm/<name>."""
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if f"/dev/shm/{name}" in maps.read_text():
+                return True
+        except OSError:  # the process ended meanwhile, or is not ours to read
+            continue
+    return False
+
+
+def remove_left_behind(before: set[str], directory: str = "/dev/shm", mapped=mapped_anywhere) -> list[str]:
+    """Removes the multiprocessing segments and semaphores that appeared since `before` and nobody maps any more:
+    a server stopped by signal (vLLM's engine, SIGTERM then SIGKILL) leaves its queues' segments behind.
+    Returns what it removed."""
+    removed = []
+    for name in sorted(shm_entries(directory) - before):
+        if name.startswith(PEER_SHM_PREFIXES) and not mapped(name):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                continue
+            removed.append(name)
+    return removed
+
+
 def start_vllm(python: Path, model_dir: Path, log: Path, max_model_len: int, kv_cache_gib: int) -> Server:
     """vLLM's OpenAI server on 127.0.0.1 (its default would bind 0.0.0.0), float32, seed 0, its reference CPU
     MLA backend (CPU_MLA: the one it picks on an AVX2 CPU; on a CPU with AMX it would pick AMX_MLA, which

@@ -42,7 +42,7 @@ from bench.workload import BenchRequest, random_requests
 from benchmarks.common import Table, cpu_flags, goal_line, machine_description, spread
 from benchmarks.machine_load import OtherLoad
 from benchmarks.peer_servers import (CACHE_DIR, PEER_SHAPE, VLLM_VERSION, Server, ensure_vllm_venv, exit_on_sigterm,
-                                     start_pdserve, start_vllm, write_peer_checkpoint)
+                                     remove_left_behind, shm_entries, start_pdserve, start_vllm, write_peer_checkpoint)
 
 logger = logging.getLogger("peer_vllm")
 SYSTEMS = ("vllm", "pdserve")
@@ -216,6 +216,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: dict[str, Server] = {}
     exit_on_sigterm()
+    shm_before = shm_entries()
     try:
         servers["vllm"] = start_vllm(python, model_dir, log_dir / "vllm.log", 4096, args.kv_cache_gib)
         servers["pdserve"] = start_pdserve(model_dir, log_dir / "pdserve.log", shlex.split(args.pdserve_args))
@@ -236,6 +237,9 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
+        left = remove_left_behind(shm_before)
+        if left:
+            logger.info("removed shared memory the stopped servers left behind: %s", " ".join(left))
 
 
 if __name__ == "__main__":

@@ -90,3 +90,14 @@ def test_an_idle_server_settles_and_a_busy_one_is_read_as_busy(tmp_path: Path) -
                 child.kill()
             process.kill()
             process.wait()
+
+
+def test_only_new_unmapped_multiprocessing_segments_are_removed(tmp_path: Path) -> None:
+    """remove_left_behind: a segment or semaphore that appeared during the run and nobody maps goes; one that was
+    there before, one still mapped, and anything not multiprocessing's (pdserve's own pools) stay."""
+    for name in ("psm_old", "psm_new", "sem.mp-new", "psm_mapped", "pdserve-kv-1"):
+        (tmp_path / name).write_bytes(b"x")
+    before = {"psm_old"}
+    removed = peer_servers.remove_left_behind(before, str(tmp_path), mapped=lambda name: name == "psm_mapped")
+    assert removed == ["psm_new", "sem.mp-new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pdserve-kv-1", "psm_mapped", "psm_old"]
