@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.common import REPO_ROOT
+from rpc.processes import tree_cpu_seconds
 
 logger = logging.getLogger("peer_vllm")
 
@@ -145,19 +146,10 @@ class Server:
     def busy_cores(self, window_s: float = 0.5) -> float:
         """CPU the server's process tree spends over the next window_s seconds, in cores."""
         def seconds() -> float:
-            total = 0.0
             try:
-                root = psutil.Process(self.process.pid)
-                processes = [root, *root.children(recursive=True)]
-            except psutil.Error:
+                return tree_cpu_seconds(self.process.pid)
+            except psutil.Error:  # the server itself is gone
                 return 0.0
-            for process in processes:
-                try:
-                    times = process.cpu_times()
-                except psutil.Error:
-                    continue
-                total += times.user + times.system
-            return total
 
         before = seconds()
         time.sleep(window_s)
