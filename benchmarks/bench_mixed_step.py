@@ -20,14 +20,32 @@ from benchmarks.common import add_common_arguments, interleave, load_note, paire
 from benchmarks.peer_servers import CACHE_DIR, write_peer_checkpoint
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_arguments(parser, repeats=7)
+def step_arguments(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The common benchmark flags (model default: peer_vllm's checkpoint) and the step shapes of step_plans."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_common_arguments(parser, repeats=repeats)
     parser.set_defaults(model=None)
     parser.add_argument("--batch", type=int, default=16, help="decoding sequences")
     parser.add_argument("--context", type=int, default=150, help="each decoding sequence's cached tokens")
     parser.add_argument("--chunk", type=int, default=128, help="prefill chunk tokens")
-    args = parser.parse_args()
+    return parser
+
+
+def step_plans(engine, args: argparse.Namespace) -> dict[str, object]:
+    """{decode, prefill, mixed}: --batch decoding sequences of --context cached tokens, a fresh --chunk-token
+    prompt, and both in one MIXED step (random token ids from --seed; pages taken from the engine's pool)."""
+    from engine.runtime.step_plan import DecodeItem, PrefillItem, decode_plan, mixed_plan, prefill_plan
+
+    rng = random.Random(args.seed)
+    decoding = [DecodeItem([rng.randrange(100, 1000)], args.context, engine.allocate_pages(args.context + 1))
+                for _ in range(args.batch)]
+    chunk = [PrefillItem([rng.randrange(100, 1000) for _ in range(args.chunk)], 0, args.chunk,
+                         engine.allocate_pages(args.chunk), True)]
+    return {"decode": decode_plan(decoding), "prefill": prefill_plan(chunk), "mixed": mixed_plan(decoding, chunk)}
+
+
+def main() -> None:
+    args = step_arguments(__doc__, repeats=7).parse_args()
     if args.quick:
         args.repeats = 2
     if args.model is None:
@@ -36,17 +54,11 @@ def main() -> None:
     print_header("A mixed step vs the decode and prefill steps it replaces (in process)", args)
 
     from engine import LLM
-    from engine.runtime.step_plan import DecodeItem, PrefillItem, decode_plan, mixed_plan, prefill_plan
 
-    rng = random.Random(args.seed)
     with LLM(str(args.model), draft_model="", page_size=16, max_running=max(32, args.batch), prefix_cache=False,
              num_threads=args.threads) as llm:
         engine = llm.engine
-        decoding = [DecodeItem([rng.randrange(100, 1000)], args.context, engine.allocate_pages(args.context + 1))
-                    for _ in range(args.batch)]
-        chunk = [PrefillItem([rng.randrange(100, 1000) for _ in range(args.chunk)], 0, args.chunk,
-                             engine.allocate_pages(args.chunk), True)]
-        plans = {"decode": decode_plan(decoding), "prefill": prefill_plan(chunk), "mixed": mixed_plan(decoding, chunk)}
+        plans = step_plans(engine, args)
 
         def timed(plan):
             def run() -> dict[str, float]:

@@ -9,6 +9,7 @@ import torch
 
 from engine.runtime.devices import bind_thread_to, host_to_device, rank_device
 from engine.runtime.distributed import TPGroup
+from engine.runtime.host_memory import retain_freed_memory
 from engine.runtime.forward_batch import ForwardMode, copy_forward_batch
 from engine.cache.kv_cache import CacheShape, PagedLatentCache
 from engine.layers.embedding import ParallelLMHead
@@ -109,6 +110,7 @@ class ModelRunner:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        retain_freed_memory()
         self.config = config
         self.tp = tp
         self.device = rank_device(config.device, config.gpus or tuple(range(tp.size)), tp.rank)

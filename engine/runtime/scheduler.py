@@ -24,8 +24,9 @@ Policy (documented in docs/architecture.md):
   on checkpoint positions, so the state there can be kept, and at the end of a hit's branch (the matched
   pages past its checkpoint, recomputed once and checkpointed there: a branch point).
 - Prefill beside running decodes (prefill_tokens_while_decoding > 0, decode workers): while sequences decode, a
-  prefill step takes at most that many tokens and is followed by a decode step, so a running sequence waits at
-  most one bounded prefill step between two of its tokens. With mixed_steps (the default there) the bounded
+  prefill step takes at most that many tokens (the waiting tokens spread evenly over the fewest such steps: 64 + 64,
+  not 96 + 32, under a bound of 96) and is followed by a decode step, so a running sequence waits at most one
+  bounded prefill step between two of its tokens. With mixed_steps (the default there) the bounded
   prefill chunks instead join the decode step itself, one forward for both (ForwardMode.MIXED): a running
   sequence gets a token every step, and a step's weights are read once for its decode and prefill tokens. Not
   while a running sequence may speculate (its verify rows need the DECODE form): then steps alternate as above.
@@ -156,9 +157,10 @@ class Scheduler:
 
     def _take_prefill_chunks(self) -> list[PrefillChunk]:
         budget = self.config.max_batched_tokens
-        if self.config.prefill_tokens_while_decoding and self.running:
-            budget = min(budget, self.config.prefill_tokens_while_decoding)
         slots = self.config.max_running - len(self.running)
+        if self.config.prefill_tokens_while_decoding and self.running:
+            budget = min(budget, _even_share(self.config.prefill_tokens_while_decoding,
+                                             sum(s.remaining_prefill for s in itertools.islice(self.waiting, 0, slots))))
         # Pages the running sequences need for their next decode step stay reserved for them.
         reserve = sum(s.page_table.pages_needed(s.num_cached + max(1, s.spec_block_size)) for s in self.running)
         chunks: list[PrefillChunk] = []
@@ -270,3 +272,14 @@ class Scheduler:
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+
+
+def _even_share(bound: int, total: int) -> int:
+    """The tokens per step that prefill `total` waiting tokens in as few steps of at most `bound` as greedy
+    chunking would, spread evenly over them: a 128-token prompt under a bound of 96 goes as 64 + 64, not 96 + 32,
+    so the longest step beside the decodes (what a running sequence waits between two tokens) is as short as the
+    step count allows."""
+    if total <= bound:
+        return bound
+    steps = -(-total // bound)
+    return -(-total // steps)

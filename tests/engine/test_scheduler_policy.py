@@ -106,7 +106,7 @@ def test_bounded_prefill_alternates_with_decode_steps():
                      ("decode", [seq.request_id for seq in step.decode]))
         _advance(step, scheduler)
     assert kinds == [("prefill", [8]), ("decode", ["running"]), ("prefill", [8]), ("decode", ["running"]),
-                     ("prefill", [8]), ("decode", ["running"]), ("prefill", [6]), ("decode", ["running", "long"])]
+                     ("prefill", [7]), ("decode", ["running"]), ("prefill", [7]), ("decode", ["running", "long"])]
     idle = Scheduler(SchedulerConfig(max_running=8, max_batched_tokens=64, prefill_tokens_while_decoding=8),
                      PageAllocator(256))
     idle.add(_sequence(idle.allocator, "alone", 30, 0))
@@ -128,7 +128,7 @@ def test_mixed_steps_put_the_bounded_chunk_into_every_decode_step():
         step = scheduler.schedule()
         steps.append(([chunk.num_tokens for chunk in step.prefill], [seq.request_id for seq in step.decode]))
         _advance(step, scheduler)
-    assert steps == [([8], ["running"]), ([8], ["running"]), ([8], ["running"]), ([6], ["running"]),
+    assert steps == [([8], ["running"]), ([8], ["running"]), ([7], ["running"]), ([7], ["running"]),
                      ([], ["running", "long"])]
     assert running.num_cached == 4 + 5  # a token in every one of the five steps
     speculating = Scheduler(config, PageAllocator(256))
@@ -140,6 +140,26 @@ def test_mixed_steps_put_the_bounded_chunk_into_every_decode_step():
     second = speculating.schedule()
     assert ([c.num_tokens for c in first.prefill], first.decode) == ([8], ())
     assert (second.prefill, second.decode) == ((), (drafter,))
+
+
+def test_bounded_prefill_spreads_the_waiting_tokens_evenly():
+    """Under the bound the waiting tokens take as few steps as greedy chunking needs, evenly filled: a 20-token
+    prompt under a bound of 16 goes as 10 + 10 (not 16 + 4), two prompts of 12 as 12 + 12 (24 tokens, 2 steps),
+    so the longest step beside the decodes is as short as the step count allows."""
+    for prompts, expected in (([20], [[10], [10]]), ([12, 12], [[12], [12]]), ([16], [[16]]), ([33], [[11]] * 3)):
+        allocator = PageAllocator(256)
+        config = SchedulerConfig(max_running=8, max_batched_tokens=64, prefill_tokens_while_decoding=16,
+                                 mixed_steps=True)
+        scheduler = Scheduler(config, allocator)
+        _running(scheduler, allocator, "running", 4, 0)
+        for index, length in enumerate(prompts):
+            scheduler.add(_sequence(allocator, f"prompt{index}", length, index + 1))
+        sizes = []
+        for _ in range(len(expected)):
+            step = scheduler.schedule()
+            sizes.append([chunk.num_tokens for chunk in step.prefill])
+            _advance(step, scheduler)
+        assert sizes == expected, (prompts, sizes)
 
 
 def test_without_the_bound_prefill_runs_first():
