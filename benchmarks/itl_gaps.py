@@ -1,6 +1,6 @@
 """Where a serving deployment's slow inter-token gaps fall inside a request: a closed loop at --concurrency of
 random --input-len-token prompts (--output-len tokens, greedy, ignore_eos) against an OpenAI-compatible server
-(`pdserve up` or vLLM), after one unrecorded warm-up pass; prints the ITL p50 / p90 / p99 / max and, for the
+(`pdserve up` or vLLM), after one unrecorded warm-up pass on prompts of its own; prints the ITL p50 / p90 / p99 / max and, for the
 slowest --top fraction of gaps, the token positions they follow (0: the gap after the first token).
 
 Run: .venv/bin/python -m benchmarks.itl_gaps --base-url http://127.0.0.1:8000/v1 [--concurrency 16] [--vocab N]
@@ -27,7 +27,10 @@ async def gaps(args: argparse.Namespace) -> list[tuple[float, int]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         client = OpenAIClient(session, args.base_url, SamplingOptions(temperature=0.0, timeout_s=600.0))
         client.model = model_id(args.base_url)
-        await run_load(requests[:args.concurrency], client.send, LoadPlan(max_concurrency=args.concurrency))
+        # The warm-up runs prompts of its own: measured prompts seen before would hit the prefix cache and run as
+        # short continuation chunks (slow steps that a fresh workload never has).
+        warmup = random_requests(args.concurrency, args.input_len, args.output_len, args.vocab, SPECIAL_IDS, seed=17)
+        await run_load(warmup, client.send, LoadPlan(max_concurrency=args.concurrency))
         outcome = await run_load(requests, client.send, LoadPlan(max_concurrency=args.concurrency))
     failed = [record.error for record in outcome.records if not record.success]
     if failed:
