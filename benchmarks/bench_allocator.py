@@ -104,7 +104,8 @@ def main() -> None:
         ratios = [a["ms"] / b["ms"] for a, b in zip(kept, plain)]
         print(f"| {labels[step]} | {spread([m['ms'] for m in kept])} | {spread([m['ms'] for m in plain])} | "
               f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f}) | "
-              f"{statistics.median(m['faults'] for m in kept):.0f} / {statistics.median(m['faults'] for m in plain):.0f} |")
+              f"{statistics.median(m['faults'] for m in kept):.0f} / "
+              f"{statistics.median(m['faults'] for m in plain):.0f} |")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 

@@ -1,7 +1,7 @@
 """Where a serving deployment's slow inter-token gaps fall inside a request: a closed loop at --concurrency of
 random --input-len-token prompts (--output-len tokens, greedy, ignore_eos) against an OpenAI-compatible server
-(`pdserve up` or vLLM), after one unrecorded warm-up pass on prompts of its own; prints the ITL p50 / p90 / p99 / max and, for the
-slowest --top fraction of gaps, the token positions they follow (0: the gap after the first token).
+(`pdserve up` or vLLM), after one unrecorded warm-up pass on prompts of its own; prints the ITL p50 / p90 / p99 /
+max and, for the slowest --top fraction of gaps, the token positions they follow (0: the gap after the first token).
 
 Run: .venv/bin/python -m benchmarks.itl_gaps --base-url http://127.0.0.1:8000/v1 [--concurrency 16] [--vocab N]
 """

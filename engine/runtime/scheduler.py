@@ -159,8 +159,8 @@ class Scheduler:
         budget = self.config.max_batched_tokens
         slots = self.config.max_running - len(self.running)
         if self.config.prefill_tokens_while_decoding and self.running:
-            budget = min(budget, _even_share(self.config.prefill_tokens_while_decoding,
-                                             sum(s.remaining_prefill for s in itertools.islice(self.waiting, 0, slots))))
+            waiting = sum(s.remaining_prefill for s in itertools.islice(self.waiting, 0, slots))
+            budget = min(budget, _even_share(self.config.prefill_tokens_while_decoding, waiting))
         # Pages the running sequences need for their next decode step stay reserved for them.
         reserve = sum(s.page_table.pages_needed(s.num_cached + max(1, s.spec_block_size)) for s in self.running)
         chunks: list[PrefillChunk] = []
