@@ -20,10 +20,10 @@ take a third path first: torch.mm against a row-major copy of the weight's trans
 faster with the weight laid out [in, out] than through F.linear's transposed operand, and faster than oneDNN's
 per-call cost; measured on one AVX-512 core (hot caches), [9, 192] x [192, 1152]: 52.6 us F.linear, 42.3 us
 packed, 32.7 us transposed; [9, 192] x [192, 576]: 27.5 / 30.0 / 16.1 us. A K3-shaped verify step (9 rows on
-every weight of the embedded K3 model) got ~10% faster: speculation 1.12x -> 1.24-1.27x
-(benchmarks/bench_k3_spec.py). Large weights are read from memory anyway (no gain measured on the peer
-checkpoint's decode steps), and one row stays a GEMV on F.linear (the transposed layout is slower there).
-Transposed copies count against the same cap as the packed ones.
+every weight of the embedded K3 model) got ~13% faster: speculation 1.14x -> 1.30x, the two layouts taking
+turns in one process (benchmarks/bench_linear_layout.py). Large weights are read from memory anyway (no gain
+measured on the peer checkpoint's decode steps), and one row stays a GEMV on F.linear (the transposed layout is
+slower there). Transposed copies count against the same cap as the packed ones.
 
 Off on GPUs, for other dtypes, when autograd records (training), and where this torch build has no oneDNN
 linear ops (the transposed path needs none); PDSERVE_CPU_PACKED_LINEAR=0 turns both off."""
