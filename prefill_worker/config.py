@@ -55,7 +55,8 @@ class PrefillWorkerConfig(EmbedsEngineConfig):
         if borrow_cpus:
             if borrow_step_tokens <= 0:
                 raise ValueError(f"borrow_step_tokens must be positive, got {borrow_step_tokens}")
-            engine["max_batched_tokens"] = min(int(engine.get("max_batched_tokens", 2048)), borrow_step_tokens)
+            engine["max_batched_tokens"] = min(int(engine.get("max_batched_tokens", EngineConfig.max_batched_tokens)),
+                                               borrow_step_tokens)
         device = serving_device(engine.get("device", "auto"))
         engine = worker_engine_config({"kv_memory_bytes": DEFAULT_KV_MEMORY_BYTES, **engine}, kv_pool="local",
                                       page_pools=DevicePoolFactory(device, tuple(engine.get("gpus") or ())))

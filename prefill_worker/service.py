@@ -502,8 +502,6 @@ def _resolve(future: asyncio.Future[PrefillOutcome], value: PrefillOutcome | Bas
 def prefill_cores(board: CoreBoard, config: PrefillWorkerConfig) -> PrefillCores:
     """Core lending the other way: this worker's own cores are the mask it started with (`--cpus`), its own thread
     count the engine's; the decode workers' cores widen both while none of them has requests to step."""
-    import os
-
     own = frozenset(os.sched_getaffinity(0))
     cores = PrefillCores(board, config.core_board_slot, own, frozenset(config.borrow_cpus) - own,
                          config.engine.num_threads or len(own), torch.set_num_threads,

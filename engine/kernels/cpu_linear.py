@@ -53,15 +53,25 @@ def _plain_cpu_call(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def takes_transposed_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    rows = x.numel() // max(1, x.shape[-1])
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[-1])
+
+
+def _transposed_fits(rows: int, weight: torch.Tensor) -> bool:
     return (ENABLED and TRANSPOSED_ROWS[0] <= rows <= TRANSPOSED_ROWS[1]
-            and weight.numel() * weight.element_size() <= TRANSPOSED_MAX_BYTES and _plain_cpu_call(x, weight))
+            and weight.numel() * weight.element_size() <= TRANSPOSED_MAX_BYTES)
+
+
+def _packed_fits(rows: int, weight: torch.Tensor) -> bool:
+    return AVAILABLE and ROWS[0] <= rows <= ROWS[1] and weight.shape[0] >= MIN_OUT
+
+
+def takes_transposed_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _transposed_fits(_rows(x), weight) and _plain_cpu_call(x, weight)
 
 
 def takes_packed_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    rows = x.numel() // max(1, x.shape[-1])
-    return AVAILABLE and ROWS[0] <= rows <= ROWS[1] and weight.shape[0] >= MIN_OUT and _plain_cpu_call(x, weight)
+    return _packed_fits(_rows(x), weight) and _plain_cpu_call(x, weight)
 
 
 def _held_copy(weight: torch.Tensor, attr: str, make) -> torch.Tensor | None:
@@ -93,14 +103,14 @@ def transposed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) (no bias), through the transposed copy or oneDNN's packed weight where that pays
-    (see above)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if takes_transposed_path(x, weight):
-        transposed = transposed_weight(weight)
-        if transposed is not None:
-            return torch.mm(rows, transposed).view(*x.shape[:-1], weight.shape[0])
-    packed = packed_weight(weight) if takes_packed_path(x, weight) else None
-    if packed is None:
+    (see above). One row (every plain decode step) leaves after one check."""
+    rows = _rows(x)
+    if rows < 2 or not _plain_cpu_call(x, weight):
         return F.linear(x, weight)
-    out = _OPS._linear_pointwise(rows if rows.is_contiguous() else rows.contiguous(), packed, None, "none", [], "")
-    return out.view(*x.shape[:-1], weight.shape[0])
+    flat = x.reshape(rows, x.shape[-1])
+    if _transposed_fits(rows, weight) and (transposed := transposed_weight(weight)) is not None:
+        return torch.mm(flat, transposed).view(*x.shape[:-1], weight.shape[0])
+    if _packed_fits(rows, weight) and (packed := packed_weight(weight)) is not None:
+        out = _OPS._linear_pointwise(flat if flat.is_contiguous() else flat.contiguous(), packed, None, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
