@@ -30,6 +30,7 @@ linear ops (the transposed path needs none); PDSERVE_CPU_PACKED_LINEAR=0 turns b
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ ENABLED = os.environ.get("PDSERVE_CPU_PACKED_LINEAR", "1") != "0"
 _OPS = getattr(torch.ops, "mkldnn", None)
 AVAILABLE = (_OPS is not None and hasattr(_OPS, "_linear_pointwise") and hasattr(_OPS, "_reorder_linear_weight")
              and torch.backends.mkldnn.is_available() and ENABLED)
-_ATTR = "_pdserve_packed"  # on the weight tensor: (its data_ptr, its _version, the packed weight or None)
+_ATTR = "_pdserve_packed"  # on the weight tensor: (its data_ptr, its _version, the packed weight or None, release)
 _TRANSPOSED_ATTR = "_pdserve_transposed"  # the same for the row-major transposed copy
 BUDGET_BYTES = int(float(os.environ.get("PDSERVE_CPU_PACKED_LINEAR_MB", "256")) * 2**20)
 _packed_bytes = 0  # held by this process's packed and transposed copies
@@ -74,19 +75,32 @@ def takes_packed_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _packed_fits(_rows(x), weight) and _plain_cpu_call(x, weight)
 
 
+def _release(nbytes: int) -> None:
+    """A held copy's weight was collected: its bytes leave the count (tests and benchmarks build many models)."""
+    global _packed_bytes
+    _packed_bytes = max(0, _packed_bytes - nbytes)
+
+
 def _held_copy(weight: torch.Tensor, attr: str, make) -> torch.Tensor | None:
     """make(weight) kept on the weight tensor, made on first use and again after the tensor was rebound or
-    changed; None when holding it would pass the process's cap."""
+    changed; None when holding it would pass the process's cap. A copy counts against the cap until it is
+    remade or its weight is collected."""
     global _packed_bytes
     entry = getattr(weight, attr, None)
     if entry is None or entry[0] != weight.data_ptr() or entry[1] != weight._version:
-        held = entry[2].numel() * entry[2].element_size() if entry is not None and entry[2] is not None else 0
-        copy = None
+        held = 0
+        if entry is not None and entry[2] is not None:
+            held = entry[2].numel() * entry[2].element_size()
+            entry[3].detach()  # the old copy's release, now done here
+        copy, release = None, None
         if _packed_bytes - held + weight.numel() * weight.element_size() <= BUDGET_BYTES:
             with torch.no_grad():
                 copy = make(weight.detach())
-        _packed_bytes += (copy.numel() * copy.element_size() if copy is not None else 0) - held
-        entry = (weight.data_ptr(), weight._version, copy)
+        nbytes = copy.numel() * copy.element_size() if copy is not None else 0
+        _packed_bytes = max(0, _packed_bytes - held) + nbytes
+        if copy is not None:
+            release = weakref.finalize(weight, _release, nbytes)
+        entry = (weight.data_ptr(), weight._version, copy, release)
         setattr(weight, attr, entry)
     return entry[2]
 

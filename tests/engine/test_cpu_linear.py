@@ -24,6 +24,7 @@ def test_paths_match_f_linear(path, rows, monkeypatch):
     through torch.mm against the transposed copy; the packed path's row counts through oneDNN (the transposed
     path turned off, as it would come first for this weight)."""
     torch.manual_seed(rows)
+    monkeypatch.setattr(cpu_linear, "_packed_bytes", 0)  # the process's other copies (other tests' models) aside
     weight = torch.randn(4096, 192) * 0.05
     x = torch.randn(1, rows, 192)
     if path == "packed":
@@ -103,3 +104,18 @@ def test_packed_copies_stay_under_the_cap(monkeypatch, no_transposed_path):
     torch.testing.assert_close(cpu_linear.linear(x, second), F.linear(x, second))
     first.mul_(1.5)  # repacked in place of its old copy: still within the cap
     assert cpu_linear.packed_weight(first) is not None and cpu_linear._packed_bytes == 512 * 64 * 4
+
+
+def test_a_collected_weight_gives_its_copy_back_to_the_cap(monkeypatch):
+    """Copies count against the cap while their weight lives: a collected weight's bytes leave the count (a
+    process that builds many models, as the test suite does, would otherwise fill the cap with dead copies)."""
+    import gc
+
+    monkeypatch.setattr(cpu_linear, "_packed_bytes", 0)
+    weight = torch.randn(256, 64)
+    assert cpu_linear.transposed_weight(weight) is not None and cpu_linear._packed_bytes == 256 * 64 * 4
+    weight.mul_(2.0)  # remade: the old copy's bytes are replaced, not added
+    assert cpu_linear.transposed_weight(weight) is not None and cpu_linear._packed_bytes == 256 * 64 * 4
+    del weight
+    gc.collect()
+    assert cpu_linear._packed_bytes == 0
