@@ -72,8 +72,13 @@ class K3DecoderLayer(nn.Module):
         else:
             self.mlp = SiTUMLP(hidden, c.intermediate_size, tp, dtype, c.activation_situ_beta, c.activation_situ_linear_beta)
 
-    def forward(self, stream: ResidualStream, batch: ForwardBatch, cache: PagedLatentCache) -> None:
-        x_a = self.input_layernorm(stream.mix(self.self_attention_res_proj.weight, self.self_attention_res_norm))
+    def forward(self, stream: ResidualStream, batch: ForwardBatch, cache: PagedLatentCache,
+                attention_mix: torch.Tensor | None = None) -> None:
+        """attention_mix: this layer's attention-side Agg when the caller already computed it from this stream
+        (a captured tap is exactly that value), else computed here."""
+        if attention_mix is None:
+            attention_mix = stream.mix(self.self_attention_res_proj.weight, self.self_attention_res_norm)
+        x_a = self.input_layernorm(attention_mix)
         if self.closes_block:
             stream.close_block()
         stream.add(self.self_attn(x_a, batch, cache))
@@ -110,12 +115,15 @@ class KimiK3ForCausalLM(CausalLM):
                 raise ValueError(f"capture layer {index} outside 0..{len(layers) - 1}")
         captured: dict[int, torch.Tensor] = {}
         stream = ResidualStream(self.embed(batch.input_ids))
+        mix = None  # a tap is the next consumer's Agg: that consumer takes it instead of mixing the stream again
         for index, layer in enumerate(layers):
-            layer(stream, batch, cache)
-            if index in capture_layers:
-                captured[index] = self._next_mix(stream, index)
-        out = self.model.norm(stream.mix(self.model.output_attn_res_proj.weight, self.model.output_attn_res_norm))
-        return ModelOutput(out, tuple(captured[i] for i in capture_layers))
+            layer(stream, batch, cache, mix)
+            mix = self._next_mix(stream, index) if index in capture_layers else None
+            if mix is not None:
+                captured[index] = mix
+        if mix is None:
+            mix = stream.mix(self.model.output_attn_res_proj.weight, self.model.output_attn_res_norm)
+        return ModelOutput(self.model.norm(mix), tuple(captured[i] for i in capture_layers))
 
     def _next_mix(self, stream: ResidualStream, index: int) -> torch.Tensor:
         layers = self.model.layers

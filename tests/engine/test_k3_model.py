@@ -131,6 +131,20 @@ def test_capture_is_next_consumers_mix(k3_dirs: dict[str, Path]) -> None:
     torch.testing.assert_close(model.model.norm(out.captured[1]), out.hidden)
 
 
+def test_capture_changes_no_output(k3_dirs: dict[str, Path]) -> None:
+    """The next consumer takes a captured tap as its Agg instead of mixing the stream again: the hidden states of a
+    forward that captures are bit-identical to one that does not, prefill and decode, the last layer included."""
+    model = _model(k3_dirs["mla_only"])
+    tokens = _tokens(6, 5)
+    plain, capturing = HybridRunner(model), HybridRunner(model)
+    last = len(model.model.layers) - 1
+    for mode, chunk in ((ForwardMode.EXTEND, tokens[:5]), (ForwardMode.DECODE, tokens[5:])):
+        expected, _ = plain.step(mode, [(0, chunk)])
+        got, out = capturing.step(mode, [(0, chunk)], capture_layers=(1, last))
+        assert torch.equal(got, expected), mode
+        assert len(out.captured) == 2
+
+
 # ---- bad input ----
 
 def _write(tmp_path: Path, config: dict, state_dict: dict[str, torch.Tensor]) -> Path:
