@@ -71,11 +71,17 @@ def dspark_block_loss(
 
 def train_dspark(
     target: K3Net, config: DSparkConfig, tokens: torch.Tensor, taps: torch.Tensor, cfg: DSparkTraining, seed: int,
+    init: DSparkDraft | None = None,
 ) -> tuple[DSparkDraft, dict]:
-    """Trains a fresh draft with the target frozen; returns it and {steps, minutes, final_loss}."""
+    """Trains a draft with the target frozen: a fresh one, or init's weights continued (a second round on new
+    text, a fresh schedule); returns it and {steps, minutes, final_loss}."""
     draft = fresh_draft(lambda: DSparkDraft(config), target, seed)
     torch.nn.init.normal_(draft.markov_head.markov_w1.weight, std=0.02)
     torch.nn.init.zeros_(draft.markov_head.markov_w2.weight)
+    if init is not None:
+        if init.config.to_dict() != config.to_dict():
+            raise ValueError("the draft to continue has another configuration than this run's")
+        draft.load_state_dict({name: t.float() for name, t in init.state_dict().items()})
     logger.info("draft parameters: %d", sum(p.numel() for p in draft.parameters()))
     schedule = cfg.schedule
     optimizer = schedule.adamw(draft.parameters())

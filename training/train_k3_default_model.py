@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 
 from engine.model_configs.model_config import RopeConfig
 from engine.models.dflash import DFlashConfig
-from engine.models.dspark import save_dspark
+from engine.models.dspark import load_dspark, save_dspark
 from engine.models.dspark_config import DSparkConfig
 from training import evaluate, evaluate_k3
 from training.block_draft import DistillText, sample_prompts
@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target-minutes", type=float, default=None)
     parser.add_argument("--draft-minutes", type=float, default=None)
     parser.add_argument("--draft-sequences", type=int, default=None, help="engine-generated training sequences")
+    parser.add_argument("--draft-init", type=Path, default=None,
+                        help="continue training this DSpark draft directory (same shape) instead of a fresh draft")
     return parser.parse_args(argv)
 
 
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("draft data: %d sequences generated in %.1f min", len(prompts), (time.monotonic() - started) / 60)
         dconfig = draft_config(scale, shape, plan["markov_rank"], special["mask"])
         taps = capture_taps(target, tokens, dconfig.target_layer_ids)
-        draft, summary = train_dspark(target, dconfig, tokens, taps, cfg, args.seed)
+        init = load_dspark(args.draft_init) if args.draft_init else None
+        draft, summary = train_dspark(target, dconfig, tokens, taps, cfg, args.seed, init)
         save_dspark(draft, out / "draft")
         update_metrics(out, {
             "draft_command": command, "draft_parameters": sum(p.numel() for p in draft.parameters()),

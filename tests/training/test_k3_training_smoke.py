@@ -32,3 +32,27 @@ def test_tiny_run_resumes_and_writes_a_servable_model(tmp_path: Path) -> None:
         assert llm.engine.has_draft
         outputs = llm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
         assert len(outputs[0]) == 6 and llm.acceptance_stats.num_verify_steps > 0
+
+
+def test_draft_phase_continues_a_given_draft(tmp_path: Path) -> None:
+    """--draft-init: the draft phase starts from that draft's weights (one step later they are still close to
+    them), where a fresh draft phase starts from new random ones (far from them)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "k3"
+    common = ["--tiny", "--out", str(out), "--work-dir", str(tmp_path / "work")]
+    assert main([*common, "--target-steps", "2", "--draft-steps", "2"]) == 0
+    shutil.copytree(out / "draft", tmp_path / "init")
+    before = load_file(str(tmp_path / "init" / "model.safetensors"))
+
+    def drift() -> float:
+        after = load_file(str(out / "draft" / "model.safetensors"))
+        return max(float((after[name].float() - t.float()).abs().max()) for name, t in before.items())
+
+    assert main([*common, "--phase", "draft", "--draft-steps", "1", "--draft-init", str(tmp_path / "init")]) == 0
+    continued = drift()
+    assert main([*common, "--phase", "draft", "--draft-steps", "1", "--seed", "5"]) == 0
+    fresh = drift()
+    assert continued < 0.05 < fresh, (continued, fresh)
