@@ -40,7 +40,7 @@ def write_k3_model_card(path: Path, m: dict, samples: dict[str, str], config: di
         "", "## Training data", "",
         f"The Python {m['python_version']} standard library's .py sources (training/corpus.py: no site-packages, no "
         f"test directories), {m['train_files']} training files ({m['train_tokens']:,} tokens) and {m['held_out_files']} "
-        f"held-out files ({m['held_out_tokens']:,} tokens). The draft trains on {m['draft_sequences']} prompts from the "
+        f"held-out files ({m['held_out_tokens']:,} tokens). The draft trains on {_draft_sequences(m)} prompts from the "
         f"training split continued greedily ({m['draft_generated']} tokens) by the saved target through the engine.",
         "", "## Training", "",
         f"Warm start: {m['warm_start']}'s embedding, LM head, final norm, layer-0 MLP and norms, MLA projections and "
@@ -50,8 +50,8 @@ def write_k3_model_card(path: Path, m: dict, samples: dict[str, str], config: di
         f"Target: AdamW float32, batch {m['target_batch']} x {m['shape']['train_length']} "
         f"tokens, lr {m['target_lr']}, cosine over a {m['target_budget_minutes']:.0f}-minute wall-clock budget: "
         f"{m['target_steps']} steps in {m['target_minutes']:.1f} min (1 thread, shared machine). Draft: "
-        f"{m['draft_steps']} steps in {m['draft_train_minutes']:.1f} min (phase total {m['draft_minutes']:.1f} min).",
-        f"Commands: `{m['target_command']}`; draft `{m['draft_command']}`; eval `{m['eval_command']}`.",
+        f"{_draft_steps(m)}.",
+        f"Commands: `{m['target_command']}`; draft {_draft_commands(m)}; eval `{m['eval_command']}`.",
         "", "## Results (measured on the saved, MXFP4-quantised checkpoint through the engine)", "",
         f"- Held-out loss {m['held_out_loss']:.3f} nats/token over {m['eval_windows']} windows of {m['eval_length']}; "
         f"unigram cross-entropy {m['unigram_entropy']:.3f}; ratio {m['loss_ratio']:.3f} (target <= "
@@ -65,3 +65,24 @@ def write_k3_model_card(path: Path, m: dict, samples: dict[str, str], config: di
     for prompt, text in samples.items():
         lines += [f"Prompt `{prompt!r}`:", "", "```python", prompt + text, "```", ""]
     path.write_text("\n".join(lines))
+
+
+def _draft_rounds(m: dict) -> list[dict]:
+    """The draft's training rounds, oldest first: earlier ones (--draft-init continued them) and the last."""
+    return [*m.get("draft_previous_rounds", []), m]
+
+
+def _draft_sequences(m: dict) -> str:
+    rounds = _draft_rounds(m)
+    if len(rounds) == 1:
+        return str(m["draft_sequences"])
+    return " + ".join(str(r["draft_sequences"]) for r in rounds) + f" (in {len(rounds)} rounds, each on new prompts)"
+
+
+def _draft_steps(m: dict) -> str:
+    return ", then ".join(f"{r['draft_steps']} steps in {r['draft_train_minutes']:.1f} min (phase total "
+                          f"{r['draft_minutes']:.1f} min)" for r in _draft_rounds(m))
+
+
+def _draft_commands(m: dict) -> str:
+    return ", then ".join(f"`{r['draft_command']}`" for r in _draft_rounds(m))

@@ -85,6 +85,20 @@ def draft_config(scale: Scale, shape: K3Shape, markov_rank: int, mask_id: int) -
                         rope=RopeConfig(), use_confidence_head=False)
 
 
+DRAFT_ROUND_KEYS = ("draft_command", "draft_steps", "draft_train_minutes", "draft_final_train_loss", "draft_sequences",
+                    "draft_minutes")
+
+
+def previous_draft_rounds(out: Path) -> list[dict]:
+    """Before a draft phase that continues a draft (--draft-init): the rounds recorded so far in out's metrics
+    (the earlier rounds, then the last one), which the model card lists ahead of this round."""
+    path = out / "training_metrics.json"
+    metrics = json.loads(path.read_text()) if path.exists() else {}
+    if "draft_command" not in metrics:
+        return []
+    return [*metrics.get("draft_previous_rounds", []), {key: metrics[key] for key in DRAFT_ROUND_KEYS if key in metrics}]
+
+
 def update_metrics(out: Path, values: dict) -> dict:
     path = out / "training_metrics.json"
     metrics = json.loads(path.read_text()) if path.exists() else {}
@@ -147,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         dconfig = draft_config(scale, shape, plan["markov_rank"], special["mask"])
         taps = capture_taps(target, tokens, dconfig.target_layer_ids)
         init = load_dspark(args.draft_init) if args.draft_init else None
+        rounds = previous_draft_rounds(out) if init is not None else []
         draft, summary = train_dspark(target, dconfig, tokens, taps, cfg, args.seed, init)
         save_dspark(draft, out / "draft")
         update_metrics(out, {
@@ -155,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "draft_final_train_loss": summary["final_loss"], "draft_sequences": cfg.text.num_sequences,
             "draft_generated": cfg.text.generated_length, "draft_batch": cfg.schedule.batch_size,
             "draft_lr": cfg.schedule.lr,
-            "draft_minutes": (time.monotonic() - started) / 60})
+            "draft_minutes": (time.monotonic() - started) / 60, "draft_previous_rounds": rounds})
 
     if args.phase in ("all", "eval"):
         windows = evaluate.held_out_slice(held_stream, shape.train_length, scale.eval_windows)

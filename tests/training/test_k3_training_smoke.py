@@ -51,8 +51,15 @@ def test_draft_phase_continues_a_given_draft(tmp_path: Path) -> None:
         after = load_file(str(out / "draft" / "model.safetensors"))
         return max(float((after[name].float() - t.float()).abs().max()) for name, t in before.items())
 
+    first = json.loads((out / "training_metrics.json").read_text())
     assert main([*common, "--phase", "draft", "--draft-steps", "1", "--draft-init", str(tmp_path / "init")]) == 0
     continued = drift()
+    metrics = json.loads((out / "training_metrics.json").read_text())
+    assert [r["draft_steps"] for r in metrics["draft_previous_rounds"]] == [first["draft_steps"]] == [2]
+    assert metrics["draft_steps"] == 1
+    assert main([*common, "--phase", "eval"]) == 0
+    card = (out / "README.md").read_text()
+    assert "2 steps in" in card and ", then 1 steps in" in card and "--draft-init" in card
     assert main([*common, "--phase", "draft", "--draft-steps", "1", "--seed", "5"]) == 0
     fresh = drift()
     assert continued < 0.05 < fresh, (continued, fresh)
