@@ -40,7 +40,7 @@ def write_k3_model_card(path: Path, m: dict, samples: dict[str, str], config: di
         "", "## Training data", "",
         f"The Python {m['python_version']} standard library's .py sources (training/corpus.py: no site-packages, no "
         f"test directories), {m['train_files']} training files ({m['train_tokens']:,} tokens) and {m['held_out_files']} "
-        f"held-out files ({m['held_out_tokens']:,} tokens). The draft trains on {_draft_sequences(m)} prompts from the "
+        f"held-out files ({m['held_out_tokens']:,} tokens). The draft trains on {_draft_sequences(m)} from the "
         f"training split continued greedily ({m['draft_generated']} tokens) by the saved target through the engine.",
         "", "## Training", "",
         f"Warm start: {m['warm_start']}'s embedding, LM head, final norm, layer-0 MLP and norms, MLA projections and "
@@ -75,8 +75,8 @@ def _draft_rounds(m: dict) -> list[dict]:
 def _draft_sequences(m: dict) -> str:
     rounds = _draft_rounds(m)
     if len(rounds) == 1:
-        return str(m["draft_sequences"])
-    return " + ".join(str(r["draft_sequences"]) for r in rounds) + f" (in {len(rounds)} rounds, each on new prompts)"
+        return f"{m['draft_sequences']} prompts"
+    return " + ".join(str(r["draft_sequences"]) for r in rounds) + f" prompts ({len(rounds)} rounds, each on new ones)"
 
 
 def _draft_steps(m: dict) -> str:
