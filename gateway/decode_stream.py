@@ -124,6 +124,8 @@ class DecodeStream(WorkerStream[worker_pb2.DecodeStreamRequest, worker_pb2.Decod
     def __init__(self, stub: worker_pb2_grpc.DecodeServiceStub, metadata: Metadata, address: str) -> None:
         super().__init__(address, metadata)
         self._stub = stub
+        self.hung: str | None = None  # why the worker is taken for hung (fail_hung), until a probe answers again
+        self._hang_waiters: set[asyncio.Future[str]] = set()
 
     def _connect(self) -> _Open:
         return _Open(self._stub.DecodeStream(metadata=self._metadata), f"decode stream to {self._address}")
@@ -135,6 +137,9 @@ class DecodeStream(WorkerStream[worker_pb2.DecodeStreamRequest, worker_pb2.Decod
         call = DecodeCall(request_id)
         if self.closed:
             call.fail(rpc_error(grpc.StatusCode.CANCELLED, "the gateway is shutting down"))
+            return call
+        if self.hung is not None:  # a stream opened now would wait on a stopped worker: migrate instead
+            call.fail(rpc_error(grpc.StatusCode.UNAVAILABLE, self.hung), by_worker=True)
             return call
         stream = self.current()
         assert isinstance(stream, _Open)
@@ -170,13 +175,36 @@ class DecodeStream(WorkerStream[worker_pb2.DecodeStreamRequest, worker_pb2.Decod
 
     def fail_hung(self, reason: str) -> int:
         """The worker stopped answering: its open stream fails (every request on it UNAVAILABLE with `reason`;
-        the call is cancelled, so the worker aborts them when it resumes). Returns how many requests failed."""
+        the call is cancelled, so the worker aborts them when it resumes), requests submitted from now until
+        answered() fail the same way at once, and hang_signal() futures resolve with `reason`. Returns how many
+        requests failed."""
+        self.hung = reason
+        for waiter in self._hang_waiters:
+            if not waiter.done():
+                waiter.set_result(reason)
         stream = self._open
         if stream is None or stream.broken:
             return 0
         count = len(stream.pending)
         stream.fail(None, details=reason)
         return count
+
+    def answered(self) -> None:
+        """A health probe answered: the worker takes requests again."""
+        self.hung = None
+
+    def hang_signal(self) -> asyncio.Future[str]:
+        """A future that resolves with the reason when the worker is taken for hung (at once if it is now);
+        drop_hang_signal() it when done waiting. Lets a unary call in flight to the worker (Reserve) stop
+        waiting on a stopped process."""
+        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        if self.hung is not None:
+            waiter.set_result(self.hung)
+        self._hang_waiters.add(waiter)
+        return waiter
+
+    def drop_hang_signal(self, waiter: asyncio.Future[str]) -> None:
+        self._hang_waiters.discard(waiter)
 
 
 def _expire(call: DecodeCall) -> None:

@@ -11,7 +11,10 @@ deadlines. Two signals, checked after every load poll (GatewayConfig.load_poll_i
 Either way the worker's open DecodeStream is failed: each of its requests ends UNAVAILABLE (as when the worker
 dies; gateway/migration.py would re-admit them elsewhere), the stream call is cancelled, so a worker that resumes
 sees its stream gone and aborts those requests (their pages, leases and slots come back), and the worker is not
-routed to until a probe answers again. Invariant: a worker's stream is failed at most once per hang (the count
+routed to until a probe answers again. Requests that reach it in between - reserved there before the hang, their
+Decode submitted after it - fail UNAVAILABLE at once (and migrate) instead of opening a stream to a stopped
+process, and a Reserve in flight to it is cancelled (WorkerPool.reserve tries the next worker; the worker frees
+a reservation whose answer was lost). Invariant: a worker's stream is failed at most once per hang (the count
 restarts when a probe answers)."""
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ class DecodeLiveness:
         if answered:
             self._failures[address] = 0
             self._failed.discard(address)
+            if worker.stream is not None:
+                worker.stream.answered()
             self._check_silence(worker)
             return
         self._failures[address] = self._failures.get(address, 0) + 1

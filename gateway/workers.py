@@ -19,6 +19,7 @@ from gateway.router import DecodeLoad, DecodeRouter, PrefillLoad, PrefillRouter
 from gateway.standing_leases import StandingLeases
 from gateway.transport_choice import Placement, choose_transport
 from gateway.worker_clients import DecodeWorker, PrefillWorker, connect_decode, connect_prefill
+from gateway.worker_stream import rpc_error
 from rpc.internal.v1 import kv_pb2, worker_pb2
 from rpc.interceptors import token_metadata
 from rpc.logging_setup import request_metadata
@@ -160,6 +161,22 @@ class WorkerPool:
         """x-request-id (names the request in the worker's log) and the internal token, if any."""
         return request_metadata(trace_id) + self.metadata
 
+    @staticmethod
+    async def _reserve_answer(worker: DecodeWorker,
+                              call: asyncio.Future[worker_pb2.ReserveResponse]) -> worker_pb2.ReserveResponse:
+        """The Reserve's answer; UNAVAILABLE when hang detection takes the worker for hung first (gateway/
+        liveness.py): the call is cancelled (a stopped worker would hold it until it resumes; the worker frees a
+        reservation whose answer was lost). The caller's cancellation leaves the call running (_undo_reserve)."""
+        hang = worker.stream.hang_signal()
+        try:
+            await asyncio.wait((call, hang), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            worker.stream.drop_hang_signal(hang)
+        if call.done():
+            return call.result()
+        call.cancel()
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE, hang.result())
+
     async def _undo_reserve(self, worker: DecodeWorker, call: asyncio.Future[worker_pb2.ReserveResponse], request_id: str,
                             trace_id: str) -> None:
         """The request was cancelled while its Reserve was in flight: let the call finish (a Release sent
@@ -244,7 +261,7 @@ class WorkerPool:
                                                                   metadata=self._metadata_for(trace_id)))
                 claimed = worker.load.claim(num_prompt_tokens + 1)
                 try:
-                    destination = (await asyncio.shield(call)).destination
+                    destination = (await self._reserve_answer(worker, call)).destination
                 except asyncio.CancelledError:
                     worker.load.unclaim(claimed)
                     await self._undo_reserve(worker, call, request_id, trace_id)

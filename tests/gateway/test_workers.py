@@ -124,6 +124,46 @@ async def test_cancel_during_reserve_releases_what_it_reserved():
     await pool.close()
 
 
+class _StoppedDecode(_SlowDecode):
+    """A SIGSTOPped worker: its gate never opens; a cancelled Reserve is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = asyncio.Event()
+
+    async def Reserve(self, request, timeout=None, metadata=()):  # noqa: N802
+        try:
+            return await super().Reserve(request, timeout)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def test_a_reserve_to_a_worker_found_hung_is_cancelled_and_the_next_worker_serves():
+    """A Reserve in flight to a stopped worker (it never answers) is given up when hang detection takes that
+    worker for hung: the call is cancelled, the request reserves on the next worker; Decodes submitted to the
+    hung worker fail UNAVAILABLE at once (they migrate) until a probe answers again."""
+    pool, fakes = await _pool([[], []])
+    stopped = _StoppedDecode()
+    pool.decode[0].stub = stopped
+    reserving = asyncio.create_task(pool.reserve("r", 10, 5, deadline=None))
+    await asyncio.wait_for(stopped.entered.wait(), 30)
+    for _ in range(pool.liveness.config.hang_probe_failures):
+        pool.liveness.probed(pool.decode[0], answered=False)
+    worker, destination = await asyncio.wait_for(reserving, 30)
+    assert worker is pool.decode[1] and destination.request_id == "r" and fakes[1].calls == 1
+    assert not pool.decode[0].load.healthy and stopped.waiting == 1
+    await asyncio.wait_for(stopped.cancelled.wait(), 30)
+    late = pool.decode[0].stream.submit(worker_pb2.DecodeRequest(request_id="late"), 60)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        async for _ in late:
+            pass
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "stopped answering" in error.value.details()
+    pool.liveness.probed(pool.decode[0], answered=True)
+    assert pool.decode[0].stream.hung is None
+    await pool.close()
+
+
 async def test_a_burst_is_spread_while_its_reserves_are_in_flight():
     """Requests routed while earlier Reserves are still in flight see those claims: a burst of four arriving
     together over two almost equally free workers is split 2 / 2, not sent whole to the one that looked a page
