@@ -26,9 +26,28 @@ from benchmarks.common import (REPO_ROOT, ForwardTimer, Table, goal_line, interl
 from benchmarks.prompts import DEFAULT_COUNT, held_out_prompts
 from benchmarks.spec_runs import per_prompt_table, spec_variants
 from engine import LLM
+from engine.kernels import cpu_native
 
 K3_DEFAULT = REPO_ROOT / "models" / "pdserve-k3-tiny"
 GOAL = 1.5
+
+
+def without_native(run):
+    """The variant with engine/kernels/cpu_native.py's C loops off (PyTorch ops) while it runs."""
+    def wrapped():
+        cpu_native.ENABLED = False
+        try:
+            return run()
+        finally:
+            cpu_native.ENABLED = True
+    return wrapped
+
+
+def native_row(concurrency: int, runs: dict, spec: str) -> list[object]:
+    off, off_torch = median(runs["off"], "tok_s"), median(runs["off (torch ops)"], "tok_s")
+    on, on_torch = median(runs[spec], "tok_s"), median(runs[f"{spec} (torch ops)"], "tok_s")
+    return [concurrency, f"{off:.1f}", f"{off_torch:.1f}", f"{ratio(off, off_torch):.2f}x", f"{on:.1f}",
+            f"{on_torch:.1f}", f"{ratio(on, on_torch):.2f}x", f"{ratio(on_torch, off_torch):.2f}x"]
 
 
 def main() -> None:
@@ -44,6 +63,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--min-prompts", type=int, default=DEFAULT_COUNT,
                         help="a concurrency below this runs this many prompts (the held-out set of benchmarks/prompts.py)")
+    parser.add_argument("--torch-ops", action="store_true",
+                        help="also run speculation off and the largest block with the C loops of "
+                             "engine/kernels/cpu_native.py off (PyTorch ops), taking turns with the rest")
     parser.add_argument("--backoff", type=float, nargs="*", default=[],
                         help="also run the largest block with the engine's speculation back-off at these tokens per "
                              "verify step (spec_min_tokens_per_step; none: skip)")
@@ -70,12 +92,17 @@ def main() -> None:
     single: dict[str, float] = {}
     single_cpu: dict[str, float] = {}
     per_prompt = []
+    native_rows: list[list[object]] = []
     timers = (ForwardTimer(llm.engine.runner, "forward_target"), ForwardTimer(llm.engine.runner, "forward_draft"))
     for concurrency in args.concurrency:
         group = prompts[: max(concurrency, args.min_prompts)]
         outputs: dict[str, list] = {}
         variants = spec_variants(llm, group, concurrency, args.new_tokens, args.blocks, args.backoff, outputs, timers)
+        if args.torch_ops:
+            variants.update({f"{name} (torch ops)": without_native(variants[name]) for name in ("off", f"B={max(args.blocks)}")})
         runs = interleave(variants, args.repeats)
+        if args.torch_ops:
+            native_rows.append(native_row(concurrency, runs, f"B={max(args.blocks)}"))
         off, off_cpu = median(runs["off"], "tok_s"), median(runs["off"], "cpu_tok_s")
         cells: list[object] = [concurrency, len(group), spread([r["tok_s"] for r in runs["off"]])]
         for name in names:
@@ -89,11 +116,19 @@ def main() -> None:
                     f"single stream, {name}, per prompt: median of {args.repeats} interleaved rounds (CPU speed-up: "
                     "per round, on / off CPU tok/s, median (min..max))", bench_prompts[: len(group)], runs["off"],
                     runs[name]))
-        same = sum(all(outputs[name][i] == outputs["off"][i] for name in names) for i in range(len(group)))
+        compared = [name for name in outputs if name != "off"]  # every variant, the torch-ops ones too
+        same = sum(all(outputs[name][i] == outputs["off"][i] for name in compared) for i in range(len(group)))
         table.add(*cells, f"{same}/{len(group)}", load_note(runs))
         print(f"concurrency {concurrency} done", flush=True)
     print()
     table.print()
+    if native_rows:
+        native = Table("C loops (engine/kernels/cpu_native.py) vs PyTorch ops, same runs: median tok/s",
+                       ["concurrency", "off, C", "off, torch", "off C / torch", "spec, C", "spec, torch",
+                        "spec C / torch", "speed-up with torch ops"])
+        for row in native_rows:
+            native.add(*row)
+        native.print()
     for prompt_table, speedups in per_prompt:
         prompt_table.print()
         print(f"per-prompt CPU speed-up: median {statistics.median(speedups):.2f}x, "

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_native
+
 L2_NORM_EPS = 1e-6
 MAX_FACTORED_DECAY = 80.0  # deepest log-decay in a chunk factored into matmuls (e^{-G} <= e^80 < float32 max)
 SOFTPLUS_THRESHOLD = 20.0
@@ -82,9 +84,13 @@ def kda_recurrent(
     snapshots [N, >= T, H, K, V]: also receives the state after every step t (speculative verify); a float32
     scratch is written in place (the step's state is computed straight into it), another dtype by a copy.
 
-    Five tensor ops per step (decay, k^T S, the delta, the rank-1 update, S^T q); the per-step slices are
-    taken once up front. Each step's arithmetic does not depend on T, so a sequence's outputs and states
+    On the CPU, float32 and without autograd, one C loop (engine/kernels/cpu_native.py); otherwise five
+    tensor ops per step (decay, k^T S, the delta, the rank-1 update, S^T q), the per-step slices taken once
+    up front. Each step's arithmetic does not depend on T, so a sequence's outputs and states
     are the same whether its tokens come one per call (decode) or several in one call (verify)."""
+    fused = cpu_native.kda_recurrent(q, k, v, g, beta, state, snapshots) if q.device.type == "cpu" else None
+    if fused is not None:  # the same loop in C (engine/kernels/cpu_native.py), bit-identical across T
+        return fused
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     decay = torch.exp(g).unsqueeze(-1).unbind(1)  # [N, H, K, 1] per step
     k_cols, k_rows = k.unsqueeze(-1).unbind(1), k.unsqueeze(-2).unbind(1)  # [N, H, K, 1], [N, H, 1, K]

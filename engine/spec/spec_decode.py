@@ -76,8 +76,11 @@ def propose(execute, block: int, group: list[Sequence], markov=None) -> Proposal
     pieces, q = [], None
     if greedy and markov is not None:
         rows = [i for i, _, _ in greedy]
-        picked, _ = _markov_drafts(logits[rows], [s.last_token for _, s, _ in greedy], steps(rows),
-                                   lambda corrected: (corrected.argmax(dim=-1), None))
+        base, last = (logits if len(rows) == len(group) else logits[rows]), [s.last_token for _, s, _ in greedy]
+        picked = markov.greedy_drafts(base.float(), host_to_device(last, torch.int64, base.device)) \
+            if hasattr(markov, "greedy_drafts") else None  # one fused call (CPU, vanilla head)
+        if picked is None:
+            picked, _ = _markov_drafts(base, last, steps(rows), lambda corrected: (corrected.argmax(dim=-1), None))
         pieces.append(torch.cat([picked[j, :count] for j, (_, _, count) in enumerate(greedy)]))
     elif greedy:  # one argmax over the whole block; the common case (all greedy, all full) needs no gather
         top = logits.argmax(dim=-1)
