@@ -49,6 +49,13 @@ class _Stubs:
     async def close(self) -> None:
         """(a worker stream's: nothing to end)"""
 
+    def hang_signal(self) -> asyncio.Future[str]:
+        """A decode stream's hang signal (gateway/liveness.py): these workers never hang."""
+        return asyncio.get_running_loop().create_future()
+
+    def drop_hang_signal(self, waiter: asyncio.Future[str]) -> None:
+        """(a decode stream's: nothing kept)"""
+
     def submit(self, request: Any, timeout: float | None, trace_id: str = "") -> Any:
         """A worker stream's submit: a prefill's answer (a future) or a decode's chunks."""
         request.SerializeToString()
