@@ -10,8 +10,8 @@ tiny PyTorch ops in a Python loop and the dispatch, not the arithmetic, is the c
 The source is compiled on first use with the system C compiler (cc / gcc, or $CC) into a per-user cache
 (PDSERVE_NATIVE_CACHE, default ~/.cache/pdserve/native), keyed by the source, the flags and the CPU's flags
 (-march=native), written under a temporary name and renamed, so processes racing to build it are harmless.
-Where there is no compiler, the build fails, the tensors are not float32 on the CPU, autograd records, or
-PDSERVE_CPU_NATIVE=0, callers use their PyTorch path (a warning names why, once per process).
+Where there is no compiler or the build fails (a warning names why, once per process), off the CPU, while
+autograd records, or with PDSERVE_CPU_NATIVE=0, callers use their PyTorch path.
 
 Numerics: the same operations in the same order per element as the PyTorch path, with the K and V loops
 never reassociated, so a sequence's results do not depend on how many steps one call covers (decode and verify

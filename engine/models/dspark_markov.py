@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from engine.kernels import cpu_native
+from engine.kernels import cpu_linear, cpu_native
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
 
@@ -52,21 +52,15 @@ class MarkovHead(nn.Module):
 
     def greedy_drafts(self, base: Tensor, last: Tensor) -> Tensor | None:
         """The greedy chain in one call: base [n, slots, V] float32 logits, last [n] int64 (prev_0) -> tokens
-        [n, slots] int64, through engine/kernels/cpu_native.py on the CPU for the vanilla head; None where that
-        does not apply (the caller goes slot by slot). The rows round differently from addmm's (drafts only:
-        verification never depends on that)."""
+        [n, slots] int64, through engine/kernels/cpu_native.py on the CPU for the vanilla head (W2 read from the
+        row-major transposed copy cpu_linear keeps); None where that does not apply (the caller goes slot by
+        slot). The rows round differently from addmm's (drafts only: verification never depends on that)."""
         if self.kind != "vanilla" or base.device.type != "cpu":
             return None
-        return cpu_native.markov_greedy(base, last, self.markov_w1.weight.detach(), self._w2_transposed())
-
-    def _w2_transposed(self) -> Tensor:
-        """W2^T [r, vocab] contiguous, kept until the weight is written again."""
-        weight = self.markov_w2.weight
-        key = (id(weight), weight._version, weight.data_ptr())
-        if getattr(self, "_w2t_key", None) != key:
-            self._w2t = weight.detach().t().contiguous()
-            self._w2t_key, self._w2t_source = key, weight  # the source kept: its id stays its own
-        return self._w2t
+        w2t = cpu_linear.transposed_weight(self.markov_w2.weight)
+        if w2t is None:  # past the cap on held copies
+            return None
+        return cpu_native.markov_greedy(base, last, self.markov_w1.weight.detach(), w2t)
 
 
 class GatedMarkovHead(MarkovHead):
