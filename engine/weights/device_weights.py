@@ -33,8 +33,8 @@ from torch import nn
 
 from engine.weights.device_ipc import DeviceIpc, IpcUnavailable
 from engine.weights.weight_store import (
-    HEADER_BYTES, READY, SHM_DIR, WeightKey, _bind, _claim, _named_tensors, load_claimed, _owner_alive, _read_header,
-    _unlink, _wait_ready, _write_header,
+    HEADER_BYTES, READY, WeightKey, _bind, _claim, _named_tensors, load_claimed, _owner_alive, _read_header,
+    _unlink_if_same, _wait_ready, _write_header,
 )
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class DeviceWeights:
             header = _read_header(fd)
             _write_header(fd, CLOSING, *(header[3:] if header else (0, 0)))
             fcntl.lockf(fd, fcntl.LOCK_UN)
-            _unlink(self.name)
+            _unlink_if_same(self.name, fd)
             deadline = time.monotonic() + self.linger_s
             while live_users(fd) and time.monotonic() < deadline:
                 time.sleep(0.05)  # waiting on other processes' exit, not synchronising a test
@@ -179,14 +179,16 @@ def load_device_shared(key: WeightKey, load: Callable[[], nn.Module], build_empt
         fd = _wait_ready(name, timeout_s)
         if fd is None:
             continue
-        os.close(fd)
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+        ready, fd = fd, os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # the same segment read/write, not the name again
+        os.close(ready)
         if not _register(fd):
             header = _read_header(fd)
-            os.close(fd)
-            if header is not None and not _owner_alive(header[1], header[2]):
+            gone = header is not None and not _owner_alive(header[1], header[2])
+            if gone:
                 logger.warning("weights %s: the owner (pid %d) is gone; loading and exporting here", name, header[1])
-                _unlink(name)
+                _unlink_if_same(name, fd)
+            os.close(fd)
+            if gone:
                 continue
             return load(), None
         try:

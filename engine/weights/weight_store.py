@@ -10,7 +10,9 @@ Segment: /dev/shm/pdserve-w-<key> (0600) = [header 4 KiB][tensor bytes, 64-byte 
 Lifetime: a mapping outlives the segment's name, so whoever leaves last needs nothing from the name. The
 owner unlinks it when it exits; a process that exits after the owner died (SIGKILL) unlinks it for it;
 `remove_stale_segments` (called by `pdserve up` at start and stop) removes segments whose owner is gone.
-A worker that starts after the name was removed simply creates a fresh segment.
+A worker that starts after the name was removed simply creates a fresh segment. A name is removed only while
+it still names the segment the remover has open (`_unlink_if_same`): the same key's name is reused by the next
+loader, which a late exit of an older segment's user must leave alone.
 """
 from __future__ import annotations
 
@@ -91,6 +93,19 @@ def _unlink(name: str) -> None:
         pass
 
 
+def _unlink_if_same(name: str, fd: int) -> None:
+    """Removes `name` only while it still names the segment open as fd. Names are reused (one per weight key): a
+    process that exits after its segment's name was removed and claimed again (another deployment of the same
+    checkpoint, or a worker that reloaded) must not remove the newer segment, whose loader would then find its
+    own name gone or taken by a third loader's half-written one."""
+    try:
+        now, mine = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False), os.fstat(fd)
+    except FileNotFoundError:
+        return
+    if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+        _unlink(name)
+
+
 def remove_stale_segments(grace_s: float = 60.0, prefix: str = PREFIX) -> list[str]:
     """Removes weight segments (names starting with prefix) whose owner is gone (a header-less one only after
     grace_s); returns names."""
@@ -106,11 +121,11 @@ def remove_stale_segments(grace_s: float = 60.0, prefix: str = PREFIX) -> list[s
             header = _read_header(fd)
             stale = (time.time() - os.fstat(fd).st_mtime > grace_s) if header is None else not _owner_alive(
                 header[1], header[2])
+            if stale:
+                _unlink_if_same(name, fd)
+                removed.append(name)
         finally:
             os.close(fd)
-        if stale:
-            _unlink(name)
-            removed.append(name)
     if removed:
         logger.info("removed %d stale weight segment(s)", len(removed))
     return removed
@@ -172,7 +187,7 @@ class SharedWeights:
         if self._fd < 0:
             return
         if self.owner or not _owner_alive(self.owner_pid, self.owner_created):
-            _unlink(self.name)
+            _unlink_if_same(self.name, self._fd)
         os.close(self._fd)
         self._fd = -1
 
@@ -244,10 +259,11 @@ def _wait_ready(name: str, timeout_s: float) -> int | None:
         header = _read_header(fd)
         if header is not None and header[0] == READY:
             return fd
-        os.close(fd)
         if header is not None and not _owner_alive(header[1], header[2]):
-            _unlink(name)  # the loader died mid-load
+            _unlink_if_same(name, fd)  # the loader died mid-load
+            os.close(fd)
             return None
+        os.close(fd)
         if time.monotonic() > deadline:
             raise TimeoutError(f"shared weights {name} not ready after {timeout_s:.0f} s")
         time.sleep(0.05)  # polling another process's progress, not synchronising a test
@@ -261,8 +277,8 @@ def load_claimed(fd: int, name: str, load: Callable[[], nn.Module],
         model = load()
         return model, publish(fd, model)
     except BaseException:
+        _unlink_if_same(name, fd)
         os.close(fd)
-        _unlink(name)
         raise
 
 
@@ -277,9 +293,7 @@ def load_shared(key: WeightKey, load: Callable[[], nn.Module], build_empty: Call
         fd = _claim(name)
         if fd is not None:
             model, _ = load_claimed(fd, name, load, _publish)
-            os.close(fd)
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
-            shared = SharedWeights(name, fd, owner=True)
+            shared = SharedWeights(name, fd, owner=True)  # this fd, not the name again: the name may be gone
             shared.bind(model)
             _return_freed_memory()
             logger.info("weights %s: loaded and shared (%.1f MiB)", name, shared.bytes / 2**20)

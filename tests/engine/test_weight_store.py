@@ -112,3 +112,45 @@ def test_a_model_that_does_not_match_the_segment_is_refused(key):
     load_shared(key, _loaded, _empty)
     with pytest.raises(ValueError, match="does not match"):
         load_shared(key, _loaded, lambda: nn.Linear(2, 2, device="meta"))
+
+
+def _inode(key: WeightKey) -> int:
+    return os.stat(os.path.join(SHM_DIR, key.segment_name)).st_ino
+
+
+def test_a_late_exit_leaves_a_newer_segment_under_the_same_name_alone(key):
+    """A key's name is reused: after an owner's name was removed (a stale-segment sweep, another deployment of the
+    same checkpoint) and the next loader published a new segment under it, the old owner's exit must not remove
+    the new one (its loader and mappers would find the name gone, or a third loader's half-written segment)."""
+    old_model, old = load_shared(key, _loaded, _empty)
+    weight_store._unlink(key.segment_name)
+    new_model, new = load_shared(key, _loaded, _empty)
+    assert new.owner and _inode(key) == os.fstat(new._fd).st_ino
+    old.close()
+    assert _segment_exists(key) and _inode(key) == os.fstat(new._fd).st_ino, "the older owner removed the newer name"
+    mapper_model, mapper = load_shared(key, _loaded, _empty)
+    assert not mapper.owner and torch.equal(mapper_model.proj.weight, new_model.proj.weight)
+    mapper.close()
+    new.close()
+    assert not _segment_exists(key)
+    assert torch.equal(old_model.proj.weight, new_model.proj.weight), "mappings outlive their names"
+
+
+def test_a_claim_taken_over_mid_load_is_given_up_without_removing_the_new_claim(key):
+    """A loader that fails after its name was taken over (the name swept and claimed again meanwhile) removes
+    nothing: the name is the other loader's now."""
+    claims = []
+
+    def load_then_fail() -> Tiny:
+        weight_store._unlink(key.segment_name)
+        claims.append(weight_store._claim(key.segment_name))  # another worker's claim
+        raise RuntimeError("checkpoint unreadable")
+
+    with pytest.raises(RuntimeError, match="unreadable"):
+        load_shared(key, load_then_fail, _empty)
+    assert claims[0] is not None
+    try:
+        assert _segment_exists(key) and _inode(key) == os.fstat(claims[0]).st_ino, \
+            "the failed loader removed the other worker's claim"
+    finally:
+        os.close(claims[0])

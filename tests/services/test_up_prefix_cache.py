@@ -30,8 +30,9 @@ SHARED = token_prompts((1500,), seed=5)[0]
 PROMPTS = [SHARED + token_prompts((20,), seed=6)[0], SHARED + token_prompts((12,), seed=7)[0]]
 
 
-def _banner(process: subprocess.Popen[str], timeout: float) -> dict[str, str]:
-    """gateway / http / metrics lines of up's banner, read by a thread (readline blocks)."""
+def _banner(process: subprocess.Popen[str], timeout: float, log_path) -> dict[str, str]:
+    """gateway / http / metrics lines of up's banner, read by a thread (readline blocks); on failure the assertion
+    carries the tail of up's log (its stderr: the workers' too)."""
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     patterns = {"gateway": r"pdserve is up: gateway (\S+)", "http": r"http \(OpenAI API\): (\S+)",
@@ -39,7 +40,9 @@ def _banner(process: subprocess.Popen[str], timeout: float) -> dict[str, str]:
     found: dict[str, str] = {}
     deadline = time.monotonic() + timeout
     while len(found) < len(patterns):
-        assert time.monotonic() < deadline and process.poll() is None, f"pdserve up did not come up: {found}"
+        if time.monotonic() >= deadline or process.poll() is not None:
+            tail = "".join(open(log_path).readlines()[-40:])
+            raise AssertionError(f"pdserve up did not come up (exit code {process.poll()}): {found}\n{tail}")
         try:
             line = lines.get(timeout=1.0)
         except queue.Empty:
@@ -57,7 +60,7 @@ def _serve_two(model: str, cache: bool, log_path) -> tuple[list[str], list[int],
     with open(log_path, "w") as log:
         up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
         try:
-            banner = _banner(up, timeout=300)
+            banner = _banner(up, timeout=300, log_path=log_path)
 
             async def first():
                 async with gateway_stub(banner["gateway"]) as stub:
