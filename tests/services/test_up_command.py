@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import psutil
@@ -29,9 +30,10 @@ WORKERS_LINE = re.compile(r"(prefill|decode) workers:\s+(.*)")
 METRICS_LINE = re.compile(r"^metrics: (.*)")
 
 
-def _read_until_up(process: subprocess.Popen[str], timeout: float) -> tuple[str, dict[str, list[str]], dict[str, str]]:
+def _read_until_up(process: subprocess.Popen[str], timeout: float,
+                   log_path: Path) -> tuple[str, dict[str, list[str]], dict[str, str]]:
     """The gateway address, the worker addresses and the metrics URLs from up's banner (read by a thread:
-    readline blocks)."""
+    readline blocks). A failure carries the tail of up's log (its stderr: the workers' too)."""
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     deadline = time.monotonic() + timeout
@@ -40,7 +42,8 @@ def _read_until_up(process: subprocess.Popen[str], timeout: float) -> tuple[str,
         try:
             line = lines.get(timeout=1.0)
         except queue.Empty:
-            assert process.poll() is None, f"pdserve up exited with {process.returncode}: {seen}"
+            if process.poll() is not None:
+                raise AssertionError(f"pdserve up exited with {process.returncode}: {seen}\n{_tail(log_path)}")
             continue
         seen.append(line)
         match, listed = UP_LINE.search(line), WORKERS_LINE.search(line)
@@ -51,7 +54,12 @@ def _read_until_up(process: subprocess.Popen[str], timeout: float) -> tuple[str,
             metrics = dict(item.split("=", 1) for item in METRICS_LINE.search(line).group(1).split())
         if address and len(workers) == 2 and metrics:
             return address, workers, metrics
-    raise AssertionError(f"pdserve up did not come up in {timeout} s: {seen}")
+    raise AssertionError(f"pdserve up did not come up in {timeout} s: {seen}\n{_tail(log_path)}")
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    with open(path, errors="replace") as log:
+        return "".join(log.readlines()[-lines:])
 
 
 def _requests_served(workers: dict[str, list[str]]) -> dict[str, list[int]]:
@@ -114,7 +122,7 @@ def test_up_generate_and_ctrl_c(service_model, llm, tmp_path):
          "--draft-model", "", "--num-prefill", "2", "--num-decode", "2", "--disagg-threshold-tokens", "0"],
         stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
-        address, workers, metrics = _read_until_up(up, timeout=300)
+        address, workers, metrics = _read_until_up(up, timeout=300, log_path=tmp_path / "up.log")
         assert len(workers["prefill"]) == len(workers["decode"]) == 2
         assert set(metrics) == {"gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"}
         for url in metrics.values():  # every service answers its printed metrics address
