@@ -1,11 +1,11 @@
 """Through the containers vs `pdserve up` on the same machine (issue 19), in one run.
 
 Brings up the compose cpu profile (scripts/compose.sh up: Docker Engine, or podman + docker-compose v1) and
-`pdserve up` (1 prefill + 1 decode worker, TP 1, the embedded model and its draft, shm KV transport: the
-same services the profile runs), then runs the same `pdserve bench` workload (random prompts, fixed input
-and output lengths, greedy, ignore eos, closed loop at --max-concurrency) from the host against each
-gateway, taking turns, --repeats times after one unrecorded warm-up each. Reports medians (min-max) of
-output tok/s and TTFT p50, the ratio (goal: containers >= 90% of `pdserve up`), and the load average.
+`pdserve up` (1 prefill + 1 decode worker, TP 1, models/pdserve-tiny and its draft - the model the profile
+serves, not up's K3 default - with up's defaults otherwise; each gateway's HTTP port is a free one), then
+runs the same `pdserve bench` workload (random prompts, fixed input and output lengths, greedy, ignore eos,
+closed loop at --max-concurrency) from the host against each gateway, taking turns, --repeats times after
+one unrecorded warm-up each. Reports medians (min-max) of output tok/s and TTFT p50, the ratio (goal: containers >= 90% of `pdserve up`), and the load average.
 Both setups stay up for the whole run but only one is loaded at a time. Everything started is stopped.
 
 Run: .venv/bin/python -m benchmarks.bench_compose [--repeats 5] [--num-prompts 16] [--quick]
@@ -30,6 +30,7 @@ from benchmarks.common import Table, goal_line, interleave, machine_description,
 
 ROOT = Path(__file__).resolve().parents[1]
 UP_LINE = re.compile(r"pdserve is up: gateway (\S+)")
+COMPOSE_MODEL = ROOT / "models" / "pdserve-tiny"  # what the compose cpu profile serves (with its draft)
 
 
 def free_port() -> int:
@@ -40,7 +41,8 @@ def free_port() -> int:
 
 def start_pdserve_up(log_path: Path, timeout: float = 900.0) -> tuple[subprocess.Popen[str], str]:
     """`pdserve up` on a free loopback port; returns the process and the gateway address from its banner."""
-    process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--listen", "127.0.0.1:0"], cwd=ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(COMPOSE_MODEL),
+                                "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: queue.Queue[str] = queue.Queue()
     log = log_path.open("w")
@@ -97,7 +99,8 @@ def main() -> None:
     if args.quick:
         args.repeats, args.num_prompts, args.max_concurrency = 2, 4, 2
     work = Path(tempfile.mkdtemp(prefix="bench_compose-"))
-    env = {**os.environ, "COMPOSE_PROJECT_NAME": "pdserve-bench", "GATEWAY_PORT": str(free_port())}
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": "pdserve-bench", "GATEWAY_PORT": str(free_port()),
+           "HTTP_PORT": str(free_port())}
     script = str(ROOT / "scripts" / "compose.sh")
     print("# containers (compose cpu profile) vs `pdserve up`, same machine, same workload\n")
     print(f"machine: {machine_description()}  ")
