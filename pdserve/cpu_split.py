@@ -5,7 +5,8 @@ OpenMP team waits at its barrier for a thread the other process preempted: decod
 `pdserve up` on the CPU gives the decode workers the upper half of the cores it may use (rounded up) and the
 prefill workers the lower half, each worker's torch threads = its cores (--num-threads overrides); the gateway
 is not pinned. A worker started with --cpus pins every thread of its process, and its engine process and TP
-followers inherit the mask. Pure helpers plus `pin_process`; no torch import."""
+followers inherit the mask; --cpus prefill-half / decode-half name up's halves for workers started on their
+own. Pure helpers plus `pin_process`; no torch import."""
 from __future__ import annotations
 
 import os
@@ -41,6 +42,19 @@ def split_cpus(available: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, 
         return None
     half = len(cpus) // 2
     return cpus[:half], cpus[half:]
+
+
+HALVES = ("prefill-half", "decode-half")
+
+
+def resolve_cpus(text: str, available: tuple[int, ...]) -> tuple[int, ...]:
+    """A --cpus / --borrow-cpus value: a CPU list, or prefill-half / decode-half - the half of `available` (the
+    CPUs this process may use) that `pdserve up` gives that role, so that a setup without up (the compose
+    profile) gets the same split on any machine; () for a half with fewer than 2 CPUs (nothing to split)."""
+    if text in HALVES:
+        halves = split_cpus(available)
+        return halves[HALVES.index(text)] if halves else ()
+    return parse_cpu_list(text)
 
 
 def pin_process(cpus: tuple[int, ...]) -> None:

@@ -62,6 +62,22 @@ def create_board(directory: str) -> str:
     return path
 
 
+def ensure_board(path: str) -> None:
+    """Creates a zeroed board at `path` unless one is there: for workers started without `pdserve up` (the compose
+    profile gives both workers one path on the /dev/shm they share). Published whole (written under a temporary
+    name, then hard-linked), so a worker starting beside this one never maps a short file."""
+    if os.path.exists(path):
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    partial = create_board(directory)
+    try:
+        os.link(partial, path)
+    except FileExistsError:  # the other worker was first: its board is the one
+        pass
+    finally:
+        os.unlink(partial)
+
+
 class CoreBoard:
     """One process's view of a board file (mapped shared; `close` unmaps it)."""
 

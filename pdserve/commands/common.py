@@ -40,8 +40,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_memory_mb: int
                              "plainly for a while, then probes again; ~2 pays on CPU (default 0: always speculate)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
     parser.add_argument("--cpus", default=None, metavar="LIST",
-                        help="pin this worker (engine process and TP followers included) to these CPUs, e.g. 0-3,6; "
-                             "torch threads then default to their count (`pdserve up` sets it on a CPU node)")
+                        help="pin this worker (engine process and TP followers included) to these CPUs, e.g. 0-3,6, "
+                             "or prefill-half / decode-half (the half of this process's CPUs `pdserve up` gives that "
+                             "role; no pinning with fewer than 2); torch threads then default to their count "
+                             "(`pdserve up` sets it on a CPU node)")
     add_prefix_cache_argument(parser)
     parser.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                         help="serve Prometheus GET /metrics here (port 0: any free port; default: none)")
@@ -68,16 +70,29 @@ def add_borrow_arguments(parser: argparse.ArgumentParser, cpus: str) -> None:
 
 
 def borrow_cpus(text: str | None) -> tuple[int, ...]:
-    """--borrow-cpus: checked against the CPUs this process may use (before --cpus narrows them)."""
+    """--borrow-cpus (a list, or prefill-half / decode-half: see --cpus): checked against the CPUs this process may
+    use (before --cpus narrows them); () for a half of fewer than 2 CPUs."""
     if text is None:
         return ()
-    from pdserve.cpu_split import format_cpu_list, parse_cpu_list
+    from pdserve.cpu_split import format_cpu_list, resolve_cpus
 
-    cpus = parse_cpu_list(text)
+    cpus = resolve_cpus(text, tuple(sorted(os.sched_getaffinity(0))))
     outside = [cpu for cpu in cpus if cpu not in os.sched_getaffinity(0)]
     if outside:
         raise ValueError(f"--borrow-cpus {text}: CPU(s) {format_cpu_list(tuple(outside))} not available to this process")
     return cpus
+
+
+def board_for(path: str | None, borrow_text: str | None, borrow: tuple[int, ...]) -> str | None:
+    """--core-board for this worker: None when --borrow-cpus named a half of fewer than 2 CPUs (nothing to split,
+    so no lending); otherwise the path, the board created there if missing (rpc.core_board.ensure_board)."""
+    from pdserve.cpu_split import HALVES
+    from rpc.core_board import ensure_board
+
+    if path is None or (not borrow and borrow_text in HALVES):
+        return None
+    ensure_board(path)
+    return path
 
 
 def add_prefix_cache_argument(parser: argparse.ArgumentParser) -> None:
@@ -159,9 +174,11 @@ def pin_worker(args: argparse.Namespace) -> None:
     the pinned cores' count. ValueError for a bad list."""
     if args.cpus is None:
         return
-    from pdserve.cpu_split import parse_cpu_list, pin_process
+    from pdserve.cpu_split import pin_process, resolve_cpus
 
-    cpus = parse_cpu_list(args.cpus)
+    cpus = resolve_cpus(args.cpus, tuple(sorted(os.sched_getaffinity(0))))
+    if not cpus:  # a half of fewer than 2 CPUs: nothing to split
+        return
     pin_process(cpus)
     if args.num_threads is None:
         args.num_threads = len(cpus)

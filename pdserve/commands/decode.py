@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.commands.common import (add_borrow_arguments, add_core_board_arguments, add_engine_arguments, borrow_cpus,
-                                     fail, run_worker)
+from pdserve.commands.common import (add_borrow_arguments, add_core_board_arguments, add_engine_arguments, board_for,
+                                     borrow_cpus, fail, run_worker)
 from rpc.logging_setup import configure_logging
 
 
@@ -40,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
     bound["mixed_steps"] = args.mixed_steps
     try:
         borrow = borrow_cpus(args.borrow_cpus)
-    except ValueError as error:
+        core_board = board_for(args.core_board, args.borrow_cpus, borrow)
+    except (ValueError, OSError) as error:
         return fail("decode", error)
     return run_worker("decode", args, DecodeWorkerConfig.build, serve, max_running=args.max_running,
                       lease_ttl_s=args.lease_ttl, advertise_address=args.advertise, kv_pool=args.kv_pool,
-                      core_board=args.core_board, borrow_cpus=borrow, core_board_slot=args.core_board_slot,
+                      core_board=core_board, borrow_cpus=borrow, core_board_slot=args.core_board_slot,
                       borrow_threads=args.borrow_threads, **bound)
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.commands.common import (add_borrow_arguments, add_core_board_arguments, add_engine_arguments, borrow_cpus,
-                                     fail, run_worker)
+from pdserve.commands.common import (add_borrow_arguments, add_core_board_arguments, add_engine_arguments, board_for,
+                                     borrow_cpus, fail, run_worker)
 from prefill_worker.batch_policy import DEFAULT_BATCH_TARGET_MS
 from rpc.core_board import DEFAULT_BORROW_STEP_TOKENS
 from rpc.logging_setup import configure_logging
@@ -35,9 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         borrow = borrow_cpus(args.borrow_cpus)
-    except ValueError as error:
+        core_board = board_for(args.core_board, args.borrow_cpus, borrow)
+    except (ValueError, OSError) as error:
         return fail("prefill", error)
     return run_worker("prefill", args, PrefillWorkerConfig.build, serve, batch_tokens=args.batch_tokens,
-                      batch_target_ms=args.batch_target_ms, core_board=args.core_board,
+                      batch_target_ms=args.batch_target_ms, core_board=core_board,
                       core_board_slot=args.core_board_slot, borrow_cpus=borrow, borrow_threads=args.borrow_threads,
                       borrow_step_tokens=args.borrow_step_tokens)

@@ -116,6 +116,20 @@ def test_prefill_and_decode_share_dev_shm(services):
     assert rocm["decode"][1]["ipc"] == rocm["prefill"][1]["ipc"] == "host"
 
 
+def test_cpu_workers_split_the_cores_and_lend_them_like_up(services):
+    """On CPU the workers take up's halves of the cores (--cpus prefill-half / decode-half, any machine) and lend
+    each other the idle half through one core board on the /dev/shm they share (without it the decode engine's
+    threads collide with the serving processes: the containers served 62% of up's throughput, BENCHMARKS.md)."""
+    cpu = profile_roles(services, "cpu")
+    prefill, decode = cpu["prefill"][1]["command"], cpu["decode"][1]["command"]
+    assert (flag(prefill, "--cpus"), flag(prefill, "--borrow-cpus")) == ("prefill-half", "decode-half")
+    assert (flag(decode, "--cpus"), flag(decode, "--borrow-cpus")) == ("decode-half", "prefill-half")
+    assert flag(prefill, "--core-board") == flag(decode, "--core-board")
+    assert flag(decode, "--core-board").startswith("/dev/shm/")
+    for service in profile_roles(services, "rocm").values():
+        assert "--cpus" not in service[1]["command"] and "--core-board" not in service[1]["command"]
+
+
 def test_rocm_workers_reach_the_gpus(services):
     """ROCm prefill and decode: /dev/kfd + /dev/dri, group video, seccomp unconfined, the same 8 GPUs at
     TP8 for both, and the model mounted read-only where --model points."""

@@ -118,3 +118,38 @@ def test_decode_worker_lending_settings_are_checked(tmp_path) -> None:
         DecodeWorkerConfig.build(core_board=str(tmp_path / "board"), device="cpu")
     with pytest.raises(ValueError, match="TP 1"):
         DecodeWorkerConfig.build(core_board=str(tmp_path / "board"), borrow_cpus=(0,), device="cpu", tp_size=2)
+
+
+def test_halves_by_name_are_ups_halves_and_nothing_below_two_cpus() -> None:
+    """--cpus / --borrow-cpus prefill-half / decode-half (workers started without up: the compose profile)."""
+    from pdserve.cpu_split import resolve_cpus
+
+    assert resolve_cpus("prefill-half", (0, 1, 2, 3)) == (0, 1) and resolve_cpus("decode-half", (3, 2, 1, 0)) == (2, 3)
+    assert resolve_cpus("decode-half", (4, 7, 5)) == split_cpus((4, 5, 7))[1] == (5, 7)
+    assert resolve_cpus("0-1", (0,)) == (0, 1), "a list is a list: pin_process names CPUs outside the mask"
+    assert resolve_cpus("prefill-half", (0,)) == resolve_cpus("decode-half", (0,)) == ()
+    with pytest.raises(ValueError, match="bad CPU list"):
+        resolve_cpus("upper-half", (0, 1))
+
+
+def test_a_worker_given_halves_and_a_board_path_lends_like_up(monkeypatch, tmp_path) -> None:
+    """board_for: the board is created at the path (zeroed, whole) by the first worker and reused by the next; with
+    fewer than 2 CPUs a half leaves nothing to lend, so the worker runs without the board."""
+    from pdserve.commands.common import board_for, borrow_cpus
+    from rpc.core_board import BOARD_BYTES, CoreBoard
+
+    path = str(tmp_path / "pdserve-cores")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert borrow_cpus("prefill-half") == (0, 1)
+    assert board_for(path, "prefill-half", (0, 1)) == path
+    with open(path, "rb") as board:
+        assert board.read() == bytes(BOARD_BYTES)
+    CoreBoard(path).set_busy(0, True)
+    assert board_for(path, "decode-half", (2, 3)) == path
+    assert CoreBoard(path).prefill_busy(), "the second worker reused the first one's board"
+    assert sorted(os.listdir(tmp_path)) == ["pdserve-cores"], "no temporary board left behind"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert borrow_cpus("decode-half") == ()
+    assert board_for(str(tmp_path / "other"), "decode-half", ()) is None
+    assert not (tmp_path / "other").exists()
+    assert board_for(path, None, ()) == path  # an explicit empty list is the config's to refuse, as before
