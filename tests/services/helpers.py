@@ -37,6 +37,12 @@ def up_args(**overrides: object) -> argparse.Namespace:
     return args
 
 
+def log_tail(path, lines: int = 40) -> str:
+    """The last lines of a log file (a failed `pdserve up` start: its stderr holds the workers' too)."""
+    with open(path, errors="replace") as log:
+        return "".join(log.readlines()[-lines:])
+
+
 def token_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB_LIMIT) for _ in range(length)] for length in lengths]

@@ -22,7 +22,7 @@ import pytest
 from gateway.client import build_request, generate
 from gateway.tokenizer import TextTokenizer
 from rpc.internal.v1 import worker_pb2, worker_pb2_grpc
-from tests.services.helpers import gateway_stub, greedy, token_prompts
+from tests.services.helpers import gateway_stub, greedy, log_tail, token_prompts
 from tests.services.processes import alive, descendants, existing_segments, mapped_kv_segments
 
 UP_LINE = re.compile(r"pdserve is up: gateway (\S+)")
@@ -43,7 +43,7 @@ def _read_until_up(process: subprocess.Popen[str], timeout: float,
             line = lines.get(timeout=1.0)
         except queue.Empty:
             if process.poll() is not None:
-                raise AssertionError(f"pdserve up exited with {process.returncode}: {seen}\n{_tail(log_path)}")
+                raise AssertionError(f"pdserve up exited with {process.returncode}: {seen}\n{log_tail(log_path)}")
             continue
         seen.append(line)
         match, listed = UP_LINE.search(line), WORKERS_LINE.search(line)
@@ -54,12 +54,7 @@ def _read_until_up(process: subprocess.Popen[str], timeout: float,
             metrics = dict(item.split("=", 1) for item in METRICS_LINE.search(line).group(1).split())
         if address and len(workers) == 2 and metrics:
             return address, workers, metrics
-    raise AssertionError(f"pdserve up did not come up in {timeout} s: {seen}\n{_tail(log_path)}")
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    with open(path, errors="replace") as log:
-        return "".join(log.readlines()[-lines:])
+    raise AssertionError(f"pdserve up did not come up in {timeout} s: {seen}\n{log_tail(log_path)}")
 
 
 def _requests_served(workers: dict[str, list[str]]) -> dict[str, list[int]]:

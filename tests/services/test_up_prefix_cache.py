@@ -24,7 +24,7 @@ import pytest
 
 from engine.paths import DSV3_MODEL_DIR, K3_MODEL_DIR
 from gateway.client import build_request, generate
-from tests.services.helpers import gateway_stub, token_prompts
+from tests.services.helpers import gateway_stub, log_tail, token_prompts
 
 SHARED = token_prompts((1500,), seed=5)[0]
 PROMPTS = [SHARED + token_prompts((20,), seed=6)[0], SHARED + token_prompts((12,), seed=7)[0]]
@@ -41,8 +41,8 @@ def _banner(process: subprocess.Popen[str], timeout: float, log_path) -> dict[st
     deadline = time.monotonic() + timeout
     while len(found) < len(patterns):
         if time.monotonic() >= deadline or process.poll() is not None:
-            tail = "".join(open(log_path).readlines()[-40:])
-            raise AssertionError(f"pdserve up did not come up (exit code {process.poll()}): {found}\n{tail}")
+            raise AssertionError(f"pdserve up did not come up (exit code {process.poll()}): {found}\n"
+                                 f"{log_tail(log_path)}")
         try:
             line = lines.get(timeout=1.0)
         except queue.Empty:
